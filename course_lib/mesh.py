@@ -1,0 +1,64 @@
+"""A named DeviceMesh for the four parallel degrees: pipeline, data, expert, tensor.
+
+Ranks are laid out with tensor parallelism innermost (neighbouring ranks: on a real
+cluster they share a node and its fast NVLink), then expert, data, and pipeline outermost:
+
+    world_size = pp * dp * ep * tp
+    rank = ((pp_index * dp + dp_index) * ep + ep_index) * tp + tp_index
+
+e.g. dp=2, tp=2 on 4 ranks: tp groups {0,1} {2,3}; dp groups {0,2} {1,3}.
+"""
+
+from __future__ import annotations
+
+MESH_DIMS = ("pp", "dp", "ep", "tp")
+
+
+def check_mesh(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, int]:
+    """Validate the degrees (call it in the parent, before any process starts). Returns {dim: size}."""
+    degrees = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
+    for name, d in degrees.items():
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"{name}={d!r} must be a positive int")
+    product = pp * dp * ep * tp
+    if product != world_size:
+        raise ValueError(
+            f"pp*dp*ep*tp = {pp}*{dp}*{ep}*{tp} = {product} must equal world_size={world_size}"
+        )
+    return degrees
+
+
+def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
+    """For each dim, the lists of ranks that form one group along it (pure Python, no processes)."""
+    sizes = check_mesh(world_size, dp=dp, tp=tp, pp=pp, ep=ep)
+    shape = [sizes[d] for d in MESH_DIMS]
+    groups = {}
+    for axis, dim in enumerate(MESH_DIMS):
+        seen = {}
+        for rank in range(world_size):
+            coords, rest = [], rank
+            for size in reversed(shape):  # un-flatten rank into (pp, dp, ep, tp) coordinates
+                coords.append(rest % size)
+                rest //= size
+            coords = coords[::-1]
+            key = tuple(c for i, c in enumerate(coords) if i != axis)
+            seen.setdefault(key, []).append(rank)
+        groups[dim] = list(seen.values())
+    return groups
+
+
+def make_mesh(dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, device_type: str | None = None):
+    """Inside rank code: a DeviceMesh with dims ("pp", "dp", "ep", "tp").
+
+    `mesh["tp"].get_group()` is this rank's tensor-parallel process group, and so on.
+    device_type defaults to "cuda" with the NCCL backend, else "cpu".
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("make_mesh needs an initialised process group: call it inside run_on_ranks or torchrun")
+    sizes = check_mesh(dist.get_world_size(), dp=dp, tp=tp, pp=pp, ep=ep)
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
