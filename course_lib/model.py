@@ -1,0 +1,266 @@
+"""A plain GPT-2-style decoder: the single-device model every parallel version
+in this course is compared against.
+
+Block diagram (pre-norm residual stream, B = batch, T = sequence, d = d_model)::
+
+    idx (B, T) int64
+      |
+      +--> tok_emb (V x d) ---+
+      |                       (+)--> drop --> x (B, T, d)
+      +--> pos_emb (T x d) ---+
+                                              |
+      repeated n_layer times (Block):         v
+          x = x + attn(ln1(x))     attn: qkv -> causal softmax(Q K^T / sqrt(d_head)) V -> proj
+          x = x + mlp(ln2(x))      mlp:  fc (d -> d_ff) -> GELU -> proj (d_ff -> d)
+                                              |
+                                            ln_f --> head (d -> V) --> logits (B, T, V)
+
+Parameter count. Write d = d_model, f = d_ff, V = vocab_size, T = block_size,
+b = 1 if bias else 0 (LayerNorm has a weight, plus a bias when b = 1):
+
+    per block:
+        ln1, ln2:        2 * (d + b*d)
+        attn.qkv:        3*d*d + b*3*d
+        attn.proj:       d*d   + b*d
+        mlp.fc:          d*f   + b*f
+        mlp.proj:        f*d   + b*d
+        total:           4*d^2 + 2*d*f + 2*d + b*(7*d + f)
+
+    with f = 4d and b = 1 this is 12*d^2 + 13*d.
+
+    whole model:
+        n_layer * per_block  +  V*d (tok_emb)  +  T*d (pos_emb)
+        + (d + b*d) (ln_f)   +  V*d more only if the head is NOT tied to tok_emb.
+
+`expected_num_params(config)` evaluates this formula and `GPT.num_params()`
+counts the real tensors; the tests check that the two agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ATTN_IMPLS = ("naive", "sdpa")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 96
+    block_size: int = 64  # context length: the longest sequence the model accepts
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    d_ff: int | None = None  # None means 4 * d_model, as in GPT-2
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear layers and LayerNorms
+    tie_weights: bool = True  # head.weight is tok_emb.weight
+    attn_impl: str = "naive"  # "naive" (explicit T x T scores) or "sdpa" (fused kernel)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff <= 0):
+            raise ValueError(f"d_ff={self.d_ff!r} must be a positive int or None (= 4*d_model)")
+        if self.d_model % self.n_head != 0:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must satisfy 0 <= dropout < 1")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={self.attn_impl!r} must be one of {ATTN_IMPLS}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ff_dim(self) -> int:
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 96, **overrides) -> "GPTConfig":
+        """The small model of tests and notebooks (~0.1M params). The dataset decides
+        vocab_size; other fields may be overridden: tiny(V, attn_impl="sdpa")."""
+        base = cls(vocab_size=vocab_size, block_size=64, n_layer=2, n_head=4, d_model=64)
+        return replace(base, **overrides)
+
+
+def expected_num_params(config: GPTConfig) -> int:
+    """The closed-form parameter count from the module docstring."""
+    d, f, b = config.d_model, config.ff_dim, int(config.bias)
+    per_block = 4 * d * d + 2 * d * f + 2 * d + b * (7 * d + f)
+    total = config.n_layer * per_block + config.vocab_size * d + config.block_size * d
+    total += d + b * d  # ln_f
+    if not config.tie_weights:
+        total += config.vocab_size * d  # separate head matrix
+    return total
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention.
+
+    For each head h:  A_h = softmax(Q_h K_h^T / sqrt(d_head) + M) V_h, where the
+    mask M is -inf above the diagonal so position t only sees positions <= t.
+    The heads are concatenated and mixed by `proj`.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d = config.d_model
+        self.n_head = config.n_head
+        self.d_head = config.d_head
+        self.attn_impl = config.attn_impl
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(d, 3 * d, bias=config.bias)  # Q, K, V in one matmul
+        self.proj = nn.Linear(d, d, bias=config.bias)
+        self.attn_drop = nn.Dropout(config.dropout)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        # (B, T, d) -> (B, n_head, T, d_head): every head attends independently.
+        q, k, v = (t.view(B, T, self.n_head, self.d_head).transpose(1, 2) for t in (q, k, v))
+
+        if self.attn_impl == "sdpa":
+            # Fused kernel: never stores the T x T score matrix (on GPU).
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            # Explicit version: materialises the (B, n_head, T, T) scores.
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+            weights = self.attn_drop(F.softmax(scores, dim=-1))
+            y = weights @ v
+
+        y = y.transpose(1, 2).contiguous().view(B, T, d)  # concatenate the heads
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: proj(GELU(fc(x))), d -> ff_dim -> d.
+
+    GELU uses the tanh approximation, as in the original GPT-2.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.ff_dim, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.proj = nn.Linear(config.ff_dim, config.d_model, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """One transformer layer with pre-norm residuals:
+    x = x + attn(ln1(x));  x = x + mlp(ln2(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2-style language model. `GPT(config, seed)` is fully determined by the
+    seed: the global torch RNG is neither read nor advanced."""
+
+    def __init__(self, config: GPTConfig, seed: int = 0):
+        super().__init__()
+        self.config = config
+        # nn.Linear / nn.Embedding run PyTorch's default init, which draws from
+        # the global RNG. We overwrite those values in init_weights, so fork the
+        # RNG here to leave the caller's random stream exactly as it was.
+        with torch.random.fork_rng(devices=[]):
+            self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+            self.pos_emb = nn.Embedding(config.block_size, config.d_model)
+            self.drop = nn.Dropout(config.dropout)
+            self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+            self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_weights:
+            # The same Parameter object in two places: one tensor, two uses,
+            # and its gradient is the sum of both contributions.
+            self.head.weight = self.tok_emb.weight
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 init: weights ~ N(0, 0.02), biases 0, LayerNorm gain 1; the two
+        projections that write into the residual stream (attn.proj, mlp.proj)
+        use std 0.02 / sqrt(2 * n_layer), because each layer adds two such
+        outputs to the stream and we want its variance not to grow with depth.
+        """
+        gen = torch.Generator().manual_seed(seed)  # local RNG: global seed irrelevant
+        std = 0.02
+        resid_std = std / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():  # fixed order -> deterministic
+            if isinstance(module, nn.Linear):
+                if name == "head" and self.config.tie_weights:
+                    continue  # it is tok_emb.weight, initialised as an embedding
+                s = resid_std if name.endswith(("attn.proj", "mlp.proj")) else std
+                nn.init.normal_(module.weight, 0.0, s, generator=gen)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std, generator=gen)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Number of distinct parameter elements (a tied weight counts once,
+        because `parameters()` yields each Parameter object only once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx: (B, T) token ids. Returns (logits (B, T, V), loss or None), where
+        loss = mean over all B*T positions of -log softmax(logits)[target]."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B,T,d) + (T,d) broadcast
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, generator=None):
+        """Append `max_new_tokens` sampled tokens to idx (B, T). temperature=0
+        means greedy decoding. Only the last block_size tokens are fed back."""
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size :])
+            logits = logits[:, -1, :]
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = F.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        self.train(was_training)
+        return idx

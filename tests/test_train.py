@@ -1,0 +1,96 @@
+"""Tests for course_lib.train: the reference trainer everything else is checked against."""
+
+import pytest
+import torch
+
+from course_lib.data import CharDataset, get_batch
+from course_lib.model import GPT, GPTConfig
+from course_lib.train import (
+    TrainConfig,
+    evaluate,
+    make_optimizer,
+    plot_losses,
+    smooth,
+    train_reference,
+    train_step,
+)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return CharDataset("train").vocab_size
+
+
+def test_optimizer_groups_decay_only_matrices(vocab):
+    model = GPT(GPTConfig.tiny(vocab))
+    opt = make_optimizer(model, TrainConfig(weight_decay=0.1))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() < 2 for p in no_decay["params"])
+    assert any(p is model.tok_emb.weight for p in decay["params"])
+    # Every parameter exactly once (the tied head/embedding is not duplicated).
+    n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert n == model.num_params()
+
+
+def test_train_step_clips_and_updates(vocab):
+    model = GPT(GPTConfig.tiny(vocab), seed=0)
+    opt = make_optimizer(model, TrainConfig())
+    x, y = get_batch(CharDataset("train"), 4, torch.Generator().manual_seed(0))
+    before = model.blocks[0].mlp.fc.weight.clone()
+    loss = train_step(model, opt, x, y, grad_clip=1e-3)
+    assert isinstance(loss, float) and loss > 0
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert norm.item() == pytest.approx(1e-3, rel=1e-4)  # gradients were clipped to the limit
+    assert not torch.equal(before, model.blocks[0].mlp.fc.weight)
+
+
+def test_training_reduces_val_loss(vocab):
+    cfg = TrainConfig(steps=150, batch_size=16, eval_every=75, eval_batches=4, progress=False)
+    result = train_reference(GPTConfig.tiny(vocab), cfg)
+    assert len(result.train_losses) == 150
+    assert [s for s, _ in result.val_losses] == [0, 75, 150]
+    first, last = result.val_losses[0][1], result.val_losses[-1][1]
+    assert last < 0.85 * first
+    assert result.seconds > 0
+
+
+def test_same_seed_same_losses(vocab):
+    cfg = TrainConfig(steps=6, batch_size=8, eval_every=3, eval_batches=2, progress=False)
+    a = train_reference(GPTConfig.tiny(vocab), cfg)
+    b = train_reference(GPTConfig.tiny(vocab), cfg)
+    assert a.train_losses == b.train_losses  # bit-identical, not just close
+    assert a.val_losses == b.val_losses
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    c = train_reference(GPTConfig.tiny(vocab), TrainConfig(**{**cfg.__dict__, "seed": 1}))
+    assert c.train_losses != a.train_losses
+
+
+def test_evaluate_deterministic_and_restores_mode(vocab):
+    model = GPT(GPTConfig.tiny(vocab, dropout=0.1))
+    ds = CharDataset("val")
+    model.train()
+    a = evaluate(model, ds, 2, 4, torch.Generator().manual_seed(0))
+    b = evaluate(model, ds, 2, 4, torch.Generator().manual_seed(0))
+    assert a == b and model.training  # dropout off during eval, mode restored after
+
+
+def test_vocab_mismatch_is_reported():
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_reference(GPTConfig.tiny(vocab_size=10), TrainConfig(steps=1, progress=False))
+
+
+def test_smooth_and_plot():
+    assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # bias-corrected
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from course_lib.train import TrainResult
+
+    result = TrainResult(model=None, train_losses=[3.0, 2.5, 2.0], val_losses=[(0, 3.1), (3, 2.1)])
+    ax = plot_losses(result, label="ref")
+    assert len(ax.lines) == 3 and ax.get_xlabel() == "step"
