@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import random
+import signal
 import traceback
 from datetime import timedelta
 
@@ -57,6 +58,9 @@ def worker_main(rank, world_size, backend, port, conn, n_threads, check_collecti
     import cloudpickle
     import torch
 
+    # Ctrl-C / "interrupt kernel" reaches the whole process group; the parent handles it by
+    # killing the pool, so ranks ignore it rather than each printing a KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ[INSIDE_RANK_ENV] = "1"
     os.environ["OMP_NUM_THREADS"] = str(n_threads)
     torch.set_num_threads(n_threads)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import sys
 
 import cloudpickle
 import torch
@@ -37,6 +38,7 @@ def load_student(exercise: str):
         raise FileNotFoundError(f"no module for exercise {exercise!r} at {path}")
     spec = importlib.util.spec_from_file_location(f"course_exercise_{exercise}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # re-loading replaces the learner's previous version
     spec.loader.exec_module(module)
     # Ranks cannot import a module loaded from a file path: send its functions by value.
     cloudpickle.register_pickle_by_value(module)

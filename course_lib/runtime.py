@@ -1,4 +1,4 @@
-"""Run a Python function on N real ranks: `run_on_ranks(fn, world_size=4)`.
+r"""Run a Python function on N real ranks: `run_on_ranks(fn, world_size=4)`.
 
 Each rank is its own operating-system process with the default `torch.distributed`
 process group initialised (gloo on CPU, NCCL on GPUs), exactly as under `torchrun`.

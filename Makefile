@@ -1,0 +1,41 @@
+# The two commands of the README:
+#   make lab    set up .venv (if needed) and open JupyterLab on notebooks/
+#   make test   set up .venv (if needed) and run the whole suite
+# Set-up is idempotent: it reinstalls only when pyproject.toml changed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.course-installed
+# The CPU build of torch; the library itself supports torch >= 2.8 (see pyproject.toml).
+TORCH  ?= torch==2.13.0
+NBVAL  := --nbval --nbval-sanitize-with tools/nbval_sanitize.cfg --nbval-cell-timeout=300
+
+.PHONY: lab test setup notebooks exercises bench clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+# pytest for course_lib, then nbval over every notebook and every graded exercise notebook
+# (graded with the reference solutions; tests/test_grading.py proves the stubs fail).
+test: $(STAMP)
+	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q tests notebooks exercises $(NBVAL)
+
+# Re-execute every notebook from its source (after editing notebooks/src or exercises/src).
+notebooks: $(STAMP)
+	$(PY) tools/nb.py build notebooks/src/*.py
+	COURSE_GRADE_WITH=solutions $(PY) tools/nb.py build exercises/src/*.py
+
+bench: $(STAMP)
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean-venv:
+	rm -rf $(VENV)

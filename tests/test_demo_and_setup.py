@@ -1,0 +1,54 @@
+"""The torchrun instructor path, and the set-up files agreeing with each other."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from course_lib import run_on_ranks
+from course_lib.demos.allreduce import allreduce_bandwidth, hello_allreduce
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_allreduce_demo_under_torchrun_with_gloo():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "course_lib.demos.allreduce", "--sizes-mb", "0.25", "--iters", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every rank holds 3 = 1 + ... + 2" in proc.stdout
+    assert re.search(r"0\.25 MB .* ms .* GB/s .* GB/s", proc.stdout), proc.stdout
+
+
+def test_allreduce_demo_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.allreduce", "--iters", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode != 0 and "--iters=0 must be >= 1" in proc.stderr
+
+
+def test_demo_functions_run_from_a_notebook_too():
+    assert run_on_ranks(hello_allreduce, world_size=3) == [6.0] * 3
+    rows = run_on_ranks(allreduce_bandwidth, sizes_mb=(0.125,), iters=1, world_size=2)
+    assert [r[0]["size_mb"] for r in rows] == [0.125, 0.125]
+    assert all(r[0]["busbw_GBps"] == pytest.approx(r[0]["algbw_GBps"] * 2 * 1 / 2) for r in rows)
+
+
+def _normalise(req: str) -> str:
+    return re.split(r"[<>=!~ \[;]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_environment_yml_lists_the_same_dependencies_as_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_normalise(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
+    env_text = (ROOT / "environment.yml").read_text()
+    pip_section = env_text.split("- pip:", 1)[1]
+    listed = {_normalise(line.strip()[2:]) for line in pip_section.splitlines() if line.strip().startswith("- ")}
+    listed.discard("-e")
+    assert "python=3.11" in env_text
+    assert wanted <= listed, f"environment.yml is missing {sorted(wanted - listed)}"
+    assert listed - {"course-lib"} <= wanted | {"."}, f"environment.yml lists extra {sorted(listed - wanted)}"

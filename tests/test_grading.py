@@ -1,0 +1,63 @@
+"""The grading mechanism: every exercise notebook fails with the learner's untouched stubs.
+
+(`make test` runs the same notebooks with COURSE_GRADE_WITH=solutions and requires them to
+pass: together the two prove the checks separate right from wrong code.)
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from course_lib import grading
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXERCISES = sorted(p.stem for p in (ROOT / "exercises").glob("ex*.ipynb"))
+
+
+def test_there_are_exercises():
+    assert "ex00_all_reduce" in EXERCISES
+
+
+@pytest.mark.parametrize("exercise", EXERCISES)
+def test_exercise_is_complete(exercise):
+    stub = ROOT / "exercises" / exercise / "student.py"
+    solution = ROOT / "exercises" / "solutions" / f"{exercise}.py"
+    assert stub.exists() and solution.exists()
+    assert "NotImplementedError" in stub.read_text()
+    assert "NotImplementedError" not in solution.read_text()
+    assert (ROOT / "exercises" / "src" / f"{exercise}.py").exists()
+
+
+@pytest.mark.parametrize("exercise", EXERCISES)
+def test_exercise_notebook_fails_with_the_stubs(exercise):
+    env = {k: v for k, v in os.environ.items() if k != grading.GRADE_WITH_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+         "--nbval-sanitize-with", "tools/nbval_sanitize.cfg", f"exercises/{exercise}.ipynb"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "NotImplementedError" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_load_student_switches_to_the_solutions(monkeypatch):
+    monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
+    assert grading.load_student("ex00_all_reduce").__file__.endswith("ex00_all_reduce/student.py")
+    monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
+    assert grading.load_student("ex00_all_reduce").__file__.endswith("solutions/ex00_all_reduce.py")
+    with pytest.raises(FileNotFoundError, match="no module for exercise 'ex99'"):
+        grading.load_student("ex99")
+
+
+def test_checks_pass_and_fail(capsys):
+    grading.check_close("close", [1.0, 2.0], [1.0, 2.0 + 1e-9])
+    grading.check_equal("equal", (1, "a"), (1, "a"))
+    assert capsys.readouterr().out == "PASS  close\nPASS  equal\n"
+    with pytest.raises(grading.CheckFailed, match="largest difference"):
+        grading.check_close("far", [1.0], [1.1])
+    with pytest.raises(grading.CheckFailed, match="got shape"):
+        grading.check_close("shape", [1.0, 2.0], [1.0])
+    with pytest.raises(grading.CheckFailed, match="expected: 2"):
+        grading.check_equal("neq", 1, 2)
