@@ -1,0 +1,480 @@
+# %% [markdown]
+# # 01 · Why one GPU is not enough: memory and FLOPs
+#
+# Before splitting a model across many GPUs, it pays to know *why* we must, and *how much*.
+# Training hits two walls:
+#
+# * **Memory.** A GPU has to hold the parameters, their gradients, the optimizer's state and the
+#   activations that backward needs. For a 175-billion-parameter model the first three alone are
+#   about 2.8 TB; the largest GPUs hold 80 GB.
+# * **Compute.** Training costs about 6 FLOPs per parameter per token. For GPT-3 that is
+#   3.15·10²³ FLOPs, decades of work for one GPU.
+#
+# This notebook builds each formula from what PyTorch really allocates and computes, and
+# **checks it against a measurement in the same run**: parameter and optimizer bytes against the
+# real model and optimizer, activation bytes against the tensors autograd saves, FLOPs against
+# PyTorch's FLOP counter. Every such check is an `assert`. Then it scales the same formulas up to
+# GPT-3 and Llama 3, and ends with a calculator for per-GPU memory and time to train.
+#
+# The formulas live in `course_lib/estimate.py` (each docstring states its formula and source);
+# the calculator in `course_lib/calculator.py`. Units: bytes, and **GB = 10⁹ bytes**.
+
+# %%
+%matplotlib inline
+import matplotlib.pyplot as plt
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from course_lib import calculator, estimate
+from course_lib.amp import MixedPrecisionOptimizer
+from course_lib.measure import SavedActivations, model_state_bytes
+from course_lib.model import GPT, GPTConfig
+from course_lib.train import TrainConfig, make_optimizer
+
+torch.manual_seed(0)
+torch.set_num_threads(1)  # small models: one thread is as fast, and leaves the CPU to others
+fmt = estimate.fmt_bytes
+A100_BF16 = 312e12  # FLOP/s: A100 dense bf16 tensor-core peak
+
+# %% [markdown]
+# ## 1. Counting parameters
+#
+# The course GPT (`course_lib.model`) is a GPT-2-style decoder. With hidden size $d$, MLP width
+# $f = 4d$, vocabulary $V$, context $T$ and biases everywhere, one transformer block holds
+#
+# | part | weights | biases |
+# |---|---|---|
+# | two LayerNorms | $2d$ (gains) | $2d$ |
+# | attention: `qkv` ($d\to3d$) and `proj` ($d\to d$) | $4d^2$ | $4d$ |
+# | MLP: `fc` ($d\to f$) and `proj` ($f\to d$) | $2df = 8d^2$ | $f + d = 5d$ |
+#
+# so $12d^2 + 13d$ per block. Around the blocks: a token embedding $Vd$, a position embedding
+# $Td$, a final LayerNorm $2d$, and an output head $Vd$ — unless it is **tied** to the token
+# embedding (one tensor used twice, counted once). `estimate.param_count` uses the model's own
+# closed form, `course_lib.model.expected_num_params`; here it meets `sum(p.numel())`.
+
+# %%
+for tie in (True, False):
+    cfg = GPTConfig.tiny(tie_weights=tie)
+    real = sum(p.numel() for p in GPT(cfg).parameters())
+    formula = estimate.param_count(cfg)
+    assert formula == real, (formula, real)
+    parts = estimate.param_breakdown(cfg)
+    print(f"tie_weights={tie!s:5}: formula {formula:,} == measured {real:,}   "
+          f"(per layer: attention {parts['attention']:,}, mlp {parts['mlp']:,}, norms {parts['norms']:,}; "
+          f"head {parts['head']:,})")
+
+# %% [markdown]
+# The same count works at any size. GPT-3 175B (Brown et al. 2020) is this architecture with
+# 96 layers, $d = 12288$, 96 heads, $V = 50257$ and $T = 2048$. Llama 3 (Dubey et al. 2024)
+# changes the block: RMSNorm (a gain, no bias), no biases at all, an untied head, a **SwiGLU**
+# MLP with three $d \times f$ matrices (gate, up, down), and **grouped-query attention**, where
+# 8 key/value heads are shared by all query heads, so $K$ and $V$ projections are only
+# $d \times 8 d_\text{head}$. `estimate.LlamaLikeConfig` holds those shapes. All published
+# sizes come out within 1 %:
+
+# %%
+published = {"GPT-3 175B": 175e9, "Llama-3 8B": 8.0e9, "Llama-3 70B": 70.6e9, "Llama-3 405B": 405.8e9}
+for name, expected in published.items():
+    n = estimate.param_count(estimate.PRESETS[name])
+    assert abs(n / expected - 1) < 0.01, (name, n)
+    print(f"{name:13} {n / 1e9:8.2f}e9 parameters (published {expected / 1e9:.1f}e9)")
+
+# %% [markdown]
+# ## 2. Model state: what training keeps per parameter
+#
+# Training holds, for every parameter, the parameter itself, its gradient, and whatever the
+# optimizer remembers. AdamW keeps two running moments, $m$ (mean of gradients) and $v$ (mean of
+# squared gradients), one number each per parameter. How many bytes that makes depends on the
+# precision recipe:
+#
+# * **fp32**: everything in 4-byte floats: $4 + 4 + (4 + 4) = 16$ bytes/param.
+# * **bf16 mixed precision** (Micikevicius et al. 2018): forward and backward run on 2-byte
+#   parameters and produce 2-byte gradients; the optimizer updates an **fp32 master copy**
+#   (a bf16 weight cannot absorb an update 256× smaller than itself) and keeps $m$, $v$ in fp32:
+#   $2 + 2 + (4 + 4 + 4) = 16$ bytes/param. Mixed precision saves compute and activation memory,
+#   *not* model-state memory.
+# * **fp16 mixed**: the same bytes, plus a loss scaler (a single scale factor, not per parameter)
+#   because fp16's range is narrow.
+# * **bf16 with fp32 gradient accumulation**: gradients of many micro-batches are summed in an
+#   fp32 buffer, $2 + (2 + 4) + 12 = 20$ bytes/param.
+#
+# Following the ZeRO paper, the master copy is counted as optimizer state ($K = 12$).
+
+# %%
+print(f"{'recipe':16} {'param':>5} {'grad':>5} {'optim':>5} {'total':>5}  what is kept")
+for name, r in estimate.RECIPES.items():
+    print(f"{name:16} {r.param:5} {r.grad:5} {r.optimizer:5} {r.total:5}  {r.description[:70]}...")
+
+# %% [markdown]
+# **Measured, fp32.** Build the course GPT and the course's AdamW (`course_lib.train.make_optimizer`),
+# take one step so the optimizer has allocated $m$ and $v$, run a second backward so gradients
+# exist, and count every byte the model and optimizer hold (`course_lib.measure.model_state_bytes`,
+# which counts a tied tensor once). The formula must match **exactly**.
+
+# %%
+cfg = GPTConfig.tiny()
+x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size))
+model = GPT(cfg)
+opt = make_optimizer(model, TrainConfig())
+for _ in range(2):
+    opt.zero_grad()
+    model(x, x)[1].backward()
+    if _ == 0:
+        opt.step()
+measured = model_state_bytes(model, opt)
+predicted = estimate.model_state_bytes(model.num_params(), "fp32")
+assert measured == predicted, (measured, predicted)
+P = model.num_params()
+print(f"{P:,} parameters, fp32 + AdamW")
+for k in predicted:
+    print(f"  {k:9} predicted {predicted[k]:>9,} B   measured {measured[k]:>9,} B   ({predicted[k] / P:.0f} B/param)")
+
+# %% [markdown]
+# **Measured, bf16 mixed precision, built for real.** `course_lib.amp.MixedPrecisionOptimizer`
+# turns the model's parameters into bf16 and gives AdamW an fp32 master copy; after backward it
+# casts the gradients to fp32, steps on the master weights and copies them back into the bf16
+# model. Its state holds the master copy plus $m$, $v$. With `fp32_grad_accum=True` it also keeps
+# fp32 gradient buffers: the 20-byte recipe.
+
+# %%
+for recipe, accum in (("bf16_mixed", False), ("bf16_fp32_accum", True)):
+    model16 = GPT(cfg)
+    mp = MixedPrecisionOptimizer(model16, lambda m: make_optimizer(m, TrainConfig()), torch.bfloat16,
+                                 fp32_grad_accum=accum)
+    for step in range(2):
+        mp.backward(model16(x, x)[1])
+        if step == 1:  # after backward, before the step frees the 16-bit gradients
+            measured = model_state_bytes(model16, mp)
+            measured["grads"] += sum(g.numel() * g.element_size() for g in mp.fp32_grads)
+            measured["total"] = measured["params"] + measured["grads"] + measured["optimizer"]
+        mp.step()
+    assert next(model16.parameters()).dtype == torch.bfloat16
+    predicted = estimate.model_state_bytes(P, recipe)
+    assert measured == predicted, (recipe, measured, predicted)
+    per = {k: v / P for k, v in measured.items()}
+    print(f"{recipe:16} measured params {per['params']:.0f} + grads {per['grads']:.0f} + "
+          f"optimizer {per['optimizer']:.0f} = {per['total']:.0f} B/param  == formula")
+
+# %% [markdown]
+# ### ZeRO: stop replicating the state
+#
+# Plain data parallelism gives each of $N_d$ GPUs a full copy of all 16 bytes/param.
+# ZeRO (Rajbhandari et al. 2020) splits what does not need to be replicated: each rank owns
+# $1/N_d$ of the parameters and keeps the state only for its share.
+#
+# | stage | sharded | bytes per param per GPU (mixed precision, $K=12$) |
+# |---|---|---|
+# | 0 (plain DP) | nothing | $2 + 2 + K = 16$ |
+# | 1 | optimizer state | $2 + 2 + K/N_d$ |
+# | 2 | + gradients | $2 + (2 + K)/N_d$ |
+# | 3 | + parameters | $(2 + 2 + K)/N_d$ |
+#
+# Stages 1 and 2 cost no extra communication over plain data parallelism (a reduce-scatter plus
+# an all-gather moves what one all-reduce moves); stage 3 all-gathers every layer's parameters
+# again in forward and backward.
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+dps = [2**i for i in range(11)]
+for stage in range(4):
+    per = [estimate.model_state_bytes(10**9, "bf16_mixed", stage, dp)["total"] / 10**9 for dp in dps]
+    ax.plot(dps, per, "o-", label=f"ZeRO-{stage}")
+assert estimate.model_state_bytes(64 * 10**6, "bf16_mixed", 3, 64)["total"] == 16 * 10**6  # 16/64 B/param
+ax.set(xscale="log", yscale="log", xlabel="data-parallel ranks $N_d$", ylabel="bytes per parameter per GPU",
+       title="Model state per GPU, bf16 mixed + AdamW")
+ax.set_xticks(dps, [str(d) for d in dps])
+ax.xaxis.set_minor_locator(plt.NullLocator())
+ax.legend()
+plt.show()
+for stage in range(4):
+    b = estimate.model_state_bytes(10**9, "bf16_mixed", stage, 8)["total"] / 10**9
+    print(f"ZeRO-{stage}, N_d = 8: {b:6.3f} bytes/param per GPU")
+
+# %% [markdown]
+# ## 3. Activations: what autograd keeps for backward
+#
+# Backward needs, for every operation, some of its inputs or outputs: a linear layer needs its
+# input (to form the weight gradient), GELU its input, softmax its output, LayerNorm its input
+# plus the per-token mean and 1/std. These **saved tensors** are the activation memory, and they
+# grow with batch $b$ and sequence $s$ while the model state does not.
+#
+# Reading them off the course GPT op by op gives, for one layer in fp32 ($e = 4$ bytes), with
+# $n = bs$ tokens and $a$ heads:
+#
+# * $d$ per token each for: the `ln1` input, the `qkv` input, $Q$, $K$, $V$ (3d), the attention
+#   `proj` input, the `ln2` input, the `fc` input — $8d$;
+# * $f$ per token each for the GELU input and the MLP `proj` input — $2f$;
+# * **the attention weights**: the softmax output, $a \cdot s \times s$ per sequence, and the bool
+#   causal mask ($s^2$ bytes) — this term grows with $s^2$;
+# * LayerNorm statistics: 2 norms × (mean, rstd) in fp32 = 16 bytes per token.
+#
+# $$\text{bytes per layer} = e\,n\,(8d + 2f) + e\,a\,s^2 b + s^2 + 16n.$$
+#
+# Outside the layers: token and position ids, the final LayerNorm and head inputs, the
+# log-softmax over the vocabulary ($4nV$) and the targets. `SavedActivations` counts what autograd
+# really saves (through saved-tensor hooks, each storage once, parameters excluded). Side by side
+# for a one-layer model:
+
+# %%
+def saved_bytes(cfg, batch, seq):
+    """Bytes autograd saves during one forward pass of GPT(cfg) on a batch x seq input."""
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    with SavedActivations(model) as saved:
+        model(idx, targets)
+    return saved
+
+
+one = GPTConfig.tiny(n_layer=1)
+saved = saved_bytes(one, 4, 64)
+est = estimate.activation_bytes(one, batch=4, seq=64, dtype_bytes=4)
+print("formula, one layer:")
+for term, b in est["layer_terms"].items():
+    print(f"  {term:22} {b:>8,} B")
+print(f"  + outside the layers: inputs {est['input_side']:,} B, final norm/head/loss {est['output_side']:,} B")
+print(f"  = {est['total']:,} B\nmeasured: {saved.bytes:,} B in {sum(saved.by_shape().values())} storages:")
+for (shape, dtype), count in sorted(saved.by_shape().items(), key=str):
+    print(f"  {count} x {dtype:8} {shape}")
+assert abs(est["total"] / saved.bytes - 1) < 0.10
+
+# %% [markdown]
+# Now the formula against the measurement for several shapes: more layers, a wider model, longer
+# sequences, the fused attention kernel (`attn_impl="sdpa"`, which keeps only a log-sum-exp per
+# row instead of the $s \times s$ weights and recomputes them in backward), and dropout (each
+# dropout keeps a mask; on the CPU PyTorch stores it in the input's dtype, hence `mask_bytes=4`).
+# Each must agree within 10 % (in fact they agree to the byte, up to the 4-byte loss).
+
+# %%
+cases = [
+    ("tiny, b=4, s=64", GPTConfig.tiny(), 4, 64),
+    ("tiny, fused attention", GPTConfig.tiny(attn_impl="sdpa"), 4, 64),
+    ("tiny, dropout 0.1", GPTConfig.tiny(dropout=0.1), 4, 64),
+    ("4 layers, d=128, s=128", GPTConfig.tiny(n_layer=4, d_model=128, block_size=128), 2, 128),
+    ("6 heads, d_ff=200, untied", GPTConfig.tiny(n_head=6, d_model=96, d_ff=200, tie_weights=False), 3, 48),
+]
+print(f"{'config':28} {'formula':>12} {'measured':>12}  ratio")
+for label, c, b, s in cases:
+    measured = saved_bytes(c, b, s).bytes
+    predicted = estimate.activation_bytes(c, b, s, dtype_bytes=4, mask_bytes=4)["total"]
+    assert abs(predicted / measured - 1) < 0.10, (label, predicted, measured)
+    print(f"{label:28} {predicted:>12,} {measured:>12,}  {predicted / measured:.4f}")
+
+# %% [markdown]
+# ### The 16-bit form, and recomputation
+#
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
+# the same inventory for 16-bit training with dropout on a GPU (1-byte masks), ignoring the tiny
+# LayerNorm statistics: per layer
+#
+# $$s\,b\,h\left(34 + 5\,\frac{a\,s}{h}\right) \text{ bytes}$$
+#
+# ($h = d$, $f = 4h$): the $34\,sbh$ are the per-token tensors, the $5as^2b$ the softmax output
+# (2 bytes), its dropout mask (1) and dropped-out copy (2). `estimate.activation_bytes` with
+# `dtype_bytes=2, dropout=True` reproduces it. Two ways to shrink it:
+#
+# * **selective recomputation**: keep $Q, K, V$, recompute the $s^2$ attention part in backward
+#   (cheap in FLOPs, large in bytes) → $34\,sbh$. Fused (flash) attention does exactly this.
+# * **full recomputation** (activation checkpointing): keep only each layer's input, $2sbh$, and
+#   rerun the layer's forward in backward (≈ +33 % compute); one layer's full set is live again
+#   while it is recomputed.
+
+# %%
+s, b, h, a = 2048, 1, 12288, 96
+g3 = estimate.activation_bytes(estimate.GPT3_175B, b, s, dtype_bytes=2, attention="naive", dropout=True)
+paper = s * b * h * (34 + 5 * a * s / h)
+assert abs(g3["per_layer"] / paper - 1) < 0.005
+print(f"GPT-3 layer, s={s}, b={b}: inventory {fmt(g3['per_layer'])}, Korthikanti sbh(34 + 5as/h) = {fmt(paper)}")
+
+fig, ax = plt.subplots(figsize=(6.5, 3.8))
+seqs = [256, 512, 1024, 2048]
+for label, kw in [("naive attention, no recompute", dict(attention="naive")),
+                  ("fused attention (or selective)", dict(attention="fused")),
+                  ("full recompute", dict(attention="fused", recompute="full"))]:
+    totals = [estimate.activation_bytes(estimate.GPT3_175B, 1, q, 2, dropout=True, **kw)["total"] / 1e9 for q in seqs]
+    ax.plot(seqs, totals, "o-", label=label)
+ax.axhline(80, color="black", linestyle="--", linewidth=1, label="80 GB GPU")
+ax.set(xscale="log", yscale="log", xlabel="sequence length s", ylabel="activations, GB",
+       title="GPT-3 175B activations for ONE sequence (bf16, all 96 layers)")
+ax.set_xticks(seqs, [str(q) for q in seqs])
+ax.minorticks_off()
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Even a single 2048-token sequence through GPT-3 needs more activation memory than a GPU has,
+# unless attention is fused and layers are recomputed. Activations also scale linearly with the
+# micro-batch: the reason micro-batches of 1 are common at this size.
+#
+# ## 4. FLOPs: what a training step costs
+#
+# A matmul of an $m\times k$ by a $k\times n$ matrix costs $2mkn$ FLOPs (a multiply and an add).
+# Per token, the forward pass multiplies by every weight matrix once: $2N_\text{mm}$ FLOPs, where
+# $N_\text{mm}$ counts the weights used in matmuls (attention and MLP matrices, and the output
+# head, which multiplies even when tied; embeddings are lookups). Attention adds two matmuls whose
+# size depends on the context: $QK^\top$ and (weights)·$V$, $2 \cdot 2sd$ per token per layer.
+# Backward computes two matmuls per forward matmul (gradient w.r.t. the input and w.r.t. the
+# weight), so a training step is 3× the forward:
+#
+# $$\text{FLOPs per token} = 3\left(2N_\text{mm} + 4\,L\,s\,d\right) \approx 6N.$$
+#
+# The attention term counts the full $s\times s$ square, as the plain kernel computes it;
+# Kaplan et al. 2020 count half of it ($2 L s d$ forward) assuming the masked half is skipped
+# (`causal=True`). `torch.utils.flop_counter.FlopCounterMode` counts the matmuls PyTorch really
+# runs in forward and backward; the formula must agree within 5 %.
+
+# %%
+print(f"{'config':28} {'formula':>14} {'FlopCounter':>14}  ratio")
+for label, c, b, s in cases:
+    if c.attn_impl == "sdpa":  # FlopCounterMode has no formula for the CPU flash kernel: it would miss its FLOPs
+        continue
+    model = GPT(c)
+    idx = torch.randint(0, c.vocab_size, (b, s))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(idx, idx)[1].backward()
+    predicted = estimate.flops_per_token(c, s) * b * s
+    measured = counter.get_total_flops()
+    assert abs(predicted / measured - 1) < 0.05, (label, predicted, measured)
+    print(f"{label:28} {predicted:>14,.0f} {measured:>14,}  {predicted / measured:.4f}")
+
+# %% [markdown]
+# How good is the famous shortcut "6 FLOPs per parameter per token"? The attention term adds
+# $12Lsd$ to roughly $6 \cdot 12Ld^2$, a relative excess of $s/(6d)$: 17 % for the tiny course model
+# ($s = d = 64$; its measured ratio is lower because its position table and biases, a few
+# percent of its parameters, are never multiplied), under 3 % for GPT-3 ($s = 2048$,
+# $d = 12288$). At scale, $6N$ is a good estimate.
+
+# %%
+for name in ("course GPT", "GPT-3 175B"):
+    c = estimate.PRESETS[name]
+    exact = estimate.flops_per_token(c)
+    rule = 6 * estimate.param_count(c)
+    if name == "GPT-3 175B":
+        assert 1 < exact / rule < 1 + 2048 / (6 * 12288) + 0.005
+    print(f"{name:11} exact {exact:.4g} FLOPs/token, 6N = {rule:.4g}, ratio {exact / rule:.3f}")
+
+# %% [markdown]
+# ## 5. Scaling up: GPT-3 175B
+#
+# **Memory.** 175 billion parameters in 2-byte floats are 350 GB: four and a half 80 GB GPUs
+# for the weights alone, before a single gradient, optimizer moment or activation.
+
+# %%
+P3 = estimate.param_count(estimate.GPT3_175B)
+weights16 = 2 * P3
+assert weights16 > 4 * 80e9
+print(f"GPT-3: {P3 / 1e9:.1f}e9 parameters -> 16-bit weights alone {fmt(weights16)} "
+      f"= {weights16 / 80e9:.1f} x an 80 GB GPU")
+print(f"\n{'recipe':16} {'params':>9} {'grads':>9} {'optimizer':>10} {'total':>9}  80-GB GPUs for the state")
+for name in estimate.RECIPES:
+    st = estimate.model_state_bytes(P3, name)
+    print(f"{name:16} {fmt(st['params']):>9} {fmt(st['grads']):>9} {fmt(st['optimizer']):>10} "
+          f"{fmt(st['total']):>9}  {st['total'] / 80e9:5.1f}")
+z3 = estimate.model_state_bytes(P3, "bf16_mixed", zero_stage=3, dp=64)["total"]
+assert z3 < 80e9 < estimate.model_state_bytes(P3, "bf16_mixed", zero_stage=3, dp=32)["total"]
+print(f"\nZeRO-3 over 64 GPUs: {fmt(z3)} of state per GPU (over 32 GPUs it would not fit)")
+
+# %% [markdown]
+# **Compute.** The 6·P·D rule for 300 billion training tokens gives
+# $6 \times 175\cdot10^9 \times 300\cdot10^9 = 3.15\cdot10^{23}$ FLOPs. An A100 peaks at 312 TFLOP/s
+# in bf16; real training reaches 30-55 % of peak (the **model FLOPs utilisation**, MFU), so even
+# the peak figure is optimistic.
+
+# %%
+total = estimate.training_flops(175e9, 300e9)
+assert abs(total - 3.15e23) < 1e20
+year = 365.25 * 86400
+t_peak = estimate.training_time(total, 1, A100_BF16, mfu=1.0)
+t_real = estimate.training_time(total, 1, A100_BF16, mfu=0.4)
+assert 31 < t_peak / year < 33
+print(f"6PD = {total:.3g} FLOPs")
+print(f"one A100 at 100% of peak: {t_peak:.3g} s = {t_peak / year:.0f} years; at 40% MFU: {t_real / year:.0f} years")
+for n in (8, 64, 512, 1024, 4096):
+    print(f"  {n:5} A100s at 40% MFU: {estimate.fmt_duration(estimate.training_time(total, n, A100_BF16, 0.4))}")
+n4w = estimate.gpus_needed(total, 28 * 86400, A100_BF16, 0.4)
+assert estimate.training_time(total, n4w, A100_BF16, 0.4) <= 28 * 86400
+print(f"four weeks at 40% MFU need {n4w} A100s")
+
+# %% [markdown]
+# So training at this scale needs **both** kinds of splitting: the state and activations must be
+# spread so each GPU holds a slice (ZeRO, tensor, pipeline and expert parallelism, recomputation,
+# offload), and the work must be spread over about a thousand GPUs (data parallelism on top).
+# The rest of the course builds each of these.
+#
+# ## 6. A per-GPU memory calculator
+#
+# `estimate.per_gpu_memory` puts everything together for the busiest GPU of a
+# $dp \times ep \times tp \times pp$ mesh (the layout of `course_lib.mesh`):
+#
+# * **tp** (tensor parallel) splits attention heads, MLP columns, embedding and head rows by $tp$;
+#   activations inside those regions too (and all of them with sequence parallelism, on with tp > 1).
+# * **pp** (pipeline parallel) gives each stage $L/pp$ layers, the embedding to the first and the
+#   head to the last. Under the 1F1B schedule the first stage keeps $pp$ micro-batches in
+#   flight, so it holds as many activations as one micro-batch through all $L$ layers.
+# * **ep** (expert parallel) only exists for mixture-of-experts models: set `n_experts` (the model
+#   becomes an `estimate.MoEConfig`: each MLP turns into `n_experts` expert MLPs, `top_k` per token)
+#   and $ep$ splits the experts. The ranks of an ep group read different data, so dense weights
+#   are replicated (and ZeRO-sharded) over $dp\cdot ep$ ranks, expert weights over $dp$.
+# * **ZeRO** shards over the data-parallel ranks as above; **offload** moves the optimizer state
+#   to CPU memory (ZeRO-Offload).
+#
+# The static figure below is the calculator's answer for GPT-3 175B, one memory-saving step per
+# bar (micro-batch 1, 2048 tokens, A100s at 40 % MFU for the time under each bar).
+
+# %%
+ladder = calculator.gpt3_ladder()
+fig = calculator.plot_scenarios(ladder)
+fig.suptitle("GPT-3 175B: memory on the busiest GPU", fontsize=11)
+plt.show()
+results = [calculator.evaluate(s) for _, s in ladder]
+assert not results[0]["fits"] and results[-2]["fits"] and results[-1]["fits"]
+for (label, _), r in zip(ladder, results):
+    print(f"{label.replace(chr(10), ' '):38} {fmt(r['memory']['total']):>9}  {'fits' if r['fits'] else 'does not fit'}")
+
+# %% [markdown]
+# Invalid layouts are rejected with the rule they break, before anything is computed:
+
+# %%
+for bad in (dict(tp=5), dict(pp=5), dict(ep=2), dict(zero_stage=4)):
+    try:
+        estimate.per_gpu_memory(estimate.GPT3_175B, **bad)
+    except ValueError as err:
+        print(f"{bad}: ValueError: {err}")
+
+# %% [markdown]
+# **Try it.** In a live Jupyter kernel the widget below lets you pick a preset (the course GPT,
+# GPT-3 175B, Llama-3 8B/70B/405B), change the shape (hidden size, layers, heads, vocabulary,
+# experts), micro-batch and sequence, precision recipe, recomputation, attention kernel, ZeRO
+# stage, the dp/tp/pp/ep degrees and optimizer offload, and see the stacked per-GPU bar against
+# the 80 GB line with the time to train. Things to try:
+#
+# * Llama-3 405B at 8192 tokens with tp=8, pp=9 (14 of its 126 layers per stage), dp=16, ZeRO-1:
+#   with selective recomputation the activations alone exceed the GPU; full recomputation fits.
+# * The same model with ZeRO-3 over dp=1024 and no recomputation: the model state is tiny per
+#   GPU, the activations are not — ZeRO does not touch activations.
+# * Llama-3 8B as an 8-expert MoE (top-2): compare ep=1 with ep=8.
+#
+# In a plain viewer, the static figure under the widget shows its starting point.
+
+# %%
+calc = calculator.MemoryCalculator()
+print(calculator.summary_text(calculator.evaluate(calc.settings)))
+fig = calculator.plot_scenarios([("starting point", calc.settings)])
+plt.show()
+calc
+
+# %% [markdown]
+# ## What to remember
+#
+# * Parameters: $12d^2$ per GPT layer; count them exactly, tied weights once.
+# * Model state: 16 bytes/param with AdamW in fp32 *or* mixed precision (20 with fp32 gradient
+#   accumulation); ZeRO divides it by the number of data-parallel ranks, stage by stage.
+# * Activations: $sbh(34 + 5as/h)$ per layer in 16 bits; fused attention and recomputation remove
+#   most of it, at the price of recomputed FLOPs.
+# * Compute: $6PD$ FLOPs (plus attention); divide by GPUs × peak × MFU for the time.
+#
+# Next: test yourself in `exercises/ex01_memory_math.ipynb`, then the following notebooks build
+# the parallel strategies that make the numbers of section 6 real.
