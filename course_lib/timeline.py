@@ -76,7 +76,7 @@ def plot_gantt(per_rank: list[list[tuple]], ax=None, title: str | None = None, l
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")
     used = sorted({c for *_, c in merged})
-    ax.legend(handles=[Patch(color=colors[c], label=c) for c in used], loc="upper right", fontsize=8)
+    ax.legend(handles=[Patch(color=colors[c], label=c) for c in used], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     if title:
         ax.set_title(title)
     return ax
