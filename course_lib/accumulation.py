@@ -1,0 +1,100 @@
+"""Gradient accumulation: k micro-batches, one optimizer step, the gradient of one big batch.
+
+The loss is a mean over the B examples of a batch. Split the batch into k micro-batches of
+m = B / k examples each. Because a mean of equal-sized means is the overall mean,
+
+    grad( (1/B) sum_i l_i ) = sum_j grad( (1/k) * (1/m) sum_{i in micro-batch j} l_i ),
+
+so back-propagating each micro-batch loss divided by k, letting `.backward()` add the
+gradients into `p.grad`, and stepping once gives the big-batch update (up to the order of
+floating-point additions). Only one micro-batch's activations are alive at a time: activation
+memory is that of m examples, while the effective batch is B = k * m. The price is k smaller
+(less efficient) forward/backward passes one after another instead of one big one.
+
+In data parallel training the same idea lets ranks skip the gradient all-reduce on the first
+k - 1 micro-batches (DDP's `no_sync()`), communicating once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from course_lib.measure import SavedActivations
+
+
+def default_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, y)[1]
+
+
+def split_micro_batches(x: torch.Tensor, y: torch.Tensor, accum_steps: int):
+    """[(x_j, y_j)] for j < accum_steps, equal slices along the batch dimension."""
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1")
+    B = x.shape[0]
+    if B % accum_steps != 0:
+        # Unequal micro-batches would need weights m_j / B instead of 1/k to give the big-batch mean.
+        raise ValueError(f"batch size {B} must be divisible by accum_steps={accum_steps}")
+    # clone: a view would keep the whole batch's storage alive in autograd (the embedding and
+    # the loss save their index tensors), as if the micro-batch held the full batch.
+    return [(xm.clone(), ym.clone()) for xm, ym in zip(x.chunk(accum_steps), y.chunk(accum_steps))]
+
+
+@dataclass
+class AccumulationResult:
+    loss: float  # mean loss over the whole batch (the big-batch loss)
+    micro_batch_saved_bytes: list[int] = field(default_factory=list)  # filled when measured
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    accum_steps: int,
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    measure: bool = False,
+) -> AccumulationResult:
+    """Add the gradient of the batch-mean loss into p.grad, one micro-batch at a time.
+
+    `loss_fn(model, x, y)` computes a micro-batch loss (swap in checkpointed_forward or an
+    autocast region); `backward(loss)` defaults to loss.backward() (pass a loss scaler's).
+    With measure=True each micro-batch's saved-activation bytes are recorded.
+    """
+    result = AccumulationResult(loss=0.0)
+    for xm, ym in split_micro_batches(x, y, accum_steps):
+        if measure:
+            with SavedActivations(model) as saved:
+                loss = loss_fn(model, xm, ym)
+            result.micro_batch_saved_bytes.append(saved.bytes)
+        else:
+            loss = loss_fn(model, xm, ym)
+        scaled = loss / accum_steps  # the 1/k that turns a sum of micro-means into the big mean
+        (backward or torch.Tensor.backward)(scaled)
+        result.loss += scaled.item()
+        # the graph of this micro-batch is freed by backward: memory does not grow with k
+    return result
+
+
+def train_step_accumulated(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    accum_steps: int,
+    grad_clip: float | None = None,
+    loss_fn=default_loss,
+) -> float:
+    """course_lib.train.train_step with the batch split into `accum_steps` micro-batches:
+    zero_grad -> accumulate -> clip -> one step. Returns the batch loss before the update."""
+    split_micro_batches(x, y, accum_steps)  # validate before touching the gradients
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    result = accumulate_gradients(model, x, y, accum_steps, loss_fn=loss_fn)
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return result.loss

@@ -1,0 +1,123 @@
+"""Activation checkpointing: keep only segment boundaries, recompute the rest in backward.
+
+Split the L blocks into segments of k consecutive blocks. The forward pass runs each segment
+under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: autograd keeps only the
+segment's input (the "checkpoint", one (B, T, d) tensor) and throws away everything the
+blocks inside would have saved. In backward, when the gradient reaches a segment, its forward
+is run again from the stored input to rebuild those tensors, and then back-propagated.
+
+Memory, with a = bytes one block saves normally and b = bytes of one boundary tensor::
+
+    kept through the whole forward:   ceil(L / k) * b        (one input per segment)
+    extra while one segment is in backward:   k * a           (its recomputed activations)
+    peak  M(k) ~ (L / k) * b + k * a,   minimised at  k* = sqrt(L * b / a)
+
+When a block saves about as much as its input (a ~ b, the chain of Chen et al. 2016) this is
+k* = sqrt(L) and M = 2 sqrt(L) b instead of L b. A transformer block saves far more than its
+input (a >> b), which is why transformer training checkpoints every block (k = 1).
+
+Cost: every checkpointed block runs its forward twice, so a step costs about
+forward + forward + backward ~ 4/3 of the plain step when backward ~ 2 x forward.
+
+The model stays plain: `checkpointed_forward(model, idx, targets, every_k)` re-implements
+GPT.forward with the block loop in segments, and `CheckpointedGPT` wraps a model with it.
+Dropout is safe: checkpoint restores the RNG state before recomputing, so the same units drop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def check_every_k(every_k, n_layer: int) -> None:
+    if isinstance(every_k, bool) or not isinstance(every_k, int) or not 1 <= every_k <= n_layer:
+        raise ValueError(f"every_k={every_k!r} must be an int with 1 <= every_k <= n_layer={n_layer}")
+
+
+def segments(n_layer: int, every_k: int) -> list[range]:
+    """Block indices of each checkpointed segment: [0, k), [k, 2k), ... (the last may be shorter)."""
+    check_every_k(every_k, n_layer)
+    return [range(s, min(s + every_k, n_layer)) for s in range(0, n_layer, every_k)]
+
+
+def _run_blocks(x: torch.Tensor, blocks: Sequence[nn.Module]) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def checkpoint_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, every_k: int) -> torch.Tensor:
+    """Run x through `blocks` in order, checkpointing every `every_k` consecutive blocks."""
+    blocks = list(blocks)
+    for seg in segments(len(blocks), every_k):
+        x = checkpoint(_run_blocks, x, blocks[seg.start : seg.stop], use_reentrant=False)
+    return x
+
+
+def checkpointed_forward(model, idx: torch.Tensor, targets: torch.Tensor | None = None, every_k: int = 1):
+    """GPT.forward with the blocks checkpointed in segments of `every_k`: same (logits, loss),
+    same gradients, fewer saved activations. Embeddings, ln_f and head run normally."""
+    check_every_k(every_k, model.config.n_layer)
+    B, T = idx.shape
+    if T > model.config.block_size:
+        raise ValueError(f"sequence length {T} exceeds block_size={model.config.block_size}")
+    pos = torch.arange(T, device=idx.device)
+    x = model.drop(model.tok_emb(idx) + model.pos_emb(pos))
+    x = checkpoint_blocks(model.blocks, x, every_k)
+    logits = model.head(model.ln_f(x))
+    loss = None
+    if targets is not None:
+        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+    return logits, loss
+
+
+class CheckpointedGPT(nn.Module):
+    """Wrap a plain GPT so that calling it checkpoints every `every_k` blocks. The parameters
+    are the wrapped model's own (no copy): `CheckpointedGPT(model, 2)(idx, y)` trains `model`."""
+
+    def __init__(self, model: nn.Module, every_k: int = 1):
+        super().__init__()
+        check_every_k(every_k, model.config.n_layer)
+        self.model, self.every_k = model, every_k
+        self.config = model.config
+
+    def forward(self, idx, targets=None):
+        return checkpointed_forward(self.model, idx, targets, self.every_k)
+
+
+def checkpoint_memory(n_layer: int, every_k: int, per_layer_bytes: float, boundary_bytes: float) -> dict[str, float]:
+    """The model of the module docstring: {"kept", "recompute", "peak"} bytes for the blocks."""
+    check_every_k(every_k, n_layer)
+    kept = math.ceil(n_layer / every_k) * boundary_bytes
+    recompute = every_k * per_layer_bytes
+    return {"kept": kept, "recompute": recompute, "peak": kept + recompute}
+
+
+def best_every_k(n_layer: int, per_layer_bytes: float, boundary_bytes: float) -> int:
+    """The k in 1..n_layer with the smallest modelled peak (close to sqrt(L * b / a))."""
+    return min(range(1, n_layer + 1), key=lambda k: checkpoint_memory(n_layer, k, per_layer_bytes, boundary_bytes)["peak"])
+
+
+class Chain(nn.Module):
+    """L small layers x -> tanh(x W_i + c_i): each layer saves about one (B, width) tensor,
+    the same size as its input, so a ~ b and the best segment length is ~ sqrt(L)."""
+
+    def __init__(self, n_layer: int = 16, width: int = 256, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.n_layer = n_layer
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n_layer))
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.copy_(torch.randn(width, width, generator=gen) / math.sqrt(width))
+                layer.bias.zero_()
+
+    def forward(self, x: torch.Tensor, every_k: int | None = None) -> torch.Tensor:
+        blocks = [nn.Sequential(layer, nn.Tanh()) for layer in self.layers]
+        return _run_blocks(x, blocks) if every_k is None else checkpoint_blocks(blocks, x, every_k)

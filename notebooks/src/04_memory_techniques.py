@@ -1,0 +1,732 @@
+# %% [markdown]
+# # 04 · Fitting more in memory: mixed precision, activation checkpointing, gradient accumulation
+#
+# Notebook 01 split a training step's memory into two piles:
+#
+# * **model state**: parameters, gradients and optimizer state, 16 bytes per parameter for
+#   fp32 AdamW, whatever the batch;
+# * **activations**: the tensors autograd keeps from the forward pass for the backward pass,
+#   proportional to batch × sequence × layers.
+#
+# Before splitting a model across GPUs (the notebooks after this one), three single-device
+# techniques move those piles around. Each trades something for memory:
+#
+# | technique | what it shrinks | what it costs |
+# |---|---|---|
+# | **mixed precision** (bf16 / fp16 compute) | activations (~half), and on GPUs the time of every matmul | numerics: fp16 needs *loss scaling*; the fp32 *master weights* keep the model state at 16 B/param |
+# | **activation checkpointing** | activations: from every layer's to one tensor per segment | one more forward pass of the checkpointed layers (~+33% compute) |
+# | **gradient accumulation** | activations for a given batch: divided by the number of micro-batches | the micro-batches run one after another |
+#
+# Every claim below is measured on the course GPT and held against the formulas of
+# notebook 01 (`course_lib.estimate`) with an `assert`. The code lives in
+# `course_lib/amp.py`, `course_lib/checkpointing.py` and `course_lib/accumulation.py`.
+
+# %%
+import math
+import time
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+
+from course_lib import estimate
+from course_lib.accumulation import accumulate_gradients, train_step_accumulated
+from course_lib.amp import DynamicLossScaler, MixedPrecisionOptimizer
+from course_lib.checkpointing import Chain, checkpoint_memory, checkpointed_forward
+from course_lib.data import CharDataset, get_batch
+from course_lib.measure import SavedActivations, model_state_bytes
+from course_lib.model import GPT, GPTConfig
+from course_lib.train import TrainConfig, make_optimizer, train_step
+
+torch.manual_seed(0)
+torch.set_num_threads(1)  # tiny models: one thread is as fast here, and the numbers are reproducible
+%matplotlib inline
+
+train_data = CharDataset("train", block_size=64)
+V = train_data.vocab_size
+fmt = estimate.fmt_bytes
+
+
+def batch(b, seq=64, seed=0):
+    """A fixed batch of real text: (x, y) of shape (b, seq)."""
+    return get_batch(train_data, b, torch.Generator().manual_seed(seed))
+
+
+def loss_fp32(model, x, y):
+    """Cross-entropy computed in fp32 from the model's logits, whatever their dtype (what
+    autocast does: the softmax over the vocabulary is a reduction that needs the range)."""
+    logits, _ = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+# %% [markdown]
+# ## 1. Mixed precision
+#
+# ### 1.1 Three number formats
+#
+# A floating-point number is sign × 2^exponent × 1.mantissa. The exponent bits set the
+# **range**, the mantissa bits the **precision** (the gap between 1 and the next number, `eps`).
+# bf16 keeps fp32's 8 exponent bits and cuts the mantissa to 7 bits; fp16 spends its bits the
+# other way: 5 exponent bits (tiny range), 10 mantissa bits. Below the smallest *normal* number,
+# *subnormals* trade precision for a little more range, down to 2^-24 ≈ 6e-8 in fp16: anything
+# smaller rounds to zero.
+
+# %%
+print(f"{'':5} {'bits':>4} {'exp':>3} {'mant':>4} {'max':>9} {'min normal':>10} {'min subnormal':>13} {'eps':>8}")
+for name, dt, e_bits in (("fp32", torch.float32, 8), ("bf16", torch.bfloat16, 8), ("fp16", torch.float16, 5)):
+    fi = torch.finfo(dt)
+    m_bits = fi.bits - 1 - e_bits
+    subnormal = fi.smallest_normal * fi.eps  # 2^(emin - mantissa bits)
+    print(f"{name:5} {fi.bits:>4} {e_bits:>3} {m_bits:>4} {fi.max:>9.2e} {fi.smallest_normal:>10.2e} "
+          f"{subnormal:>13.2e} {fi.eps:>8.1e}")
+
+h = torch.tensor([1e-8, 7e4, 1 + 1e-3])
+print(f"\n{'stored as':10}{'1e-8':>12}{'7e4':>12}{'1 + 1e-3':>12}")
+for dt in (torch.float16, torch.bfloat16):
+    print(f"{str(dt)[6:]:10}" + "".join(f"{v:>12.6g}" for v in h.to(dt).float().tolist()))
+assert h.half()[0] == 0 and h.half()[1] == math.inf and h.bfloat16()[2] == 1.0
+
+# %% [markdown]
+# Each format has its own failure: fp16 flushes `1e-8` to zero and overflows `7e4` to inf;
+# bf16 holds both but cannot tell `1 + 1e-3` from `1`. The first is the gradient problem
+# (§1.3, loss scaling), the second the weight-update problem (§1.5, master weights).
+#
+# ### 1.2 bf16 autocast on the CPU
+#
+# `torch.autocast` runs each op in the precision that suits it: matmuls in bf16, numerically
+# touchy ops (LayerNorm, softmax, the loss) in fp32. The parameters stay fp32: autocast casts
+# weights to bf16 on the fly. The model code does not change.
+
+# %%
+cfg = GPTConfig.tiny(V)
+model = GPT(cfg)
+x, y = batch(8)
+with SavedActivations(model) as saved32:
+    logits32, loss32 = model(x, y)
+with SavedActivations(model) as saved16, torch.autocast("cpu", dtype=torch.bfloat16):
+    logits16, loss16 = model(x, y)
+loss16.backward()
+
+by_dtype = {}
+for (shape, dt), count in saved16.by_shape().items():
+    by_dtype[dt] = by_dtype.get(dt, 0) + count
+print(f"logits: {logits16.dtype}, loss: {loss16.dtype}, gradients: {next(model.parameters()).grad.dtype}")
+print(f"loss fp32 {loss32.item():.4f}  vs  autocast {loss16.item():.4f}")
+print(f"saved for backward: fp32 {fmt(saved32.bytes)}, autocast {fmt(saved16.bytes)} "
+      f"({saved16.bytes / saved32.bytes:.2f}x); saved tensors by dtype: {dict(sorted(by_dtype.items()))}")
+assert logits16.dtype == torch.bfloat16 and loss16.dtype == torch.float32
+assert next(model.parameters()).grad.dtype == torch.float32  # parameters and gradients stay fp32
+assert abs(loss16.item() - loss32.item()) < 0.02 and saved16.bytes < 0.75 * saved32.bytes
+
+# %% [markdown]
+# The activations shrink, though not to half: LayerNorm inputs, the residual stream and the
+# loss stay fp32, and autocast saves the bf16 *copies of the weights* it made for each matmul
+# (they count as activations: they exist only for this step). Model state does not shrink at all
+# under autocast: fp32 weights, fp32 gradients, fp32 AdamW moments, still 16 B/param. On a GPU the
+# big win of bf16 is speed (tensor cores run bf16 matmuls many times faster than fp32). On a CPU
+# it depends on the chip: with bf16 matrix instructions (recent Xeons) autocast is faster, without
+# them it can be slower than fp32 (`benchmarks/bench_memory.py` measures your machine).
+#
+# ### 1.3 fp16 gradients underflow; loss scaling lifts them
+#
+# Our tiny, freshly initialised model has large gradients. Large models, later in training,
+# have many gradient values far smaller, below fp16's 2^-24 (Micikevicius et al. 2018,
+# "Mixed Precision Training", plot such a histogram). We emulate that regime honestly by
+# multiplying the loss by $c = 2^{-20}$: by the chain rule every gradient is multiplied by $c$
+# too. Then we run backward with the model in fp16 and the loss multiplied by a **scale S**,
+# divide the gradients by S in fp32, and compare with the fp32 gradients of the same loss.
+
+# %%
+c = 2.0**-20
+x4, y4 = batch(4)
+
+
+def grads_with_scale(dtype, S):
+    m = GPT(cfg).to(dtype)
+    (loss_fp32(m, x4, y4) * (c * S)).backward()
+    return torch.cat([p.grad.float().flatten() / S for p in m.parameters()])
+
+
+ref = grads_with_scale(torch.float32, 1.0)
+nonzero = ref != 0
+print(f"fp32 gradients below 2^-24: {(ref.abs() < 2**-24).float().mean():.1%}")
+sweep = {}
+for e in range(0, 45, 4):
+    g = grads_with_scale(torch.float16, 2.0**e)
+    finite = bool(torch.isfinite(g).all())
+    zero = ((g == 0) & nonzero).sum().item() / nonzero.sum().item()
+    err = ((g - ref).norm() / ref.norm()).item() if finite else math.nan
+    sweep[e] = (zero, finite, err)
+    print(f"S = 2^{e:<2}  flushed to zero {zero:7.2%}   "
+          + (f"relative error {err:.1e}" if finite else "inf/nan in the gradients: step must be skipped"))
+assert sweep[0][0] > 0.99  # unscaled: every gradient underflows
+assert sweep[24][0] < 1e-3 and sweep[24][2] < 5e-3  # scaled: the fp32 result, to fp16 precision
+assert not sweep[44][1]  # too large a scale overflows
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+ax1.hist(torch.log2(ref[nonzero].abs()).numpy(), bins=80, color="tab:blue", alpha=0.7, label="gradients (fp32)")
+ax1.hist(torch.log2(ref[nonzero].abs()).numpy() + 20, bins=80, color="tab:green", alpha=0.5, label="× S = 2^20")
+for v, lab in ((-24, "fp16 smallest subnormal"), (-14, "fp16 smallest normal"), (16, "fp16 max")):
+    ax1.axvline(v, color="k", ls="--", lw=0.8)
+    ax1.text(v + 0.5, ax1.get_ylim()[1] * 0.9, lab, rotation=90, va="top", fontsize=8)
+ax1.set_xlabel("log2 |gradient|")
+ax1.set_ylabel("count")
+ax1.set_xlim(-50, 20)
+ax1.legend(loc="upper left", fontsize=8)
+ax1.set_title("scaling shifts the histogram into fp16's range")
+es = list(sweep)
+ax2.semilogy(es, [max(sweep[e][0], 1e-6) for e in es], "o-", label="fraction flushed to zero")
+ax2.semilogy(es, [sweep[e][2] for e in es], "s-", label="relative error vs fp32")
+ax2.axvspan(min(e for e in es if not sweep[e][1]) - 2, max(es) + 2, color="red", alpha=0.15, label="overflow (inf)")
+ax2.set_xlabel("log2 S")
+ax2.legend(fontsize=8)
+ax2.set_title("too small: underflow; too large: overflow")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The window of good scales is wide (here about 2^20 to 2^36) but its position depends on the
+# model and moves during training. Hence a **dynamic** scale: start high, halve whenever the
+# gradients overflow (and skip that step: its gradients are garbage), and try doubling again
+# after `growth_interval` steps without overflow:
+#
+# ```
+# overflow (inf/nan):  S ← S × backoff_factor (0.5),  skip the optimizer step,  good_steps ← 0
+# otherwise:           step;  good_steps += 1;  if good_steps == growth_interval: S ← S × growth_factor (2), good_steps ← 0
+# ```
+#
+# ### 1.4 `DynamicLossScaler` against `torch.amp.GradScaler`
+#
+# `course_lib.amp.DynamicLossScaler` is that rule in a few lines. PyTorch's `GradScaler` runs
+# the same rule (on the CPU too, since torch 2.3). We feed both the same sequence of gradients
+# with infs and a nan injected at chosen steps; they must pick the same scales and skip the same
+# steps.
+
+# %%
+flags = [False] * 7 + [True] + [False] * 4 + ["nan", True] + [False] * 10 + [True] + [False] * 4
+GROWTH = 4
+
+
+def fake_grad(scale, flag):
+    g = torch.full((8,), 1e-3) * scale  # the gradient backward would produce for a scaled loss
+    if flag:
+        g[3] = math.nan if flag == "nan" else math.inf
+    return g
+
+
+mine = DynamicLossScaler(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=GROWTH)
+p = torch.nn.Parameter(torch.zeros(8))
+opt = torch.optim.SGD([p], lr=1.0)
+for flag in flags:
+    p.grad = fake_grad(mine.scale, flag)
+    mine.step(opt)
+mine_scales = [s for s, _ in mine.history]
+mine_skips = [skipped for _, skipped in mine.history]
+
+try:
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=GROWTH)
+except (AttributeError, TypeError, RuntimeError) as exc:
+    gs = None
+    print(f"skipped the comparison: this torch ({torch.__version__}) has no CPU GradScaler ({exc})")
+if gs is not None:
+    q = torch.nn.Parameter(torch.zeros(8))
+    opt_q = torch.optim.SGD([q], lr=1.0)
+    ref_scales, ref_skips = [], []
+    for flag in flags:
+        gs.scale(torch.ones(()))  # GradScaler creates its scale tensor on first use
+        ref_scales.append(gs.get_scale())
+        before = q.detach().clone()
+        q.grad = fake_grad(gs.get_scale(), flag)
+        gs.step(opt_q)
+        gs.update()
+        ref_skips.append(torch.equal(before, q.detach()))
+    assert mine_scales == ref_scales and mine_skips == ref_skips and torch.equal(p, q)
+    print(f"{len(flags)} steps: same scale at every step, same {sum(ref_skips)} skipped steps, same parameters")
+print("log2 scale:", [int(math.log2(s)) for s in mine_scales])
+print("skipped:   ", [i for i, s in enumerate(mine_skips) if s])
+
+# %% [markdown]
+# ### 1.5 fp32 master weights
+#
+# bf16 has 8 significant bits: next to a weight of 1.0, any update smaller than 2^-9 ≈ 0.002
+# rounds away. Learning rates times normalised gradients are often that small, so a model whose
+# weights *live* in bf16 stops learning in exactly the parameters that need fine adjustment. The
+# cure: keep an fp32 **master copy** for the optimizer, and use the 16-bit weights only for
+# forward and backward.
+
+# %%
+w16, w32 = torch.ones((), dtype=torch.bfloat16), torch.ones(())
+for _ in range(100):
+    w16 += 1e-3
+    w32 += 1e-3
+print(f"100 updates of +1e-3:  bf16 weight {w16.item():.4f}   fp32 master {w32.item():.4f}")
+assert w16.item() == 1.0 and abs(w32.item() - 1.1) < 1e-4
+
+# %% [markdown]
+# `course_lib.amp.MixedPrecisionOptimizer` does the bookkeeping: the model's parameters become
+# fp16/bf16; an fp32 copy of the model is what AdamW updates. Each step: gradients → fp32,
+# divide by the loss scale (if any), skip on inf/nan, AdamW on the master, copy the master back
+# into the 16-bit model. Thirty steps of real training in three recipes:
+
+# %%
+tc = TrainConfig(lr=3e-3)
+recipes = {"fp32": None, "bf16 + fp32 master": torch.bfloat16, "fp16 + fp32 master + loss scaling": torch.float16}
+curves, scales = {}, []
+for name, dtype in recipes.items():
+    m = GPT(cfg)
+    if dtype is None:
+        opt = make_optimizer(m, tc)
+    else:
+        scaler = DynamicLossScaler(init_scale=2.0**16, growth_interval=3) if dtype == torch.float16 else None
+        mp = MixedPrecisionOptimizer(m, lambda master: make_optimizer(master, tc), dtype, loss_scaler=scaler)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(30):
+        xb, yb = get_batch(train_data, 8, gen)
+        loss = loss_fp32(m, xb, yb)
+        if dtype is None:
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+        else:
+            mp.backward(loss)
+            mp.step(grad_clip=1.0)
+        losses.append(loss.item())
+    curves[name] = losses
+    if dtype == torch.float16:
+        scales = scaler.history
+last = {name: sum(v[-5:]) / 5 for name, v in curves.items()}
+for name, v in last.items():
+    print(f"{name:34} loss {curves[name][0]:.2f} -> {v:.2f} (mean of the last 5 steps)")
+print("fp16 loss scale, log2 per step:", [int(math.log2(s)) for s, _ in scales])
+assert all(abs(v - last["fp32"]) < 0.1 for v in last.values())
+assert any(skipped for _, skipped in scales)  # the scaler found the overflow edge and backed off
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
+for name, v in curves.items():
+    ax1.plot(range(1, 31), v, label=name)
+ax1.set_xlabel("step")
+ax1.set_ylabel("train loss")
+ax1.legend(fontsize=8)
+ax1.set_title("same training, three precisions")
+ax2.step(range(len(scales)), [math.log2(s) for s, _ in scales], where="post", label="log2 S")
+sk = [i for i, (_, s) in enumerate(scales) if s]
+ax2.plot(sk, [math.log2(scales[i][0]) for i in sk], "rx", ms=9, label="overflow: step skipped")
+ax2.set_xlabel("step")
+ax2.set_ylabel("log2 loss scale")
+ax2.legend(fontsize=8)
+ax2.set_title("fp16: the dynamic loss scale (growth_interval = 3)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### 1.6 Bytes per parameter, measured
+#
+# Mixed precision does **not** shrink the model state: the 16-bit weights and gradients (2 + 2
+# bytes) come with the fp32 master copy and Adam's two fp32 moments (4 + 4 + 4 = 12 bytes, the
+# ZeRO paper's K = 12, counting the master copy as optimizer state). Keeping an fp32 buffer to
+# accumulate gradients over micro-batches adds 4 more. We build each recipe for real and count
+# every byte (`course_lib.measure.model_state_bytes`, with gradients present, as at the peak of
+# a step) against notebook 01's `estimate.model_state_bytes`.
+
+# %%
+small = GPTConfig.tiny(V, n_layer=1)
+xs, ys = batch(2, seq=16)
+P = GPT(small).num_params()
+print(f"{P:,} parameters")
+for recipe in ("fp32", "bf16_mixed", "fp16_mixed", "bf16_fp32_accum"):
+    m = GPT(small)
+    if recipe == "fp32":
+        opt = torch.optim.AdamW(m.parameters())
+        m(xs, ys)[1].backward()
+        opt.step()
+        m(xs, ys)[1].backward()
+        measured = model_state_bytes(m, opt)
+    else:
+        dtype = torch.float16 if recipe == "fp16_mixed" else torch.bfloat16
+        scaler = DynamicLossScaler(init_scale=1024.0) if recipe == "fp16_mixed" else None
+        mp = MixedPrecisionOptimizer(m, lambda master: torch.optim.AdamW(master.parameters()), dtype,
+                                     loss_scaler=scaler, fp32_grad_accum=recipe == "bf16_fp32_accum")
+        mp.backward(loss_fp32(m, xs, ys))
+        mp.step()
+        mp.backward(loss_fp32(m, xs, ys))
+        measured = model_state_bytes(m, mp)
+        buffers = sum(g.untyped_storage().nbytes() for g in mp.fp32_grads)  # fp32 accumulation buffers
+        measured["grads"] += buffers
+        measured["total"] += buffers
+    predicted = estimate.model_state_bytes(P, recipe)
+    assert measured == predicted, (recipe, measured, predicted)
+    print(f"{recipe:16} params {measured['params'] / P:.0f} + grads {measured['grads'] / P:.0f} + optimizer "
+          f"{measured['optimizer'] / P:>2.0f} = {measured['total'] / P:.0f} B/param  (formula: {predicted['total'] / P:.0f})")
+
+# %% [markdown]
+# So what does mixed precision buy in memory? Activations (§1.2), and it makes ZeRO's sharding
+# pay off: of the 16 bytes, the 12 bytes of optimizer state are exactly what ZeRO-1 splits
+# across data-parallel ranks (notebook 01).
+#
+# ## 2. Activation checkpointing
+#
+# Backward needs, for every op, what that op saved in forward. Checkpointing keeps only a few
+# tensors and recomputes the rest when backward gets there:
+#
+# ```
+# forward:   x0 ─[blocks 0..k-1]─ x_k ─[blocks k..2k-1]─ x_2k ─ ... ─ x_L ─ head ─ loss
+#            kept               kept                  kept           (segment insides: dropped)
+# backward:  for the last segment first: rerun its forward from its kept input, back-propagate
+#            through it, free it, move to the previous segment.
+# ```
+#
+# `course_lib.checkpointing.checkpointed_forward(model, idx, targets, every_k)` is `GPT.forward`
+# with the block loop run in segments of `every_k` blocks, each under
+# `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`. The model stays plain.
+#
+# ### 2.1 Same gradients, bit for bit
+#
+# The recomputation repeats the same arithmetic on the same inputs, so the gradients are not
+# just close: they are identical.
+
+# %%
+cfg8 = GPTConfig.tiny(V, n_layer=8)
+model8 = GPT(cfg8)
+x, y = batch(4)
+
+
+def grads_of(fwd):
+    model8.zero_grad(set_to_none=True)
+    fwd()[1].backward()
+    return [p.grad.clone() for p in model8.parameters()]
+
+
+plain_grads = grads_of(lambda: model8(x, y))
+for k in (1, 2, 3, 4, 8):
+    g = grads_of(lambda: checkpointed_forward(model8, x, y, every_k=k))
+    assert all(torch.equal(a, b) for a, b in zip(g, plain_grads))
+    print(f"every_k={k}: all {len(g)} gradient tensors identical to the plain model's")
+
+# %% [markdown]
+# ### 2.2 What stays saved, measured against the formula
+#
+# Notebook 01's `estimate.activation_bytes` gives the bytes saved per layer without
+# recomputation ($a_\text{full}$: inputs of every LayerNorm and matmul, Q, K, V, the softmax
+# output, GELU input and output, LayerNorm statistics) and, with `recompute="full"`, one layer
+# input ($b = 4\,B T d$ bytes in fp32). Checkpointing every $k$ blocks keeps
+# $\lceil L/k\rceil$ segment inputs, plus what lies outside the blocks (token ids, final norm and
+# head inputs, the log-softmax, the targets):
+#
+# $$\text{saved}(k) = \text{outside} + \lceil L/k \rceil\, b .$$
+
+# %%
+B, T, L = 4, 64, cfg8.n_layer
+est_none = estimate.activation_bytes(cfg8, B, T, dtype_bytes=4)
+est_full = estimate.activation_bytes(cfg8, B, T, dtype_bytes=4, recompute="full")
+b = est_full["per_layer"]  # one (B, T, d) fp32 layer input
+outside = est_full["input_side"] + est_full["output_side"]
+measured_saved = {}
+with SavedActivations(model8) as s:
+    model8(x, y)
+measured_saved[None] = s.bytes
+for k in (1, 2, 4, 8):
+    with SavedActivations(model8) as s:
+        checkpointed_forward(model8, x, y, every_k=k)
+    measured_saved[k] = s.bytes
+print(f"{'':18} {'measured':>10} {'formula':>10} {'ratio':>6}")
+for k, got in measured_saved.items():
+    formula = est_none["total"] if k is None else outside + math.ceil(L / k) * b
+    label = "no checkpointing" if k is None else f"every_k = {k}"
+    print(f"{label:18} {fmt(got):>10} {fmt(formula):>10} {got / formula:6.3f}")
+    assert abs(got / formula - 1) < 0.10
+print(f"checkpointing every block keeps {measured_saved[1] / measured_saved[None]:.1%} of the activations")
+
+# %% [markdown]
+# ### 2.3 The peak, and the choice of k
+#
+# Saved-after-forward is not the whole story: when backward reaches a segment, its $k$ layers
+# are recomputed and *their* activations are alive at once. With $a$ = bytes one layer's
+# activations take, the peak is
+#
+# $$M(k) \approx \lceil L/k\rceil\, b + k\, a, \qquad \text{minimised at } k^* = \sqrt{L\, b / a}.$$
+#
+# Few segments keep few boundaries but recompute long stretches; many segments the reverse.
+# For a chain of small layers that each save about one tensor of their input's size ($a = b$,
+# the setting of Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") the best
+# segment length is $\sqrt{L}$ and the peak drops from $L b$ to $2\sqrt{L}\, b$. A transformer
+# block saves ~20 times its input ($a \gg b$), so there $k^* = 1$: checkpoint every block, as
+# Megatron and most trainers do.
+#
+# We measure both terms: the kept part from the checkpointed forward, the recompute part by
+# running one segment's $k$ layers plainly from a boundary tensor (exactly what the
+# recomputation does), minus that boundary (already counted among the kept). In the chain each
+# layer saves its output, the next layer's input: $a = b$ exactly. A GPT block saves its own
+# input too ($a$ = notebook 01's full per-layer bytes), so for it we subtract the one boundary
+# counted twice: $M(k) = \text{outside} + \lceil L/k\rceil b + k a - b$.
+
+# %%
+def chain_peak(chain, x, k):
+    with SavedActivations(chain) as kept:
+        chain(x, every_k=k)
+    segment = Chain(k, x.shape[1])
+    with SavedActivations(segment) as seg:
+        segment(x)
+    return kept.bytes + seg.bytes - x.numel() * x.element_size()
+
+
+chain = Chain(n_layer=16, width=256)
+xc = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+bc = xc.numel() * 4
+chain_measured = {k: chain_peak(chain, xc, k) for k in range(1, 17)}
+with SavedActivations(chain) as s:
+    chain(xc)
+chain_plain = s.bytes
+chain_formula = {k: checkpoint_memory(16, k, bc, bc)["peak"] for k in range(1, 17)}
+assert min(chain_measured, key=chain_measured.get) == 4 == math.isqrt(16)
+assert all(abs(chain_measured[k] / chain_formula[k] - 1) < 0.10 for k in chain_measured)
+print(f"chain, L = 16: no checkpointing {chain_plain / bc:.0f} b; best k = 4 = sqrt(16) with "
+      f"{chain_measured[4] / bc:.0f} b = 2 sqrt(L) b")
+
+a_gpt = est_none["per_layer"]  # everything one GPT block saves, its input included
+x_in = torch.randn(B, T, cfg8.d_model)
+gpt_measured, gpt_formula = {}, {}
+for k in (1, 2, 4, 8):
+    h = x_in
+    with SavedActivations(model8) as seg:  # one segment of k blocks, run plainly
+        for blk in model8.blocks[:k]:
+            h = blk(h)
+    gpt_measured[k] = measured_saved[k] + seg.bytes - b
+    gpt_formula[k] = outside + checkpoint_memory(L, k, a_gpt, b)["peak"] - b
+    assert abs(gpt_measured[k] / gpt_formula[k] - 1) < 0.02
+assert min(gpt_measured, key=gpt_measured.get) == 1
+print(f"GPT, L = 8: a / b = {a_gpt / b:.1f}, so k* = sqrt(L b / a) = {math.sqrt(L * b / a_gpt):.2f} -> every block; "
+      f"peak {fmt(gpt_measured[1])} vs {fmt(measured_saved[None])} without checkpointing")
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+ks = list(chain_measured)
+ax1.plot(ks, [chain_formula[k] / bc for k in ks], "-", label="formula  ⌈L/k⌉ b + k a")
+ax1.plot(ks, [chain_measured[k] / bc for k in ks], "o", label="measured")
+ax1.axhline(chain_plain / bc, color="gray", ls="--", label="no checkpointing")
+ax1.axvline(4, color="k", lw=0.6)
+ax1.set_xlabel("k (layers per segment)")
+ax1.set_ylabel("peak saved activations (units of b)")
+ax1.set_title("chain of 16 small layers (a = b): best k = √L")
+ax1.legend(fontsize=8)
+ks = list(gpt_measured)
+ax2.plot(ks, [gpt_formula[k] / 1e6 for k in ks], "-", label="formula")
+ax2.plot(ks, [gpt_measured[k] / 1e6 for k in ks], "o", label="measured")
+ax2.axhline(measured_saved[None] / 1e6, color="gray", ls="--", label="no checkpointing")
+ax2.set_xlabel("k (blocks per segment)")
+ax2.set_ylabel("peak saved activations (MB)")
+ax2.set_title(f"course GPT, L = 8 (a ≈ {a_gpt / b:.0f} b): best k = 1")
+ax2.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Explore** $M(k) = \lceil L/k\rceil b + k a$ for other depths and layer sizes (the sliders
+# need a live kernel; the figure above is the static version).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def explore(L=16, a_over_b=1.0):
+    ks = range(1, L + 1)
+    m = [checkpoint_memory(L, k, a_over_b, 1.0)["peak"] for k in ks]
+    best = min(ks, key=lambda k: m[k - 1])
+    plt.figure(figsize=(5.5, 3.2))
+    plt.plot(ks, m, "o-", ms=3)
+    plt.axvline(best, color="k", lw=0.6)
+    plt.title(f"L = {L}, a/b = {a_over_b:g}: best k = {best}  (√(L b/a) = {math.sqrt(L / a_over_b):.1f})")
+    plt.xlabel("k")
+    plt.ylabel("peak (units of b)")
+    plt.show()
+
+
+widgets.interact(explore, L=widgets.IntSlider(16, 2, 64), a_over_b=widgets.FloatLogSlider(1.0, base=2, min=-2, max=5, step=0.5));
+
+# %% [markdown]
+# ### 2.4 The price: recomputation time
+#
+# Each checkpointed block runs its forward twice. With backward ≈ 2 × forward, a step costs
+# about (1 + 1 + 2) / (1 + 2) = 4/3 of a plain step, whatever k (every block is recomputed once).
+# Layers this small also pay checkpoint's bookkeeping (saving and restoring RNG state, hooks),
+# so expect somewhat more than 4/3 here; large layers come close to it. Timings depend on the
+# machine and its load; nbval does not compare this output.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def step_time(fwd, reps=5):
+    times = []
+    for _ in range(reps):
+        model8.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        fwd()[1].backward()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2]  # median: robust to a busy machine
+
+
+xb, yb = batch(8)
+base_t = step_time(lambda: model8(xb, yb))
+print(f"no checkpointing: {base_t * 1e3:.1f} ms per forward+backward")
+for k in (1, 2, 4, 8):
+    t = step_time(lambda: checkpointed_forward(model8, xb, yb, every_k=k))
+    print(f"every_k = {k}: {t * 1e3:.1f} ms  ({t / base_t:.2f}x)")
+
+# %% [markdown]
+# ## 3. Gradient accumulation
+#
+# The loss is a mean over the batch. Split a batch of $B$ examples into $k$ micro-batches of
+# $m = B/k$; a mean of equal-sized means is the overall mean, so
+#
+# $$\nabla \frac{1}{B}\sum_{i=1}^{B} \ell_i \;=\; \sum_{j=1}^{k} \nabla\Big(\frac{1}{k}\cdot\frac{1}{m}\sum_{i \in j} \ell_i\Big).$$
+#
+# Back-propagate each micro-batch loss **divided by k**, let `.backward()` add into `p.grad`,
+# step once: the update of the big batch, while only one micro-batch's activations ever exist.
+# (`course_lib.accumulation.accumulate_gradients` / `train_step_accumulated`.)
+#
+# ### 3.1 k micro-batches = one k-times larger batch
+
+# %%
+cfg2 = GPTConfig.tiny(V)
+xb, yb = batch(16)
+ref = GPT(cfg2)
+ref_loss = ref(xb, yb)[1]
+ref_loss.backward()
+for k in (2, 4, 8):
+    m = GPT(cfg2)
+    res = accumulate_gradients(m, xb, yb, k)
+    worst = max((a.grad - r.grad).abs().max().item() for a, r in zip(m.parameters(), ref.parameters()))
+    for a, r in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-7)
+    assert abs(res.loss - ref_loss.item()) < 1e-5
+    print(f"k = {k}: batch loss {res.loss:.5f} (big batch {ref_loss.item():.5f}); "
+          f"largest gradient difference {'< 1e-7' if worst < 1e-7 else f'{worst:.1e}'}")
+
+# one real training step with AdamW and clipping: the same parameters afterwards
+ref, acc = GPT(cfg2), GPT(cfg2)
+l_ref = train_step(ref, make_optimizer(ref, tc), xb, yb, grad_clip=1.0)
+l_acc = train_step_accumulated(acc, make_optimizer(acc, tc), xb, yb, accum_steps=4, grad_clip=1.0)
+diff = max((a - r).abs().max().item() for a, r in zip(acc.parameters(), ref.parameters()))
+assert diff < 1e-5
+print(f"after one AdamW step: largest parameter difference {'< 1e-5' if diff < 1e-5 else diff} "
+      f"(the additions happen in a different order, nothing more)")
+
+# %% [markdown]
+# **Forgetting the 1/k** is a classic silent bug. With SGD the update becomes k times too
+# large. With Adam it is almost invisible, because Adam divides the gradient by its own running
+# magnitude: scaling every gradient by k barely changes the step (only through `eps` and weight
+# decay). Gradient clipping, however, sees a k-times larger norm.
+
+# %%
+def one_step(optimizer_name, divide):
+    m = GPT(cfg2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1) if optimizer_name == "SGD" else torch.optim.AdamW(m.parameters(), lr=1e-3)
+    for xm, ym in zip(xb.chunk(4), yb.chunk(4)):
+        loss = m(xm, ym)[1]
+        (loss / 4 if divide else loss).backward()
+    opt.step()
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+
+w0 = torch.cat([p.detach().flatten() for p in GPT(cfg2).parameters()])
+for name in ("SGD", "AdamW"):
+    good, bad = one_step(name, True) - w0, one_step(name, False) - w0
+    ratio = (bad.norm() / good.norm()).item()
+    print(f"{name:5}: update without 1/k is {ratio:.2f}x the correct one")
+    assert (abs(ratio - 4) < 0.01) if name == "SGD" else (abs(ratio - 1) < 0.05)
+
+# %% [markdown]
+# ### 3.2 Activation memory stays flat as the effective batch grows
+#
+# Micro-batches of 2 sequences; k = 1, 2, 4, 8 of them per step, so the effective batch grows
+# from 2 to 16. We measure the saved activations of every micro-batch, and of one big batch of
+# the same effective size for comparison, and hold them against `estimate.activation_bytes`.
+
+# %%
+micro = 2
+rows = []
+for k in (1, 2, 4, 8):
+    xk, yk = batch(micro * k)
+    res = accumulate_gradients(GPT(cfg2), xk, yk, k, measure=True)
+    m_big = GPT(cfg2)
+    with SavedActivations(m_big) as big:
+        m_big(xk, yk)
+    rows.append((k, micro * k, max(res.micro_batch_saved_bytes), big.bytes))
+per_micro_formula = estimate.activation_bytes(cfg2, micro, 64)["total"]
+print(f"{'k':>2} {'batch':>5} {'peak per micro-batch':>21} {'one big batch':>14}")
+for k, eff, per_micro, big_bytes in rows:
+    print(f"{k:>2} {eff:>5} {fmt(per_micro):>21} {fmt(big_bytes):>14}")
+    assert per_micro == rows[0][2]  # flat
+    assert abs(per_micro / per_micro_formula - 1) < 0.10
+    assert abs(big_bytes / estimate.activation_bytes(cfg2, eff, 64)["total"] - 1) < 0.10
+print(f"formula for one micro-batch of {micro}: {fmt(per_micro_formula)}")
+
+# %%
+fig, ax = plt.subplots(figsize=(6, 3.4))
+effs = [r[1] for r in rows]
+ax.plot(effs, [r[3] / 1e6 for r in rows], "o-", label="one big batch")
+ax.plot(effs, [r[2] / 1e6 for r in rows], "s-", label=f"accumulation (micro-batch {micro})")
+ax.set_xlabel("effective batch size (sequences)")
+ax.set_ylabel("saved activations (MB)")
+ax.set_title("accumulation: memory of the micro-batch, batch of the step")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## 4. All three together
+#
+# The techniques compose: accumulate over micro-batches, run each under bf16 autocast, and
+# checkpoint every block. Checkpointing replays the forward under the same autocast state. For
+# an effective batch of 16 sequences of the 8-layer GPT, saved activations per micro-batch:
+
+# %%
+def plain_loss(model, x, y):
+    return model(x, y)[1]
+
+
+def ckpt_loss(model, x, y):
+    return checkpointed_forward(model, x, y, every_k=1)[1]
+
+
+def ckpt_autocast_loss(model, x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return ckpt_loss(model, x, y)
+
+
+xb, yb = batch(16)
+with SavedActivations(model8) as s:
+    model8(xb, yb)
+combos = {"fp32, one batch of 16": s.bytes}
+for label, loss_fn in (("4 micro-batches of 4", plain_loss), ("+ checkpoint every block", ckpt_loss),
+                       ("+ bf16 autocast", ckpt_autocast_loss)):
+    res = accumulate_gradients(model8, xb, yb, 4, loss_fn=loss_fn, measure=True)
+    combos[label] = max(res.micro_batch_saved_bytes)
+plain = combos["fp32, one batch of 16"]
+for label, v in combos.items():
+    print(f"{label:26} {fmt(v):>9}" + ("" if v == plain else f"  ({plain / v:4.1f}x smaller)"))
+values = list(combos.values())
+assert all(big > small for big, small in zip(values, values[1:]))  # each technique helps further
+
+# %% [markdown]
+# Accumulation divides by the number of micro-batches, checkpointing by ~14 more. Autocast adds
+# little *on top of* checkpointing: what checkpointing keeps is the residual stream between
+# blocks and the loss side, both of which autocast leaves in fp32. (These are the bytes kept by
+# the forward; the backward peak adds one recomputed block, §2.3.)
+
+# %% [markdown]
+# ## Summary
+#
+# * **Mixed precision.** bf16 autocast halves most activations with no code change; fp16 needs a
+#   loss scale to keep small gradients from flushing to zero, found dynamically (halve and skip on
+#   overflow, double after `growth_interval` good steps; our scaler matches `GradScaler` step for
+#   step). fp32 master weights keep tiny updates from rounding away, so the model state stays at
+#   16 B/param (2 + 2 + 12), or 20 with fp32 gradient accumulation, as notebook 01's formulas say.
+# * **Activation checkpointing** keeps one tensor per segment and recomputes the rest: same
+#   gradients bit for bit, the saved bytes of `⌈L/k⌉ b + outside`, for about a third more compute.
+#   The best segment length is $\sqrt{L b / a}$: $\sqrt L$ for a chain of small layers, 1 for
+#   transformer blocks.
+# * **Gradient accumulation** gives the big-batch gradient (divide each micro-batch loss by k!)
+#   with the activation memory of one micro-batch.
+#
+# None of these split the model state across devices. That is what ZeRO and the model-parallel
+# strategies of the next notebooks do, and they combine with all three techniques here.

@@ -1,0 +1,77 @@
+"""Gradient accumulation (course_lib.accumulation)."""
+
+import pytest
+import torch
+
+from course_lib.accumulation import accumulate_gradients, split_micro_batches, train_step_accumulated
+from course_lib.model import GPT, GPTConfig
+from course_lib.train import TrainConfig, make_optimizer, train_step
+
+V = 40
+CFG = GPTConfig.tiny(V, n_layer=2, d_model=32)
+
+
+def _batch(batch=8, seq=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (batch, seq), generator=g), torch.randint(0, V, (batch, seq), generator=g)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_k_micro_batches_equal_one_big_batch(k):
+    x, y = _batch()
+    ref = GPT(CFG)
+    ref_loss = ref(x, y)[1]
+    ref_loss.backward()
+    model = GPT(CFG)
+    res = accumulate_gradients(model, x, y, k)
+    assert res.loss == pytest.approx(ref_loss.item(), rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    # one SGD step: the parameters after the step agree at fp32 precision
+    for m in (model, ref):
+        torch.optim.SGD(m.parameters(), lr=1.0).step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_train_step_accumulated_matches_train_step_with_adamw_and_clipping():
+    x, y = _batch()
+    cfg = TrainConfig(lr=1e-3)
+    ref, model = GPT(CFG), GPT(CFG)
+    ref_opt, opt = make_optimizer(ref, cfg), make_optimizer(model, cfg)
+    for _ in range(2):
+        l_ref = train_step(ref, ref_opt, x, y, grad_clip=1.0)
+        l_acc = train_step_accumulated(model, opt, x, y, accum_steps=4, grad_clip=1.0)
+        assert l_acc == pytest.approx(l_ref, rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5)
+
+
+def test_activation_memory_is_flat_as_accumulation_grows():
+    micro = 2
+    per_micro, totals = [], []
+    for k in (1, 2, 4):
+        x, y = _batch(batch=micro * k)  # effective batch grows with k
+        res = accumulate_gradients(GPT(CFG), x, y, k, measure=True)
+        assert len(res.micro_batch_saved_bytes) == k
+        per_micro.append(max(res.micro_batch_saved_bytes))
+        totals.append(sum(res.micro_batch_saved_bytes))
+    assert per_micro[0] == per_micro[1] == per_micro[2]
+    assert totals[2] == 4 * totals[0]  # what one big batch would have held at once
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_bad_accum_steps_rejected(bad):
+    x, y = _batch()
+    with pytest.raises(ValueError, match="accum_steps"):
+        accumulate_gradients(GPT(CFG), x, y, bad)
+
+
+def test_indivisible_batch_rejected_before_any_work():
+    x, y = _batch(batch=6)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="divisible"):
+        train_step_accumulated(model, opt, x, y, 4)
+    assert all(p.grad is None for p in model.parameters())
+    assert len(split_micro_batches(x, y, 3)) == 3
