@@ -1,0 +1,98 @@
+"""Benchmark: the course's ring all-reduce (course_lib.comm) against gloo's built-in all_reduce.
+
+    .venv/bin/python benchmarks/bench_collectives.py [--world-size 4] [--sizes-mb 1 16 64]
+
+Prints, from one run: time per all-reduce of both at each size and the ratio (built-in time /
+course time: > 1 means the course ring is faster), then the alpha-beta model's prediction for
+the ring (alpha, beta fitted from a ping-pong measured in the same run) and its error.
+The two implementations alternate call by call, so both see the same machine load; each
+call is timed as its slowest rank, and the median over calls is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from course_lib import comm, costmodel, run_on_ranks
+
+NOTE = """\
+note: at small sizes the course ring is latency-bound. It makes 2(N-1) = {steps} sequential
+steps from Python, each an isend/irecv pair that needs both neighbours awake, plus an add; on
+emulated CPU ranks every step costs a process wake-up (tens to hundreds of microseconds,
+more when there are fewer cores than ranks). gloo runs its whole algorithm in C++ in one call,
+so its fixed cost per all-reduce is lower. At large sizes bytes dominate, and the course ring
+(send and receive overlapped with isend/irecv, in-place adds on chunk views, one scratch buffer
+per call) moves the bandwidth-optimal 2(N-1)/N*S bytes per rank, so it is competitive.
+The model under-predicts when ranks outnumber cores: the ping-pong measures one message with
+the receiver awake and the data in cache, while a ring step needs every rank scheduled and
+copies chunks larger than the caches; all ranks' bytes also share the same few cores rather
+than each rank having its own link (see notebook 02, section 7). Its error is a measure of
+how far emulated ranks are from a cluster, not a bug in the formula."""
+
+
+def _bench(sizes_mb, iters):
+    """Rank code: {size_mb: {"course": [seconds...], "gloo": [...]}}, slowest rank per call."""
+    implementations = {"course": comm.ring_all_reduce, "gloo": lambda t: dist.all_reduce(t)}
+    out = {}
+    for mb in sizes_mb:
+        x = torch.randn(int(mb * 2**20) // 4)
+        times = {name: [] for name in implementations}
+        n_iters = max(5, int(iters * 16 / max(mb, 16)))  # fewer repeats for the largest sizes
+        for i in range(n_iters + 1):
+            for name, fn in implementations.items():  # alternate: both see the same load
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(x)
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if i > 0:  # the first round is a warm-up
+                    times[name].append(elapsed.item())
+        out[mb] = times
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.world_size < 2 or args.iters < 1 or any(s <= 0 for s in args.sizes_mb):
+        parser.error(f"need --world-size >= 2 (got {args.world_size}), --iters >= 1 (got {args.iters}) "
+                     f"and every --sizes-mb > 0 (got {args.sizes_mb})")
+    n = args.world_size
+
+    sizes_pp = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
+    one_way = run_on_ranks(costmodel.ping_pong, sizes_pp, all_pairs=True, world_size=n,
+                           check_collectives=False, timeout_s=120)[0]
+    link = costmodel.fit_alpha_beta(sizes_pp, one_way)
+    results = run_on_ranks(_bench, args.sizes_mb, args.iters, world_size=n, check_collectives=False,
+                           timeout_s=600)[0]
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"ring all-reduce on {n} ranks (gloo, CPU, {os.cpu_count()} cores, load average {load:.1f}), float32; "
+          f"median of {min(len(v['course']) for v in results.values())}+ calls, each timed as its slowest rank")
+    print(f"{'size':>8} {'course ring':>12} {'gloo built-in':>14} {'speed ratio':>12}   "
+          f"{'model (ring)':>12} {'model error':>12}")
+    for mb, times in results.items():
+        course, gloo = statistics.median(times["course"]), statistics.median(times["gloo"])
+        predicted = costmodel.predict_time("ring", mb * 2**20, n, link)
+        print(f"{mb:>5g} MB {course * 1e3:>9.2f} ms {gloo * 1e3:>11.2f} ms {gloo / course:>11.2f}x   "
+              f"{predicted * 1e3:>9.2f} ms {(predicted - course) / course * 100:>+11.0f}%")
+    print(f"speed ratio = gloo time / course time (>= 1: the course ring is at least as fast)")
+    print(f"model: alpha = {link.alpha * 1e6:.0f} us, beta = 1/({link.bandwidth / 1e9:.2f} GB/s), fitted to a "
+          f"ping-pong of every rank pair at once in this run; "
+          f"ring time = 2(N-1)*alpha + 2(N-1)/N*S*beta; error = (model - measured) / measured")
+    print(NOTE.format(steps=2 * (n - 1)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

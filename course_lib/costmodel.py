@@ -1,0 +1,217 @@
+"""The alpha-beta cost model of communication, fitted here and applied to real clusters.
+
+One message of S bytes over one link takes
+
+    t(S) = alpha + S * beta          alpha: latency (s), beta: inverse bandwidth (s/byte)
+
+A collective is a schedule of such messages, so its time is (number of sequential
+messages) * alpha + (bytes on the busiest link, sequentially) * beta:
+
+    ring all-reduce        2(N-1) * alpha + 2(N-1)/N * S * beta
+    ring reduce-scatter      (N-1) * alpha +  (N-1)/N * S * beta        (all-gather: same)
+    tree (recursive         L * (alpha + S * beta),  L = log2(p) + 2[N != p],
+          doubling)                                  p = largest power of two <= N
+    parameter server       2(N-1) * (alpha + S * beta)   the server receives N-1 tensors,
+                                                          then sends N-1, over its one link
+    pairwise all-to-all      (N-1) * alpha +  (N-1)/N * S * beta
+
+(The reduction's own arithmetic, gamma * bytes, is left out: on GPUs it hides under the
+transfer.) Small S: the alpha terms dominate (latency-bound), so fewer steps win (tree).
+Large S: the beta terms dominate (bandwidth-bound), so fewer bytes per link win (ring).
+
+`ping_pong` measures t(S) between two ranks, `fit_alpha_beta` fits alpha and beta by least
+squares, `predict_time` applies the table, `CLUSTERS` holds published link figures.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+ALGORITHMS = ("ring", "tree", "ps", "reduce_scatter", "all_gather", "all_to_all")
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """alpha: seconds per message; beta: seconds per byte (1 / bandwidth)."""
+
+    alpha: float
+    beta: float
+    name: str = ""
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second."""
+        return 1.0 / self.beta
+
+    def message_time(self, nbytes: float) -> float:
+        return self.alpha + nbytes * self.beta
+
+
+# Published figures (one direction of one GPU's link; the model's beta is per direction).
+# Bandwidth:
+#   NVLink 3 (A100 SXM): "12 third-generation NVLink links, 600 GB/s total" per GPU, i.e.
+#     300 GB/s each way. NVIDIA, https://www.nvidia.com/en-us/data-center/nvlink/ and the
+#     NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020).
+#   NVLink 4 (H100 SXM): 900 GB/s total = 450 GB/s each way (same NVIDIA NVLink page).
+#   HDR InfiniBand: 200 Gb/s per port = 25 GB/s each way; ConnectX-6 HDR adapter guide,
+#     https://lenovopress.lenovo.com/lp1195 ("200 Gb/s ... sub-600 nanosecond latency").
+#   NDR InfiniBand: 400 Gb/s per port = 50 GB/s each way (ConnectX-7).
+# Latency (alpha) is what one step of a collective costs end to end, software included, not
+#   the wire's nanoseconds: NCCL's own tuning model (NVIDIA/nccl, src/graph/tuning.cc,
+#   `baseLat`/`hwLat`) charges a few microseconds per step (0.4-5.7 us on NVLink, 0.9-6.6 us
+#   over the network, by protocol) on top of a few-us base. We use round values of that order.
+CLUSTERS = {
+    "A100 NVLink 3 (intra-node)": LinkModel(alpha=3e-6, beta=1 / 300e9, name="A100 NVLink 3"),
+    "H100 NVLink 4 (intra-node)": LinkModel(alpha=3e-6, beta=1 / 450e9, name="H100 NVLink 4"),
+    "HDR InfiniBand 200 Gb/s (inter-node)": LinkModel(alpha=5e-6, beta=1 / 25e9, name="HDR IB"),
+    "NDR InfiniBand 400 Gb/s (inter-node)": LinkModel(alpha=5e-6, beta=1 / 50e9, name="NDR IB"),
+}
+
+
+def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
+    """(a, b) such that time = a * alpha + b * S * beta for `algorithm` on N ranks."""
+    n = world_size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"world_size={n!r} must be an int >= 1")
+    if n == 1:
+        return 0.0, 0.0
+    p = 1 << (n.bit_length() - 1)
+    terms = {
+        "ring": (2 * (n - 1), 2 * (n - 1) / n),
+        "reduce_scatter": (n - 1, (n - 1) / n),
+        "all_gather": (n - 1, (n - 1) / n),
+        "all_to_all": (n - 1, (n - 1) / n),
+        "tree": (math.log2(p) + (2 if n != p else 0),) * 2,
+        "ps": (2 * (n - 1), 2 * (n - 1)),
+    }
+    if algorithm not in terms:
+        raise ValueError(f"algorithm={algorithm!r} is unknown: use one of {', '.join(ALGORITHMS)}")
+    return terms[algorithm]
+
+
+def predict_time(algorithm: str, nbytes: float, world_size: int, link: LinkModel) -> float:
+    """Seconds for one `algorithm` collective on a tensor of `nbytes` per rank (see table)."""
+    a, b = cost_terms(algorithm, world_size)
+    return a * link.alpha + b * nbytes * link.beta
+
+
+def regime(algorithm: str, nbytes: float, world_size: int, link: LinkModel) -> str:
+    """'latency-bound' when the alpha terms outweigh the beta terms, else 'bandwidth-bound'."""
+    a, b = cost_terms(algorithm, world_size)
+    return "latency-bound" if a * link.alpha > b * nbytes * link.beta else "bandwidth-bound"
+
+
+def crossover_bytes(algo_a: str, algo_b: str, world_size: int, link: LinkModel) -> float | None:
+    """The size S where the two algorithms take equal time (both are linear in S), or None
+    if one is never slower than the other. Below it the one with fewer alpha terms wins."""
+    a1, b1 = cost_terms(algo_a, world_size)
+    a2, b2 = cost_terms(algo_b, world_size)
+    if b1 == b2:
+        return None
+    s = (a2 - a1) * link.alpha / ((b1 - b2) * link.beta)
+    return s if s > 0 else None
+
+
+def fit_alpha_beta(sizes_bytes, seconds, name: str = "measured") -> LinkModel:
+    """Least-squares fit of t = alpha + S * beta, weighting each point by 1/t.
+
+    Plain least squares would let the largest messages (the largest times) decide
+    everything and leave alpha as noise; weighting by 1/t minimises *relative* error so the
+    small, latency-bound messages pin alpha and the large ones pin beta.
+    """
+    pts = list(zip(sizes_bytes, seconds))
+    if len(pts) < 2 or len({s for s, _ in pts}) < 2:
+        raise ValueError(f"need at least two distinct message sizes to fit alpha and beta, got {len(pts)} point(s)")
+    if any(t <= 0 for _, t in pts):
+        raise ValueError("every time must be > 0 seconds")
+    # Normal equations of min sum w^2 (alpha + beta*S - t)^2 with w = 1/t.
+    w2 = [1.0 / t**2 for _, t in pts]
+    s_w, s_ws = sum(w2), sum(w * s for w, (s, _) in zip(w2, pts))
+    s_wss = sum(w * s * s for w, (s, _) in zip(w2, pts))
+    s_wt = sum(w * t for w, (_, t) in zip(w2, pts))
+    s_wst = sum(w * s * t for w, (s, t) in zip(w2, pts))
+    det = s_w * s_wss - s_ws**2
+    alpha = (s_wss * s_wt - s_ws * s_wst) / det
+    beta = (s_w * s_wst - s_ws * s_wt) / det
+    if beta <= 0:
+        raise ValueError(f"fitted beta={beta:.3g} s/byte is not positive: times do not grow with size "
+                         "(measure larger messages or more iterations)")
+    return LinkModel(alpha=max(alpha, 0.0), beta=beta, name=name)
+
+
+# ----------------------------------------------------------------------------- measuring (rank code)
+def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), iters: int = 20,
+              warmup: int = 3, budget_s: float = 0.3, all_pairs: bool = False) -> list[float] | None:
+    """Inside rank code on >= 2 ranks: ranks 0 and 1 bounce one message of each size back and
+    forth; returns the one-way times on rank 0 (None on the others).
+
+    all_pairs=True: every pair (0,1), (2,3), ... bounces at the same time, so the link is
+    measured under the load a collective puts on the machine (every rank busy at once), not
+    in isolation; what matters when ranks share CPU cores, as emulated ranks do.
+
+    One-way time = fastest round trip / 2. The minimum, not the mean: on a shared machine
+    every disturbance makes a round trip slower, never faster, so the fastest one is the
+    best estimate of what the link itself costs. Each size runs `iters` round trips, or
+    fewer (at least 3) once they exceed `budget_s`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if n < 2:
+        raise ValueError("ping_pong needs at least 2 ranks")
+    me, peer = rank % 2, rank ^ 1  # me == 0: the pinger of the pair (rank, rank ^ 1)
+    active = rank <= 1 or (all_pairs and peer < n)
+    results = []
+    for size in sizes_bytes if active else ():
+        buf = torch.zeros(max(1, int(size)), dtype=torch.uint8)
+        stop = torch.zeros(1, dtype=torch.uint8)
+        best, start = float("inf"), time.perf_counter()
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            if me == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+            if i >= warmup:
+                best = min(best, time.perf_counter() - t0)
+            # The pinger decides when to stop and tells its partner (outside the timed part).
+            if me == 0:
+                stop[0] = int(i >= warmup + 2 and time.perf_counter() - start > budget_s)
+                dist.send(stop, peer)
+            else:
+                dist.recv(stop, peer)
+            if stop.item():
+                break
+        results.append(best / 2)
+    dist.barrier()
+    return results if rank == 0 else None
+
+
+def time_collective(fn, nbytes: int, iters: int = 5, warmup: int = 1) -> float:
+    """Inside rank code: seconds for one call of fn(tensor) on a float32 tensor of `nbytes`.
+
+    Every iteration starts together (barrier) and counts as long as its slowest rank; the
+    fastest iteration is returned on every rank (see ping_pong for why the minimum).
+    """
+    import torch
+    import torch.distributed as dist
+
+    x = torch.randn(max(1, int(nbytes) // 4))
+    for _ in range(warmup):
+        fn(x)
+    best = float("inf")
+    elapsed = torch.zeros(1, dtype=torch.float64)
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn(x)
+        elapsed[0] = time.perf_counter() - t0
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        best = min(best, elapsed.item())
+    return best

@@ -1,0 +1,102 @@
+"""Tests for course_lib.costmodel: the alpha-beta fit, the per-algorithm formulas, the
+crossovers, and that the measuring helpers run (no assertions on how fast anything is)."""
+
+import math
+import random
+
+import pytest
+
+from course_lib import costmodel as cm
+from course_lib import comm, run_on_ranks
+
+IB = cm.CLUSTERS["HDR InfiniBand 200 Gb/s (inter-node)"]
+
+
+def test_fit_recovers_alpha_beta_exactly_from_clean_data():
+    alpha, beta = 25e-6, 1 / 3e9
+    sizes = [8, 1024, 65536, 1 << 20, 1 << 24]
+    link = cm.fit_alpha_beta(sizes, [alpha + s * beta for s in sizes])
+    assert link.alpha == pytest.approx(alpha, rel=1e-9)
+    assert link.beta == pytest.approx(beta, rel=1e-9)
+    assert link.bandwidth == pytest.approx(3e9, rel=1e-9)
+
+
+def test_fit_is_robust_to_relative_noise():
+    rng = random.Random(0)
+    alpha, beta = 50e-6, 1 / 1e9
+    sizes = [2**k for k in range(3, 25)]
+    times = [(alpha + s * beta) * (1 + rng.uniform(-0.05, 0.05)) for s in sizes]
+    link = cm.fit_alpha_beta(sizes, times)
+    # 1/t weighting keeps alpha meaningful although it is 300x smaller than the largest time
+    assert link.alpha == pytest.approx(alpha, rel=0.1)
+    assert link.beta == pytest.approx(beta, rel=0.1)
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="two distinct"):
+        cm.fit_alpha_beta([8, 8], [1e-5, 1e-5])
+    with pytest.raises(ValueError, match="> 0"):
+        cm.fit_alpha_beta([8, 16], [1e-5, 0.0])
+    with pytest.raises(ValueError, match="beta"):
+        cm.fit_alpha_beta([8, 1 << 20], [1e-3, 1e-4])
+
+
+@pytest.mark.parametrize("n", range(2, 17))
+def test_cost_terms_match_the_formulas(n):
+    p = 2 ** int(math.log2(n))
+    assert cm.cost_terms("ring", n) == (2 * (n - 1), 2 * (n - 1) / n)
+    assert cm.cost_terms("reduce_scatter", n) == cm.cost_terms("all_gather", n) == (n - 1, (n - 1) / n)
+    assert cm.cost_terms("ps", n) == (2 * (n - 1), 2 * (n - 1))
+    steps = math.log2(p) + (2 if n != p else 0)
+    assert cm.cost_terms("tree", n) == (steps, steps)
+    # a ring all-reduce is a reduce-scatter followed by an all-gather
+    rs, ring = cm.cost_terms("reduce_scatter", n), cm.cost_terms("ring", n)
+    assert ring == (2 * rs[0], 2 * rs[1])
+    # the bandwidth terms agree with the per-rank bytes comm.py is tested to send
+    s = 1 << 20
+    assert ring[1] * s == comm.theory_bytes_sent("ring", s, n)
+    assert cm.cost_terms("ps", n)[1] * s == 2 * comm.theory_bytes_sent("ps", s, n)  # server: in, then out
+
+
+def test_predict_time_and_regimes():
+    s = 1 << 30
+    assert cm.predict_time("ring", s, 64, IB) == pytest.approx(126 * IB.alpha + 126 / 64 * s * IB.beta)
+    # ring bandwidth term tends to 2 S beta: adding ranks barely costs bandwidth
+    assert cm.predict_time("ring", s, 1024, IB) < 2 * s * IB.beta + 2 * 1023 * IB.alpha + 1e-12
+    assert cm.regime("ring", 8, 64, IB) == "latency-bound"
+    assert cm.regime("ring", s, 64, IB) == "bandwidth-bound"
+    assert cm.predict_time("ring", s, 1, IB) == 0.0
+    with pytest.raises(ValueError, match="algorithm"):
+        cm.predict_time("butterfly", s, 4, IB)
+    with pytest.raises(ValueError, match="world_size"):
+        cm.cost_terms("ring", 0)
+
+
+@pytest.mark.parametrize("name", sorted(cm.CLUSTERS))
+@pytest.mark.parametrize("n", [8, 64, 1000])
+def test_tree_wins_small_ring_wins_large_ps_never_wins(name, n):
+    link = cm.CLUSTERS[name]
+    s_star = cm.crossover_bytes("tree", "ring", n, link)
+    assert s_star is not None and s_star > 0
+    assert cm.predict_time("tree", s_star, n, link) == pytest.approx(cm.predict_time("ring", s_star, n, link))
+    assert cm.predict_time("tree", s_star / 4, n, link) < cm.predict_time("ring", s_star / 4, n, link)
+    assert cm.predict_time("tree", s_star * 4, n, link) > cm.predict_time("ring", s_star * 4, n, link)
+    for size in (8, 1 << 20, 1 << 30):
+        assert cm.predict_time("ps", size, n, link) >= cm.predict_time("ring", size, n, link)
+    assert cm.crossover_bytes("ring", "ps", n, link) is None  # equal alpha terms: ring always ahead
+
+
+def _measure_small():
+    import torch.distributed as dist
+
+    pp = cm.ping_pong(sizes_bytes=(8, 4096), iters=3, warmup=1, all_pairs=True)
+    t = cm.time_collective(comm.ring_all_reduce, 4096, iters=2)
+    return pp, t, dist.get_rank()
+
+
+def test_measuring_helpers_run_and_agree_across_ranks():
+    results = run_on_ranks(_measure_small, world_size=4, timeout_s=60, check_collectives=False)
+    pp, t, _ = results[0]
+    assert len(pp) == 2 and all(x > 0 for x in pp)
+    assert all(r[0] is None for r in results[1:])  # only rank 0 reports the ping-pong
+    assert t > 0 and all(r[1] == t for r in results)  # the slowest rank's time, everywhere
