@@ -1,0 +1,380 @@
+"""Data parallelism from scratch: every rank holds a whole replica of the model, computes
+the gradient of its own 1/N of the batch, and the ranks average those gradients:
+
+    rank r:   g_r = grad of L(theta; shard_r)        shard_r = B/N examples of the global batch
+    all:      g   = (1/N) * sum_r g_r                  one all-reduce (SUM of g_r / N)
+              theta <- AdamW(theta, clip(g))           same g everywhere -> replicas stay equal
+
+The loss is a mean over examples, so with equal shards g is exactly the gradient of the
+global batch: N-rank data parallel IS single-process training on the concatenated batch,
+up to float rounding. Gradient clipping after the average sees the global norm ||g||, so it
+clips exactly as the reference does.
+
+Two ways to average, same numbers, different cost:
+  naive_all_reduce_gradients(model)  after backward, one blocking all-reduce per parameter:
+                                     P calls (each pays a latency alpha) and the network is
+                                     idle during backward, the CPU/GPU idle during comm.
+  DDP(model, bucket_cap_mb)          torch DistributedDataParallel's design:
+    * buckets: parameters in reverse registration order (roughly the order backward
+      produces their gradients) packed into flat buffers of <= bucket_cap_mb; one call per
+      bucket, so time ~ n_buckets * alpha + S / beta instead of P * alpha + S / beta;
+    * overlap: a hook per parameter fires when its gradient is accumulated; when a bucket
+      is full its all-reduce starts asynchronously while backward continues on earlier
+      layers. Buckets always start in index order (the same order on every rank: async
+      collectives are matched by issue order);
+    * finish: at the end of backward (queued automatically from the first hook) any bucket
+      not yet started is started -- a parameter with no gradient on this rank counts as
+      zeros -- then every bucket is waited for and copied back into p.grad. So every
+      bucketed parameter gets a gradient; one unused on EVERY rank gets zeros (torch DDP
+      leaves it None, so AdamW skips it; with zeros AdamW still applies weight decay and
+      momentum to it). `finish_gradient_synchronization()` is idempotent; call it yourself
+      only if some rank's loss may not depend on any parameter (no hook fires there).
+    * no_sync(): backward inside it only accumulates local gradients (micro-batches).
+
+Bytes: each rank's gradient is S = 4 * P bytes (fp32). CommTracer counts S per rank for
+either version (logical payload); a ring all-reduce puts 2 (N-1)/N * S bytes per rank on
+the wire. Frozen parameters (requires_grad=False) are not communicated; a tied weight is
+one Parameter, so it is reduced once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course_lib.compat import all_gather_single
+from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.launch import device as rank_device
+from course_lib.model import GPT
+from course_lib.timeline import Timeline
+from course_lib.tracer import CommTracer
+from course_lib.train import make_optimizer
+
+MB = 2**20
+
+
+def _check_positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number")
+
+
+# ---------------------------------------------------------------------------- replicas
+def check_replicas(model: nn.Module, group=None, check_values: bool = True) -> None:
+    """Raise ValueError unless every rank of `group` holds parameters with the same names and
+    shapes (and, with check_values, bit-identical values). Collective: all ranks must call it.
+
+    Cost: one all-gather of 2 numbers (+ one of 2 per parameter for values): a CRC of the
+    "name:shape" list, and per parameter sum(p) and sum(p * (1..n)) in float64.
+    """
+    named = list(model.named_parameters())
+    dev = named[0][1].device if named else torch.device("cpu")
+    layout = [f"{name}:{tuple(p.shape)}" for name, p in named]
+    n = dist.get_world_size(group)
+
+    def gather(vec: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(n * vec.numel(), dtype=vec.dtype, device=dev)
+        all_gather_single(out, vec.to(dev), group=group)
+        return out.view(n, -1).cpu()
+
+    rows = gather(torch.tensor([len(named), zlib.crc32(";".join(layout).encode())], dtype=torch.int64))
+    if not (rows == rows[0]).all():
+        layouts = [None] * n
+        dist.all_gather_object(layouts, layout, group=group)  # error path only: name the culprit
+        for r in range(1, n):
+            diff = [(a, b) for a, b in zip(layouts[0], layouts[r]) if a != b]
+            if diff or len(layouts[r]) != len(layouts[0]):
+                what = (f"rank 0 has {diff[0][0]}, rank {r} has {diff[0][1]}" if diff else
+                        f"rank 0 has {len(layouts[0])} parameters, rank {r} has {len(layouts[r])}")
+                raise ValueError(f"model replicas differ in parameter shapes: {what}; every rank must "
+                                 f"build the same model before data-parallel training")
+    if check_values and named:
+        sums = [torch.stack([p.detach().double().sum(),
+                             (p.detach().double().flatten() * torch.arange(1, p.numel() + 1, device=p.device)).sum()])
+                for _, p in named]
+        rows = gather(torch.cat(sums))
+        bad = (rows != rows[0]).view(n, len(named), 2).any(dim=2).any(dim=0)
+        if bad.any():
+            name = named[int(bad.nonzero()[0])][0]
+            raise ValueError(f"model replicas differ in parameter values (first: {name!r}); build every "
+                             f"replica from the same seed, or broadcast rank 0's parameters (DDP does)")
+
+
+def broadcast_parameters(module: nn.Module, group=None) -> None:
+    """Copy the first rank's parameters and buffers to every rank (one flat broadcast)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    tensors = list(module.parameters()) + list(module.buffers())
+    with torch.no_grad():
+        for dtype in sorted({t.dtype for t in tensors}, key=str):  # one message per dtype
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+# ---------------------------------------------------------------------------- naive
+_verified = weakref.WeakSet()
+
+
+def naive_all_reduce_gradients(model: nn.Module, group=None) -> None:
+    """After backward: p.grad <- mean over ranks of p.grad, one all-reduce per parameter.
+
+    The first call for a model checks that all replicas are equal (check_replicas), since
+    averaging gradients only keeps replicas equal if they start equal. A parameter without
+    a gradient on this rank joins with zeros (every rank must make the same calls).
+    """
+    if model not in _verified:
+        check_replicas(model, group)
+        _verified.add(model)
+    n = dist.get_world_size(group)
+    for p in model.parameters():  # parameters() yields a tied weight once
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.div_(n)  # sum of g_r / N = mean (exact when N is a power of two)
+        dist.all_reduce(p.grad, group=group)
+
+
+# ---------------------------------------------------------------------------- DDP
+def assign_buckets(sizes_bytes: list[int], bucket_cap_bytes: float) -> list[list[int]]:
+    """Group parameter indices into buckets, walking from the LAST parameter to the first
+    (backward produces gradients roughly in that order). A bucket is closed when the next
+    parameter would push it past the cap; a parameter larger than the cap gets its own."""
+    _check_positive("bucket_cap_bytes", bucket_cap_bytes)
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(sizes_bytes))):
+        if current and size + sizes_bytes[i] > bucket_cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += sizes_bytes[i]
+    return buckets + ([current] if current else [])
+
+
+class AllReduceHandle:
+    """An async all-reduce in flight. wait() returns the reduced tensor; done_at is the
+    time.perf_counter() at which the backend finished (set from its own thread)."""
+
+    def __init__(self, work, tensor):
+        self.work, self.tensor, self.done_at = work, tensor, None
+        work.get_future().add_done_callback(self._done)
+
+    def _done(self, _future):
+        self.done_at = time.perf_counter()
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor
+
+
+def all_reduce_hook(bucket_index: int, flat: torch.Tensor, group=None) -> AllReduceHandle:
+    """The default communication hook: sum `flat` (already divided by N) over the ranks."""
+    return AllReduceHandle(dist.all_reduce(flat, group=group, async_op=True), flat)
+
+
+class Bucket:
+    """Parameters whose gradients travel together in one flat tensor."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        self.index, self.params = index, params
+        self.ready = 0  # gradients accumulated so far in this step
+        self.handle = None  # the communication in flight
+        self.started = 0.0  # when it was launched (for the timeline)
+
+
+class DDP(nn.Module):
+    """Bucketed, overlapped data parallelism (see the module docstring for the design).
+
+    comm_hook(bucket_index, flat, group) -> handle with .wait() -> averaged flat tensor;
+    `flat` arrives already divided by N. course_lib.parallel.compression has hooks that
+    send fewer bytes. timeline: a course_lib.timeline.Timeline; each bucket becomes a
+    "comm" event from launch to completion and each finish a "finish" event (launching the
+    buckets not yet launched, then waiting).
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True, group=None,
+                 comm_hook=None, timeline=None):
+        super().__init__()
+        _check_positive("bucket_cap_mb", bucket_cap_mb)
+        if not dist.is_initialized():
+            raise RuntimeError("DDP needs an initialised process group: run inside run_on_ranks or torchrun")
+        self.module, self.group, self.overlap = module, group, overlap
+        self.comm_hook, self.timeline = comm_hook or all_reduce_hook, timeline
+        self.world_size = dist.get_world_size(group)
+        check_replicas(module, group, check_values=False)  # shapes must match...
+        broadcast_parameters(module, group)  # ...values: rank 0's copy wins
+        params = [p for p in module.parameters() if p.requires_grad]  # frozen: skipped; tied: once
+        layout = assign_buckets([p.numel() * p.element_size() for p in params], bucket_cap_mb * MB)
+        self.buckets = [Bucket(b, [params[i] for i in idx]) for b, idx in enumerate(layout)]
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._sync = True  # False inside no_sync()
+        self._expect = False  # a forward with grad enabled outside no_sync: a sync is due
+        self._next = 0  # index of the next bucket to launch
+        self._queued = False  # finish already queued to run at the end of this backward
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self._expect = self._sync
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate local gradients; the first backward after
+        it synchronises the accumulated sum (gradient accumulation over micro-batches)."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self._expect:
+            return
+        if not self._queued:  # run finish once autograd has finished this whole backward
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+            self._queued = True
+        self._bucket_of[p].ready += 1
+        if self.overlap:  # launch every full bucket whose predecessors have all been launched
+            while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+                self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)  # sum of g_r/N = mean
+        bucket.started = time.perf_counter()
+        bucket.handle = self.comm_hook(bucket.index, flat, self.group)
+        self._next += 1
+
+    def finish_gradient_synchronization(self) -> None:
+        """Launch the buckets not launched yet, wait for all of them, write p.grad = mean."""
+        if not self._expect:
+            return  # nothing due: inside no_sync, or already finished
+        t0 = time.perf_counter()
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        for b in self.buckets:
+            flat = b.handle.wait()
+            done = getattr(b.handle, "done_at", None) or time.perf_counter()
+            if self.timeline is not None:
+                self.timeline.add(f"b{b.index}", b.started, max(done, b.started), "comm")
+            offset = 0
+            for p in b.params:
+                g = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            b.handle, b.ready = None, 0
+        if self.timeline is not None:
+            self.timeline.add("finish", t0, time.perf_counter(), "idle")
+        self._next, self._queued, self._expect = 0, False, False
+
+
+# ---------------------------------------------------------------------------- training
+STRATEGIES = ("ddp", "naive", "torch")
+
+
+def _check_run(strategy, accum_steps, batch_size, world_size):
+    if not callable(strategy) and strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES} or a callable wrap(model, group)")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1")
+    if batch_size % (world_size * accum_steps):
+        raise ValueError(f"batch_size={batch_size} must be divisible by world_size * accum_steps = "
+                         f"{world_size} * {accum_steps}: every rank takes equal micro-batches")
+
+
+def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_steps: int = 1, group=None,
+                        model_fn=None, record_timeline: bool = False, trace: bool = False, **ddp_kwargs) -> dict:
+    """Rank code: course_lib.train's reference loop, made data parallel.
+
+    Every rank draws the reference's global batch indices with the same seeded generator
+    (data.sample_indices), keeps its contiguous share idx[r*B/N : (r+1)*B/N] and splits it
+    into accum_steps micro-batches (all but the last under no_sync). Each micro-batch loss
+    is divided by accum_steps, so the summed gradient is the mean over the rank's share.
+    strategy: "ddp" (ours), "naive" (naive_all_reduce_gradients), "torch"
+    (torch.nn.parallel.DistributedDataParallel) or a callable wrap(model, group) -> wrapper
+    with finish_gradient_synchronization() (the exercise). model_fn(config, seed) builds the model
+    (default GPT). Returns {"losses": this rank's per-step losses (the global loss is their
+    mean over ranks), "params"/"grads": flat final parameters and last gradients, "step_s",
+    with record_timeline "events" (Timeline events: forward/backward/... and buckets), with
+    trace "comm" (CommTracer summary of the training steps, after any wrapper was built)}.
+    """
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    timeline = Timeline() if record_timeline else None
+    _check_run(strategy, accum_steps, train_cfg.batch_size, n)
+    dataset = CharDataset("train", block_size=model_config.block_size)
+    dev = rank_device()  # the CPU under gloo, this rank's GPU under NCCL
+    model = (model_fn or GPT)(model_config, seed=train_cfg.seed).to(dev)
+    if callable(strategy):
+        wrapped = strategy(model, group)
+    elif strategy == "ddp":
+        wrapped = DDP(model, group=group, timeline=timeline, **ddp_kwargs)
+    elif strategy == "torch":
+        ids = [dev.index] if dev.type == "cuda" else None
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group, **ddp_kwargs)
+    else:
+        wrapped = model
+    optimizer = make_optimizer(model, train_cfg)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    share, micro = train_cfg.batch_size // n, train_cfg.batch_size // (n * accum_steps)
+    spans = timeline.span if timeline is not None else (lambda *a: contextlib.nullcontext())
+    out = {"losses": [], "step_s": []}
+    tracer = CommTracer() if trace else contextlib.nullcontext()
+    with tracer:
+        for _ in range(train_cfg.steps):
+            start = time.perf_counter()
+            idx = sample_indices(len(dataset), train_cfg.batch_size, gen)[rank * share:(rank + 1) * share]
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for k in range(accum_steps):
+                x, y = (t.to(dev) for t in collate(dataset, idx[k * micro:(k + 1) * micro]))
+                last = k == accum_steps - 1
+                with contextlib.nullcontext() if last or not hasattr(wrapped, "no_sync") else wrapped.no_sync():
+                    with spans("forward", "forward"):
+                        _, loss = wrapped(x, y)
+                    with spans("backward", "backward"):
+                        (loss / accum_steps).backward()  # ours: buckets reduced at the end of the last one
+                loss_sum += loss.item() / accum_steps
+            if strategy == "naive":
+                with spans("all-reduce", "comm"):
+                    naive_all_reduce_gradients(model, group)
+            elif hasattr(wrapped, "finish_gradient_synchronization"):
+                wrapped.finish_gradient_synchronization()  # ours: a no-op, it ran at the end of backward
+            with spans("optimizer", "optimizer"):
+                if train_cfg.grad_clip:  # on the averaged gradient: the global norm, as in the reference
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
+                optimizer.step()
+            out["losses"].append(loss_sum)
+            out["step_s"].append(time.perf_counter() - start)
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    out["grads"] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in model.parameters()]).cpu()
+    if timeline is not None:
+        out["events"] = timeline.events
+    if trace:
+        out["comm"] = tracer.summary()
+    return out
+
+
+def run_data_parallel(world_size: int, model_config, train_cfg, strategy: str = "ddp", accum_steps: int = 1,
+                      backend: str = "auto", timeout_s: float = 120, check_collectives: bool = True,
+                      **kwargs) -> list[dict]:
+    """Parent side: validate, then run train_data_parallel on `world_size` ranks (run_on_ranks'
+    backend/timeout_s/check_collectives; other kwargs go to train_data_parallel)."""
+    from course_lib.runtime import run_on_ranks
+
+    _check_run(strategy, accum_steps, train_cfg.batch_size, world_size)
+    return run_on_ranks(train_data_parallel, model_config, train_cfg, strategy, accum_steps, world_size=world_size,
+                        backend=backend, timeout_s=timeout_s, check_collectives=check_collectives, **kwargs)

@@ -1,0 +1,117 @@
+# %% [markdown]
+# # Exercise 03: bucketed, overlapped data parallelism
+#
+# **Goal.** Write a reduced `DistributedDataParallel` in `exercises/ex03_ddp/student.py`
+# (notebook `03_data_parallel` explains every idea used here):
+#
+# 1. `build_buckets(sizes_bytes, bucket_cap_bytes)`: group parameter indices into buckets,
+#    walking from the **last** parameter to the first (backward produces gradients roughly in
+#    that order), closing a bucket when the next parameter would push it past the cap.
+# 2. `SimpleDDP(module, bucket_cap_mb, group)`:
+#    * `__init__` copies rank 0's parameters to every rank, builds the buckets and registers a
+#      `register_post_accumulate_grad_hook` on every trainable parameter;
+#    * `_on_grad_ready(p)` counts ready gradients and, when a bucket is full, starts its
+#      all-reduce **asynchronously** (`async_op=True`) on the flattened bucket, divided by `N`;
+#    * `finish_gradient_synchronization()` (called after `backward()`, before the optimizer
+#      step) waits for every bucket and writes the averaged gradients back into `p.grad`.
+#
+# You may assume every trainable parameter gets a gradient in every step (no unused
+# parameters) and no gradient accumulation; the course's `course_lib.parallel.DDP` handles
+# those too, once you are done compare your code with it.
+#
+# **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
+# `CheckFailed` (or your own error) when it is not. Your model is trained for a few steps on 2
+# and 4 ranks and compared with `torch.nn.parallel.DistributedDataParallel` on the same data.
+# Edit `student.py`, then *Kernel → Restart and run all*.
+
+# %%
+import time
+
+import torch
+import torch.distributed as dist
+
+from course_lib import CommTracer, run_on_ranks
+from course_lib.data import CharDataset, get_batch
+from course_lib.grading import check_close, check_equal, load_student
+from course_lib.model import GPT, GPTConfig
+from course_lib.parallel import assign_buckets
+from course_lib.parallel.data_parallel import train_data_parallel
+from course_lib.train import TrainConfig
+
+student = load_student("ex03_ddp")
+CONFIG = GPTConfig.tiny(CharDataset("train").vocab_size)
+# No clipping: AdamW and clipping both ignore the gradient's scale, so a DDP that forgets to
+# divide by N would still produce the right parameters. Comparing raw gradients catches it.
+TRAIN = TrainConfig(steps=4, batch_size=8, grad_clip=0.0, progress=False)
+CAP_MB = 0.05  # small buckets: the tiny GPT's 0.4 MB of gradients make about 9 of them
+
+# %% [markdown]
+# ## Check 1: `build_buckets`
+# Sizes are in bytes. A parameter larger than the cap gets a bucket of its own.
+
+# %%
+check_equal("4 equal sizes, cap 8", student.build_buckets([4, 4, 4, 4], 8), [[3, 2], [1, 0]])
+check_equal("one oversized parameter", student.build_buckets([4, 100, 4, 4], 10), [[3, 2], [1], [0]])
+check_equal("everything fits", student.build_buckets([1, 2, 3], 10**9), [[2, 1, 0]])
+sizes = [p.numel() * 4 for p in GPT(CONFIG).parameters()]
+check_equal("the course GPT, cap 0.05 MB", student.build_buckets(sizes, CAP_MB * 2**20),
+            assign_buckets(sizes, CAP_MB * 2**20))
+
+# %% [markdown]
+# ## Check 2: same training as torch's DDP, on 2 and 4 ranks
+# Both runs start from the same model and see the same data; after 4 AdamW steps the
+# parameters and the last averaged gradients must agree (up to float rounding), and every rank
+# must hold the same replica.
+
+# %%
+def wrap_student(model, group):
+    return student.SimpleDDP(model, bucket_cap_mb=CAP_MB, group=group)
+
+
+def both(config, cfg):
+    mine = train_data_parallel(config, cfg, wrap_student)
+    theirs = train_data_parallel(config, cfg, "torch", bucket_cap_mb=CAP_MB)
+    return mine, theirs
+
+
+for world_size in (2, 4):
+    res = run_on_ranks(both, CONFIG, TRAIN, world_size=world_size, backend="gloo", timeout_s=60)
+    mine, theirs = res[0]
+    check_close(f"{world_size} ranks: last averaged gradients = torch DDP's", mine["grads"], theirs["grads"],
+                rtol=1e-4, atol=1e-6)
+    check_close(f"{world_size} ranks: parameters after {TRAIN.steps} steps = torch DDP's", mine["params"],
+                theirs["params"], rtol=1e-4, atol=1e-5)
+    check_equal(f"{world_size} ranks: every replica identical",
+                all(torch.equal(r[0]["params"], mine["params"]) for r in res), True)
+
+# %% [markdown]
+# ## Check 3: one all-reduce per bucket, launched during backward
+# The tracer counts the collective calls of one step; each call's start time is compared with
+# the moment `backward()` returned. A DDP that reduces after backward (or per parameter) fails.
+
+# %%
+def one_step(config):
+    model = GPT(config)
+    ddp = student.SimpleDDP(model, bucket_cap_mb=CAP_MB)
+    x, y = get_batch(CharDataset("train"), 4, torch.Generator().manual_seed(dist.get_rank()))
+    with CommTracer() as tracer:
+        _, loss = ddp(x, y)
+        loss.backward()
+        backward_done = time.perf_counter()
+        ddp.finish_gradient_synchronization()
+    calls = [r for r in tracer.records if r.op == "all_reduce"]
+    return {"buckets": len(ddp.buckets), "calls": len(calls), "bytes": sum(r.bytes_sent for r in calls),
+            "during_backward": sum(r.start < backward_done for r in calls)}
+
+
+n_buckets = len(assign_buckets(sizes, CAP_MB * 2**20))
+for r in run_on_ranks(one_step, CONFIG, world_size=2, backend="gloo", timeout_s=60)[:1]:
+    check_equal("number of buckets", r["buckets"], n_buckets)
+    check_equal("one all-reduce per bucket", r["calls"], n_buckets)
+    check_equal("bytes all-reduced = the whole gradient (4 bytes per parameter)", r["bytes"], sum(sizes))
+    check_equal("every bucket launched while backward was running", r["during_backward"], n_buckets)
+
+# %% [markdown]
+# All checks passed? Then you have written the heart of PyTorch's DDP. Compare your code with
+# `course_lib/parallel/data_parallel.py`: what does it add for parameters that get no gradient
+# in a step, and why must buckets then be launched in index order on every rank?

@@ -1,0 +1,729 @@
+# %% [markdown]
+# # 03 · Data parallelism from scratch
+#
+# **Data parallelism** (DP) is the first strategy every large training run uses and the one
+# all others are combined with. Each of the `N` ranks holds a **complete copy** of the model,
+# takes its own `1/N` of every batch, computes gradients on it, and then the ranks
+# **average their gradients** before the optimizer step. Because every rank then applies the
+# same update to the same weights, the copies stay identical, and the whole thing computes
+# exactly what one process would on the full batch, only `N` times faster on `N` devices.
+#
+# The one new cost is communication: every step, every rank must exchange a gradient as big
+# as the model. This notebook builds DP from scratch in `course_lib/parallel/data_parallel.py`
+# (read it: about 300 lines), proves it correct, and then makes that communication cheap:
+#
+# 1. why averaging gradients over shards equals training on the concatenated batch;
+# 2. the data side: giving every rank its own shard, without overlap;
+# 3. **naive DP**: one all-reduce per parameter after backward, and what it costs;
+# 4. **DDP**: gradient buckets, all-reduces launched from autograd hooks *during* backward,
+#    and the corner cases (frozen, unused and tied parameters, gradient accumulation);
+# 5. the proof: equal to the single-process reference and to PyTorch's
+#    `DistributedDataParallel`, on 2 and 4 ranks, with and without accumulation;
+# 6. the overlap made visible on a per-rank timeline, a bucket-size sweep, and step time
+#    against the number of ranks;
+# 7. **gradient compression**: low-precision all-reduce and top-k with error feedback;
+# 8. what happens with bad input.
+
+# %%
+%matplotlib inline
+import inspect
+import os
+import time
+from types import SimpleNamespace
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from course_lib import CommTracer, format_summary, merge_summaries, plot_gantt, run_on_ranks
+from course_lib.data import CharDataset, sample_indices
+from course_lib.model import GPT, GPTConfig
+from course_lib.parallel import (DDP, LowPrecisionHook, TopKHook, assign_buckets, check_replicas,
+                                 naive_all_reduce_gradients, run_data_parallel)
+from course_lib.parallel.compression import topk_count
+from course_lib.parallel.data_parallel import train_data_parallel
+from course_lib.train import TrainConfig, smooth, train_reference
+
+torch.manual_seed(0)
+DATA = CharDataset("train")
+CONFIG = GPTConfig.tiny(DATA.vocab_size)  # 2 layers, d_model 64: the tests' model
+N_PARAMS = GPT(CONFIG).num_params()
+print(f"course GPT: {N_PARAMS:,} parameters -> {4 * N_PARAMS:,} bytes of fp32 gradient per step")
+# Every run below uses CPU ranks (gloo, even on a GPU machine: the timings and their discussion
+# are about this 2-core box) and skips the collective checks (see the note below).
+RANKS = dict(backend="gloo", check_collectives=False)
+
+# %% [markdown]
+# Every run below passes `**RANKS`: CPU ranks, and `check_collectives=False`. The check
+# (notebook 00) adds a small blocking all-gather before each collective, which is what you
+# want while writing new rank code, but it would distort the timings of sections 7-9, and one
+# setting for the whole notebook means one pool of ranks per world size instead of two. The
+# code run here is covered by `tests/test_data_parallel.py` with the checks on.
+
+# %% [markdown]
+# ## 1. Why the average gradient is the big-batch gradient
+#
+# The training loss of a batch $B$ is a **mean** over its examples,
+# $L(\theta; B) = \frac{1}{|B|}\sum_{i\in B} \ell_i(\theta)$. Split $B$ into `N` equal shards
+# $B_0, \dots, B_{N-1}$, one per rank. Rank `r` computes the gradient of its own shard's mean,
+# $g_r = \nabla L(\theta; B_r)$, and then
+#
+# $$\frac{1}{N}\sum_{r=0}^{N-1} g_r \;=\; \frac{1}{N}\sum_r \frac{N}{|B|}\sum_{i\in B_r}\nabla\ell_i
+# \;=\; \frac{1}{|B|}\sum_{i\in B}\nabla \ell_i \;=\; \nabla L(\theta; B).$$
+#
+# So after one **all-reduce** (sum over ranks, then divide by `N`) every rank holds the
+# gradient of the *global* batch. Everything after it is the same on every rank:
+# gradient clipping sees the global norm $\lVert\nabla L(\theta;B)\rVert$, AdamW sees the same
+# gradient, and since every rank started from the same $\theta$ they all end at the same
+# $\theta'$. DP is not an approximation: it is the single-process algorithm, computed by `N`
+# processes (up to float rounding, since sums are added in another order).
+#
+# Two architectures have been used for the averaging (source article 001): a **parameter
+# server** (every worker sends its gradient to a central process, which adds them and sends
+# the result back: its links carry `(N-1)·S` bytes) and **all-reduce** among the workers. With
+# a ring all-reduce (notebook 02) every rank sends only $2\frac{N-1}{N}S$ bytes for a gradient
+# of $S$ bytes, nearly independent of `N`; that is what PyTorch, Horovod and NCCL do, and what
+# we use here.
+#
+# ## 2. The data side: one shard per rank
+#
+# In real training, a dataset is read in **epochs**, and `torch.utils.data.DistributedSampler`
+# gives every rank a disjoint part of a shuffled permutation: rank `r` takes positions
+# `r, r+N, r+2N, …`. With `drop_last=True` the few samples beyond a multiple of `N` are
+# dropped instead of repeated, so no window of text is seen twice in an epoch.
+# `set_epoch(e)` reseeds the shuffle, so each epoch every rank gets a *different* shard.
+# Here are the 4 shards of the course's training text (about 418,000 next-character windows),
+# built exactly as each rank would build its own:
+
+# %%
+def shards(dataset, n, epoch):
+    out = []
+    for rank in range(n):
+        sampler = DistributedSampler(dataset, num_replicas=n, rank=rank, shuffle=True, seed=0, drop_last=True)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+N = 4
+per_epoch = [shards(DATA, N, epoch) for epoch in (0, 1)]
+for epoch, ranks in enumerate(per_epoch):
+    sets = [set(s) for s in ranks]
+    union = set().union(*sets)
+    assert all(len(s) == len(DATA) // N for s in sets)              # equal shards, no repeats
+    assert len(union) == sum(len(s) for s in sets)                  # pairwise disjoint
+    assert len(DATA) - len(union) == len(DATA) % N                  # only the remainder is dropped
+    print(f"epoch {epoch}: {N} shards of {len(sets[0]):,} windows, pairwise disjoint, "
+          f"{len(union):,} of {len(DATA):,} windows covered")
+for rank in range(N):
+    same = len(set(per_epoch[0][rank]) & set(per_epoch[1][rank])) / len(per_epoch[0][rank])
+    assert same < 0.5
+    print(f"rank {rank}: {same:.1%} of its epoch-1 shard was also in its epoch-0 shard (chance: 1/{N})")
+
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(9, 1.8), sharex=True)
+owner = torch.empty(len(DATA), dtype=torch.long)
+for ax, ranks, epoch in zip(axes, per_epoch, (0, 1)):
+    owner.fill_(-1)
+    for rank, idx in enumerate(ranks):
+        owner[torch.tensor(idx)] = rank
+    ax.imshow(owner[:120].view(1, -1), aspect="auto", cmap="tab10", vmin=0, vmax=9, interpolation="nearest")
+    ax.set_yticks([0], [f"epoch {epoch}"])
+axes[1].set_xlabel("dataset index (first 120 windows); colour = the rank that trains on it")
+fig.suptitle("DistributedSampler: every window goes to exactly one rank, a different one each epoch", fontsize=10)
+plt.show()
+
+# %% [markdown]
+# **The global-batch view.** To compare DP with the single-process reference step by step
+# (`course_lib.train.train_reference`, which draws each batch with
+# `data.sample_indices(len, B, generator)`), every rank draws the reference's *global* batch
+# indices with the same seeded generator and keeps its contiguous slice; with gradient
+# accumulation the slice is further cut into micro-batches. `train_data_parallel` does this:
+
+# %%
+B, n, accum = 8, 2, 2
+global_idx = sample_indices(len(DATA), B, torch.Generator().manual_seed(0))
+share, micro = B // n, B // (n * accum)
+print("global batch:", global_idx.tolist())
+for rank in range(n):
+    mine = global_idx[rank * share:(rank + 1) * share]
+    print(f"rank {rank}: micro-batches", [mine[k * micro:(k + 1) * micro].tolist() for k in range(accum)])
+
+# %% [markdown]
+# Each micro-batch loss is divided by `accum`, so the gradients summed over a rank's
+# micro-batches are the gradient of its shard's mean, and the all-reduce does the rest.
+#
+# ## 3. Naive data parallel
+#
+# The simplest correct implementation: after `loss.backward()`, all-reduce every gradient,
+# one parameter at a time, and divide by `N`. We divide *before* summing (`g/N` summed over
+# ranks is the mean; for `N` a power of two the division is exact), as PyTorch does.
+
+# %%
+print(inspect.getsource(naive_all_reduce_gradients))
+
+# %% [markdown]
+# `check_replicas` compares every rank's parameter names, shapes and a checksum of the values
+# (one small all-gather): averaging gradients keeps replicas equal only if they *start*
+# equal, so it refuses to start otherwise (section 8).
+#
+# Does it reproduce the single-process run? Train 5 steps on 2 ranks and compare with
+# `train_reference` on the same global batches. Each rank returns its own per-step losses
+# (its shard's mean); their average is the global batch loss.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+TRAIN = TrainConfig(steps=5, batch_size=8, eval_every=10**6, eval_batches=1, progress=False)
+ref = train_reference(CONFIG, TRAIN)
+ref_params = torch.cat([p.detach().reshape(-1) for p in ref.model.parameters()])
+ref_grads = torch.cat([p.grad.reshape(-1) for p in ref.model.parameters()])
+
+def compare(per_rank, label):
+    """Global loss per step and max differences to the reference; asserts the claim."""
+    n = len(per_rank)
+    losses = [sum(r["losses"][s] for r in per_rank) / n for s in range(len(ref.train_losses))]
+    d_loss = max(abs(a - b) for a, b in zip(losses, ref.train_losses))
+    d_param = (per_rank[0]["params"] - ref_params).abs().max().item()
+    same = all(torch.equal(r["params"], per_rank[0]["params"]) for r in per_rank)
+    assert same and d_loss < 1e-5 and d_param < 2e-5, (label, d_loss, d_param)
+    return f"{label:<40} max|Δloss| {d_loss:.1e}   max|Δθ| {d_param:.1e}   replicas identical: {same}"
+
+naive = run_data_parallel(2, CONFIG, TRAIN, "naive", **RANKS)
+print("reference losses:", [f"{x:.4f}" for x in ref.train_losses])
+print("naive DP losses: ", [f"{(a + b) / 2:.4f}" for a, b in zip(naive[0]["losses"], naive[1]["losses"])])
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(compare(naive, "naive DP, 2 ranks"))
+
+# %% [markdown]
+# The differences are at the level of float rounding (about `1e-7` for the loss; the
+# parameters differ by a few `1e-6` after AdamW, which divides by $\sqrt{v}$ and so magnifies
+# rounding in tiny gradients). The assert in the cell above is the claim.
+#
+# ## 4. What naive DP costs: calls and bytes
+#
+# The tracer sees each rank's collective calls. Per step, naive DP makes **one call per
+# parameter tensor** (a tied weight — the GPT's `head.weight` *is* `tok_emb.weight` — is one
+# `Parameter`, reduced once), and hands the backend the whole gradient, $S = 4P$ bytes.
+
+# %%
+def traced_step(config, cfg, strategy, **kw):
+    cfg = TrainConfig(**{**cfg.__dict__, "steps": 1})
+    return train_data_parallel(config, cfg, strategy, trace=True, **kw)["comm"]
+
+n_tensors = len(list(GPT(CONFIG).parameters()))
+naive_comm = run_on_ranks(traced_step, CONFIG, TRAIN, "naive", world_size=2, **RANKS)
+print(format_summary(merge_summaries(naive_comm)))
+assert all(c["all_reduce"]["calls"] == n_tensors for c in naive_comm)
+assert all(c["all_reduce"]["bytes_sent"] == 4 * N_PARAMS for c in naive_comm)
+print(f"\n{n_tensors} parameter tensors -> {n_tensors} all-reduce calls; {4 * N_PARAMS:,} bytes = 4 x {N_PARAMS:,} parameters")
+
+# %% [markdown]
+# (The two small `all_gather_single` calls are `check_replicas`, on the first call only.)
+# Two things are wasteful:
+#
+# * **Many small messages.** A collective costs roughly $\alpha + S/\beta$: a fixed latency
+#   $\alpha$ per call plus bytes over bandwidth (the α-β model of notebook 02). One call per
+#   tensor pays that latency once per tensor; one call with the same bytes pays it once. Real
+#   models have hundreds of tensors.
+# * **No overlap.** Nothing is sent until backward has finished, then the processor waits for
+#   the network. But the last layer's gradients are ready at the very *start* of backward:
+#   they could be travelling while the earlier layers are still differentiated.
+#
+# ## 5. DDP: buckets and overlap
+#
+# `course_lib.parallel.DDP(module, bucket_cap_mb=25, overlap=True)` fixes both, the way
+# PyTorch's `DistributedDataParallel` does:
+#
+# 1. **Construction.** Check that every rank's parameters have the same names and shapes
+#    (`check_replicas`), then **broadcast** rank 0's values so all replicas start equal.
+# 2. **Buckets.** Walk the trainable parameters in *reverse* registration order (roughly the
+#    order backward produces their gradients) and pack them into buckets of at most
+#    `bucket_cap_mb`. Frozen parameters (`requires_grad=False`) are left out: nothing to send.
+# 3. **Hooks.** `p.register_post_accumulate_grad_hook(hook)` (PyTorch ≥ 2.1) calls `hook(p)`
+#    the moment `p.grad` is complete. The hook counts the bucket's ready gradients; when the
+#    bucket is full, it copies them into one flat tensor, divides by `N` and starts
+#    `dist.all_reduce(flat, async_op=True)`, which returns at once: the backend reduces in
+#    its own thread while autograd continues with earlier layers.
+# 4. **In order.** Buckets are launched strictly in index order. Async collectives are
+#    matched across ranks by the order they are issued, so if rank 0 issued bucket 3 first and
+#    rank 1 bucket 2, they would add unrelated tensors (or hang).
+# 5. **Finish.** The first hook of a backward queues `finish_gradient_synchronization` to run
+#    when autograd finishes the whole backward (`queue_callback`, as PyTorch's DDP does). It
+#    launches any bucket not launched yet — a parameter that got no gradient on this rank
+#    (unused in this step) counts as zeros, so every rank still joins every all-reduce — then
+#    waits for all buckets and copies the averages into `p.grad`. By the time
+#    `loss.backward()` returns, the gradients are averaged; calling `finish_…` again is a no-op.
+# 6. **`no_sync()`.** Backward passes inside it only accumulate local gradients: gradient
+#    accumulation over micro-batches pays for one all-reduce per optimizer step, not per
+#    micro-batch.
+# 7. **Tied weights.** The GPT's `head.weight` is `tok_emb.weight`: one `Parameter` used twice.
+#    `parameters()` yields it once, so it gets one hook and one place in one bucket; autograd
+#    sums both uses' gradients before its hook fires, once.
+#
+# In a training loop (this is what `train_data_parallel` does on every rank):
+#
+# ```python
+# ddp = DDP(model, bucket_cap_mb=25)             # broadcast from rank 0, buckets, hooks
+# optimizer = make_optimizer(model, cfg)
+# for step in range(cfg.steps):
+#     optimizer.zero_grad(set_to_none=True)
+#     with ddp.no_sync():                        # micro-batches 1 .. A-1: local sums only
+#         for x, y in micro_batches[:-1]:
+#             (ddp(x, y)[1] / A).backward()
+#     x, y = micro_batches[-1]
+#     (ddp(x, y)[1] / A).backward()              # buckets leave while this backward runs;
+#                                                # when it returns, p.grad is the global mean
+#     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+#     optimizer.step()
+# ```
+#
+# Which parameters share a bucket? Here is the layout for the model we will time below
+# (4 layers, `d_model` 128: 3.1 MB of gradients), in the order backward reaches them:
+
+# %%
+TIMING = GPTConfig.tiny(DATA.vocab_size, d_model=128, n_layer=4)
+timing_params = list(GPT(TIMING).named_parameters())
+
+def draw_buckets(ax, cap_mb, named=timing_params):
+    """One bar per parameter in backward order (width = its MB), coloured by bucket."""
+    sizes = [p.numel() * 4 for _, p in named]
+    buckets = assign_buckets(sizes, cap_mb * 2**20)
+    x = 0.0
+    for b, idx in enumerate(buckets):
+        for i in idx:
+            ax.barh(0, sizes[i] / 2**20, left=x, color=plt.cm.tab10(b % 10), edgecolor="white", linewidth=0.3)
+            x += sizes[i] / 2**20
+    ax.set_yticks([])
+    ax.set_xlabel("MB of gradient, in the order backward produces it (ln_f ... tok_emb)")
+    ax.set_title(f"bucket_cap_mb={cap_mb:g}: {len(buckets)} buckets for {len(sizes)} tensors", fontsize=9)
+    return buckets
+
+fig, axes = plt.subplots(2, 1, figsize=(9, 2.6))
+layout = {cap: draw_buckets(ax, cap) for ax, cap in zip(axes, (0.25, 1.0))}
+fig.tight_layout()
+plt.show()
+for cap, buckets in layout.items():
+    print(f"cap {cap:>4} MB:", [[timing_params[i][0] for i in b][:2] + (["..."] if len(b) > 2 else []) for b in buckets[:3]], "...")
+
+# %% [markdown]
+# **Try it.** In a live kernel, the slider below redraws the layout for any bucket size
+# (the static figure above shows two settings). Note the last bucket: the token embedding is
+# the largest tensor *and* the last gradient to be ready (it is used first in forward and
+# again, tied, by the head), so it can never overlap with compute.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import ipywidgets as widgets
+
+def bucket_widget():
+    out = widgets.Output()
+    slider = widgets.FloatLogSlider(value=0.25, base=10, min=-2, max=1.5, step=0.05, description="cap (MB)")
+
+    def show(change=None):
+        with out:
+            out.clear_output(wait=True)
+            fig, ax = plt.subplots(figsize=(9, 1.4))
+            draw_buckets(ax, slider.value)
+            plt.show()
+
+    slider.observe(show, names="value")
+    show()
+    return widgets.VBox([slider, out])
+
+bucket_widget()
+
+# %% [markdown]
+# With buckets, the tracer sees **one call per bucket** and still the whole gradient's bytes.
+# What actually crosses the wire depends on the algorithm: the built-in gloo all-reduce is a
+# black box to the tracer, so as a comm hook we plug the course's own ring all-reduce from
+# notebook 02 (`course_lib.comm.ring_all_reduce`, built from `isend`/`irecv`) into our DDP and
+# count real bytes: $2\frac{N-1}{N}S$ per rank (up to one element of chunk rounding per step).
+
+# %%
+from course_lib import comm
+
+def ring_hook(bucket_index, flat, group=None):
+    comm.ring_all_reduce(flat, group=group)     # synchronous: done when it returns
+    return SimpleNamespace(wait=lambda: flat)   # the handle DDP waits on
+
+def traced_ddp_step(config, cfg, **kw):
+    return traced_step(config, cfg, "ddp", **kw), len(DDP(GPT(config), **kw).buckets)
+
+ddp_comm = run_on_ranks(traced_ddp_step, CONFIG, TRAIN, bucket_cap_mb=0.1, world_size=2, **RANKS)
+n_buckets = ddp_comm[0][1]
+print(format_summary(merge_summaries([c for c, _ in ddp_comm])))
+assert all(c["all_reduce"]["calls"] == n_buckets and c["all_reduce"]["bytes_sent"] == 4 * N_PARAMS for c, _ in ddp_comm)
+print(f"\nnaive: {n_tensors} calls per step; DDP with 0.1 MB buckets: {n_buckets} calls; same {4 * N_PARAMS:,} bytes")
+
+for n in (2, 4):
+    ring = run_on_ranks(traced_step, CONFIG, TRAIN, "ddp", bucket_cap_mb=0.1, comm_hook=ring_hook, world_size=n,
+                        **RANKS)
+    wire = [c["isend"]["bytes_sent"] for c in ring]
+    formula = 2 * (n - 1) / n * 4 * N_PARAMS
+    assert all(abs(w - formula) <= 2 * (n - 1) * 4 * n_buckets for w in wire)
+    print(f"ring on {n} ranks: {wire[0]:,} bytes sent per rank on the wire;  2(N-1)/N * S = {formula:,.0f}")
+
+# %% [markdown]
+# ## 6. The proof: equal to the reference and to PyTorch's DDP
+#
+# Same 5 steps, now with our DDP — small buckets (so there are several), with and without
+# gradient accumulation (2 micro-batches per rank), without overlap — against the same
+# reference, and against `torch.nn.parallel.DistributedDataParallel` on the same data, on 2
+# and 4 ranks. Every row asserts its claim; the numbers are the largest differences.
+
+# %%
+VARIANTS = [("ddp", 1, {}), ("ddp", 2, {"bucket_cap_mb": 0.05}), ("ddp", 1, {"bucket_cap_mb": 0.05, "overlap": False}),
+            ("naive", 2, {}), ("torch", 1, {}), ("torch", 2, {"bucket_cap_mb": 0.05})]
+
+def all_variants(config, cfg):
+    return [train_data_parallel(config, cfg, s, a, **kw) for s, a, kw in VARIANTS]
+
+rows, results = [], {}
+for n in (2, 4):
+    per_rank = run_on_ranks(all_variants, CONFIG, TRAIN, world_size=n, timeout_s=120, **RANKS)
+    for v, (strategy, accum, kw) in enumerate(VARIANTS):
+        runs = [r[v] for r in per_rank]
+        results[(n, strategy, accum)] = runs[0]
+        rows.append(compare(runs, f"{n} ranks {strategy:<5} accum={accum} {kw}"[:40]))
+    for accum in (1, 2):
+        d = (results[(n, "ddp", accum)]["params"] - results[(n, "torch", accum)]["params"]).abs().max().item()
+        assert d < 2e-5
+        rows.append(f"{n} ranks: ours vs torch DDP, accum={accum}: max|Δθ| {d:.1e}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print("\n".join(rows))
+
+# %% [markdown]
+# On 2 ranks ours and PyTorch's agree bit for bit (`0.0`): both pre-divide by `N` and sum two
+# numbers, which is exact in any order. On 4 ranks gloo adds four numbers per element, in an
+# order that depends on where the element sits in the buffer, so different bucket layouts
+# round differently: `1e-6`-level differences, the same size as between either and the
+# reference.
+#
+# The tests (`tests/test_data_parallel.py`) also run with clipping off and compare the raw
+# averaged gradients: with clipping *and* AdamW — both blind to the gradient's scale — a DDP
+# that forgot to divide by `N` would still pass a parameter comparison. They also cover
+# frozen parameters (never bucketed, never changed) and a parameter used on one rank only
+# (its bucket still reduced, in order, on both).
+#
+# ## 7. Seeing the overlap
+#
+# Now the model from section 5 on 2 ranks, with 1 MB buckets (4 of them). Each rank records a
+# timeline: forward, backward and optimizer on one lane, and on a second lane each bucket's
+# all-reduce **from the moment this rank launched it until the backend reported it done**
+# (that includes waiting for the other rank to launch the same bucket). "finish" (grey) is the
+# end of backward, where the remaining buckets are launched and all of them waited for.
+
+# %%
+TIMING_TRAIN = TrainConfig(steps=3, batch_size=16, progress=False)
+
+def lanes(per_rank_events):
+    """Last step of each rank, split into a compute lane and a comm lane."""
+    rows, labels = [], []
+    for rank, events in enumerate(per_rank_events):
+        t0 = [e for e in events if e[0] == "forward"][-1][1]
+        step = [e for e in events if e[1] >= t0]
+        rows += [[e for e in step if e[3] != "comm"], [e for e in step if e[3] == "comm"]]
+        labels += [f"rank {rank} compute", f"rank {rank} comm"]
+    return rows, labels
+
+def timeline_run(overlap):
+    return run_data_parallel(2, TIMING, TIMING_TRAIN, "ddp", bucket_cap_mb=1.0, overlap=overlap,
+                             record_timeline=True, **RANKS)
+
+timelines = {overlap: [r["events"] for r in timeline_run(overlap)] for overlap in (True, False)}
+for overlap, per_rank in timelines.items():  # the claim, independent of timing: who launched when
+    for events in per_rank:
+        last_step = [e for e in events if e[1] >= [f for f in events if f[0] == "forward"][-1][1]]
+        finish = [e for e in last_step if e[0] == "finish"][0]
+        buckets = [e for e in last_step if e[3] == "comm"]
+        launched_early = sum(b[1] < finish[1] for b in buckets)
+        assert launched_early == (len(buckets) if overlap else 0), (overlap, launched_early, len(buckets))
+    print(f"overlap={overlap}: {launched_early} of {len(buckets)} buckets launched during backward")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, axes = plt.subplots(2, 1, figsize=(10, 5.2), sharex=True)
+for ax, overlap in zip(axes, (True, False)):
+    rows, labels = lanes(timelines[overlap])
+    plot_gantt(rows, ax=ax, title=f"overlap={overlap}: one training step on 2 ranks (bucket_cap_mb=1, 4 buckets)")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("")
+axes[1].set_xlabel("time (s) from the step's first forward")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# With `overlap=True` the red bucket bars start while backward (orange) is still running: each
+# bucket leaves as soon as its last gradient is accumulated, so by the end of backward part of
+# the communication is already done. With `overlap=False` every bucket starts at `finish`,
+# after backward. (The assert above checks exactly this schedule, which does not depend on
+# timing.)
+#
+# Two more things to read in the picture, and they vary from run to run:
+#
+# * **Stragglers.** A bucket's all-reduce completes only when *both* ranks have launched it.
+#   If one rank's backward is slower (here: another process took its core for a while), the
+#   other one sits in `finish` waiting. Every data-parallel step runs at the pace of the
+#   slowest rank.
+# * **What this machine can and cannot show.** Both ranks share 2 CPU cores with the gloo
+#   threads doing the reduction, so communication *competes* with compute for the same cores
+#   instead of running on a separate network engine. On GPUs, NCCL kernels run beside the
+#   backward kernels and the network is a separate device: there the overlap hides most of
+#   the communication. The *schedule* — which buckets can leave before backward ends — is the
+#   same everywhere.
+#
+# ## 8. How big should a bucket be?
+#
+# Small buckets start earlier (more overlap) but each call pays the latency $\alpha$; one
+# huge bucket pays $\alpha$ once but cannot leave before backward has finished. On a GPU
+# cluster the best size is a compromise; PyTorch's default is 25 MB (with a small first bucket
+# of 1 MB, so that communication starts early). A sweep on this machine (a shared box:
+# timings vary with load):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+SWEEP_TRAIN = TrainConfig(steps=6, batch_size=16, progress=False)
+caps = [0.05, 0.25, 1.0, 4.0]
+
+def sweep(config, cfg):
+    out = {"naive": train_data_parallel(config, cfg, "naive")["step_s"][2:]}
+    for cap in caps:
+        out[cap] = train_data_parallel(config, cfg, "ddp", bucket_cap_mb=cap)["step_s"][2:]
+    return out
+
+t0 = time.perf_counter()
+res = run_on_ranks(sweep, TIMING, SWEEP_TRAIN, world_size=2, **RANKS, timeout_s=120)
+step_ms = {k: 1e3 * sorted(max(a, b) for a, b in zip(res[0][k], res[1][k]))[len(res[0][k]) // 2] for k in res[0]}
+n_b = {cap: len(assign_buckets([p.numel() * 4 for _, p in timing_params], cap * 2**20)) for cap in caps}
+for k, ms in step_ms.items():
+    what = f"naive ({len(timing_params)} calls)" if k == "naive" else f"DDP {k:>5} MB ({n_b[k]:>2} buckets)"
+    print(f"{what:<28} {ms:7.1f} ms/step")
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(caps, [step_ms[c] for c in caps], "o-", label="DDP, overlap")
+ax.axhline(step_ms["naive"], color="grey", ls="--", label="naive")
+ax.set_xscale("log"); ax.set_xlabel("bucket_cap_mb"); ax.set_ylabel("ms per step (median)")
+ax.set_title(f"2 ranks, 3.1 MB of gradients (load average {os.getloadavg()[0]:.1f})", fontsize=9)
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# What to expect on this machine: naive is clearly the slowest (one call, and one Python
+# round trip, per tensor), and *fewer, larger* buckets tend to win, up to one single bucket:
+# per-call overhead on CPU gloo is large, and overlap buys little when the reduction runs on
+# the same two cores as backward (previous section). On GPUs the balance shifts toward smaller
+# buckets, because there overlap really hides communication. The lesson is the method, not
+# the number: measure the sweep on the hardware you train on.
+# `benchmarks/bench_data_parallel.py` measures our DDP against PyTorch's and against naive
+# on 4 ranks with a bigger model.
+#
+# ## 9. Step time against the number of ranks
+#
+# Keep each rank's batch fixed (8 sequences) and add ranks: the global batch, and the work
+# done per step, grow with `N`. On `N` real devices the step time would stay nearly flat —
+# compute per rank is constant, and the ring's bytes per rank $2\frac{N-1}{N}S$ barely grow —
+# so throughput would grow almost `N`-fold. Here the "devices" are CPU cores, and this
+# machine has **2**. To make a rank behave like one device, each rank computes with one
+# thread (`torch.set_num_threads(1)`).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def one_thread_per_rank(*args, **kwargs):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_data_parallel(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+scaling = {}
+for n in (1, 2, 4):
+    cfg = TrainConfig(steps=5, batch_size=8 * n, progress=False)
+    res = run_on_ranks(one_thread_per_rank, TIMING, cfg, "ddp", bucket_cap_mb=1.0, world_size=n, **RANKS)
+    per_step = sorted(max(r["step_s"][s] for r in res) for s in range(2, cfg.steps))
+    scaling[n] = per_step[len(per_step) // 2]
+    print(f"{n} rank(s): {scaling[n] * 1e3:7.1f} ms/step, {8 * n * TIMING.block_size / scaling[n]:8,.0f} tokens/s")
+print(f"(load average {os.getloadavg()[0]:.1f}: other processes share these cores too)")
+fig, ax = plt.subplots(1, 2, figsize=(9, 3))
+ax[0].bar([str(n) for n in scaling], [1e3 * t for t in scaling.values()])
+ax[0].set_xlabel("ranks (8 sequences each)"); ax[0].set_ylabel("ms per step")
+ax[1].bar([str(n) for n in scaling], [8 * n * TIMING.block_size / t for n, t in scaling.items()], color="tab:green")
+ax[1].set_xlabel("ranks"); ax[1].set_ylabel("tokens per second")
+fig.suptitle("weak scaling, one thread per rank, on a 2-core machine", fontsize=9)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# From 1 to 2 ranks each rank has a core of its own, like one GPU per rank: the step time
+# grows only by the communication and synchronisation cost, and the throughput rises toward
+# 2x (less than that here: the gloo threads need CPU time too, and a step waits for the slower
+# rank). From 2 to 4 ranks there are no more cores: four ranks share two, each step does
+# twice the work on the same silicon and takes about twice as long, and throughput stays flat.
+# (Other processes running on the machine blur all of this; the load average is printed.)
+# What these runs show is that DP is correct at every `N` and what its communication costs
+# on top of compute; real speed-up needs one device per rank: run
+# `torchrun --nproc-per-node=N` on a multi-GPU machine for that.
+#
+# ## 10. Gradient compression
+#
+# When the network is the bottleneck, send fewer bytes. Two classic ways, both written as
+# DDP **comm hooks** in `course_lib/parallel/compression.py` (a hook receives a bucket's flat
+# gradient, already divided by `N`, and returns a handle whose `wait()` gives the average):
+#
+# * **Low precision** (`LowPrecisionHook(torch.bfloat16)`): cast to bf16, all-reduce, cast
+#   back. Half the bytes; each value keeps 8 significant bits (relative error ≤ $2^{-9}$).
+# * **Top-k sparsification** (`TopKHook(ratio)`): each rank sends only its $k$ largest-magnitude
+#   entries, as (value, index) pairs. The ranks pick *different* entries, so the sparse
+#   vectors cannot be all-reduced: each rank **all-gathers** everyone's pairs and adds them
+#   up. Per rank that is $8k$ bytes sent instead of $4n$, but $8kN$ received: top-k only pays
+#   while $k/n \ll 1/N$.
+# * **Error feedback**: what a rank did not send is not dropped but remembered,
+#   $c = g + e$, send $\text{top}_k(c)$, $e \leftarrow c - \text{top}_k(c)$, and added to the
+#   next step's gradient. Every component is applied eventually, only late.
+#
+# First the bytes, from the tracer, for one step on 2 ranks (one bucket):
+
+# %%
+def traced_hooks(config, cfg):
+    out = {}
+    for name, hook in [("fp32", None), ("bf16", LowPrecisionHook()), ("top-1%", TopKHook(0.01))]:
+        out[name] = traced_step(config, cfg, "ddp", comm_hook=hook)
+    return out
+
+hooks_comm = run_on_ranks(traced_hooks, CONFIG, TRAIN, world_size=2, **RANKS)[0]
+S, k = 4 * N_PARAMS, topk_count(N_PARAMS, 0.01)
+sent = {name: sum(op["bytes_sent"] for op in c.values()) for name, c in hooks_comm.items()}
+recv = {name: sum(op["bytes_recv"] for op in c.values()) for name, c in hooks_comm.items()}
+assert sent["fp32"] == S and sent["bf16"] == S // 2
+assert sent["top-1%"] == 8 * k and recv["top-1%"] == 2 * 8 * k
+for name in sent:
+    print(f"{name:>7}: sent {sent[name]:>8,} bytes, received {recv[name]:>8,}  ({sent[name] / S:6.1%} of fp32 sent)")
+
+# %% [markdown]
+# Error feedback's promise is exact bookkeeping: after any number of steps,
+# *(everything sent) + (what every rank still holds back) = (the sum of all gradients)*.
+# Without it, whatever was not in the top-k is gone for good:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def ef_bookkeeping(steps=20, n_elems=1000):
+    rank, out = dist.get_rank(), {}
+    for ef in (True, False):
+        hook, sent = TopKHook(0.05, error_feedback=ef), torch.zeros(n_elems)
+        for step in range(steps):
+            g = torch.randn(n_elems, generator=torch.Generator().manual_seed(100 * step + rank)) / 2
+            sent += hook(0, g, None).wait()
+        out[ef] = (sent, hook.residuals.get(0, torch.zeros(n_elems)))
+    return out
+
+ef = run_on_ranks(ef_bookkeeping, world_size=2, **RANKS)
+truth = sum(torch.randn(1000, generator=torch.Generator().manual_seed(100 * s + r)) / 2 for s in range(20) for r in range(2))
+for flag in (True, False):
+    sent_total = ef[0][flag][0]
+    held_back = ef[0][flag][1] + ef[1][flag][1]
+    gap = (sent_total + held_back - truth).abs().max().item()
+    assert (gap < 1e-4) == flag
+    print(f"error feedback={flag!s:>5}: max |sent + held back - sum of gradients| = {gap:.1e}" if flag else
+          f"error feedback={flag!s:>5}: max |sent - sum of gradients| = {(sent_total - truth).abs().max().item():.2f}")
+
+# %% [markdown]
+# Now training: 60 steps of the course GPT on 2 ranks, 16 sequences per step, with each hook.
+
+# %%
+LONG = TrainConfig(steps=60, batch_size=16, progress=False)
+
+def loss_curves(config, cfg):
+    hooks = {"fp32 (no compression)": None, "bf16 all-reduce": LowPrecisionHook(),
+             "top-1% + error feedback": TopKHook(0.01), "top-1%, no error feedback": TopKHook(0.01, error_feedback=False)}
+    return {name: train_data_parallel(config, cfg, "ddp", comm_hook=hook)["losses"] for name, hook in hooks.items()}
+
+curves = run_on_ranks(loss_curves, CONFIG, LONG, world_size=2, **RANKS, timeout_s=120)
+curves = {name: [(a + b) / 2 for a, b in zip(curves[0][name], curves[1][name])] for name in curves[0]}
+tail = {name: sum(c[-10:]) / 10 for name, c in curves.items()}
+assert abs(tail["bf16 all-reduce"] - tail["fp32 (no compression)"]) < 0.05  # bf16: indistinguishable
+fig, ax = plt.subplots(figsize=(7, 3.8))
+for (name, c), style in zip(curves.items(), ("-", "--", "-", "-")):
+    ax.plot(range(1, len(c) + 1), smooth(c, 0.8), style, label=name)
+ax.set_xlabel("step"); ax.set_ylabel("train loss (smoothed)"); ax.legend()
+ax.set_title("2 ranks, course GPT, AdamW", fontsize=9)
+plt.show()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for name, value in tail.items():
+    print(f"{name:<27} mean loss of the last 10 steps: {value:.3f}")
+
+# %% [markdown]
+# * **bf16** (dashed) is indistinguishable from fp32, whose curve it hides: the rounding error is far below the noise
+#   of a 16-sequence gradient. Halving gradient bytes this way is routine (it is what mixed
+#   precision training's bf16 gradients do anyway).
+# * **Top-1%** (2% of the bytes on 2 ranks) learns, but clearly slower in these 60 steps.
+# * **Error feedback does not help here, it hurts.** Its guarantee is about the *sum* of the
+#   applied gradients, which is what an update linear in the gradient (SGD) cares about. AdamW
+#   divides each coordinate by the running RMS of its own gradient, so a residual that was
+#   held back for 30 steps and then arrives at once moves the weight by about one normalised
+#   step, not 30; what remains of EF is that the values sent are stale. Published
+#   compressors for Adam therefore treat the optimizer specially (e.g. 1-bit Adam freezes the
+#   second moment after a warm-up with full precision). Measure before you compress.
+#
+# ## 11. Bad input
+#
+# Arguments are checked in the notebook process, before any rank starts:
+
+# %%
+for call in (lambda: DDP(torch.nn.Linear(2, 2), bucket_cap_mb=0),
+             lambda: run_data_parallel(2, CONFIG, TRAIN, "ddp", accum_steps=0),
+             lambda: run_data_parallel(4, CONFIG, TRAIN, "ddp", accum_steps=4),
+             lambda: TopKHook(ratio=1.5)):
+    try:
+        call()
+    except ValueError as err:
+        print("ValueError:", err)
+
+# %% [markdown]
+# Replicas that differ between ranks are caught on the ranks. Different **shapes** (say, one
+# rank built the model with another config) make `DDP` and `check_replicas` raise before any
+# gradient is exchanged, naming the first parameter that differs. Different **values** with
+# the same shapes (each rank seeded its model differently) are refused by
+# `naive_all_reduce_gradients`, which has no way to repair them; `DDP` instead broadcasts rank 0's
+# values at construction, after which `check_replicas` passes.
+
+# %%
+def bad_replicas():
+    rank, msgs = dist.get_rank(), []
+    try:
+        DDP(GPT(GPTConfig.tiny(DATA.vocab_size, d_model=64 if rank == 0 else 32)))
+    except ValueError as err:
+        msgs.append(f"DDP, shapes differ: {err}")
+    model = GPT(CONFIG, seed=rank)  # same shapes, different values
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    try:
+        naive_all_reduce_gradients(model)
+    except ValueError as err:
+        msgs.append(f"naive, values differ: {err}")
+    ddp = DDP(model)
+    check_replicas(ddp.module)  # raises if still different
+    msgs.append("DDP, values differ: broadcast from rank 0 at construction -> check_replicas passes")
+    return msgs
+
+for line in run_on_ranks(bad_replicas, world_size=2, **RANKS)[0]:
+    print(line)
+
+# %% [markdown]
+# ## What to remember
+#
+# * DP = `N` replicas, `N` shards, one gradient average per step; with equal shards and a
+#   mean loss it *is* big-batch training, and clipping/optimizer see the global gradient.
+# * A DP rank sends about $2S$ bytes per step on a ring, whatever `N`; what differs between
+#   implementations is how many calls that takes and whether it hides behind backward.
+# * DDP = buckets (fewer, larger calls) + hooks (launch while backward runs) + in-order
+#   launches + a finish that waits; `no_sync` for accumulation; frozen parameters skipped,
+#   unused ones reduced as zeros, tied ones once.
+# * Compression trades accuracy for bytes: bf16 is nearly free, top-k needs `k/n ≪ 1/N` to pay
+#   at all, and error feedback is designed for SGD-like updates.
+#
+# Next: write the bucketed, overlapped DDP yourself in `exercises/ex03_ddp.ipynb`.
