@@ -123,7 +123,10 @@ def _mp_context():
     # the server itself never runs torch ops or threads). Fall back to spawn where unavailable.
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "course_lib._worker"])
+        # torch.optim pulls in torch._dynamo (hundreds of modules) on first optimizer use:
+        # importing it once in the server saves every new rank that cost.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo",
+                                    "cloudpickle", "course_lib._worker"])
         return ctx
     return mp.get_context("spawn")
 

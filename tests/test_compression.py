@@ -12,7 +12,7 @@ from course_lib.data import CharDataset
 from course_lib.model import GPTConfig
 from course_lib.parallel import LowPrecisionHook, TopKHook
 from course_lib.parallel.compression import topk_count
-from course_lib.parallel.data_parallel import train_data_parallel
+from course_lib.parallel.dp_training import train_data_parallel
 from course_lib.train import TrainConfig
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

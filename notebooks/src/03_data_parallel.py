@@ -42,7 +42,7 @@ from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import (DDP, LowPrecisionHook, TopKHook, assign_buckets, check_replicas,
                                  naive_all_reduce_gradients, run_data_parallel)
 from course_lib.parallel.compression import topk_count
-from course_lib.parallel.data_parallel import train_data_parallel
+from course_lib.parallel.dp_training import train_data_parallel
 from course_lib.train import TrainConfig, smooth, train_reference
 
 torch.manual_seed(0)
