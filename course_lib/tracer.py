@@ -42,7 +42,7 @@ import torch.distributed.distributed_c10d as c10d
 @dataclass
 class CommRecord:
     op: str
-    group_size: int
+    group_ranks: tuple[int, ...]  # global ranks of the group the call ran on
     dtype: str
     numel: int
     bytes_sent: int
@@ -105,8 +105,10 @@ _originals: dict[str, object] = {}
 _local = threading.local()  # depth > 0 while inside a traced call: nested calls are not recorded twice
 
 
-def _group_size(group) -> int:
-    return dist.get_world_size(group) if group is not None else dist.get_world_size()
+def _group_ranks(group) -> tuple[int, ...]:
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def _record(rec: CommRecord):
@@ -138,7 +140,7 @@ def _make_traced(name, original):
         if name == "recv" and peer is None:
             peer = result  # recv from any source returns the sender's rank
         t = _first_tensor(a[tensor_arg]) if tensor_arg else None
-        _record(CommRecord(name, _group_size(a.get("group")), str(t.dtype).replace("torch.", "") if t is not None else "-",
+        _record(CommRecord(name, _group_ranks(a.get("group")), str(t.dtype).replace("torch.", "") if t is not None else "-",
                            _numel(a[tensor_arg]) if tensor_arg else 0, sent, recv, peer, start, end))
         return result
 
@@ -160,7 +162,7 @@ def _traced_batch_isend_irecv(original):
         for p2p in p2p_op_list:  # one record per point-to-point op in the batch
             kind = "isend" if getattr(p2p.op, "__name__", "") in ("isend", "send") else "irecv"
             n = _nbytes(p2p.tensor)
-            _record(CommRecord(kind, _group_size(p2p.group), str(p2p.tensor.dtype).replace("torch.", ""),
+            _record(CommRecord(kind, _group_ranks(p2p.group), str(p2p.tensor.dtype).replace("torch.", ""),
                                p2p.tensor.numel(), n if kind == "isend" else 0, n if kind == "irecv" else 0,
                                p2p.peer, start, end))
         return works

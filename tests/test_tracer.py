@@ -113,3 +113,23 @@ def test_make_mesh_groups_match_the_layout():
     for r, (dp_group, tp_group) in enumerate(got):
         assert dp_group in layout["dp"] and r in dp_group
         assert tp_group in layout["tp"] and r in tp_group
+
+
+def test_records_name_the_group_and_the_peer():
+    def f():
+        evens = dist.new_group([0, 2])
+        r = dist.get_rank()
+        with CommTracer() as tracer:
+            if r in (0, 2):
+                dist.all_reduce(torch.ones(3), group=evens)
+            if r == 0:
+                dist.send(torch.ones(1), dst=3)
+            if r == 3:
+                dist.recv(torch.ones(1))  # from any source: the tracer records who sent
+        return [(rec.op, rec.group_ranks, rec.peer, rec.dtype, rec.numel) for rec in tracer.records]
+
+    got = run_on_ranks(f, world_size=4)
+    assert got[0] == [("all_reduce", (0, 2), None, "float32", 3), ("send", (0, 1, 2, 3), 3, "float32", 1)]
+    assert got[1] == []
+    assert got[2] == [("all_reduce", (0, 2), None, "float32", 3)]
+    assert got[3] == [("recv", (0, 1, 2, 3), 0, "float32", 1)]
