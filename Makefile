@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# JupyterLab opens on notebooks/; the file browser's root is the repo, so exercises/ is reachable.
+# Containers often run as root, which JupyterLab refuses without --allow-root.
+LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks $(LAB_FLAGS)
 
 # pytest for course_lib, then nbval over every notebook and every graded exercise notebook
 # (graded with the reference solutions; tests/test_grading.py proves the stubs fail).

@@ -177,3 +177,22 @@ def test_nccl_without_gpus_is_a_clear_error():
 def test_auto_backend_is_gloo_on_cpu():
     expected = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
     assert run_on_ranks(lambda: dist.get_backend(), world_size=2) == [expected] * 2
+
+
+def test_interrupting_the_caller_stops_the_ranks_and_the_next_call_works():
+    """Ctrl-C / "interrupt kernel" while ranks are busy: no hang, no orphaned ranks."""
+    import signal
+    import threading
+
+    pids = run_on_ranks(os.getpid, world_size=2)
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_on_ranks(time.sleep, 30, world_size=2, timeout_s=60)
+    finally:
+        timer.cancel()
+    for pid in pids:  # the interrupted pool's processes are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert run_on_ranks(rank_and_size, world_size=2) == [(0, 2), (1, 2)]
