@@ -26,7 +26,6 @@ squares, `predict_time` applies the table, `CLUSTERS` holds published link figur
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 
