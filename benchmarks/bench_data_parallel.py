@@ -25,7 +25,7 @@ import torch
 from course_lib import run_on_ranks
 from course_lib.data import CharDataset
 from course_lib.model import GPT, GPTConfig
-from course_lib.parallel.dp_training import train_data_parallel
+from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig
 
 WARMUP = 2

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from course_lib.checkpointing import checkpointed_forward
-from course_lib.measure import SavedActivations
+from course_lib.techniques.activation_checkpointing import checkpointed_forward
+from course_lib.observe.memory import SavedActivations
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from course_lib import CommTracer, run_on_ranks
-from course_lib.runtime import _free_port, shutdown_pools, threads_per_rank
+from course_lib.runtime import shutdown_pools, threads_per_rank
+from course_lib.runtime.pool import free_port
 
 REDISPATCH_CALLS = 20
 
@@ -34,7 +35,7 @@ def _spawned(rank, world_size, port):
 
 def fresh_spawn_seconds(world_size: int) -> float:
     start = time.perf_counter()
-    tmp.spawn(_spawned, args=(world_size, _free_port()), nprocs=world_size, join=True)
+    tmp.spawn(_spawned, args=(world_size, free_port()), nprocs=world_size, join=True)
     return time.perf_counter() - start
 
 

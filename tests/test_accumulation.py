@@ -1,9 +1,9 @@
-"""Gradient accumulation (course_lib.accumulation)."""
+"""Gradient accumulation (course_lib.techniques.accumulation)."""
 
 import pytest
 import torch
 
-from course_lib.accumulation import accumulate_gradients, split_micro_batches, train_step_accumulated
+from course_lib.techniques.accumulation import accumulate_gradients, split_micro_batches, train_step_accumulated
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer, train_step
 

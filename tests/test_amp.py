@@ -1,10 +1,10 @@
-"""Dynamic loss scaling and fp32 master weights (course_lib.amp)."""
+"""Dynamic loss scaling and fp32 master weights (course_lib.techniques.amp)."""
 
 import pytest
 import torch
 
-from course_lib.amp import DynamicLossScaler, MixedPrecisionOptimizer, found_inf, update_scale
-from course_lib.measure import model_state_bytes
+from course_lib.techniques.amp import DynamicLossScaler, MixedPrecisionOptimizer, found_inf, update_scale
+from course_lib.observe.memory import model_state_bytes
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer
 

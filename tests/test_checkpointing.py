@@ -1,9 +1,9 @@
-"""Activation checkpointing of every k blocks (course_lib.checkpointing)."""
+"""Activation checkpointing of every k blocks (course_lib.techniques.activation_checkpointing)."""
 
 import pytest
 import torch
 
-from course_lib.checkpointing import (
+from course_lib.techniques.activation_checkpointing import (
     Chain,
     CheckpointedGPT,
     best_every_k,
@@ -11,7 +11,7 @@ from course_lib.checkpointing import (
     checkpointed_forward,
     segments,
 )
-from course_lib.measure import SavedActivations
+from course_lib.observe.memory import SavedActivations
 from course_lib.model import GPT, GPTConfig
 
 V = 40

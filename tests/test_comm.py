@@ -1,4 +1,4 @@
-"""Tests for course_lib.comm (collectives from send/recv) and course_lib.ringviz.
+"""Tests for course_lib.comm (collectives from send/recv) and course_lib.comm.ringviz.
 
 Each world size 2..8 gets ONE run_on_ranks call that loops over every dtype, size and
 algorithm inside the ranks and returns its comparisons; the parent asserts on them.
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import CommTracer, run_on_ranks
-from course_lib import comm, ringviz
-from course_lib.compat import all_gather_single, reduce_scatter_single
+from course_lib import comm
+from course_lib.comm import ringviz
+from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
 

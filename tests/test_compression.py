@@ -1,4 +1,4 @@
-"""Tests for course_lib.parallel.compression: low-precision and top-k (+ error feedback) hooks."""
+"""Tests for course_lib.parallel.dp.compression: low-precision and top-k (+ error feedback) hooks."""
 
 import sys
 
@@ -11,8 +11,8 @@ from course_lib import CommTracer, run_on_ranks
 from course_lib.data import CharDataset
 from course_lib.model import GPTConfig
 from course_lib.parallel import LowPrecisionHook, TopKHook
-from course_lib.parallel.compression import topk_count
-from course_lib.parallel.dp_training import train_data_parallel
+from course_lib.parallel.dp.compression import topk_count
+from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

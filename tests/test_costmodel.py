@@ -1,4 +1,4 @@
-"""Tests for course_lib.costmodel: the alpha-beta fit, the per-algorithm formulas, the
+"""Tests for course_lib.comm.costmodel: the alpha-beta fit, the per-algorithm formulas, the
 crossovers, and that the measuring helpers run (no assertions on how fast anything is)."""
 
 import math
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from course_lib import costmodel as cm
+from course_lib.comm import costmodel as cm
 from course_lib import comm, run_on_ranks
 
 IB = cm.CLUSTERS["HDR InfiniBand 200 Gb/s (inter-node)"]

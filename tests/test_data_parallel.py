@@ -1,4 +1,4 @@
-"""Tests for course_lib.parallel.data_parallel: naive all-reduce and the bucketed, overlapped DDP.
+"""Tests for course_lib.parallel.dp.ddp: naive all-reduce and the bucketed, overlapped DDP.
 
 The central claim: N-rank data parallel training equals single-process training on the
 concatenated batch (course_lib.train.train_reference), and equals torch's
@@ -20,8 +20,8 @@ from course_lib import run_on_ranks
 from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import DDP, assign_buckets, check_replicas, naive_all_reduce_gradients, run_data_parallel
-from course_lib.parallel.data_parallel import AllReduceHandle
-from course_lib.parallel.dp_training import train_data_parallel
+from course_lib.parallel.dp.ddp import AllReduceHandle
+from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig, make_optimizer, train_reference, train_step
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file

@@ -1,4 +1,4 @@
-"""Tests for course_lib.estimate (formulas held against measurements) and course_lib.calculator."""
+"""Tests for course_lib.estimate (formulas held against measurements) and course_lib.estimate.calculator."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib import estimate as E
-from course_lib.measure import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, model_state_bytes
 from course_lib.model import GPT, GPTConfig, expected_num_params
 
 torch.set_num_threads(1)
@@ -266,7 +266,7 @@ def test_calculator_static_and_widget():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from course_lib import calculator as C
+    from course_lib.estimate import calculator as C
 
     ladder = C.gpt3_ladder()
     fig = C.plot_scenarios(ladder)

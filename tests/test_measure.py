@@ -2,7 +2,7 @@
 
 import torch
 
-from course_lib.measure import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, model_state_bytes
 from course_lib.model import GPT, GPTConfig
 
 

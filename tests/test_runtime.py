@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import RankError, RankTimeout, run_on_ranks
-from course_lib.checks import CollectiveMismatch
-from course_lib.runtime import _POOLS, threads_per_rank
+from course_lib.observe.checks import CollectiveMismatch
+from course_lib.runtime import threads_per_rank
+from course_lib.runtime.pool import live_pools
 
 
 def rank_and_size():
@@ -162,10 +163,10 @@ def test_unpicklable_result_is_a_rank_error():
     ({"timeout_s": 0}, "timeout_s=0 must be a positive"),
 ])
 def test_bad_input_is_rejected_before_any_process_starts(kwargs, message):
-    before = dict(_POOLS)
+    before = live_pools()
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         run_on_ranks(rank_and_size, **kwargs)
-    assert dict(_POOLS) == before
+    assert live_pools() == before
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() >= 2, reason="this machine has GPUs")

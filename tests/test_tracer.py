@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import CommTracer, Timeline, make_mesh, merge_summaries, mesh_groups, run_on_ranks
-from course_lib.compat import all_gather_single, reduce_scatter_single
-from course_lib.timeline import merge_timelines
+from course_lib.comm.compat import all_gather_single, reduce_scatter_single
+from course_lib.observe.timeline import merge_timelines
 
 
 def traced_mix(numel):

@@ -20,13 +20,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib.launch import device, init_from_env
+from course_lib.runtime.device import rank_device
+from course_lib.runtime.launch import init_from_env
 
 
 def hello_allreduce() -> float:
     """All-reduce (rank + 1) and check every element equals N(N+1)/2. Returns that value."""
     n = dist.get_world_size()
-    t = torch.full((4,), float(dist.get_rank() + 1), device=device())
+    t = torch.full((4,), float(dist.get_rank() + 1), device=rank_device())
     dist.all_reduce(t)
     expected = n * (n + 1) / 2
     if not torch.all(t == expected):
@@ -40,7 +41,7 @@ def allreduce_bandwidth(sizes_mb=(1, 16), iters: int = 5, warmup: int = 1) -> li
     rows = []
     for mb in sizes_mb:
         numel = int(mb * 2**20) // 4
-        t = torch.ones(numel, device=device())
+        t = torch.ones(numel, device=rank_device())
         for _ in range(warmup):
             dist.all_reduce(t)
         if t.is_cuda:

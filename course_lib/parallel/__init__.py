@@ -1,21 +1,35 @@
-"""Parallel training strategies, one readable file each.
+"""Parallel training strategies: one sub-package per mesh axis.
 
-    data_parallel.py   naive_all_reduce_gradients, DDP (bucketed, overlapped), check_replicas
-    dp_training.py     the reference training loop made data parallel (train/run_data_parallel)
-    compression.py     gradient compression hooks for DDP (top-k + error feedback, bf16/fp16)
+    mesh.py    make_mesh(dp, tp, pp, ep): the named DeviceMesh every strategy takes its groups from
+    dp/        data parallelism: DDP (notebook 03)
+    tp/        tensor (and sequence) parallelism (notebook 05)
+    pp/        pipeline parallelism (notebook 06)
+    ep/        expert parallelism for mixture-of-experts models (notebook 07)
+    zero/      ZeRO stages 1-3 / FSDP and offload (notebook 08)
+
+Convention: a strategy is `apply_<x>(model, group_or_mesh, ...)`, which turns the plain
+single-process model into its parallel form in place (wrapping or swapping modules) and
+returns it, plus at most one rank-side training function. A multi-dimensional run is an
+ordered list of such calls on the groups of one mesh.
+
+The data-parallel names stay importable from here: `from course_lib.parallel import DDP`.
 """
 
-from course_lib.parallel.data_parallel import (
+from course_lib.parallel.dp import (
     DDP,
+    LowPrecisionHook,
+    TopKHook,
     assign_buckets,
     broadcast_parameters,
     check_replicas,
     naive_all_reduce_gradients,
+    run_data_parallel,
+    train_data_parallel,
 )
-from course_lib.parallel.dp_training import run_data_parallel, train_data_parallel
-from course_lib.parallel.compression import LowPrecisionHook, TopKHook
+from course_lib.parallel.mesh import check_mesh, make_mesh, mesh_groups
 
 __all__ = [
     "DDP", "naive_all_reduce_gradients", "check_replicas", "broadcast_parameters", "assign_buckets",
     "train_data_parallel", "run_data_parallel", "LowPrecisionHook", "TopKHook",
+    "make_mesh", "check_mesh", "mesh_groups",
 ]

@@ -140,6 +140,6 @@ for name, factor, formula in (("ring_reduce_scatter", 1, "(N-1)/N·S"), ("ring_a
     check_equal(f"{name}: only point-to-point calls", all(set(r[name][2]) <= P2P_OPS for r in results), True)
 
 # %% [markdown]
-# All checks pass? Compare your code with `course_lib/comm.py`, which puts the schedule in one
+# All checks pass? Compare your code with `course_lib/comm/collectives.py`, which puts the schedule in one
 # function (`ring_send_chunk`) so a picture and a test can share it, and notice that both use
 # `isend`/`irecv` so that each step's send and receive overlap.

@@ -35,7 +35,7 @@ from course_lib.data import CharDataset, get_batch
 from course_lib.grading import check_close, check_equal, load_student
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import assign_buckets
-from course_lib.parallel.dp_training import train_data_parallel
+from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig
 
 student = load_student("ex03_ddp")

@@ -22,10 +22,10 @@
 # %%
 import torch
 
-from course_lib.amp import DynamicLossScaler
-from course_lib.checkpointing import checkpointed_forward as reference_forward
+from course_lib.techniques.amp import DynamicLossScaler
+from course_lib.techniques.activation_checkpointing import checkpointed_forward as reference_forward
 from course_lib.grading import CheckFailed, check_equal, load_student
-from course_lib.measure import SavedActivations
+from course_lib.observe.memory import SavedActivations
 from course_lib.model import GPT, GPTConfig
 
 student = load_student("ex04_memory_techniques")
@@ -43,7 +43,7 @@ check_equal("other factors", student.update_scale(64.0, 0, True, 4.0, 0.25, 1), 
 # ## Check 2: the scale trajectory over a fixed sequence of overflows
 #
 # Each sequence of `found_inf` flags is replayed through your rule and through
-# `course_lib.amp.DynamicLossScaler` (which matches `torch.amp.GradScaler` step for step).
+# `course_lib.techniques.amp.DynamicLossScaler` (which matches `torch.amp.GradScaler` step for step).
 
 # %%
 def trajectory(rule, flags, init_scale, growth_factor, backoff_factor, growth_interval):

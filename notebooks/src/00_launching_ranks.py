@@ -194,7 +194,7 @@ print("the kernel is alive, and a fresh pool works:", run_on_ranks(lambda: dist.
 # %% [markdown]
 # A subtler bug: ranks that call the *same* collective with *different* shapes. Left alone,
 # gloo may return wrong numbers without complaint. `run_on_ranks` checks every collective's
-# op, dtype and shape across the group first (see `course_lib/checks.py`), so the bug is an
+# op, dtype and shape across the group first (see `course_lib/observe/checks.py`), so the bug is an
 # error that says what each rank called:
 
 # %%
@@ -249,7 +249,7 @@ except ValueError as err:
 #
 # On a machine with GPUs, instructors launch the course's demos with PyTorch's launcher,
 # which starts one process per GPU and tells each its rank through environment variables.
-# `course_lib.launch.init_from_env()` reads them and picks NCCL when the process has a GPU:
+# `course_lib.runtime.launch.init_from_env()` reads them and picks NCCL when the process has a GPU:
 #
 # ```bash
 # torchrun --nproc-per-node=8 -m course_lib.demos.allreduce --sizes-mb 1 64 256

@@ -25,9 +25,9 @@ import matplotlib.pyplot as plt
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from course_lib import calculator, estimate
-from course_lib.amp import MixedPrecisionOptimizer
-from course_lib.measure import SavedActivations, model_state_bytes
+from course_lib.estimate import calculator, estimate
+from course_lib.techniques.amp import MixedPrecisionOptimizer
+from course_lib.observe.memory import SavedActivations, model_state_bytes
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer
 
@@ -109,7 +109,7 @@ for name, r in estimate.RECIPES.items():
 # %% [markdown]
 # **Measured, fp32.** Build the course GPT and the course's AdamW (`course_lib.train.make_optimizer`),
 # take one step so the optimizer has allocated $m$ and $v$, run a second backward so gradients
-# exist, and count every byte the model and optimizer hold (`course_lib.measure.model_state_bytes`,
+# exist, and count every byte the model and optimizer hold (`course_lib.observe.memory.model_state_bytes`,
 # which counts a tied tensor once). The formula must match **exactly**.
 
 # %%
@@ -131,7 +131,7 @@ for k in predicted:
     print(f"  {k:9} predicted {predicted[k]:>9,} B   measured {measured[k]:>9,} B   ({predicted[k] / P:.0f} B/param)")
 
 # %% [markdown]
-# **Measured, bf16 mixed precision, built for real.** `course_lib.amp.MixedPrecisionOptimizer`
+# **Measured, bf16 mixed precision, built for real.** `course_lib.techniques.amp.MixedPrecisionOptimizer`
 # turns the model's parameters into bf16 and gives AdamW an fp32 master copy; after backward it
 # casts the gradients to fp32, steps on the master weights and copies them back into the bf16
 # model. Its state holds the master copy plus $m$, $v$. With `fp32_grad_accum=True` it also keeps
@@ -407,7 +407,7 @@ print(f"four weeks at 40% MFU need {n4w} A100s")
 # ## 6. A per-GPU memory calculator
 #
 # `estimate.per_gpu_memory` puts everything together for the busiest GPU of a
-# $dp \times ep \times tp \times pp$ mesh (the layout of `course_lib.mesh`):
+# $dp \times ep \times tp \times pp$ mesh (the layout of `course_lib.parallel.mesh`):
 #
 # * **tp** (tensor parallel) splits attention heads, MLP columns, embedding and head rows by $tp$;
 #   activations inside those regions too (and all of them with sequence parallelism, on with tp > 1).

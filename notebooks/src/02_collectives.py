@@ -7,7 +7,7 @@
 # happen decides whether adding GPUs speeds training up or just adds waiting.
 #
 # In this notebook we build the collectives ourselves, from nothing but point-to-point
-# `send`/`recv`, in `course_lib/comm.py` (read it: every algorithm is a few lines):
+# `send`/`recv`, in `course_lib/comm/collectives.py` (read it: every algorithm is a few lines):
 #
 # 1. the **parameter server**: everyone sends to one rank, it adds, it sends back;
 # 2. the **ring all-reduce** (a reduce-scatter, then an all-gather), stepped through chunk by chunk;
@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import CommTracer, format_summary, merge_summaries, run_on_ranks
-from course_lib import comm, costmodel, ringviz
+from course_lib import comm
+from course_lib.comm import costmodel, ringviz
 
 torch.manual_seed(0)
 NUMEL = 840  # = lcm(1..8): every world size used below divides it, so byte counts are exact
@@ -333,7 +334,7 @@ for rank, (got, nbytes) in enumerate(run_on_ranks(all_to_all_demo, world_size=4)
 # | recursive doubling | $L(\alpha + S\beta)$, $L = \log_2 p + 2[N \ne p]$ |
 # | parameter server | $2(N-1)(\alpha + S\beta)$: N-1 receives, then N-1 sends, through one link |
 #
-# (`course_lib.costmodel.cost_terms`; the adds themselves are left out, on GPUs they hide
+# (`course_lib.comm.costmodel.cost_terms`; the adds themselves are left out, on GPUs they hide
 # under the transfers.) First we measure α and β on this machine with a **ping-pong**: two
 # ranks bounce a message of each size back and forth, and half the fastest round trip is
 # $t(S)$. Emulated ranks share this machine's few CPU cores, so we let every pair of ranks

@@ -41,8 +41,8 @@ from course_lib.data import CharDataset, sample_indices
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import (DDP, LowPrecisionHook, TopKHook, assign_buckets, check_replicas,
                                  naive_all_reduce_gradients, run_data_parallel)
-from course_lib.parallel.compression import topk_count
-from course_lib.parallel.dp_training import train_data_parallel
+from course_lib.parallel.dp.compression import topk_count
+from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig, smooth, train_reference
 
 torch.manual_seed(0)

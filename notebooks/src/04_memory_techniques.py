@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import estimate
-from course_lib.accumulation import accumulate_gradients, train_step_accumulated
-from course_lib.amp import DynamicLossScaler, MixedPrecisionOptimizer
-from course_lib.checkpointing import Chain, checkpoint_memory, checkpointed_forward
+from course_lib.techniques.accumulation import accumulate_gradients, train_step_accumulated
+from course_lib.techniques.amp import DynamicLossScaler, MixedPrecisionOptimizer
+from course_lib.techniques.activation_checkpointing import Chain, checkpoint_memory, checkpointed_forward
 from course_lib.data import CharDataset, get_batch
-from course_lib.measure import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, model_state_bytes
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer, train_step
 
@@ -198,7 +198,7 @@ plt.show()
 #
 # ### 1.4 `DynamicLossScaler` against `torch.amp.GradScaler`
 #
-# `course_lib.amp.DynamicLossScaler` is that rule in a few lines. PyTorch's `GradScaler` runs
+# `course_lib.techniques.amp.DynamicLossScaler` is that rule in a few lines. PyTorch's `GradScaler` runs
 # the same rule (on the CPU too, since torch 2.3). We feed both the same sequence of gradients
 # with infs and a nan injected at chosen steps; they must pick the same scales and skip the same
 # steps.
@@ -264,7 +264,7 @@ print(f"100 updates of +1e-3:  bf16 weight {w16.item():.4f}   fp32 master {w32.i
 assert w16.item() == 1.0 and abs(w32.item() - 1.1) < 1e-4
 
 # %% [markdown]
-# `course_lib.amp.MixedPrecisionOptimizer` does the bookkeeping: the model's parameters become
+# `course_lib.techniques.amp.MixedPrecisionOptimizer` does the bookkeeping: the model's parameters become
 # fp16/bf16; an fp32 copy of the model is what AdamW updates. Each step: gradients → fp32,
 # divide by the loss scale (if any), skip on inf/nan, AdamW on the master, copy the master back
 # into the 16-bit model. Thirty steps of real training in three recipes:
@@ -329,7 +329,7 @@ plt.show()
 # bytes) come with the fp32 master copy and Adam's two fp32 moments (4 + 4 + 4 = 12 bytes, the
 # ZeRO paper's K = 12, counting the master copy as optimizer state). Keeping an fp32 buffer to
 # accumulate gradients over micro-batches adds 4 more. We build each recipe for real and count
-# every byte (`course_lib.measure.model_state_bytes`, with gradients present, as at the peak of
+# every byte (`course_lib.observe.memory.model_state_bytes`, with gradients present, as at the peak of
 # a step) against notebook 01's `estimate.model_state_bytes`.
 
 # %%
@@ -379,7 +379,7 @@ for recipe in ("fp32", "bf16_mixed", "fp16_mixed", "bf16_fp32_accum"):
 #            through it, free it, move to the previous segment.
 # ```
 #
-# `course_lib.checkpointing.checkpointed_forward(model, idx, targets, every_k)` is `GPT.forward`
+# `course_lib.techniques.activation_checkpointing.checkpointed_forward(model, idx, targets, every_k)` is `GPT.forward`
 # with the block loop run in segments of `every_k` blocks, each under
 # `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`. The model stays plain.
 #
@@ -582,7 +582,7 @@ for k in (1, 2, 4, 8):
 #
 # Back-propagate each micro-batch loss **divided by k**, let `.backward()` add into `p.grad`,
 # step once: the update of the big batch, while only one micro-batch's activations ever exist.
-# (`course_lib.accumulation.accumulate_gradients` / `train_step_accumulated`.)
+# (`course_lib.techniques.accumulation.accumulate_gradients` / `train_step_accumulated`.)
 #
 # ### 3.1 k micro-batches = one k-times larger batch
 

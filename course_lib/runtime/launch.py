@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from course_lib.runtime import threads_per_rank
+from course_lib.runtime.device import resolve_backend, threads_per_rank
 
 
 def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
@@ -29,8 +29,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
                            f"`torchrun --nproc-per-node=N -m <module>`")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "gloo"
+    backend = resolve_backend(backend, local_world)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     else:
@@ -38,9 +37,3 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return backend
 
-
-def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

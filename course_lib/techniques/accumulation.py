@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from course_lib.measure import SavedActivations
+from course_lib.observe.memory import SavedActivations
 
 
 def default_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

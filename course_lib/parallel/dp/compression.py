@@ -31,8 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib.compat import all_gather_single
-from course_lib.parallel.data_parallel import AllReduceHandle
+from course_lib.comm.compat import all_gather_single
+from course_lib.parallel.dp.ddp import AllReduceHandle
 
 LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -21,7 +21,7 @@ Failure handling (the kernel must never hang):
   * an exception on a rank     -> `RankError` naming the rank(s), with remote tracebacks;
   * a rank that never returns  -> `RankTimeout` after `timeout_s`, naming the stuck ranks;
   * a collective whose shapes/ops differ between ranks -> an error on the ranks
-    (course_lib/checks.py compares every collective's fingerprint), so a `RankError`
+    (course_lib/observe/checks.py compares every collective's fingerprint), so a `RankError`
     rather than silently wrong numbers.
 In every failure case the pool is killed, and the next call starts a fresh one.
 """
@@ -39,14 +39,18 @@ from multiprocessing.connection import wait as wait_for_ready
 
 import cloudpickle
 
-from course_lib import _worker
+from course_lib.runtime import worker as _worker
+from course_lib.runtime.device import resolve_backend, threads_per_rank
 
 MAX_WORLD_SIZE = 64
-BACKENDS = ("auto", "gloo", "nccl")
 # After the first rank fails, how long the others get to report before the pool is killed.
 # Other ranks are usually stuck in a collective waiting for the failed one, so keep it short.
 FAILURE_GRACE_S = 2.0
 STARTUP_TIMEOUT_S = 180.0
+# Imported once by the forkserver so every rank forks warm. A name that fails to import is
+# skipped silently by multiprocessing (the warm start would be lost without a word), so the
+# worker's name comes from the module itself and tests/test_runtime.py imports every entry.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "cloudpickle", _worker.__name__)
 
 
 class RankError(RuntimeError):
@@ -73,33 +77,10 @@ class RankTimeout(TimeoutError):
         )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def resolve_backend(backend: str, world_size: int) -> str:
-    """'auto' -> 'nccl' when there is one CUDA GPU per rank, else 'gloo'. Validates the choice."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown: use one of {', '.join(map(repr, BACKENDS))}")
-    import torch
-
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if n_gpus >= world_size else "gloo"
-    if backend == "nccl" and n_gpus < world_size:
-        raise ValueError(
-            f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size} but "
-            f"{n_gpus} GPU(s) are visible; use backend='gloo' to emulate ranks on the CPU"
-        )
-    return backend
-
-
-def threads_per_rank(world_size: int) -> int:
-    """A fair share of the cores for each rank, so that N ranks on few cores don't thrash."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // world_size)
 
 
 def _validate(fn, world_size, timeout_s):
@@ -125,8 +106,7 @@ def _mp_context():
         ctx = mp.get_context("forkserver")
         # torch.optim pulls in torch._dynamo (hundreds of modules) on first optimizer use:
         # importing it once in the server saves every new rank that cost.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo",
-                                    "cloudpickle", "course_lib._worker"])
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         return ctx
     return mp.get_context("spawn")
 
@@ -158,7 +138,7 @@ class RankPool:
     def __init__(self, world_size: int, backend: str, check_collectives: bool):
         self.world_size, self.backend = world_size, backend
         ctx = _mp_context()
-        port = _free_port()
+        port = free_port()
         n_threads = threads_per_rank(world_size)
         self.conns, self.procs = [], []
         for rank in range(world_size):
@@ -262,6 +242,11 @@ def _get_pool(world_size: int, backend: str, check_collectives: bool) -> RankPoo
     return pool
 
 
+def live_pools() -> list[tuple]:
+    """The (world_size, backend, check_collectives) keys of the pools alive now, oldest first."""
+    return list(_POOLS)
+
+
 def shutdown_pools():
     """Stop every live rank pool (called automatically at interpreter exit)."""
     while _POOLS:
@@ -293,7 +278,7 @@ def run_on_ranks(fn, *args, world_size: int = 4, backend: str = "auto", timeout_
 
     fn may be a lambda or a closure defined in a notebook (it travels by cloudpickle).
     check_collectives=True verifies before each collective that all ranks of its group call
-    the same op with the same dtype and shape (course_lib/checks.py; one extra tiny
+    the same op with the same dtype and shape (course_lib/observe/checks.py; one extra tiny
     all-gather per collective, so benchmarks turn it off).
 
     Raises RankError (a rank raised or died), RankTimeout (ranks still running after

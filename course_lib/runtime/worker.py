@@ -35,8 +35,8 @@ def init_process_group(rank: int, world_size: int, backend: str, port: int, chec
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT, **kwargs)
     if check_collectives:
         # Each collective first compares (op, dtype, shape) across ranks and raises on a
-        # mismatch instead of returning wrong numbers (see course_lib/checks.py).
-        from course_lib.checks import install_collective_checks
+        # mismatch instead of returning wrong numbers (see course_lib/observe/checks.py).
+        from course_lib.observe.checks import install_collective_checks
 
         install_collective_checks()
 

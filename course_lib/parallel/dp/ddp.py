@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.compat import all_gather_single
+from course_lib.comm.compat import all_gather_single
 
 MB = 2**20
 
@@ -189,8 +189,8 @@ class DDP(nn.Module):
     """Bucketed, overlapped data parallelism (see the module docstring for the design).
 
     comm_hook(bucket_index, flat, group) -> handle with .wait() -> averaged flat tensor;
-    `flat` arrives already divided by N. course_lib.parallel.compression has hooks that
-    send fewer bytes. timeline: a course_lib.timeline.Timeline; each bucket becomes a
+    `flat` arrives already divided by N. course_lib.parallel.dp.compression has hooks that
+    send fewer bytes. timeline: a course_lib.observe.timeline.Timeline; each bucket becomes a
     "comm" event from launch to completion and each finish a "finish" event (launching the
     buckets not yet launched, then waiting).
     """

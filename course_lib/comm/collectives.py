@@ -14,7 +14,7 @@ is the point of notebook 02. With N ranks and a tensor of S bytes per rank:
 
 The ring's per-rank traffic barely grows with N (it tends to 2S) and every link is busy
 at every step; the parameter server's grows linearly with N on one machine. That is
-the whole argument for rings (Baidu 2017, Horovod): see `course_lib.costmodel`.
+the whole argument for rings (Baidu 2017, Horovod): see `course_lib.comm.costmodel`.
 
 Chunks: a tensor of numel elements is cut into N contiguous chunks exactly like
 `torch.tensor_split(flat, N)` (the first numel % N chunks are one element longer; chunks
@@ -22,7 +22,7 @@ may be empty when numel < N). Rank r owns chunk r after a reduce-scatter, as wit
 built-in. Empty chunks send no message.
 
 The ring schedule lives in ONE function, `ring_send_chunk`, used by the ring code below
-and by the pure-Python simulation in `course_lib.ringviz`, so the picture cannot drift
+and by the pure-Python simulation in `course_lib.comm.ringviz`, so the picture cannot drift
 from the code.
 """
 

@@ -192,7 +192,7 @@ def _uninstall():
 class CommTracer:
     """Context manager recording this rank's torch.distributed calls (see module docstring).
 
-    timeline: an optional `course_lib.timeline.Timeline`; each call is also added to it
+    timeline: an optional `course_lib.observe.timeline.Timeline`; each call is also added to it
     as a "comm" event so it shows in the Gantt chart next to compute spans.
     """
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.data import CharDataset, collate, sample_indices
-from course_lib.launch import device as rank_device
+from course_lib.runtime.device import rank_device
 from course_lib.model import GPT
-from course_lib.parallel.data_parallel import DDP, naive_all_reduce_gradients
-from course_lib.timeline import Timeline
-from course_lib.tracer import CommTracer
+from course_lib.parallel.dp.ddp import DDP, naive_all_reduce_gradients
+from course_lib.observe.timeline import Timeline
+from course_lib.observe.tracer import CommTracer
 from course_lib.train import make_optimizer
 
 STRATEGIES = ("ddp", "naive", "torch")

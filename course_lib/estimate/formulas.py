@@ -2,7 +2,7 @@
 
 Every formula here is held against a measurement in notebook 01 and tests/test_estimate.py:
 parameter and model-state bytes against the real model and optimizer, activation bytes
-against the tensors autograd saves (`course_lib.measure.SavedActivations`), FLOPs against
+against the tensors autograd saves (`course_lib.observe.memory.SavedActivations`), FLOPs against
 `torch.utils.flop_counter.FlopCounterMode`. Units: bytes, FLOPs (not FLOP/s), seconds;
 GB means 10^9 bytes.
 
@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 
 from course_lib.model import GPTConfig, expected_num_params
+
+__all__ = ['LlamaLikeConfig', 'MoEConfig', 'param_breakdown', 'param_count', 'Recipe', 'model_state_bytes', 'activation_bytes', 'flops_per_token', 'training_flops', 'training_time', 'gpus_needed', 'per_gpu_memory', 'fmt_bytes', 'fmt_duration', 'GB', 'COURSE_GPT', 'GPT3_175B', 'LLAMA3_8B', 'LLAMA3_70B', 'LLAMA3_405B', 'PRESETS', 'RECIPES', 'ZERO_STAGES', 'RECOMPUTE', 'ATTENTION']
 
 GB = 1e9
 
@@ -372,7 +374,7 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
     """Bytes on the busiest GPU: {"params", "grads", "optimizer", "activations", "total",
     "cpu_offload", "params_on_gpu", "n_gpus", "stage"}. `batch` is the micro-batch per GPU.
 
-    The mesh is course_lib.mesh's: n_gpus = dp * ep * tp * pp. tp splits attention heads, MLP
+    The mesh is course_lib.parallel.mesh's: n_gpus = dp * ep * tp * pp. tp splits attention heads, MLP
     columns, embedding and head rows (norms stay replicated); pp gives each stage n_layer/pp
     layers, the embedding to the first stage and the head to the last (a tied head keeps a
     copy there); ep splits MoE experts (each ep rank holds n_experts/ep of them). The ranks of

@@ -1,0 +1,27 @@
+"""Communication: collectives built from send/recv, their cost, and differentiable collectives.
+
+    collectives.py   ring / tree / parameter-server all-reduce, reduce-scatter, all-gather, all-to-all
+    costmodel.py     the alpha-beta model: predict, fit from ping-pong, crossover sizes
+    ringviz.py       the ring all-reduce step by step (pictures, widget)
+    compat.py        collective names that moved between torch versions
+    autograd.py      collectives as autograd Functions (tensor, sequence and expert parallelism)
+
+`course_lib.comm.ring_all_reduce` and the other functions of collectives.py stay importable
+from here, as the notebooks use them.
+"""
+
+from course_lib.comm.collectives import (
+    ALL_REDUCE_ALGORITHMS,
+    chunk_bounds,
+    pairwise_all_to_all,
+    ps_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    ring_send_chunk,
+    theory_bytes_sent,
+    tree_all_reduce,
+)
+
+__all__ = ["ALL_REDUCE_ALGORITHMS", "chunk_bounds", "ring_send_chunk", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+           "tree_all_reduce", "ps_all_reduce", "pairwise_all_to_all", "theory_bytes_sent"]

@@ -1,0 +1,13 @@
+"""Data parallelism (notebook 03): every rank holds the whole model and a slice of the batch.
+
+    ddp.py           naive_all_reduce_gradients, DDP (bucketed, overlapped), check_replicas
+    training.py      the reference training loop made data parallel (train/run_data_parallel)
+    compression.py   gradient compression hooks for DDP (top-k + error feedback, bf16/fp16)
+"""
+
+from course_lib.parallel.dp.compression import LowPrecisionHook, TopKHook
+from course_lib.parallel.dp.ddp import DDP, assign_buckets, broadcast_parameters, check_replicas, naive_all_reduce_gradients
+from course_lib.parallel.dp.training import run_data_parallel, train_data_parallel
+
+__all__ = ["DDP", "naive_all_reduce_gradients", "check_replicas", "broadcast_parameters", "assign_buckets",
+           "train_data_parallel", "run_data_parallel", "LowPrecisionHook", "TopKHook"]

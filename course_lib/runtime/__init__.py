@@ -1,0 +1,13 @@
+"""Starting ranks: the parent side of every run.
+
+    pool.py     run_on_ranks: a persistent pool of rank processes, RankError / RankTimeout
+    worker.py   the loop each rank process runs (joins the process group, serves calls)
+    launch.py   the torchrun path: init_from_env()
+    device.py   the one backend/device rule shared by both paths
+"""
+
+from course_lib.runtime.device import rank_device, resolve_backend, threads_per_rank
+from course_lib.runtime.pool import RankError, RankTimeout, run_on_ranks, shutdown_pools
+
+__all__ = ["run_on_ranks", "RankError", "RankTimeout", "shutdown_pools",
+           "resolve_backend", "rank_device", "threads_per_rank"]

@@ -1,0 +1,6 @@
+"""Single-device techniques that every strategy can combine with (notebook 04).
+
+    amp.py                       dynamic loss scaling, fp32 master weights
+    activation_checkpointing.py  recompute blocks in backward instead of saving their activations
+    accumulation.py              k micro-batches, one optimizer step
+"""
