@@ -25,7 +25,8 @@ import matplotlib.pyplot as plt
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from course_lib.estimate import calculator, estimate
+from course_lib import estimate
+from course_lib.estimate import calculator
 from course_lib.techniques.amp import MixedPrecisionOptimizer
 from course_lib.observe.memory import SavedActivations, model_state_bytes
 from course_lib.model import GPT, GPTConfig
