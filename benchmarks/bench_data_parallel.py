@@ -34,7 +34,7 @@ WARMUP = 2
 def step_time(world_size, config, cfg, strategy, **kw) -> float:
     res = run_on_ranks(train_data_parallel, config, cfg, strategy, world_size=world_size, timeout_s=300,
                        check_collectives=False, **kw)
-    return statistics.median(max(r["step_s"][s] for r in res) for s in range(WARMUP, cfg.steps))
+    return statistics.median(max(r.step_seconds[s] for r in res) for s in range(WARMUP, cfg.steps))
 
 
 def main(argv=None):

@@ -1,23 +1,31 @@
-"""The single-process reference trainer.
+"""The one training step, and the single-process reference trainer.
 
-Every parallel implementation in the course (data parallel, ZeRO, tensor and
-pipeline parallel, ...) is tested against `train_reference`: same config and
-seed must give the same losses. To make that reproducible the loop is built
-from small pieces the parallel code can reuse:
+Every parallel implementation in the course (data parallel, ZeRO, tensor and pipeline
+parallel, ...) is tested against `train_reference`: same config and seed must give the same
+losses. They all run the same step, `train_step`, and differ only in the pieces they plug in:
 
-    batches:   data.get_batch(dataset, batch_size, generator)   (seeded Generator)
-    one step:  train_step(model, optimizer, x, y, grad_clip)
-                 = zero_grad -> forward -> backward -> clip -> AdamW step
-    eval:      evaluate(model, dataset, batches, batch_size, generator)
+    train_step(model, optimizer, x, y, grad_clip,
+               accum_steps=1,          split the batch into micro-batches (gradient accumulation)
+               loss_fn=model_loss,     how a micro-batch loss is computed (autocast, checkpointing, ...)
+               backward=None,          how a loss is back-propagated (a loss scaler's scale-then-backward)
+               no_sync=None,           context that defers gradient communication (DDP.no_sync)
+               forward_backward=None,  replaces the whole micro-batch loop (a pipeline schedule)
+               sync_gradients=None,    communication after backward (all-reduce, reduce-scatter, ...)
+               clip_grad_norm=None)    the global gradient norm of a sharded model
+      = zero_grad -> for each micro-batch: forward -> backward -> sync -> clip -> optimizer.step
 
-Gradient clipping rescales all gradients g by min(1, grad_clip / ||g||_2), where
-||g||_2 is the norm over *all* parameters together.
+Gradient clipping rescales all gradients g by min(1, grad_clip / ||g||_2), where ||g||_2 is the
+norm over *all* parameters together (for a sharded model: over all shards of all ranks).
+
+Every training function, single-process or rank-side, returns one `TrainResult`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -43,10 +51,22 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    model: GPT
+    """What every training function returns (the reference trainer and each rank's loop).
+
+    train_losses are this process's per-step losses: for the reference, the batch loss; for a
+    rank, the loss of its own share (the global loss is the mean over the data-parallel ranks).
+    Fields a run did not record stay empty or None.
+    """
+
     train_losses: list[float] = field(default_factory=list)  # one per step
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the whole loop
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each step
+    model: nn.Module | None = None  # the trained model (in-process runs; ranks send back tensors)
+    final_params: torch.Tensor | None = None  # flat copy of the parameters after the last step
+    final_grads: torch.Tensor | None = None  # flat copy of the last step's gradients
+    timeline_events: list | None = None  # Timeline events, when the run recorded a timeline
+    comm_summary: dict | None = None  # CommTracer.summary() of the training steps, when traced
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -68,16 +88,66 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False, fused=False)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, y, grad_clip) -> float:
-    """One optimisation step on the batch (x, y); returns the loss before the update."""
+def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The default micro-batch loss: the model's own (logits, loss) convention."""
+    return model(x, y)[1]
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_clip: float | None = None,
+    *,
+    accum_steps: int = 1,
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = model_loss,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    forward_backward: Callable[[nn.Module, torch.Tensor, torch.Tensor], float] | None = None,
+    sync_gradients: Callable[[], None] | None = None,
+    clip_grad_norm: Callable[[float], object] | None = None,
+    timeline=None,
+) -> float:
+    """One optimisation step on the batch (x, y); returns the batch loss before the update.
+
+    zero_grad -> forward/backward (accum_steps micro-batches, each loss divided by
+    accum_steps, all but the last under no_sync()) -> sync_gradients() -> clip -> step.
+    forward_backward(model, x, y) -> loss replaces the micro-batch loop (pipeline schedules
+    run their own). clip_grad_norm(max_norm) defaults to torch's over model.parameters().
+    With a Timeline, the phases are recorded as spans.
+    """
+    from course_lib.techniques.accumulation import accumulate_gradients  # techniques build on train
+
+    span = timeline.span if timeline is not None else (lambda *a: contextlib.nullcontext())
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    _, loss = model(x, y)
-    loss.backward()
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    return loss.item()
+    if forward_backward is not None:
+        loss = forward_backward(model, x, y)
+    else:
+        loss = accumulate_gradients(model, x, y, accum_steps, loss_fn=loss_fn, backward=backward,
+                                    no_sync=no_sync, span=span).loss
+    if sync_gradients is not None:
+        sync_gradients()  # strategies record their own communication spans
+    with span("optimizer", "optimizer"):
+        if grad_clip:
+            if clip_grad_norm is not None:
+                clip_grad_norm(grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+    return float(loss)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """All parameters as one flat CPU tensor (a tied weight once), for comparing runs."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    """All gradients as one flat CPU tensor, zeros where a parameter has none."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                      for p in model.parameters()]).cpu()
 
 
 @torch.no_grad()
@@ -133,7 +203,9 @@ def train_reference(
     bar = tqdm(range(1, cfg.steps + 1), desc="train", disable=not cfg.progress)
     for step in bar:
         x, y = get_batch(dataset, cfg.batch_size, data_gen)
+        t0 = time.perf_counter()
         loss = train_step(model, optimizer, x, y, cfg.grad_clip)
+        result.step_seconds.append(time.perf_counter() - t0)
         result.train_losses.append(loss)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             val = run_eval(step)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from course_lib.techniques.accumulation import accumulate_gradients, split_micro_batches, train_step_accumulated
+from course_lib.techniques.accumulation import accumulate_gradients, split_micro_batches
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer, train_step
 
@@ -34,14 +34,14 @@ def test_k_micro_batches_equal_one_big_batch(k):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
-def test_train_step_accumulated_matches_train_step_with_adamw_and_clipping():
+def test_accumulated_train_step_matches_train_step_with_adamw_and_clipping():
     x, y = _batch()
     cfg = TrainConfig(lr=1e-3)
     ref, model = GPT(CFG), GPT(CFG)
     ref_opt, opt = make_optimizer(ref, cfg), make_optimizer(model, cfg)
     for _ in range(2):
         l_ref = train_step(ref, ref_opt, x, y, grad_clip=1.0)
-        l_acc = train_step_accumulated(model, opt, x, y, accum_steps=4, grad_clip=1.0)
+        l_acc = train_step(model, opt, x, y, grad_clip=1.0, accum_steps=4)
         assert l_acc == pytest.approx(l_ref, rel=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5)
@@ -72,6 +72,6 @@ def test_indivisible_batch_rejected_before_any_work():
     model = GPT(CFG)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with pytest.raises(ValueError, match="divisible"):
-        train_step_accumulated(model, opt, x, y, 4)
+        train_step(model, opt, x, y, accum_steps=4)
     assert all(p.grad is None for p in model.parameters())
     assert len(split_micro_batches(x, y, 3)) == 3

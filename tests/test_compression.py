@@ -90,8 +90,8 @@ def test_ddp_with_compression_keeps_replicas_equal():
     res = run_on_ranks(_short_runs, config, TrainConfig(steps=3, batch_size=8, progress=False), world_size=WORLD,
                        timeout_s=60)
     for name in ("fp32", "bf16", "topk"):
-        assert torch.equal(res[0][name]["params"], res[1][name]["params"])  # every rank decoded the same sum
+        assert torch.equal(res[0][name].final_params, res[1][name].final_params)  # every rank decoded the same sum
     # bf16 changes the gradients a little, top-1% a lot; neither is the fp32 result.
-    d_bf16 = (res[0]["bf16"]["params"] - res[0]["fp32"]["params"]).abs().max()
-    d_topk = (res[0]["topk"]["params"] - res[0]["fp32"]["params"]).abs().max()
+    d_bf16 = (res[0]["bf16"].final_params - res[0]["fp32"].final_params).abs().max()
+    d_topk = (res[0]["topk"].final_params - res[0]["fp32"].final_params).abs().max()
     assert 0 < d_bf16 < d_topk

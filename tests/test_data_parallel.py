@@ -76,20 +76,20 @@ def test_equals_reference_and_torch_ddp(config, world_size):
     for (name, clip), out in per_rank[0].items():
         _, ref_losses, ref_params, ref_grads = refs[clip]
         for r in range(1, world_size):  # replicas stay bit-identical
-            assert torch.equal(per_rank[r][(name, clip)]["params"], out["params"]), (name, clip, r)
+            assert torch.equal(per_rank[r][(name, clip)].final_params, out.final_params), (name, clip, r)
         if name == "wrong_sum":
             continue
-        losses = [sum(per_rank[r][(name, clip)]["losses"][s] for r in range(world_size)) / world_size
+        losses = [sum(per_rank[r][(name, clip)].train_losses[s] for r in range(world_size)) / world_size
                   for s in range(STEPS)]
         assert losses == pytest.approx(ref_losses, abs=1e-5), (name, clip)
-        torch.testing.assert_close(out["grads"], ref_grads, rtol=1e-4, atol=1e-6, msg=f"{name} clip={clip}")
-        torch.testing.assert_close(out["params"], ref_params, rtol=1e-4, atol=1e-5, msg=f"{name} clip={clip}")
+        torch.testing.assert_close(out.final_grads, ref_grads, rtol=1e-4, atol=1e-6, msg=f"{name} clip={clip}")
+        torch.testing.assert_close(out.final_params, ref_params, rtol=1e-4, atol=1e-5, msg=f"{name} clip={clip}")
     for clip in (0.0, 1.0):
         for ours, theirs in (("ddp", "torch"), ("ddp_accum_small_buckets", "torch_accum_small_buckets")):
-            torch.testing.assert_close(per_rank[0][(ours, clip)]["params"], per_rank[0][(theirs, clip)]["params"],
+            torch.testing.assert_close(per_rank[0][(ours, clip)].final_params, per_rank[0][(theirs, clip)].final_params,
                                        rtol=1e-4, atol=1e-5)
     # The comparison can fail: summing instead of averaging gives N-times larger gradients.
-    wrong = per_rank[0][("wrong_sum", 0.0)]["grads"]
+    wrong = per_rank[0][("wrong_sum", 0.0)].final_grads
     assert not torch.allclose(wrong, refs[0.0][3], rtol=1e-4, atol=1e-6)
     assert (wrong.norm() / refs[0.0][3].norm()).item() == pytest.approx(world_size, rel=1e-2)
 
@@ -99,7 +99,7 @@ def _traced_runs(config, cfg):
     for name, strategy, accum, kw in [("naive", "naive", 1, {}), ("ddp", "ddp", 1, {"bucket_cap_mb": 0.05}),
                                       ("ddp_accum", "ddp", 2, {"bucket_cap_mb": 0.05})]:
         res = train_data_parallel(config, cfg, strategy, accum, trace=True, **kw)
-        out[name] = res["comm"]["all_reduce"]
+        out[name] = res.comm_summary["all_reduce"]
     model = GPT(config)
     ddp = DDP(model, bucket_cap_mb=0.05)
     out["n_buckets"] = len(ddp.buckets)
@@ -146,7 +146,7 @@ def test_frozen_parameters_not_communicated(config):
     for _ in range(STEPS):
         train_step(model, opt, *get_batch(ds, cfg.batch_size, gen), cfg.grad_clip)
     assert torch.equal(model.pos_emb.weight, GPT(config, seed=cfg.seed).pos_emb.weight)
-    torch.testing.assert_close(res["params"], flat(model.parameters()), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.final_params, flat(model.parameters()), rtol=1e-4, atol=1e-5)
 
 
 class Branchy(nn.Module):
@@ -194,7 +194,7 @@ def _overlap(config, cfg):
     out = {}
     for overlap in (True, False):  # one step: one finish event, one comm event per bucket
         events = train_data_parallel(config, cfg, "ddp", 1, record_timeline=True, bucket_cap_mb=0.05,
-                                     overlap=overlap)["events"]
+                                     overlap=overlap).timeline_events
         out[overlap] = ([e for e in events if e[0] == "finish"], [e for e in events if e[3] == "comm"])
     return out
 

@@ -13,10 +13,13 @@ memory is that of m examples, while the effective batch is B = k * m. The price 
 
 In data parallel training the same idea lets ranks skip the gradient all-reduce on the first
 k - 1 micro-batches (DDP's `no_sync()`), communicating once per step.
+
+The optimizer step around it is `course_lib.train.train_step(..., accum_steps=k)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,10 +27,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.observe.memory import SavedActivations
-
-
-def default_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return model(x, y)[1]
+from course_lib.train import model_loss
 
 
 def split_micro_batches(x: torch.Tensor, y: torch.Tensor, accum_steps: int):
@@ -54,47 +54,36 @@ def accumulate_gradients(
     x: torch.Tensor,
     y: torch.Tensor,
     accum_steps: int,
-    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = model_loss,
     backward: Callable[[torch.Tensor], None] | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     measure: bool = False,
+    span=None,
 ) -> AccumulationResult:
     """Add the gradient of the batch-mean loss into p.grad, one micro-batch at a time.
 
     `loss_fn(model, x, y)` computes a micro-batch loss (swap in checkpointed_forward or an
-    autocast region); `backward(loss)` defaults to loss.backward() (pass a loss scaler's).
-    With measure=True each micro-batch's saved-activation bytes are recorded.
+    autocast region); `backward(loss)` defaults to loss.backward() (pass a loss scaler's);
+    `no_sync()` wraps every micro-batch but the last (DDP: communicate once per step).
+    With measure=True each micro-batch's saved-activation bytes are recorded; `span(name,
+    category)` (a Timeline's) times the forward and backward passes.
     """
     result = AccumulationResult(loss=0.0)
-    for xm, ym in split_micro_batches(x, y, accum_steps):
-        if measure:
-            with SavedActivations(model) as saved:
-                loss = loss_fn(model, xm, ym)
-            result.micro_batch_saved_bytes.append(saved.bytes)
-        else:
-            loss = loss_fn(model, xm, ym)
-        scaled = loss / accum_steps  # the 1/k that turns a sum of micro-means into the big mean
-        (backward or torch.Tensor.backward)(scaled)
+    span = span or (lambda *a: contextlib.nullcontext())
+    micro = split_micro_batches(x, y, accum_steps)
+    for j, (xm, ym) in enumerate(micro):
+        defer = no_sync is not None and j < len(micro) - 1
+        with no_sync() if defer else contextlib.nullcontext():
+            with span("forward", "forward"):
+                if measure:
+                    with SavedActivations(model) as saved:
+                        loss = loss_fn(model, xm, ym)
+                    result.micro_batch_saved_bytes.append(saved.bytes)
+                else:
+                    loss = loss_fn(model, xm, ym)
+            scaled = loss / accum_steps  # the 1/k that turns a sum of micro-means into the big mean
+            with span("backward", "backward"):
+                (backward or torch.Tensor.backward)(scaled)
         result.loss += scaled.item()
         # the graph of this micro-batch is freed by backward: memory does not grow with k
     return result
-
-
-def train_step_accumulated(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    accum_steps: int,
-    grad_clip: float | None = None,
-    loss_fn=default_loss,
-) -> float:
-    """course_lib.train.train_step with the batch split into `accum_steps` micro-batches:
-    zero_grad -> accumulate -> clip -> one step. Returns the batch loss before the update."""
-    split_micro_batches(x, y, accum_steps)  # validate before touching the gradients
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    result = accumulate_gradients(model, x, y, accum_steps, loss_fn=loss_fn)
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    return result.loss

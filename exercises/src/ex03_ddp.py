@@ -77,12 +77,12 @@ def both(config, cfg):
 for world_size in (2, 4):
     res = run_on_ranks(both, CONFIG, TRAIN, world_size=world_size, backend="gloo", timeout_s=60)
     mine, theirs = res[0]
-    check_close(f"{world_size} ranks: last averaged gradients = torch DDP's", mine["grads"], theirs["grads"],
+    check_close(f"{world_size} ranks: last averaged gradients = torch DDP's", mine.final_grads, theirs.final_grads,
                 rtol=1e-4, atol=1e-6)
-    check_close(f"{world_size} ranks: parameters after {TRAIN.steps} steps = torch DDP's", mine["params"],
-                theirs["params"], rtol=1e-4, atol=1e-5)
+    check_close(f"{world_size} ranks: parameters after {TRAIN.steps} steps = torch DDP's", mine.final_params,
+                theirs.final_params, rtol=1e-4, atol=1e-5)
     check_equal(f"{world_size} ranks: every replica identical",
-                all(torch.equal(r[0]["params"], mine["params"]) for r in res), True)
+                all(torch.equal(r[0].final_params, mine.final_params) for r in res), True)
 
 # %% [markdown]
 # ## Check 3: one all-reduce per bucket, launched during backward

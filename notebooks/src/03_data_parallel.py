@@ -181,16 +181,16 @@ ref_grads = torch.cat([p.grad.reshape(-1) for p in ref.model.parameters()])
 def compare(per_rank, label):
     """Global loss per step and max differences to the reference; asserts the claim."""
     n = len(per_rank)
-    losses = [sum(r["losses"][s] for r in per_rank) / n for s in range(len(ref.train_losses))]
+    losses = [sum(r.train_losses[s] for r in per_rank) / n for s in range(len(ref.train_losses))]
     d_loss = max(abs(a - b) for a, b in zip(losses, ref.train_losses))
-    d_param = (per_rank[0]["params"] - ref_params).abs().max().item()
-    same = all(torch.equal(r["params"], per_rank[0]["params"]) for r in per_rank)
+    d_param = (per_rank[0].final_params - ref_params).abs().max().item()
+    same = all(torch.equal(r.final_params, per_rank[0].final_params) for r in per_rank)
     assert same and d_loss < 1e-5 and d_param < 2e-5, (label, d_loss, d_param)
     return f"{label:<40} max|Δloss| {d_loss:.1e}   max|Δθ| {d_param:.1e}   replicas identical: {same}"
 
 naive = run_data_parallel(2, CONFIG, TRAIN, "naive", **RANKS)
 print("reference losses:", [f"{x:.4f}" for x in ref.train_losses])
-print("naive DP losses: ", [f"{(a + b) / 2:.4f}" for a, b in zip(naive[0]["losses"], naive[1]["losses"])])
+print("naive DP losses: ", [f"{(a + b) / 2:.4f}" for a, b in zip(naive[0].train_losses, naive[1].train_losses)])
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -210,7 +210,7 @@ print(compare(naive, "naive DP, 2 ranks"))
 # %%
 def traced_step(config, cfg, strategy, **kw):
     cfg = TrainConfig(**{**cfg.__dict__, "steps": 1})
-    return train_data_parallel(config, cfg, strategy, trace=True, **kw)["comm"]
+    return train_data_parallel(config, cfg, strategy, trace=True, **kw).comm_summary
 
 n_tensors = len(list(GPT(CONFIG).parameters()))
 naive_comm = run_on_ranks(traced_step, CONFIG, TRAIN, "naive", world_size=2, **RANKS)
@@ -388,7 +388,7 @@ for n in (2, 4):
         results[(n, strategy, accum)] = runs[0]
         rows.append(compare(runs, f"{n} ranks {strategy:<5} accum={accum} {kw}"[:40]))
     for accum in (1, 2):
-        d = (results[(n, "ddp", accum)]["params"] - results[(n, "torch", accum)]["params"]).abs().max().item()
+        d = (results[(n, "ddp", accum)].final_params - results[(n, "torch", accum)].final_params).abs().max().item()
         assert d < 2e-5
         rows.append(f"{n} ranks: ours vs torch DDP, accum={accum}: max|Δθ| {d:.1e}")
 
@@ -434,7 +434,7 @@ def timeline_run(overlap):
     return run_data_parallel(2, TIMING, TIMING_TRAIN, "ddp", bucket_cap_mb=1.0, overlap=overlap,
                              record_timeline=True, **RANKS)
 
-timelines = {overlap: [r["events"] for r in timeline_run(overlap)] for overlap in (True, False)}
+timelines = {overlap: [r.timeline_events for r in timeline_run(overlap)] for overlap in (True, False)}
 for overlap, per_rank in timelines.items():  # the claim, independent of timing: who launched when
     for events in per_rank:
         last_step = [e for e in events if e[1] >= [f for f in events if f[0] == "forward"][-1][1]]
@@ -490,9 +490,9 @@ SWEEP_TRAIN = TrainConfig(steps=6, batch_size=16, progress=False)
 caps = [0.05, 0.25, 1.0, 4.0]
 
 def sweep(config, cfg):
-    out = {"naive": train_data_parallel(config, cfg, "naive")["step_s"][2:]}
+    out = {"naive": train_data_parallel(config, cfg, "naive").step_seconds[2:]}
     for cap in caps:
-        out[cap] = train_data_parallel(config, cfg, "ddp", bucket_cap_mb=cap)["step_s"][2:]
+        out[cap] = train_data_parallel(config, cfg, "ddp", bucket_cap_mb=cap).step_seconds[2:]
     return out
 
 t0 = time.perf_counter()
@@ -543,7 +543,7 @@ scaling = {}
 for n in (1, 2, 4):
     cfg = TrainConfig(steps=5, batch_size=8 * n, progress=False)
     res = run_on_ranks(one_thread_per_rank, TIMING, cfg, "ddp", bucket_cap_mb=1.0, world_size=n, **RANKS)
-    per_step = sorted(max(r["step_s"][s] for r in res) for s in range(2, cfg.steps))
+    per_step = sorted(max(r.step_seconds[s] for r in res) for s in range(2, cfg.steps))
     scaling[n] = per_step[len(per_step) // 2]
     print(f"{n} rank(s): {scaling[n] * 1e3:7.1f} ms/step, {8 * n * TIMING.block_size / scaling[n]:8,.0f} tokens/s")
 print(f"(load average {os.getloadavg()[0]:.1f}: other processes share these cores too)")
@@ -638,7 +638,7 @@ LONG = TrainConfig(steps=60, batch_size=16, progress=False)
 def loss_curves(config, cfg):
     hooks = {"fp32 (no compression)": None, "bf16 all-reduce": LowPrecisionHook(),
              "top-1% + error feedback": TopKHook(0.01), "top-1%, no error feedback": TopKHook(0.01, error_feedback=False)}
-    return {name: train_data_parallel(config, cfg, "ddp", comm_hook=hook)["losses"] for name, hook in hooks.items()}
+    return {name: train_data_parallel(config, cfg, "ddp", comm_hook=hook).train_losses for name, hook in hooks.items()}
 
 curves = run_on_ranks(loss_curves, CONFIG, LONG, world_size=2, **RANKS, timeout_s=120)
 curves = {name: [(a + b) / 2 for a, b in zip(curves[0][name], curves[1][name])] for name in curves[0]}

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import estimate
-from course_lib.techniques.accumulation import accumulate_gradients, train_step_accumulated
+from course_lib.techniques.accumulation import accumulate_gradients
 from course_lib.techniques.amp import DynamicLossScaler, MixedPrecisionOptimizer
 from course_lib.techniques.activation_checkpointing import Chain, checkpoint_memory, checkpointed_forward
 from course_lib.data import CharDataset, get_batch
@@ -582,7 +582,7 @@ for k in (1, 2, 4, 8):
 #
 # Back-propagate each micro-batch loss **divided by k**, let `.backward()` add into `p.grad`,
 # step once: the update of the big batch, while only one micro-batch's activations ever exist.
-# (`course_lib.techniques.accumulation.accumulate_gradients` / `train_step_accumulated`.)
+# (`course_lib.techniques.accumulation.accumulate_gradients`; the step around it is `train_step(..., accum_steps=k)`.)
 #
 # ### 3.1 k micro-batches = one k-times larger batch
 
@@ -605,7 +605,7 @@ for k in (2, 4, 8):
 # one real training step with AdamW and clipping: the same parameters afterwards
 ref, acc = GPT(cfg2), GPT(cfg2)
 l_ref = train_step(ref, make_optimizer(ref, tc), xb, yb, grad_clip=1.0)
-l_acc = train_step_accumulated(acc, make_optimizer(acc, tc), xb, yb, accum_steps=4, grad_clip=1.0)
+l_acc = train_step(acc, make_optimizer(acc, tc), xb, yb, grad_clip=1.0, accum_steps=4)
 diff = max((a - r).abs().max().item() for a, r in zip(acc.parameters(), ref.parameters()))
 assert diff < 1e-5
 print(f"after one AdamW step: largest parameter difference {'< 1e-5' if diff < 1e-5 else diff} "

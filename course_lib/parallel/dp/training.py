@@ -21,7 +21,7 @@ from course_lib.model import GPT
 from course_lib.parallel.dp.ddp import DDP, naive_all_reduce_gradients
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
-from course_lib.train import make_optimizer
+from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
 
 STRATEGIES = ("ddp", "naive", "torch")
 
@@ -37,20 +37,21 @@ def _check_run(strategy, accum_steps, batch_size, world_size):
 
 
 def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_steps: int = 1, group=None,
-                        model_fn=None, record_timeline: bool = False, trace: bool = False, **ddp_kwargs) -> dict:
+                        model_fn=None, record_timeline: bool = False, trace: bool = False, **ddp_kwargs) -> TrainResult:
     """Rank code: course_lib.train's reference loop, made data parallel.
 
     Every rank draws the reference's global batch indices with the same seeded generator
-    (data.sample_indices), keeps its contiguous share idx[r*B/N : (r+1)*B/N] and splits it
-    into accum_steps micro-batches (all but the last under no_sync). Each micro-batch loss
-    is divided by accum_steps, so the summed gradient is the mean over the rank's share.
+    (data.sample_indices), keeps its contiguous share idx[r*B/N : (r+1)*B/N] and runs
+    `train_step` on it with accum_steps micro-batches (all but the last under no_sync). Each
+    micro-batch loss is divided by accum_steps, so the summed gradient is the mean over the
+    rank's share; the strategy then averages it over the ranks.
     strategy: "ddp" (ours), "naive" (naive_all_reduce_gradients), "torch"
     (torch.nn.parallel.DistributedDataParallel) or a callable wrap(model, group) -> wrapper
     with finish_gradient_synchronization() (the exercise). model_fn(config, seed) builds the model
-    (default GPT). Returns {"losses": this rank's per-step losses (the global loss is their
-    mean over ranks), "params"/"grads": flat final parameters and last gradients, "step_s",
-    with record_timeline "events" (Timeline events: forward/backward/... and buckets), with
-    trace "comm" (CommTracer summary of the training steps, after any wrapper was built)}.
+    (default GPT). Returns a TrainResult: train_losses are this rank's (the global loss is their
+    mean over ranks), final_params/final_grads flat, step_seconds; timeline_events with
+    record_timeline (forward/backward/... and buckets); comm_summary with trace (the training
+    steps, after any wrapper was built).
     """
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     timeline = Timeline() if record_timeline else None
@@ -58,6 +59,7 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
     dataset = CharDataset("train", block_size=model_config.block_size)
     dev = rank_device()  # the CPU under gloo, this rank's GPU under NCCL
     model = (model_fn or GPT)(model_config, seed=train_cfg.seed).to(dev)
+    sync_gradients = None
     if callable(strategy):
         wrapped = strategy(model, group)
     elif strategy == "ddp":
@@ -67,51 +69,43 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group, **ddp_kwargs)
     else:
         wrapped = model
+
+        def sync_gradients():  # one all-reduce per parameter, after backward
+            with timeline.span("all-reduce", "comm") if timeline is not None else contextlib.nullcontext():
+                naive_all_reduce_gradients(model, group)
+    if hasattr(wrapped, "finish_gradient_synchronization"):
+        sync_gradients = wrapped.finish_gradient_synchronization  # ours: a no-op, it ran during backward
     optimizer = make_optimizer(model, train_cfg)
     gen = torch.Generator().manual_seed(train_cfg.seed)
-    share, micro = train_cfg.batch_size // n, train_cfg.batch_size // (n * accum_steps)
-    spans = timeline.span if timeline is not None else (lambda *a: contextlib.nullcontext())
-    out = {"losses": [], "step_s": []}
+    share = train_cfg.batch_size // n
+    result = TrainResult()
     tracer = CommTracer() if trace else contextlib.nullcontext()
+    start_all = time.perf_counter()
     with tracer:
         for _ in range(train_cfg.steps):
             start = time.perf_counter()
             idx = sample_indices(len(dataset), train_cfg.batch_size, gen)[rank * share:(rank + 1) * share]
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for k in range(accum_steps):
-                x, y = (t.to(dev) for t in collate(dataset, idx[k * micro:(k + 1) * micro]))
-                last = k == accum_steps - 1
-                with contextlib.nullcontext() if last or not hasattr(wrapped, "no_sync") else wrapped.no_sync():
-                    with spans("forward", "forward"):
-                        _, loss = wrapped(x, y)
-                    with spans("backward", "backward"):
-                        (loss / accum_steps).backward()  # ours: buckets reduced at the end of the last one
-                loss_sum += loss.item() / accum_steps
-            if strategy == "naive":
-                with spans("all-reduce", "comm"):
-                    naive_all_reduce_gradients(model, group)
-            elif hasattr(wrapped, "finish_gradient_synchronization"):
-                wrapped.finish_gradient_synchronization()  # ours: a no-op, it ran at the end of backward
-            with spans("optimizer", "optimizer"):
-                if train_cfg.grad_clip:  # on the averaged gradient: the global norm, as in the reference
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
-                optimizer.step()
-            out["losses"].append(loss_sum)
-            out["step_s"].append(time.perf_counter() - start)
-    out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-    out["grads"] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in model.parameters()]).cpu()
+            x, y = (t.to(dev) for t in collate(dataset, idx))
+            # Clip the plain model's gradients: after the average every rank holds the global
+            # gradient, so its norm is the reference's.
+            loss = train_step(wrapped, optimizer, x, y, train_cfg.grad_clip, accum_steps=accum_steps,
+                              no_sync=getattr(wrapped, "no_sync", None), sync_gradients=sync_gradients,
+                              clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c),
+                              timeline=timeline)
+            result.train_losses.append(loss)
+            result.step_seconds.append(time.perf_counter() - start)
+    result.seconds = time.perf_counter() - start_all
+    result.final_params, result.final_grads = flat_params(model), flat_grads(model)
     if timeline is not None:
-        out["events"] = timeline.events
+        result.timeline_events = timeline.events
     if trace:
-        out["comm"] = tracer.summary()
-    return out
+        result.comm_summary = tracer.summary()
+    return result
 
 
 def run_data_parallel(world_size: int, model_config, train_cfg, strategy: str = "ddp", accum_steps: int = 1,
                       backend: str = "auto", timeout_s: float = 120, check_collectives: bool = True,
-                      **kwargs) -> list[dict]:
+                      **kwargs) -> list[TrainResult]:
     """Parent side: validate, then run train_data_parallel on `world_size` ranks (run_on_ranks'
     backend/timeout_s/check_collectives; other kwargs go to train_data_parallel)."""
     from course_lib.runtime import run_on_ranks
