@@ -38,7 +38,9 @@ notebooks: $(STAMP)
 	COURSE_GRADE_WITH=solutions $(PY) tools/nb.py build exercises/src/*.py
 
 bench: $(STAMP)
+	@$(PY) benchmarks/summary.py --reset
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@$(PY) benchmarks/summary.py
 
 clean-venv:
 	rm -rf $(VENV)

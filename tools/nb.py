@@ -8,6 +8,11 @@ Sources live in `notebooks/src/NN_name.py` and `exercises/src/exNN_name.py` (bui
     # Prose, each line behind "# ".
     # %%
     code()
+    # %% tags=["nbval-ignore-output"]
+    timing_that_varies()
+
+Cell tags are nbval's (see CONTRIBUTING.md): "nbval-ignore-output" (run, output not compared),
+"nbval-skip" (not run under nbval), "raises-exception" (the error is the lesson).
 
     python tools/nb.py build notebooks/src/00_launching_ranks.py     # -> notebooks/00_launching_ranks.ipynb, executed
     COURSE_GRADE_WITH=solutions python tools/nb.py build exercises/src/ex00_all_reduce.py
@@ -20,7 +25,9 @@ Executing stores the outputs, so the committed notebook is what nbval compares a
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
+import re
 import sys
 import time
 
@@ -28,13 +35,15 @@ import nbformat
 from nbclient import NotebookClient
 
 CELL_TIMEOUT_S = 300
+TAGS = re.compile(r"tags=(\[.*?\])")
+KNOWN_TAGS = {"nbval-ignore-output", "nbval-skip", "raises-exception", "hide-input"}
 
 
 def percent_to_notebook(text: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
-    kind, lines = None, []
+    kind, lines, tags = None, [], []
 
     def flush():
         if kind is None:
@@ -44,12 +53,20 @@ def percent_to_notebook(text: str) -> nbformat.NotebookNode:
             body = "\n".join(l[2:] if l.startswith("# ") else l.lstrip("#") for l in body.splitlines())
             nb.cells.append(nbformat.v4.new_markdown_cell(body))
         elif body.strip():
-            nb.cells.append(nbformat.v4.new_code_cell(body))
+            cell = nbformat.v4.new_code_cell(body)
+            if tags:
+                cell.metadata["tags"] = list(tags)
+            nb.cells.append(cell)
 
     for line in text.splitlines():
         if line.startswith("# %%"):
             flush()
             kind, lines = ("markdown" if "[markdown]" in line else "code"), []
+            match = TAGS.search(line)
+            tags = json.loads(match.group(1)) if match else []
+            unknown = set(tags) - KNOWN_TAGS
+            if unknown:
+                raise ValueError(f"unknown cell tag(s) {sorted(unknown)} in {line!r}: use {sorted(KNOWN_TAGS)}")
         else:
             lines.append(line)
     flush()

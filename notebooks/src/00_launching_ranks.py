@@ -79,8 +79,7 @@ _ = run_on_ranks(greet, world_size=4)  # ...but the output still comes in rank o
 # start-up, later calls only send the function and collect the results. Timings depend on
 # the machine, so nbval does not compare this cell's output.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from course_lib.runtime import shutdown_pools
 
 shutdown_pools()
@@ -259,8 +258,7 @@ except ValueError as err:
 # The demo's functions are the ones a notebook runs with `run_on_ranks`. Here is the
 # same demo under `torchrun` on this machine's CPU (gloo, 2 ranks), then from the notebook:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 import subprocess, sys
 proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        "-m", "course_lib.demos.allreduce", "--sizes-mb", "1", "16", "--iters", "3"],
@@ -268,8 +266,7 @@ proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standal
 print(proc.stdout)
 assert proc.returncode == 0, proc.stderr[-2000:]
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from course_lib.demos.allreduce import allreduce_bandwidth, format_rows
 
 rows = run_on_ranks(allreduce_bandwidth, sizes_mb=(1, 16), iters=3, world_size=2)[0]
@@ -300,8 +297,7 @@ print(f"{len(train_set.data):,} training characters, {len(val_set.data):,} valid
 print(config)
 print(f"{GPT(config).num_params():,} parameters")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 result = train_reference(config, TrainConfig(steps=200, eval_every=50))
 print(f"trained in {result.seconds:.1f} s")
 

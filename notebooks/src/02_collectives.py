@@ -129,8 +129,7 @@ for step in range(2 * (N - 1)):
 # with the ranks whose data it contains; darker = more ranks summed in; outlined = the chunk
 # that just arrived.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 ringviz.ring_widget(4)
 
 # %%
@@ -342,8 +341,7 @@ for rank, (got, nbytes) in enumerate(run_on_ranks(all_to_all_demo, world_size=4)
 # collective puts on it. Then a least-squares fit (weighted by 1/t, so small messages pin α
 # and large ones pin β).
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 SIZES_PP = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
 one_way = run_on_ranks(costmodel.ping_pong, SIZES_PP, all_pairs=True, world_size=4, check_collectives=False)[0]
 link = costmodel.fit_alpha_beta(SIZES_PP, one_way, name="this machine (gloo, loopback)")
@@ -371,8 +369,7 @@ plt.show()
 # Now time the three all-reduces (and gloo's own, for reference) on 4 ranks from 4 KB to
 # 16 MB, and put the model's predictions next to them.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
 ALGOS = {**comm.ALL_REDUCE_ALGORITHMS, "gloo built-in": lambda t: dist.all_reduce(t)}
 

@@ -171,8 +171,7 @@ print(inspect.getsource(naive_all_reduce_gradients))
 # `train_reference` on the same global batches. Each rank returns its own per-step losses
 # (its shard's mean); their average is the global batch loss.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 TRAIN = TrainConfig(steps=5, batch_size=8, eval_every=10**6, eval_batches=1, progress=False)
 ref = train_reference(CONFIG, TRAIN)
 ref_params = torch.cat([p.detach().reshape(-1) for p in ref.model.parameters()])
@@ -192,8 +191,7 @@ naive = run_data_parallel(2, CONFIG, TRAIN, "naive", **RANKS)
 print("reference losses:", [f"{x:.4f}" for x in ref.train_losses])
 print("naive DP losses: ", [f"{(a + b) / 2:.4f}" for a, b in zip(naive[0].train_losses, naive[1].train_losses)])
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(compare(naive, "naive DP, 2 ranks"))
 
 # %% [markdown]
@@ -313,8 +311,7 @@ for cap, buckets in layout.items():
 # the largest tensor *and* the last gradient to be ready (it is used first in forward and
 # again, tied, by the head), so it can never overlap with compute.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 import ipywidgets as widgets
 
 def bucket_widget():
@@ -392,8 +389,7 @@ for n in (2, 4):
         assert d < 2e-5
         rows.append(f"{n} ranks: ours vs torch DDP, accum={accum}: max|Δθ| {d:.1e}")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print("\n".join(rows))
 
 # %% [markdown]
@@ -444,8 +440,7 @@ for overlap, per_rank in timelines.items():  # the claim, independent of timing:
         assert launched_early == (len(buckets) if overlap else 0), (overlap, launched_early, len(buckets))
     print(f"overlap={overlap}: {launched_early} of {len(buckets)} buckets launched during backward")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fig, axes = plt.subplots(2, 1, figsize=(10, 5.2), sharex=True)
 for ax, overlap in zip(axes, (True, False)):
     rows, labels = lanes(timelines[overlap])
@@ -484,8 +479,7 @@ plt.show()
 # of 1 MB, so that communication starts early). A sweep on this machine (a shared box:
 # timings vary with load):
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 SWEEP_TRAIN = TrainConfig(steps=6, batch_size=16, progress=False)
 caps = [0.05, 0.25, 1.0, 4.0]
 
@@ -529,8 +523,7 @@ plt.show()
 # machine has **2**. To make a rank behave like one device, each rank computes with one
 # thread (`torch.set_num_threads(1)`).
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def one_thread_per_rank(*args, **kwargs):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -607,8 +600,7 @@ for name in sent:
 # *(everything sent) + (what every rank still holds back) = (the sum of all gradients)*.
 # Without it, whatever was not in the top-k is gone for good:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def ef_bookkeeping(steps=20, n_elems=1000):
     rank, out = dist.get_rank(), {}
     for ef in (True, False):
@@ -651,8 +643,7 @@ ax.set_xlabel("step"); ax.set_ylabel("train loss (smoothed)"); ax.legend()
 ax.set_title("2 ranks, course GPT, AdamW", fontsize=9)
 plt.show()
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for name, value in tail.items():
     print(f"{name:<27} mean loss of the last 10 steps: {value:.3f}")
 

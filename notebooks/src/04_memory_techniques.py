@@ -527,8 +527,7 @@ plt.show()
 # **Explore** $M(k) = \lceil L/k\rceil b + k a$ for other depths and layer sizes (the sliders
 # need a live kernel; the figure above is the static version).
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def explore(L=16, a_over_b=1.0):
     ks = range(1, L + 1)
     m = [checkpoint_memory(L, k, a_over_b, 1.0)["peak"] for k in ks]
@@ -553,8 +552,7 @@ widgets.interact(explore, L=widgets.IntSlider(16, 2, 64), a_over_b=widgets.Float
 # so expect somewhat more than 4/3 here; large layers come close to it. Timings depend on the
 # machine and its load; nbval does not compare this output.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def step_time(fwd, reps=5):
     times = []
     for _ in range(reps):
