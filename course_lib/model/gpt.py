@@ -50,7 +50,7 @@ ATTN_IMPLS = ("naive", "sdpa")
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 96
+    vocab_size: int = 97  # course_lib.data.VOCAB_SIZE: the course's fixed alphabet
     block_size: int = 64  # context length: the longest sequence the model accepts
     n_layer: int = 2
     n_head: int = 4
@@ -84,7 +84,7 @@ class GPTConfig:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     @classmethod
-    def tiny(cls, vocab_size: int = 96, **overrides) -> "GPTConfig":
+    def tiny(cls, vocab_size: int = 97, **overrides) -> "GPTConfig":
         """The small model of tests and notebooks (~0.1M params). The dataset decides
         vocab_size; other fields may be overridden: tiny(V, attn_impl="sdpa")."""
         base = cls(vocab_size=vocab_size, block_size=64, n_layer=2, n_head=4, d_model=64)
