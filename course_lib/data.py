@@ -1,9 +1,19 @@
 """Character-level text data that needs no download.
 
-The corpus is CPython's own documentation topics (`pydoc_data.topics`, shipped
-with every Python install): about 465 KB of real English and code. We join the
-topics in sorted key order so the text, and therefore every split and batch,
-is identical on every machine with the same Python version.
+The corpus is the Python documentation's "topics" (about 454 KiB of real English and code),
+pinned as a file shipped with the package (`course_lib/assets/python_doc_topics.txt`, from
+CPython 3.11.7, under the Python licence next to it). Pinned rather than read from the
+running Python, whose copy differs between versions: the text, the vocabulary, and so every
+split, batch and loss, are the same on every machine.
+
+The vocabulary is a fixed alphabet, not the set of characters that happen to occur:
+
+    ALPHABET = "\n" + the 95 printable ASCII characters (space to "~") + OOV
+    VOCAB_SIZE = 97
+
+Any other character (a few typographic dashes and quotes in the text, anything a learner
+types) is encoded as the out-of-vocabulary symbol OOV ("\ufffd", shown as a replacement
+character when decoded).
 
     text --CharTokenizer--> tokens (int64, N)
     tokens[:n_train]  -> "train"   with n_train = int(N * (1 - val_fraction))
@@ -16,40 +26,41 @@ i.e. y[t] is the next character after x[t], for every position t.
 
 from __future__ import annotations
 
+import pathlib
 from functools import lru_cache
 
 import torch
 from torch.utils.data import Dataset
 
 SPLITS = ("train", "val")
+TEXT_PATH = pathlib.Path(__file__).resolve().parent / "assets" / "python_doc_topics.txt"
+OOV = "\ufffd"
+ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127)) + OOV
+VOCAB_SIZE = len(ALPHABET)  # 97
 
 
 @lru_cache(maxsize=1)
 def load_text() -> str:
-    """The whole corpus as one string (deterministic)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
+    """The whole corpus as one string (the pinned file, identical everywhere)."""
+    return TEXT_PATH.read_text(encoding="utf-8")
 
 
 class CharTokenizer:
-    """Maps each distinct character of `text` to an id: id = rank of the
-    character in the sorted set of characters, so the vocabulary is stable."""
+    """id = position of the character in ALPHABET; characters outside it become OOV."""
 
-    def __init__(self, text: str | None = None):
-        text = load_text() if text is None else text
-        self.chars = sorted(set(text))
+    def __init__(self, alphabet: str = ALPHABET):
+        if len(set(alphabet)) != len(alphabet) or OOV not in alphabet:
+            raise ValueError("alphabet must list distinct characters and include OOV")
+        self.chars = list(alphabet)
         self.stoi = {ch: i for i, ch in enumerate(self.chars)}
+        self.oov_id = self.stoi[OOV]
 
     @property
     def vocab_size(self) -> int:
         return len(self.chars)
 
     def encode(self, s: str) -> list[int]:
-        try:
-            return [self.stoi[ch] for ch in s]
-        except KeyError as err:
-            raise ValueError(f"character {err.args[0]!r} is not in the vocabulary") from None
+        return [self.stoi.get(ch, self.oov_id) for ch in s]
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
@@ -65,7 +76,7 @@ def encoded_text() -> tuple[CharTokenizer, torch.Tensor]:
     """(tokenizer, int64 tensor of the whole corpus), computed once per process."""
     global _TOKENIZER, _TOKENS
     if _TOKENS is None:
-        _TOKENIZER = CharTokenizer(load_text())
+        _TOKENIZER = CharTokenizer()
         _TOKENS = torch.tensor(_TOKENIZER.encode(load_text()), dtype=torch.int64)
     return _TOKENIZER, _TOKENS
 

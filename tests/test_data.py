@@ -4,37 +4,37 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from course_lib.data import CharDataset, CharTokenizer, encoded_text, get_batch, load_text
+import hashlib
+
+from course_lib.data import (ALPHABET, OOV, TEXT_PATH, VOCAB_SIZE, CharDataset, CharTokenizer, encoded_text,
+                             get_batch, load_text)
 
 torch.set_num_threads(1)
+TEXT_SHA256_PREFIX = "71f2ff5d99bdc1f9"
 
 
-def test_text_is_deterministic_and_real():
+def test_text_is_pinned_and_real():
     text = load_text()
-    assert len(text) > 400_000
+    assert len(text) == 465_126  # the shipped file, whatever Python runs the course
+    assert hashlib.sha256(text.encode()).hexdigest()[:16] == TEXT_SHA256_PREFIX
     assert "def " in text and "class" in text
-    from pydoc_data.topics import topics
-
-    assert text == "\n\n".join(topics[k] for k in sorted(topics))
+    assert (TEXT_PATH.parent / "LICENSE-python-docs.txt").exists()  # shipped with its licence
 
 
-def test_tokenizer_round_trip_and_vocab():
+def test_fixed_alphabet_round_trip_and_oov():
+    tok = CharTokenizer()
+    assert tok.vocab_size == VOCAB_SIZE == 97 and tok.chars[0] == "\n" and tok.chars[-1] == OOV
     text = load_text()
-    tok = CharTokenizer(text)
-    assert tok.vocab_size == len(set(text))
-    assert tok.chars == sorted(tok.chars)  # ids follow sorted character order
-    sample = text[1000:3000]
+    sample = "".join(ch for ch in text[1000:3000] if ch in ALPHABET)
+    assert len(sample) > 1900
     ids = tok.encode(sample)
     assert all(0 <= i < tok.vocab_size for i in ids)
     assert tok.decode(ids) == sample
     assert tok.decode(torch.tensor(ids)) == sample  # tensors work too
-
-
-def test_tokenizer_small_text_and_unknown_char():
-    tok = CharTokenizer("hello")
-    assert tok.vocab_size == 4 and tok.encode("ehlo") == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="'z'"):
-        tok.encode("z")
+    assert tok.encode("a\u2014b\t") == [tok.stoi["a"], tok.oov_id, tok.stoi["b"], tok.oov_id]
+    assert tok.decode(tok.encode("é")) == OOV
+    with pytest.raises(ValueError, match="OOV"):
+        CharTokenizer("abc")
 
 
 def test_split_is_deterministic_and_disjoint():
