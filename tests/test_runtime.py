@@ -197,3 +197,15 @@ def test_interrupting_the_caller_stops_the_ranks_and_the_next_call_works():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert run_on_ranks(rank_and_size, world_size=2) == [(0, 2), (1, 2)]
+
+
+def test_every_forkserver_preload_name_imports():
+    """multiprocessing skips a preload name that fails to import without a word: the ranks
+    would silently lose their warm start. Every name must import."""
+    import importlib
+
+    from course_lib.runtime.pool import FORKSERVER_PRELOAD
+
+    assert "course_lib.runtime.worker" in FORKSERVER_PRELOAD
+    for name in FORKSERVER_PRELOAD:
+        importlib.import_module(name)

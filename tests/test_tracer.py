@@ -133,3 +133,42 @@ def test_records_name_the_group_and_the_peer():
     assert got[1] == []
     assert got[2] == [("all_reduce", (0, 2), None, "float32", 3)]
     assert got[3] == [("recv", (0, 1, 2, 3), 0, "float32", 1)]
+
+
+def _layer_order():
+    from course_lib.observe import patching
+
+    seen = []
+
+    class Spy:
+        ops = frozenset({"all_reduce", "all_gather_single", "all_gather_into_tensor"})
+
+        def __init__(self, name):
+            self.name = name
+
+        def around(self, op, args, call):
+            seen.append((self.name, op))
+            return call()
+
+    outer, inner = Spy("outer"), Spy("inner")
+    patching.add_layer(outer)
+    patching.add_layer(inner)
+    try:
+        with CommTracer() as tracer:
+            dist.all_reduce(torch.ones(2))
+            # torch's all_gather_into_tensor is built on all_gather_single: one call, seen once
+            all_gather_single(torch.empty(2 * dist.get_world_size()), torch.ones(2))
+    finally:
+        patching.remove_layer(outer)
+        patching.remove_layer(inner)
+    return seen, [r.op for r in tracer.records], dist.all_reduce is patching.real("all_reduce")
+
+
+def test_patching_composes_layers_in_order_and_sees_nested_calls_once():
+    """The checks (installed when the rank started) stay outermost, so neither the spies nor
+    the tracer see their fingerprint exchange; a call torch makes inside a call is not seen."""
+    for seen, traced, restored in run_on_ranks(_layer_order, world_size=2):
+        gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        assert seen == [("outer", "all_reduce"), ("inner", "all_reduce"), ("outer", gather), ("inner", gather)]
+        assert traced == ["all_reduce", gather]
+        assert not restored  # the checks layer is still in place after the others left

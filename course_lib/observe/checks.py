@@ -17,13 +17,10 @@ makes the next, perfectly matched, collective fail its check.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import threading
-
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
+
+from course_lib.observe import patching
 
 MAX_DIMS = 4
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -47,7 +44,6 @@ _CHECKED = {
     "barrier": (None, False, None),
 }
 _OPS = sorted(_CHECKED)
-_local = threading.local()
 
 
 class CollectiveMismatch(RuntimeError):
@@ -78,23 +74,20 @@ def _describe(fp) -> str:
     return f"{op}(dtype={dtype}, shape={shape if fp[2] >= 0 else 'any'}{root})"
 
 
-def _make_checked(name, original, gather):
-    sig = inspect.signature(original)
-    tensor_arg, compare_shape, root_arg = _CHECKED[name]
+class _CheckLayer:
+    """The patching layer that compares fingerprints before every checked collective."""
 
-    @functools.wraps(original)
-    def checked(*args, **kwargs):
-        if getattr(_local, "depth", 0):  # e.g. all_gather_into_tensor calling all_gather_single
-            return original(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+    ops = frozenset(_CHECKED)
+
+    def around(self, name, a, call):
+        tensor_arg, compare_shape, root_arg = _CHECKED[name]
         group = a.get("group")
         mine = torch.tensor(_fingerprint(name, a, tensor_arg, compare_shape, root_arg), dtype=torch.int64)
         if dist.get_backend(group) == "nccl":
             mine = mine.cuda()
         n = dist.get_world_size(group)
         everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
+        gather = patching.real("all_gather_single") or patching.real("all_gather_into_tensor")
         gather(everyone, mine, group=group)  # the real function: not traced, not checked
         rows = everyone.view(n, -1).cpu().tolist()
         if any(row != rows[0] for row in rows):
@@ -103,29 +96,18 @@ def _make_checked(name, original, gather):
             raise CollectiveMismatch(
                 f"ranks called mismatched collectives on a group of {n} rank(s); every rank of a group must "
                 f"call the same collective with the same dtype and shape:\n{calls}")
-        _local.depth = 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _local.depth = 0
-
-    return checked
+        return call()
 
 
-_installed = False
+CHECK_LAYER = _CheckLayer()
 
 
 def install_collective_checks():
-    """Wrap torch.distributed's collectives with the fingerprint check (idempotent, per process)."""
-    global _installed
-    if _installed:
-        return
-    gather = getattr(c10d, "all_gather_single", None) or c10d.all_gather_into_tensor
-    for name in _CHECKED:
-        original = getattr(c10d, name, None)
-        if original is None:
-            continue
-        checked = _make_checked(name, original, gather)
-        setattr(c10d, name, checked)
-        setattr(dist, name, checked)
-    _installed = True
+    """Check every collective of this process from now on (idempotent). The checks are the
+    outermost layer, so a tracer inside them does not count their fingerprint exchange."""
+    layers = patching.active_layers()
+    for layer in layers:  # re-add the others after the checks
+        patching.remove_layer(layer)
+    patching.add_layer(CHECK_LAYER)
+    for layer in layers:
+        patching.add_layer(layer)

@@ -8,9 +8,9 @@ Use it inside rank code:
     tracer.summary()   # {"all_reduce": {"calls": 1, "bytes_sent": S, "bytes_recv": S},
                        #  "send": {"calls": 1, "bytes_sent": X, "bytes_recv": 0}}
 
-How it works: while a tracer is active, the public functions of `torch.distributed`
-(all_reduce, send, ...) are swapped for thin wrappers that record a `CommRecord` and
-call the original. Code that calls `dist.<op>` is seen; collectives issued from C++
+How it works: while a tracer is active, it is a layer of the course's one patching engine
+(`course_lib.observe.patching`): the public functions of `torch.distributed` (all_reduce,
+send, ...) run through it, and it records a `CommRecord` around the real call. Code that calls `dist.<op>` is seen; collectives issued from C++
 (torch's DistributedDataParallel reducer, DTensor/FSDP2 functional collectives) are not.
 
 What the byte counts mean (S = numel * element_size of the tensor named):
@@ -28,15 +28,13 @@ What the byte counts mean (S = numel * element_size of the tensor named):
 
 from __future__ import annotations
 
-import functools
-import inspect
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
+
+from course_lib.observe import patching
 
 
 @dataclass
@@ -101,8 +99,6 @@ _ACCOUNTING = {
 }
 
 _active: list["CommTracer"] = []  # tracers currently recording on this process
-_originals: dict[str, object] = {}
-_local = threading.local()  # depth > 0 while inside a traced call: nested calls are not recorded twice
 
 
 def _group_ranks(group) -> tuple[int, ...]:
@@ -118,75 +114,37 @@ def _record(rec: CommRecord):
             tracer.timeline.add(rec.op, rec.start, rec.end, category="comm")
 
 
-def _make_traced(name, original):
-    sig = inspect.signature(original)
-    tensor_arg, account = _ACCOUNTING[name]
+def _dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "") if t is not None else "-"
 
-    @functools.wraps(original)
-    def traced(*args, **kwargs):
-        if getattr(_local, "depth", 0) or not _active:
-            return original(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        _local.depth = 1
+
+class _TraceLayer:
+    """The patching layer (course_lib.observe.patching) that times and records each call."""
+
+    ops = frozenset(_ACCOUNTING) | {"batch_isend_irecv"}
+
+    def around(self, name, a, call):
         start = time.perf_counter()
-        try:
-            result = original(*args, **kwargs)
-        finally:
-            _local.depth = 0
+        result = call()
         end = time.perf_counter()
+        if name == "batch_isend_irecv":
+            for p2p in a["p2p_op_list"]:  # one record per point-to-point op in the batch
+                kind = "isend" if getattr(p2p.op, "__name__", "") in ("isend", "send") else "irecv"
+                n = _nbytes(p2p.tensor)
+                _record(CommRecord(kind, _group_ranks(p2p.group), _dtype_name(p2p.tensor), p2p.tensor.numel(),
+                                   n if kind == "isend" else 0, n if kind == "irecv" else 0, p2p.peer, start, end))
+            return result
+        tensor_arg, account = _ACCOUNTING[name]
         sent, recv, peer = account(a)
         if name == "recv" and peer is None:
             peer = result  # recv from any source returns the sender's rank
         t = _first_tensor(a[tensor_arg]) if tensor_arg else None
-        _record(CommRecord(name, _group_ranks(a.get("group")), str(t.dtype).replace("torch.", "") if t is not None else "-",
+        _record(CommRecord(name, _group_ranks(a.get("group")), _dtype_name(t),
                            _numel(a[tensor_arg]) if tensor_arg else 0, sent, recv, peer, start, end))
         return result
 
-    return traced
 
-
-def _traced_batch_isend_irecv(original):
-    @functools.wraps(original)
-    def traced(p2p_op_list):
-        if getattr(_local, "depth", 0) or not _active:
-            return original(p2p_op_list)
-        _local.depth = 1
-        start = time.perf_counter()
-        try:
-            works = original(p2p_op_list)
-        finally:
-            _local.depth = 0
-        end = time.perf_counter()
-        for p2p in p2p_op_list:  # one record per point-to-point op in the batch
-            kind = "isend" if getattr(p2p.op, "__name__", "") in ("isend", "send") else "irecv"
-            n = _nbytes(p2p.tensor)
-            _record(CommRecord(kind, _group_ranks(p2p.group), str(p2p.tensor.dtype).replace("torch.", ""),
-                               p2p.tensor.numel(), n if kind == "isend" else 0, n if kind == "irecv" else 0,
-                               p2p.peer, start, end))
-        return works
-
-    return traced
-
-
-def _install():
-    for name in list(_ACCOUNTING) + ["batch_isend_irecv"]:
-        original = getattr(c10d, name, None)
-        if original is None:  # e.g. all_gather_single before torch 2.13
-            continue
-        _originals[name] = original
-        traced = _traced_batch_isend_irecv(original) if name == "batch_isend_irecv" else _make_traced(name, original)
-        # Patch both namespaces: user code calls dist.<op>, torch's helpers call c10d.<op>.
-        setattr(c10d, name, traced)
-        setattr(dist, name, traced)
-
-
-def _uninstall():
-    for name, original in _originals.items():
-        setattr(c10d, name, original)
-        setattr(dist, name, original)
-    _originals.clear()
+_TRACE_LAYER = _TraceLayer()
 
 
 class CommTracer:
@@ -202,14 +160,14 @@ class CommTracer:
 
     def __enter__(self):
         if not _active:
-            _install()
+            patching.add_layer(_TRACE_LAYER)
         _active.append(self)
         return self
 
     def __exit__(self, *exc):
         _active.remove(self)
         if not _active:
-            _uninstall()
+            patching.remove_layer(_TRACE_LAYER)
         return False
 
     def summary(self) -> dict[str, dict[str, int]]:
