@@ -102,6 +102,11 @@ def expected_num_params(config: GPTConfig) -> int:
     return total
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean over all B*T positions of -log softmax(logits)[target]; logits (B, T, V)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention.
 
@@ -123,10 +128,13 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
+        qkv = self.qkv(x)
+        # Shapes are read off qkv's output, not x: a tensor-parallel qkv returns only this rank's
+        # heads (and, under sequence parallelism, the whole sequence from a shard of it).
+        B, T, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)
         # (B, T, d) -> (B, n_head, T, d_head): every head attends independently.
-        q, k, v = (t.view(B, T, self.n_head, self.d_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, -1, self.d_head).transpose(1, 2) for t in (q, k, v))
 
         if self.attn_impl == "sdpa":
             # Fused kernel: never stores the T x T score matrix (on GPU).
@@ -140,7 +148,7 @@ class CausalSelfAttention(nn.Module):
             weights = self.attn_drop(F.softmax(scores, dim=-1))
             y = weights @ v
 
-        y = y.transpose(1, 2).contiguous().view(B, T, d)  # concatenate the heads
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # concatenate the heads
         return self.resid_drop(self.proj(y))
 
 
@@ -195,6 +203,9 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
             self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # The loss of the logits; a strategy that shards the logits (tensor parallelism's
+        # vocabulary split) swaps in its own. A plain function: no parameters, no submodule.
+        self.loss_fn = token_cross_entropy
         if config.tie_weights:
             # The same Parameter object in two places: one tensor, two uses,
             # and its gradient is the sum of both contributions.
@@ -244,7 +255,7 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+            loss = self.loss_fn(logits, targets)
         return logits, loss
 
     @torch.no_grad()
