@@ -11,6 +11,8 @@ e.g. dp=2, tp=2 on 4 ranks: tp groups {0,1} {2,3}; dp groups {0,2} {1,3}.
 
 from __future__ import annotations
 
+from course_lib._validate import check_int
+
 MESH_DIMS = ("pp", "dp", "ep", "tp")
 
 
@@ -18,8 +20,7 @@ def check_mesh(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int =
     """Validate the degrees (call it in the parent, before any process starts). Returns {dim: size}."""
     degrees = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
     for name, d in degrees.items():
-        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-            raise ValueError(f"{name}={d!r} must be a positive int")
+        check_int(name, d)
     product = pp * dp * ep * tp
     if product != world_size:
         raise ValueError(

@@ -39,6 +39,7 @@ from multiprocessing.connection import wait as wait_for_ready
 
 import cloudpickle
 
+from course_lib._validate import check_int
 from course_lib.runtime import worker as _worker
 from course_lib.runtime.device import resolve_backend, threads_per_rank
 
@@ -86,8 +87,7 @@ def free_port() -> int:
 def _validate(fn, world_size, timeout_s):
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise ValueError(f"world_size={world_size!r} must be an int")
+    check_int("world_size", world_size, minimum=None)
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(
             f"world_size={world_size} must be between 1 and {MAX_WORLD_SIZE} "

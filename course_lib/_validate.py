@@ -1,0 +1,34 @@
+"""The argument checks every module shares, so that bad input reads the same everywhere:
+
+    check_int("tp", 3, minimum=1)        ValueError: tp=3 ...   (bools and integral floats handled)
+    check_one_of("schedule", s, SCHEDULES)
+    check_divides("tp", 3, "n_head", 8)  ValueError: tp=3 must divide n_head=8
+
+Each raises ValueError naming the value and the rule, and is called in the parent before any
+rank starts or waits.
+"""
+
+from __future__ import annotations
+
+
+def check_int(name: str, value, minimum: int | None = 1, allow_integral_float: bool = False) -> int:
+    """value as an int >= minimum. `True` is not an int here; 7.5e9-style integral floats are
+    accepted (and converted) only with allow_integral_float, as people type counts that way."""
+    if allow_integral_float and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an int" + (f" >= {minimum}" if minimum is not None else ""))
+    if minimum is not None and value < minimum:
+        rule = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name}={value!r} must be {rule}")
+    return value
+
+
+def check_one_of(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {tuple(choices)}")
+
+
+def check_divides(name: str, value: int, of_name: str, of_value: int) -> None:
+    if of_value % value:
+        raise ValueError(f"{name}={value} must divide {of_name}={of_value}")
