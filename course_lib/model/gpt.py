@@ -39,7 +39,7 @@ counts the real tensors; the tests check that the two agree.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -60,6 +60,17 @@ class GPTConfig:
     bias: bool = True  # biases in Linear layers and LayerNorms
     tie_weights: bool = True  # head.weight is tok_emb.weight
     attn_impl: str = "naive"  # "naive" (explicit T x T scores) or "sdpa" (fused kernel)
+    # Mixture of experts (course_lib/model/moe.py, notebook 07). n_experts = 0 is the dense model;
+    # n_experts > 0 turns every block's MLP into a router plus n_experts expert MLPs.
+    n_experts: int = field(default=0, repr=False)
+    top_k: int = field(default=1, repr=False)  # experts per token
+    capacity_factor: float | None = field(default=None, repr=False)  # None: no token is dropped
+    aux_loss_coef: float = field(default=0.01, repr=False)  # Switch load-balancing loss weight
+    z_loss_coef: float = field(default=0.001, repr=False)  # router z-loss weight
+
+    def __repr__(self):  # a dense config prints as it always did; an MoE config adds its fields
+        shown = [f for f in fields(self) if f.repr or self.n_experts]
+        return f"GPTConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
@@ -74,6 +85,17 @@ class GPTConfig:
             raise ValueError(f"dropout={self.dropout!r} must satisfy 0 <= dropout < 1")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r} must be one of {ATTN_IMPLS}")
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts={self.n_experts!r} must be an int >= 0 (0 = dense MLP)")
+        if self.n_experts:
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts:
+                raise ValueError(f"top_k={self.top_k!r} must satisfy 1 <= top_k <= n_experts={self.n_experts}")
+            cf = self.capacity_factor
+            if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+                raise ValueError(f"capacity_factor={cf!r} must be > 0, or None for no capacity limit")
+            for name in ("aux_loss_coef", "z_loss_coef"):
+                if not getattr(self, name) >= 0:
+                    raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
     @property
     def d_head(self) -> int:
@@ -95,6 +117,8 @@ def expected_num_params(config: GPTConfig) -> int:
     """The closed-form parameter count from the module docstring."""
     d, f, b = config.d_model, config.ff_dim, int(config.bias)
     per_block = 4 * d * d + 2 * d * f + 2 * d + b * (7 * d + f)
+    if config.n_experts:  # n_experts expert MLPs (2df + b(f + d) each) and a d x n_experts router
+        per_block += (config.n_experts - 1) * (2 * d * f + b * (f + d)) + d * config.n_experts
     total = config.n_layer * per_block + config.vocab_size * d + config.block_size * d
     total += d + b * d  # ln_f
     if not config.tie_weights:
@@ -178,7 +202,12 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.mlp = MLP(config)
+        if config.n_experts:
+            from course_lib.model.moe import MoELayer  # moe builds on this module's MLP
+
+            self.mlp = MoELayer(config)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -226,7 +255,8 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear):
                 if name == "head" and self.config.tie_weights:
                     continue  # it is tok_emb.weight, initialised as an embedding
-                s = resid_std if name.endswith(("attn.proj", "mlp.proj")) else std
+                writes_residual = name.endswith(("attn.proj", "mlp.proj")) or (".experts." in name and name.endswith(".proj"))
+                s = resid_std if writes_residual else std
                 nn.init.normal_(module.weight, 0.0, s, generator=gen)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -256,6 +286,10 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = self.loss_fn(logits, targets)
+            if self.config.n_experts:  # + the routers' load-balancing and z-losses (model/moe.py)
+                from course_lib.model.moe import auxiliary_loss
+
+                loss = loss + auxiliary_loss(self)
         return logits, loss
 
     @torch.no_grad()
