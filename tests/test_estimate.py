@@ -52,7 +52,7 @@ def test_moe_param_count():
 
 
 @pytest.mark.parametrize("recipe, per_param", [("fp32", 16), ("bf16_mixed", 16), ("fp16_mixed", 16),
-                                               ("bf16_fp32_accum", 20)])
+                                               ("bf16_fp32_accum", 20), ("bf16_autocast", 16)])
 def test_recipe_bytes_per_param(recipe, per_param):
     out = E.model_state_bytes(1000, recipe)
     assert out["total"] == per_param * 1000
@@ -71,6 +71,45 @@ def test_zero_stages_divide_the_right_parts(recipe, dp):
     assert z[2]["grads"] == r.grad * shard and z[2]["params"] == r.param * n
     assert z[3]["params"] == r.param * shard and z[3]["total"] == r.total * shard
     assert [s["total"] for s in z] == sorted((s["total"] for s in z), reverse=True)
+
+
+def test_counts_accept_integral_floats_only():
+    """7.5e9 is what people type for 7.5 billion parameters: it must work like the int."""
+    assert E.model_state_bytes(7.5e9, "bf16_mixed", 3, 8.0) == E.model_state_bytes(7_500_000_000, "bf16_mixed", 3, 8)
+    assert E.per_gpu_memory(E.GPT3_175B, 1.0, 2048, tp=8.0, dp=4.0) == E.per_gpu_memory(E.GPT3_175B, 1, 2048, tp=8, dp=4)
+    for bad in (7.5, -1, True, "7e9", float("nan")):
+        with pytest.raises(ValueError, match="n_params="):
+            E.model_state_bytes(bad)
+    with pytest.raises(ValueError, match="n_tokens=0"):
+        E.training_flops(7e9, 0)
+
+
+def test_units_are_iec_and_spec_sheets_convert_explicitly():
+    from course_lib import units
+
+    assert units.fmt_bytes(80e9) == "74.5 GiB" and E.fmt_bytes is units.fmt_bytes
+    assert units.fmt_bytes(3 * 2**20) == "3.0 MiB" and units.fmt_bytes(1023) == "1023 B"
+    assert units.fmt_bytes(2**40) == "1.0 TiB" and units.fmt_bytes(1536) == "1.5 KiB"
+    assert units.from_spec_gb(80) == 80 * 10**9
+    assert units.spec_gb_to_gib(80) == pytest.approx(74.506, abs=1e-3)
+    assert units.spec_gb_to_gib(141) == pytest.approx(131.32, abs=1e-2)
+    assert units.fmt_rate(25e9) == "25.0 GB/s"
+    with pytest.raises(ValueError, match="gb=0"):
+        units.from_spec_gb(0)
+
+
+def test_autocast_keeps_fp32_state():
+    """torch.autocast runs matmuls in bf16 but leaves parameters, gradients and AdamW's state
+    in fp32: 4 + 4 + 8 bytes per parameter, the bf16_autocast recipe (not bf16_mixed's 2 + 2 + 12)."""
+    model = GPT(GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(x, x)
+    assert logits.dtype == torch.bfloat16  # the compute really ran in bf16
+    loss.backward()
+    opt.step()
+    assert E.model_state_bytes(model.num_params(), "bf16_autocast") == model_state_bytes(model, opt)
 
 
 def _one_step(model, optimizer):
@@ -232,7 +271,8 @@ def test_per_gpu_memory_expert_parallel():
     (dict(tp=5), "tp=5 must divide n_head=96"),
     (dict(pp=5), "pp=5 must divide n_layer=96"),
     (dict(ep=2), "ep=2"),
-    (dict(dp=0), "dp=0 must be a positive int"),
+    (dict(dp=0), "dp=0 must be a positive whole number"),
+    (dict(tp=2.5), "tp=2.5 must be a positive whole number"),
     (dict(recipe="int8"), "recipe='int8'"),
     (dict(zero_stage=4), "zero_stage=4"),
     (dict(recompute="some"), "recompute='some'"),

@@ -1,0 +1,176 @@
+"""Memory formulas: model state by precision recipe and ZeRO stage, and activations
+(notebook 01, sections 2 and 3). Bytes throughout; `course_lib.units.fmt_bytes` prints them
+in IEC units (GiB = 2**30 bytes).
+
+    RECIPES, Recipe                               bytes per parameter of each precision recipe
+    model_state_bytes(n_params, recipe, zero_stage, dp)
+    activation_bytes(config, batch, seq, ...)    tensors saved for backward, per layer and total
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from course_lib.estimate.params import cdiv, kv_dim, ff_dim, as_count, positive_int, unpack
+from course_lib.model import GPTConfig
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter held for each part of the model state under a precision recipe."""
+
+    param: int
+    grad: int
+    optimizer: int
+    description: str
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+RECIPES = {
+    "fp32": Recipe(4, 4, 8, "fp32 weights and gradients; AdamW keeps two fp32 moments m and v"),
+    "bf16_mixed": Recipe(2, 2, 12, "bf16 weights and gradients for compute; the optimizer keeps an fp32 "
+                         "master copy plus m and v (the master-weights recipe of Micikevicius et al. 2018, "
+                         "with bf16, Kalamkar et al. 2019, instead of fp16)"),
+    "fp16_mixed": Recipe(2, 2, 12, "as bf16_mixed; fp16's narrow range needs a loss scaler, whose state "
+                         "(a scale and a growth counter) is a few bytes in total, not per parameter"),
+    "bf16_fp32_accum": Recipe(2, 6, 12, "bf16 weights; backward writes bf16 grads (2 B) that are summed over "
+                              "micro-batches into an fp32 buffer (4 B); fp32 master, m, v (12 B). Megatron's "
+                              "fused kernel writes straight into the fp32 buffer, dropping the 2 B: 18 B/param"),
+    "bf16_autocast": Recipe(4, 4, 8, "torch.autocast: the parameters, gradients and AdamW's m, v stay fp32 "
+                            "(16 B/param, as fp32); matmuls run on bf16 copies of the weights made during "
+                            "forward (2 B/param more while they live) and save bf16 activations"),
+}
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def model_state_bytes(n_params: int, recipe: str = "fp32", zero_stage: int = 0, dp: int = 1) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "total"}: bytes ONE data-parallel rank holds.
+
+    Per parameter (see RECIPES): fp32 4 + 4 + 8 = 16; bf16_mixed / fp16_mixed 2 + 2 + 12 = 16;
+    bf16_fp32_accum 2 + 6 + 12 = 20; bf16_autocast 4 + 4 + 8 = 16 (the transient bf16 weight
+    copies autocast makes are not model state). n_params may be an integral float (7.5e9). ZeRO (Rajbhandari et al. 2020) splits a part across the
+    dp ranks instead of replicating it, each rank keeping a shard of ceil(n_params / dp):
+    stage 1 the optimizer state, stage 2 also the gradients, stage 3 also the parameters.
+    So with Psi = n_params and K = optimizer bytes, mixed precision holds per rank
+    (2 + 2 + K) Psi, (2 + 2 + K/dp) Psi, (2 + (2 + K)/dp) Psi, (2 + 2 + K) Psi / dp for stages 0..3.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r} must be one of {sorted(RECIPES)}")
+    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage={zero_stage!r} must be one of {ZERO_STAGES}")
+    dp = positive_int("dp", dp)
+    n_params = as_count("n_params", n_params)
+    r, shard = RECIPES[recipe], cdiv(n_params, dp)
+    out = {
+        "params": r.param * (shard if zero_stage >= 3 else n_params),
+        "grads": r.grad * (shard if zero_stage >= 2 else n_params),
+        "optimizer": r.optimizer * (shard if zero_stage >= 1 else n_params),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---------------------------------------------------------------- activations
+
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("naive", "fused")
+
+
+def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: int = 4, recompute: str = "none",
+                     attention: str | None = None, tp: int = 1, sequence_parallel: bool = False,
+                     dropout: bool | None = None, mask_bytes: int = 1) -> dict:
+    """Bytes of the tensors autograd keeps for backward (one model replica, one micro-batch).
+
+    Read off the graph, op by op: each op saves what its backward needs. With n = b*s tokens,
+    d = d_model, f = d_ff, a = heads, e = dtype_bytes, one GPT layer saves (``layer_terms``):
+
+        ln1 input e*n*d, qkv input e*n*d, Q K V 3e*n*d, attention proj input e*n*d,
+        ln2 input e*n*d, fc input e*n*d, GELU input e*n*f, mlp proj input e*n*f,
+        LayerNorm mean and rstd: 2 * 2 * 4 bytes per token (fp32), plus
+        naive attention: the softmax output e*a*s^2*b (and the bool causal mask s^2), or
+        fused attention: only the fp32 log-sum-exp 4*a*s*b (the s x s scores are recomputed).
+        With dropout: a mask per dropout (mask_bytes per element) and the dropped-out
+        attention weights (e*a*s^2*b).
+
+    In fp32 without dropout that is 4*n*(8d + 2f) + 4*a*s^2*b + 16n + s^2 (f = 4d: 64sbh + ...).
+    With e = 2, 1-byte masks and dropout, leaving out the LayerNorm statistics and the causal
+    mask (an artefact of the course model's naive kernel), it is exactly
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
+    s*b*h*(34 + 5*a*s/h) per layer. Tensor parallelism divides the terms inside the
+    parallel regions by tp (with sequence_parallel=True, all of them): sbh(10 + 24/t + 5as/(ht)).
+
+    recompute: "selective" keeps Q, K, V but recomputes the s^2 attention terms (Korthikanti's
+    34sbh); "full" (activation checkpointing) keeps each layer's input e*n*d and recomputes the
+    layer in backward, so one layer's full set is live again then ("recompute_buffer").
+    Outside the layers: token ids (int64), an embedding dropout mask, final norm and head
+    inputs, the fp32 log-softmax 4*n*V/tp (autocast computes the loss in fp32) and the targets.
+    mask_bytes: 1 for PyTorch's fused GPU dropout (bool mask); on the CPU dropout multiplies by
+    a noise tensor of the input dtype, so pass mask_bytes=dtype_bytes there.
+    """
+    base, n_experts, top_k = unpack(config)
+    seq = base.block_size if seq is None else seq
+    batch, seq, tp = positive_int("batch", batch), positive_int("seq", seq), positive_int("tp", tp)
+    if seq > base.block_size:
+        raise ValueError(f"seq={seq} must be <= block_size={base.block_size}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
+    if attention is None:
+        attention = "naive" if getattr(base, "attn_impl", "sdpa") == "naive" else "fused"
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} must be one of {ATTENTION}")
+    if base.n_head % tp or ff_dim(base) % tp:
+        raise ValueError(f"tp={tp} must divide n_head={base.n_head} and d_ff={ff_dim(base)}")
+    if dropout is None:
+        dropout = base.dropout > 0
+    gpt = isinstance(base, GPTConfig)
+    s, b, d, f, a, e = seq, batch, base.d_model, ff_dim(base), base.n_head, dtype_bytes
+    n = s * b
+    rep = tp if sequence_parallel else 1  # divisor outside the tensor-parallel regions
+    stats = cdiv(n * 4 * (2 if gpt else 1), rep)  # fp32 mean + rstd (LayerNorm) or rstd (RMSNorm), per norm
+    mask = mask_bytes if dropout else 0
+
+    t = {"norm1 input": cdiv(e * n * d, rep) + stats, "qkv input": cdiv(e * n * d, rep),
+         "q, k, v": e * n * (d + 2 * kv_dim(base)) // tp}
+    quadratic = []  # the s^2 terms selective recomputation drops
+    if attention == "naive":
+        t["softmax output"] = e * a * s * s * b // tp
+        t["causal mask (bool)"] = s * s
+        quadratic += ["softmax output", "causal mask (bool)"]
+        if dropout:
+            t["attention dropout mask"] = mask * a * s * s * b // tp
+            t["attention dropout output"] = e * a * s * s * b // tp
+            quadratic += ["attention dropout mask", "attention dropout output"]
+    else:
+        t["log-sum-exp (fp32)"] = 4 * a * s * b // tp
+    t["attention proj input"] = e * n * d // tp
+    t["attention residual dropout mask"] = cdiv(mask * n * d, rep)
+    t["norm2 input"] = cdiv(e * n * d, rep) + stats
+    if n_experts > 1:  # the router matmul saves its input; its softmax saves fp32 probabilities
+        t["router input"] = cdiv(e * n * d, rep)
+        t["router probabilities (fp32)"] = cdiv(4 * n * n_experts, rep)
+    # MLP: an expert layer runs top_k experts per token; each saves its own (dispatched) input.
+    t["mlp input"] = cdiv(e * n * d, rep) * top_k
+    hidden = 2 if gpt else 4  # GELU: its input and output; SwiGLU: gate, up, silu(gate), product
+    t["mlp hidden"] = hidden * e * n * f // tp * top_k
+    t["mlp residual dropout mask"] = cdiv(mask * n * d, rep)
+    t = {k: v for k, v in t.items() if v}
+    full_layer = sum(t.values())
+
+    if recompute == "full":
+        layer_terms = {"layer input (checkpoint)": cdiv(e * n * d, rep)}
+    elif recompute == "selective":
+        layer_terms = {k: v for k, v in t.items() if k not in quadratic}
+    else:
+        layer_terms = t
+    per_layer = sum(layer_terms.values())
+    input_side = 8 * n + (8 * s if gpt else 0) + cdiv(mask * n * d, rep)  # ids, positions, embedding dropout
+    output_side = (cdiv(e * n * d, rep) + stats + cdiv(e * n * d, rep)  # final norm, head input
+                   + 4 * n * cdiv(base.vocab_size, tp) + 8 * n)  # fp32 log-softmax, targets
+    out = {"layer_terms": layer_terms, "per_layer": per_layer, "n_layer": base.n_layer,
+           "layers": per_layer * base.n_layer, "recompute_buffer": full_layer if recompute == "full" else 0,
+           "input_side": input_side, "output_side": output_side}
+    out["total"] = out["layers"] + out["recompute_buffer"] + input_side + output_side
+    return out
+

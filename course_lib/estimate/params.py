@@ -1,0 +1,155 @@
+"""Model shapes and exact parameter counts (notebook 01, section 1).
+
+    LlamaLikeConfig, MoEConfig           shapes beyond the course GPT (SwiGLU/GQA, experts)
+    COURSE_GPT, GPT3_175B, LLAMA3_*      published shapes; PRESETS by name
+    param_breakdown(config)              counts by part (one layer, one expert)
+    param_count(config, active=False)    the exact total
+
+Configs: `course_lib.model.GPTConfig` (GPT-2/GPT-3 style), `LlamaLikeConfig` (SwiGLU, RMSNorm,
+no biases, untied head, grouped-query attention, rotary positions) and `MoEConfig`, which
+turns either into a mixture of experts (every MLP becomes `n_experts` copies plus a router,
+each token runs through `top_k` of them). The small helpers at the end of this module
+(`as_count`, `positive_int`, `cdiv`) are shared by the other estimate modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from course_lib.model import GPTConfig, expected_num_params
+
+
+def as_count(name: str, value, minimum: int = 0) -> int:
+    """`value` as an int >= minimum. Integral floats are accepted, since that is what people
+    type for large counts (7.5e9 -> 7_500_000_000); 7.5 or True are not counts."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive" if minimum == 1 else f"an integer >= {minimum}" if minimum else "a non-negative"
+        raise ValueError(f"{name}={value!r} must be {kind} whole number (an int, or a float like 7.5e9)")
+    return value
+
+
+def positive_int(name: str, value) -> int:
+    """`value` as an int >= 1 (integral floats accepted, see as_count)."""
+    return as_count(name, value, minimum=1)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints, without floats."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class LlamaLikeConfig:
+    """A Llama-style decoder: RMSNorm, SwiGLU MLP (three d x d_ff matrices), no biases, rotary
+    positions (no position table), untied output head, n_kv_head key/value heads (GQA)."""
+
+    vocab_size: int
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    block_size: int = 8192
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """`base` with every MLP replaced by `n_experts` expert MLPs and a router (a d x n_experts
+    matrix, no bias); each token is sent to `top_k` experts (capacity limits ignored)."""
+
+    base: GPTConfig | LlamaLikeConfig
+    n_experts: int = 8
+    top_k: int = 2
+
+    def __post_init__(self):
+        if not isinstance(self.base, (GPTConfig, LlamaLikeConfig)):
+            raise ValueError(f"base={self.base!r} must be a GPTConfig or LlamaLikeConfig")
+        if not (isinstance(self.n_experts, int) and self.n_experts >= 1):
+            raise ValueError(f"n_experts={self.n_experts!r} must be a positive int")
+        if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts):
+            raise ValueError(f"top_k={self.top_k!r} must satisfy 1 <= top_k <= n_experts={self.n_experts}")
+
+
+# Published shapes. GPT-3: Brown et al. 2020, Table 2.1 (GPT-2 tokenizer, learned positions,
+# tied embeddings). Llama 3: Dubey et al. 2024, Table 3 (vocab 128256, 8 KV heads).
+COURSE_GPT = GPTConfig.tiny()
+GPT3_175B = GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, d_model=12288)
+LLAMA3_8B = LlamaLikeConfig(vocab_size=128256, n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336)
+LLAMA3_70B = LlamaLikeConfig(vocab_size=128256, n_layer=80, d_model=8192, n_head=64, n_kv_head=8, d_ff=28672)
+LLAMA3_405B = LlamaLikeConfig(vocab_size=128256, n_layer=126, d_model=16384, n_head=128, n_kv_head=8, d_ff=53248)
+PRESETS = {"course GPT": COURSE_GPT, "GPT-3 175B": GPT3_175B, "Llama-3 8B": LLAMA3_8B,
+           "Llama-3 70B": LLAMA3_70B, "Llama-3 405B": LLAMA3_405B}
+
+
+def unpack(config):
+    """(base config, n_experts, top_k); a dense model is one expert with top_k = 1."""
+    if isinstance(config, MoEConfig):
+        return config.base, config.n_experts, config.top_k
+    if isinstance(config, (GPTConfig, LlamaLikeConfig)):
+        return config, 1, 1
+    raise ValueError(f"config={config!r} must be a GPTConfig, LlamaLikeConfig or MoEConfig")
+
+
+def kv_dim(base) -> int:
+    return base.d_model if isinstance(base, GPTConfig) else base.n_kv_head * (base.d_model // base.n_head)
+
+
+def ff_dim(base) -> int:
+    return base.ff_dim if isinstance(base, GPTConfig) else base.d_ff
+
+
+def param_breakdown(config) -> dict[str, int]:
+    """Parameter counts by part; per-layer parts are for ONE layer ("mlp": one expert).
+
+    GPT (d = d_model, f = d_ff, b = 1 with biases): attention 4d^2 + 4bd (qkv and proj),
+    mlp 2df + b(f + d), norms 2(d + bd), embedding Vd, position Td, final_norm d + bd,
+    head Vd only if untied. Llama-like (kv = n_kv_head * d_head): attention 2d^2 + 2d*kv
+    (q, o and the narrower k, v), mlp 3df (gate, up, down), norms 2d, final_norm d, head Vd.
+    MoE adds a router of d * n_experts per layer.
+    """
+    base, n_experts, _ = unpack(config)
+    d, f, V = base.d_model, ff_dim(base), base.vocab_size
+    if isinstance(base, GPTConfig):
+        b = int(base.bias)
+        parts = dict(embedding=V * d, position=base.block_size * d, attention=4 * d * d + 4 * b * d,
+                     mlp=2 * d * f + b * (f + d), norms=2 * (d + b * d), final_norm=d + b * d,
+                     head=0 if base.tie_weights else V * d)
+    else:
+        parts = dict(embedding=V * d, position=0, attention=2 * d * d + 2 * d * kv_dim(base),
+                     mlp=3 * d * f, norms=2 * d, final_norm=d, head=V * d)
+    parts["router"] = d * n_experts if n_experts > 1 else 0
+    return parts
+
+
+def param_count(config, active: bool = False) -> int:
+    """Exact parameter count. For a GPTConfig this is `course_lib.model.expected_num_params`
+    (the closed form `sum(p.numel() for p in GPT(config).parameters())` is tested against);
+    otherwise the sum of `param_breakdown`:
+
+        embedding + position + final_norm + head + n_layer * (attention + norms + router + E * mlp)
+
+    with E = n_experts, or E = top_k when active=True (the parameters one token uses).
+    GPT-3 175B gives 174.6e9; Llama-3 8B / 70B / 405B give 8.03e9 / 70.55e9 / 405.85e9.
+    """
+    base, n_experts, top_k = unpack(config)
+    if isinstance(config, GPTConfig):
+        return expected_num_params(config)
+    p = param_breakdown(config)
+    experts = top_k if active else n_experts
+    per_layer = p["attention"] + p["norms"] + p["router"] + experts * p["mlp"]
+    return p["embedding"] + p["position"] + p["final_norm"] + p["head"] + base.n_layer * per_layer
+
+
