@@ -9,7 +9,6 @@ import hashlib
 from course_lib.data import (ALPHABET, OOV, TEXT_PATH, VOCAB_SIZE, CharDataset, CharTokenizer, encoded_text,
                              get_batch, load_text)
 
-torch.set_num_threads(1)
 TEXT_SHA256_PREFIX = "71f2ff5d99bdc1f9"
 
 

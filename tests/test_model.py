@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from course_lib.data import VOCAB_SIZE
 from course_lib.model import GPT, GPTConfig, expected_num_params
 
-torch.set_num_threads(1)
 
 
 def params_equal(a: GPT, b: GPT) -> bool:
@@ -86,22 +86,22 @@ def test_per_block_is_12d2_plus_13d():
 
 
 def test_naive_and_sdpa_agree():
-    idx = torch.randint(0, 96, (3, 40), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, VOCAB_SIZE, (3, 40), generator=torch.Generator().manual_seed(0))
     naive = GPT(GPTConfig.tiny(attn_impl="naive"), seed=0)
     sdpa = GPT(GPTConfig.tiny(attn_impl="sdpa"), seed=0)
     ln, _ = naive(idx)
     ls, _ = sdpa(idx)
-    assert ln.shape == (3, 40, 96)
+    assert ln.shape == (3, 40, VOCAB_SIZE)
     torch.testing.assert_close(ln, ls, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("attn_impl", ["naive", "sdpa"])
 def test_causality(attn_impl):
     m = GPT(GPTConfig.tiny(attn_impl=attn_impl), seed=0)
-    idx = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, VOCAB_SIZE, (2, 32), generator=torch.Generator().manual_seed(1))
     changed = idx.clone()
     t = 20
-    changed[:, t] = (changed[:, t] + 1) % 96
+    changed[:, t] = (changed[:, t] + 1) % VOCAB_SIZE
     a, _ = m(idx)
     b, _ = m(changed)
     assert torch.equal(a[:, :t], b[:, :t])  # the past cannot see the future
@@ -111,15 +111,15 @@ def test_causality(attn_impl):
 def test_loss_and_shapes():
     cfg = GPTConfig.tiny()
     m = GPT(cfg)
-    idx = torch.randint(0, 96, (2, 64))
+    idx = torch.randint(0, VOCAB_SIZE, (2, 64))
     logits, loss = m(idx)
-    assert logits.shape == (2, 64, 96) and loss is None
-    targets = torch.randint(0, 96, (2, 64))
+    assert logits.shape == (2, 64, VOCAB_SIZE) and loss is None
+    targets = torch.randint(0, VOCAB_SIZE, (2, 64))
     logits, loss = m(idx, targets)
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 96), targets.reshape(-1))
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
     assert torch.allclose(loss, ref)
     # Small init -> near-uniform predictions -> loss on random targets ~ log(V).
-    assert abs(loss.item() - torch.log(torch.tensor(96.0)).item()) < 0.1
+    assert abs(loss.item() - torch.log(torch.tensor(float(VOCAB_SIZE))).item()) < 0.1
 
 
 def test_sequence_too_long():

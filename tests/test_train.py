@@ -15,16 +15,9 @@ from course_lib.train import (
     train_step,
 )
 
-torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module")
-def vocab():
-    return CharDataset("train").vocab_size
-
-
-def test_optimizer_groups_decay_only_matrices(vocab):
-    model = GPT(GPTConfig.tiny(vocab))
+def test_optimizer_groups_decay_only_matrices(vocab_size):
+    model = GPT(GPTConfig.tiny(vocab_size))
     opt = make_optimizer(model, TrainConfig(weight_decay=0.1))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -36,8 +29,8 @@ def test_optimizer_groups_decay_only_matrices(vocab):
     assert n == model.num_params()
 
 
-def test_train_step_clips_and_updates(vocab):
-    model = GPT(GPTConfig.tiny(vocab), seed=0)
+def test_train_step_clips_and_updates(vocab_size):
+    model = GPT(GPTConfig.tiny(vocab_size), seed=0)
     opt = make_optimizer(model, TrainConfig())
     x, y = get_batch(CharDataset("train"), 4, torch.Generator().manual_seed(0))
     before = model.blocks[0].mlp.fc.weight.clone()
@@ -48,9 +41,9 @@ def test_train_step_clips_and_updates(vocab):
     assert not torch.equal(before, model.blocks[0].mlp.fc.weight)
 
 
-def test_training_reduces_val_loss(vocab):
+def test_training_reduces_val_loss(vocab_size):
     cfg = TrainConfig(steps=150, batch_size=16, eval_every=75, eval_batches=4, progress=False)
-    result = train_reference(GPTConfig.tiny(vocab), cfg)
+    result = train_reference(GPTConfig.tiny(vocab_size), cfg)
     assert len(result.train_losses) == 150
     assert [s for s, _ in result.val_losses] == [0, 75, 150]
     first, last = result.val_losses[0][1], result.val_losses[-1][1]
@@ -58,20 +51,20 @@ def test_training_reduces_val_loss(vocab):
     assert result.seconds > 0
 
 
-def test_same_seed_same_losses(vocab):
+def test_same_seed_same_losses(vocab_size):
     cfg = TrainConfig(steps=6, batch_size=8, eval_every=3, eval_batches=2, progress=False)
-    a = train_reference(GPTConfig.tiny(vocab), cfg)
-    b = train_reference(GPTConfig.tiny(vocab), cfg)
+    a = train_reference(GPTConfig.tiny(vocab_size), cfg)
+    b = train_reference(GPTConfig.tiny(vocab_size), cfg)
     assert a.train_losses == b.train_losses  # bit-identical, not just close
     assert a.val_losses == b.val_losses
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
-    c = train_reference(GPTConfig.tiny(vocab), TrainConfig(**{**cfg.__dict__, "seed": 1}))
+    c = train_reference(GPTConfig.tiny(vocab_size), TrainConfig(**{**cfg.__dict__, "seed": 1}))
     assert c.train_losses != a.train_losses
 
 
-def test_evaluate_deterministic_and_restores_mode(vocab):
-    model = GPT(GPTConfig.tiny(vocab, dropout=0.1))
+def test_evaluate_deterministic_and_restores_mode(vocab_size):
+    model = GPT(GPTConfig.tiny(vocab_size, dropout=0.1))
     ds = CharDataset("val")
     model.train()
     a = evaluate(model, ds, 2, 4, torch.Generator().manual_seed(0))
@@ -94,3 +87,31 @@ def test_smooth_and_plot():
     result = TrainResult(model=None, train_losses=[3.0, 2.5, 2.0], val_losses=[(0, 3.1), (3, 2.1)])
     ax = plot_losses(result, label="ref")
     assert len(ax.lines) == 3 and ax.get_xlabel() == "step"
+
+
+def test_train_step_hooks_run_in_order(vocab_size):
+    """The shared step: micro-batches under no_sync but the last, then sync, clip, step."""
+    import contextlib
+
+    model = GPT(GPTConfig.tiny(vocab_size, n_layer=1), seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = get_batch(CharDataset("train"), 4, torch.Generator().manual_seed(0))
+    calls = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        calls.append("no_sync")
+        yield
+
+    def loss_fn(m, xb, yb):
+        calls.append(f"loss{len(xb)}")
+        return m(xb, yb)[1]
+
+    loss = train_step(model, opt, x, y, 1.0, accum_steps=2, loss_fn=loss_fn, no_sync=no_sync,
+                      sync_gradients=lambda: calls.append("sync"),
+                      clip_grad_norm=lambda c: calls.append(f"clip{c}"))
+    assert calls == ["no_sync", "loss2", "loss2", "sync", "clip1.0"]
+    assert isinstance(loss, float)
+    calls.clear()
+    train_step(model, opt, x, y, None, forward_backward=lambda m, xb, yb: calls.append("fb") or 1.5)
+    assert calls == ["fb"]
