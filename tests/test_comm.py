@@ -124,7 +124,7 @@ def test_collectives_match_builtins_bytes_and_schedule(world_size):
     failures = [(r, label, detail) for r, (results, _, _) in enumerate(per_rank)
                 for label, ok, detail in results if not ok]
     assert not failures, failures[:10]
-    assert len(per_rank[0][0]) == len(_cases(n)) * 7
+    assert len(per_rank[0][0]) == len(_cases(n)) * (len(comm.ALL_REDUCE_ALGORITHMS) + 4)
 
     # Bytes from the tracer equal the formulas: exactly when N divides numel, otherwise within
     # chunk rounding (every message is one chunk, off by at most one element).
@@ -132,9 +132,12 @@ def test_collectives_match_builtins_bytes_and_schedule(world_size):
         for algo, itemsize, numel, sent, recv in traffic:
             nbytes = numel * itemsize
             expected = comm.theory_bytes_sent(algo, nbytes, n, rank)
-            steps = {"ring": 2 * (n - 1), "tree": 0, "ps": 0}.get(algo, n - 1)
+            p = 1 << (n.bit_length() - 1)
+            # elements a message may be off by, summed over the messages
+            steps = {"ring": 2 * (n - 1), "sharded_ps": 2 * (n - 1), "rabenseifner": 2 * p}.get(algo, n - 1)
+            exact = numel % (p if algo == "rabenseifner" else n) == 0 or algo in ("tree", "ps")
             where = f"{algo} numel={numel} rank={rank}"
-            if numel % n == 0 or algo in ("tree", "ps"):
+            if exact:
                 assert sent == expected, where
                 assert recv == sent, where  # every schedule here is symmetric
             else:
@@ -172,7 +175,23 @@ def test_collectives_work_on_a_subgroup():
     results = run_on_ranks(_subgroup_check, world_size=5, timeout_s=60)
     assert results[1] is None and results[3] is None
     for r in (0, 2, 4):
-        assert results[r] == {"ring": True, "tree": True, "ps": True, "all_to_all": True}, (r, results[r])
+        assert results[r] == {**{name: True for name in comm.ALL_REDUCE_ALGORITHMS}, "all_to_all": True}, (r, results[r])
+    assert {"ring", "tree", "rabenseifner", "ps", "sharded_ps"} <= set(results[0])
+
+
+def _traced_halving_doubling():
+    """Rank code: bytes sent per round of Rabenseifner on 8 ranks, 64 float32 (256 B)."""
+    x = torch.full((64,), float(dist.get_rank()))
+    with CommTracer() as tracer:
+        comm.rabenseifner_all_reduce(x)
+    return x[0].item(), tracer.total_bytes()["bytes_sent"], tracer.summary()["isend"]["calls"]
+
+
+def test_rabenseifner_halves_then_doubles():
+    """Halving sends 128, 64, 32 B and doubling 32, 64, 128 B: 2(p-1)/p S = 448 B in 6 messages
+    (log2 8 = 3 rounds each way), where recursive doubling sends 3 x 256 = 768 B."""
+    for total, sent, calls in run_on_ranks(_traced_halving_doubling, world_size=8, timeout_s=60):
+        assert total == sum(range(8)) and sent == 448 == comm.theory_bytes_sent("rabenseifner", 256, 8) and calls == 6
 
 
 def test_chunk_bounds_match_tensor_split():
@@ -205,6 +224,10 @@ def test_bad_inputs_raise_before_communicating():
         comm.ring_all_reduce(torch.zeros(4, 3).t())
     with pytest.raises(ValueError, match="torch.Tensor"):
         comm.tree_all_reduce([1.0, 2.0])
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.rabenseifner_all_reduce(torch.zeros(4, 3).t())
+    with pytest.raises(ValueError, match="torch.Tensor"):
+        comm.sharded_ps_all_reduce("gradient")
     with pytest.raises(ValueError, match="world_size"):
         ringviz.simulate_ring(1)
     with pytest.raises(ValueError, match="algorithm"):

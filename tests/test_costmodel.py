@@ -13,9 +13,9 @@ IB = cm.CLUSTERS["HDR InfiniBand 200 Gb/s (inter-node)"]
 
 
 def test_fit_recovers_alpha_beta_exactly_from_clean_data():
-    alpha, beta = 25e-6, 1 / 3e9
+    alpha, beta = 25e-6, 3e9  # beta is a bandwidth: T = alpha + S / beta
     sizes = [8, 1024, 65536, 1 << 20, 1 << 24]
-    link = cm.fit_alpha_beta(sizes, [alpha + s * beta for s in sizes])
+    link = cm.fit_alpha_beta(sizes, [alpha + s / beta for s in sizes])
     assert link.alpha == pytest.approx(alpha, rel=1e-9)
     assert link.beta == pytest.approx(beta, rel=1e-9)
     assert link.bandwidth == pytest.approx(3e9, rel=1e-9)
@@ -23,9 +23,9 @@ def test_fit_recovers_alpha_beta_exactly_from_clean_data():
 
 def test_fit_is_robust_to_relative_noise():
     rng = random.Random(0)
-    alpha, beta = 50e-6, 1 / 1e9
+    alpha, beta = 50e-6, 1e9
     sizes = [2**k for k in range(3, 25)]
-    times = [(alpha + s * beta) * (1 + rng.uniform(-0.05, 0.05)) for s in sizes]
+    times = [(alpha + s / beta) * (1 + rng.uniform(-0.05, 0.05)) for s in sizes]
     link = cm.fit_alpha_beta(sizes, times)
     # 1/t weighting keeps alpha meaningful although it is 300x smaller than the largest time
     assert link.alpha == pytest.approx(alpha, rel=0.1)
@@ -49,6 +49,9 @@ def test_cost_terms_match_the_formulas(n):
     assert cm.cost_terms("ps", n) == (2 * (n - 1), 2 * (n - 1))
     steps = math.log2(p) + (2 if n != p else 0)
     assert cm.cost_terms("tree", n) == (steps, steps)
+    fold = 2 if n != p else 0  # hand the tensor in and get the result back
+    assert cm.cost_terms("rabenseifner", n) == (2 * math.log2(p) + fold, 2 * (p - 1) / p + fold)
+    assert cm.cost_terms("sharded_ps", n) == cm.cost_terms("ring", n)  # push = reduce-scatter, pull = all-gather
     # a ring all-reduce is a reduce-scatter followed by an all-gather
     rs, ring = cm.cost_terms("reduce_scatter", n), cm.cost_terms("ring", n)
     assert ring == (2 * rs[0], 2 * rs[1])
@@ -56,13 +59,17 @@ def test_cost_terms_match_the_formulas(n):
     s = 1 << 20
     assert ring[1] * s == comm.theory_bytes_sent("ring", s, n)
     assert cm.cost_terms("ps", n)[1] * s == 2 * comm.theory_bytes_sent("ps", s, n)  # server: in, then out
+    assert cm.cost_terms("sharded_ps", n)[1] * s == comm.theory_bytes_sent("sharded_ps", s, n)
+    assert cm.cost_terms("rabenseifner", n)[1] * s == pytest.approx(
+        comm.theory_bytes_sent("rabenseifner", s, n) + (s if n != p else 0))  # fold: S in and S out
 
 
 def test_predict_time_and_regimes():
     s = 1 << 30
-    assert cm.predict_time("ring", s, 64, IB) == pytest.approx(126 * IB.alpha + 126 / 64 * s * IB.beta)
-    # ring bandwidth term tends to 2 S beta: adding ranks barely costs bandwidth
-    assert cm.predict_time("ring", s, 1024, IB) < 2 * s * IB.beta + 2 * 1023 * IB.alpha + 1e-12
+    assert IB.beta == 25e9 and IB.message_time(s) == IB.alpha + s / 25e9  # beta: bytes per second
+    assert cm.predict_time("ring", s, 64, IB) == pytest.approx(126 * IB.alpha + 126 / 64 * s / IB.beta)
+    # ring bandwidth term tends to 2 S / beta: adding ranks barely costs bandwidth
+    assert cm.predict_time("ring", s, 1024, IB) < 2 * s / IB.beta + 2 * 1023 * IB.alpha + 1e-12
     assert cm.regime("ring", 8, 64, IB) == "latency-bound"
     assert cm.regime("ring", s, 64, IB) == "bandwidth-bound"
     assert cm.predict_time("ring", s, 1, IB) == 0.0
@@ -86,10 +93,41 @@ def test_tree_wins_small_ring_wins_large_ps_never_wins(name, n):
     assert cm.crossover_bytes("ring", "ps", n, link) is None  # equal alpha terms: ring always ahead
 
 
+@pytest.mark.parametrize("n", [2, 4, 8, 64, 1024])
+def test_tree_beats_ring_below_the_closed_form_crossover(n):
+    """Recursive doubling vs ring for N a power of two: L alpha + L S/beta = 2(N-1) alpha +
+    2(N-1)/N S/beta at S* = (2(N-1) - L) alpha beta / (L - 2(N-1)/N), L = log2 N."""
+    L = math.log2(n)
+    s_star = cm.crossover_bytes("tree", "ring", n, IB)
+    if n == 2:  # one exchange of S either way: the two are the same algorithm
+        assert s_star is None
+        return
+    assert s_star == pytest.approx((2 * (n - 1) - L) * IB.alpha * IB.beta / (L - 2 * (n - 1) / n))
+    if n > 4:  # the more ranks, the more ring steps a tree saves: the crossover grows with N
+        assert s_star > cm.crossover_bytes("tree", "ring", n // 2, IB)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64, 1024])
+def test_rabenseifner_is_never_slower_than_the_ring_in_the_model(n):
+    for size in (8, 1 << 16, 1 << 30):
+        assert cm.predict_time("rabenseifner", size, n, IB) <= cm.predict_time("ring", size, n, IB)
+    if n > 2:  # same bytes, fewer messages: the gap is pure latency
+        gap = cm.predict_time("ring", 1 << 30, n, IB) - cm.predict_time("rabenseifner", 1 << 30, n, IB)
+        assert gap == pytest.approx((2 * (n - 1) - 2 * math.log2(n)) * IB.alpha)
+
+
+def test_sharded_ps_moves_ring_traffic_single_ps_does_not():
+    s = 1 << 20
+    for n in (4, 64):
+        assert comm.theory_bytes_sent("sharded_ps", s, n) == 2 * (n - 1) / n * s
+        assert comm.theory_bytes_sent("ps", s, n) == (n - 1) * s
+        assert cm.predict_time("sharded_ps", s, n, IB) == cm.predict_time("ring", s, n, IB)
+
+
 def _measure_small():
     import torch.distributed as dist
 
-    pp = cm.ping_pong(sizes_bytes=(8, 4096), iters=3, warmup=1, all_pairs=True)
+    pp = cm.ping_pong(sizes_bytes=(8, 4096), rounds=2, iters=2, warmup=1, all_pairs=True)
     t = cm.time_collective(comm.ring_all_reduce, 4096, iters=2)
     return pp, t, dist.get_rank()
 
@@ -100,3 +138,11 @@ def test_measuring_helpers_run_and_agree_across_ranks():
     assert len(pp) == 2 and all(x > 0 for x in pp)
     assert all(r[0] is None for r in results[1:])  # only rank 0 reports the ping-pong
     assert t > 0 and all(r[1] == t for r in results)  # the slowest rank's time, everywhere
+
+
+def test_ping_pong_validates_before_communicating():
+    """Rank code: a bad argument fails on every rank before any message, so nothing waits."""
+    from course_lib import RankError
+
+    with pytest.raises(RankError, match="rounds=0 must be a positive int"):
+        run_on_ranks(cm.ping_pong, (8,), rounds=0, world_size=2, timeout_s=30)

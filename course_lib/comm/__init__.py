@@ -1,6 +1,9 @@
 """Communication: collectives built from send/recv, their cost, and differentiable collectives.
 
-    collectives.py   ring / tree / parameter-server all-reduce, reduce-scatter, all-gather, all-to-all
+    p2p.py           chunking and the send-while-receiving exchange everything is built on
+    collectives.py   ring and parameter-server (single, sharded) all-reduce, reduce-scatter,
+                     all-gather, all-to-all; the bytes each algorithm sends
+    trees.py         recursive doubling and Rabenseifner's halving-doubling all-reduce
     costmodel.py     the alpha-beta model: predict, fit from ping-pong, crossover sizes
     ringviz.py       the ring all-reduce step by step (pictures, widget)
     compat.py        collective names that moved between torch versions
@@ -15,13 +18,16 @@ from course_lib.comm.collectives import (
     chunk_bounds,
     pairwise_all_to_all,
     ps_all_reduce,
+    rabenseifner_all_reduce,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
     ring_send_chunk,
+    sharded_ps_all_reduce,
     theory_bytes_sent,
     tree_all_reduce,
 )
 
 __all__ = ["ALL_REDUCE_ALGORITHMS", "chunk_bounds", "ring_send_chunk", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
-           "tree_all_reduce", "ps_all_reduce", "pairwise_all_to_all", "theory_bytes_sent"]
+           "tree_all_reduce", "rabenseifner_all_reduce", "ps_all_reduce", "sharded_ps_all_reduce",
+           "pairwise_all_to_all", "theory_bytes_sent"]

@@ -2,25 +2,33 @@
 
 One message of S bytes over one link takes
 
-    t(S) = alpha + S * beta          alpha: latency (s), beta: inverse bandwidth (s/byte)
+    T(S) = alpha + S / beta          alpha: latency (seconds), beta: bandwidth (bytes/second)
 
-A collective is a schedule of such messages, so its time is (number of sequential
-messages) * alpha + (bytes on the busiest link, sequentially) * beta:
+(Hockney 1994's model; the course writes it with beta a bandwidth everywhere.) A collective is a
+schedule of such messages, so its time is (number of sequential messages) * alpha + (bytes
+through the busiest link, sequentially) / beta:
 
-    ring all-reduce        2(N-1) * alpha + 2(N-1)/N * S * beta
-    ring reduce-scatter      (N-1) * alpha +  (N-1)/N * S * beta        (all-gather: same)
-    tree (recursive         L * (alpha + S * beta),  L = log2(p) + 2[N != p],
-          doubling)                                  p = largest power of two <= N
-    parameter server       2(N-1) * (alpha + S * beta)   the server receives N-1 tensors,
-                                                          then sends N-1, over its one link
-    pairwise all-to-all      (N-1) * alpha +  (N-1)/N * S * beta
+    ring all-reduce          2(N-1) alpha + 2(N-1)/N S/beta
+    ring reduce-scatter       (N-1) alpha +  (N-1)/N S/beta        (all-gather: the same)
+    tree (recursive          L (alpha + S/beta),  L = log2(p) + 2[N != p],
+          doubling)                            p = largest power of two <= N
+    rabenseifner             2 log2(p) alpha + 2(p-1)/p S/beta  (+ 2 (alpha + S/beta) if N != p):
+                             reduce-scatter by recursive halving + all-gather by recursive doubling
+    parameter server         2(N-1) (alpha + S/beta): the server receives N-1 tensors, then
+                             sends N-1, over its one link
+    sharded parameter server 2(N-1) alpha + 2(N-1)/N S/beta: every rank serves 1/N of the tensor
+    pairwise all-to-all       (N-1) alpha +  (N-1)/N S/beta
 
-(The reduction's own arithmetic, gamma * bytes, is left out: on GPUs it hides under the
-transfer.) Small S: the alpha terms dominate (latency-bound), so fewer steps win (tree).
-Large S: the beta terms dominate (bandwidth-bound), so fewer bytes per link win (ring).
+(The reduction's own arithmetic is left out: on GPUs it hides under the transfer.) Small S:
+the alpha terms dominate (latency-bound), so fewer steps win. Large S: the S/beta terms
+dominate (bandwidth-bound), so fewer bytes per link win. Recursive doubling beats the ring
+below crossover_bytes("tree", "ring", N, link) = (2(N-1) - L) alpha beta / (L - 2(N-1)/N), for
+N a power of two; Rabenseifner has the ring's bandwidth term with logarithmic latency, so in
+this model it is never slower than the ring (real networks are not this model: see
+course_lib.comm.trees).
 
-`ping_pong` measures t(S) between two ranks, `fit_alpha_beta` fits alpha and beta by least
-squares, `predict_time` applies the table, `CLUSTERS` holds published link figures.
+`ping_pong` measures T(S) between pairs of ranks, `fit_alpha_beta` fits alpha and beta by
+least squares, `predict_time` applies the table, `CLUSTERS` holds published link figures.
 """
 
 from __future__ import annotations
@@ -29,12 +37,13 @@ import math
 import time
 from dataclasses import dataclass
 
-ALGORITHMS = ("ring", "tree", "ps", "reduce_scatter", "all_gather", "all_to_all")
+ALGORITHMS = ("ring", "tree", "rabenseifner", "ps", "sharded_ps", "reduce_scatter", "all_gather", "all_to_all")
 
 
 @dataclass(frozen=True)
 class LinkModel:
-    """alpha: seconds per message; beta: seconds per byte (1 / bandwidth)."""
+    """alpha: seconds per message (latency); beta: bytes per second (bandwidth).
+    One message of S bytes takes alpha + S / beta."""
 
     alpha: float
     beta: float
@@ -42,15 +51,15 @@ class LinkModel:
 
     @property
     def bandwidth(self) -> float:
-        """Bytes per second."""
-        return 1.0 / self.beta
+        """Bytes per second (the same as beta)."""
+        return self.beta
 
     def message_time(self, nbytes: float) -> float:
-        return self.alpha + nbytes * self.beta
+        return self.alpha + nbytes / self.beta
 
 
 # Published figures (one direction of one GPU's link; the model's beta is per direction).
-# Bandwidth:
+# Bandwidths are the vendors' decimal units: GB/s = 1e9 bytes/s.
 #   NVLink 3 (A100 SXM): "12 third-generation NVLink links, 600 GB/s total" per GPU, i.e.
 #     300 GB/s each way. NVIDIA, https://www.nvidia.com/en-us/data-center/nvlink/ and the
 #     NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020).
@@ -63,15 +72,15 @@ class LinkModel:
 #   `baseLat`/`hwLat`) charges a few microseconds per step (0.4-5.7 us on NVLink, 0.9-6.6 us
 #   over the network, by protocol) on top of a few-us base. We use round values of that order.
 CLUSTERS = {
-    "A100 NVLink 3 (intra-node)": LinkModel(alpha=3e-6, beta=1 / 300e9, name="A100 NVLink 3"),
-    "H100 NVLink 4 (intra-node)": LinkModel(alpha=3e-6, beta=1 / 450e9, name="H100 NVLink 4"),
-    "HDR InfiniBand 200 Gb/s (inter-node)": LinkModel(alpha=5e-6, beta=1 / 25e9, name="HDR IB"),
-    "NDR InfiniBand 400 Gb/s (inter-node)": LinkModel(alpha=5e-6, beta=1 / 50e9, name="NDR IB"),
+    "A100 NVLink 3 (intra-node)": LinkModel(alpha=3e-6, beta=300e9, name="A100 NVLink 3"),
+    "H100 NVLink 4 (intra-node)": LinkModel(alpha=3e-6, beta=450e9, name="H100 NVLink 4"),
+    "HDR InfiniBand 200 Gb/s (inter-node)": LinkModel(alpha=5e-6, beta=25e9, name="HDR IB"),
+    "NDR InfiniBand 400 Gb/s (inter-node)": LinkModel(alpha=5e-6, beta=50e9, name="NDR IB"),
 }
 
 
 def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
-    """(a, b) such that time = a * alpha + b * S * beta for `algorithm` on N ranks."""
+    """(a, b) such that time = a * alpha + b * S / beta for `algorithm` on N ranks."""
     n = world_size
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"world_size={n!r} must be an int >= 1")
@@ -84,7 +93,9 @@ def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
         "all_gather": (n - 1, (n - 1) / n),
         "all_to_all": (n - 1, (n - 1) / n),
         "tree": (math.log2(p) + (2 if n != p else 0),) * 2,
+        "rabenseifner": (2 * math.log2(p) + (2 if n != p else 0), 2 * (p - 1) / p + (2 if n != p else 0)),
         "ps": (2 * (n - 1), 2 * (n - 1)),
+        "sharded_ps": (2 * (n - 1), 2 * (n - 1) / n),
     }
     if algorithm not in terms:
         raise ValueError(f"algorithm={algorithm!r} is unknown: use one of {', '.join(ALGORITHMS)}")
@@ -94,39 +105,43 @@ def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
 def predict_time(algorithm: str, nbytes: float, world_size: int, link: LinkModel) -> float:
     """Seconds for one `algorithm` collective on a tensor of `nbytes` per rank (see table)."""
     a, b = cost_terms(algorithm, world_size)
-    return a * link.alpha + b * nbytes * link.beta
+    return a * link.alpha + b * nbytes / link.beta
 
 
 def regime(algorithm: str, nbytes: float, world_size: int, link: LinkModel) -> str:
     """'latency-bound' when the alpha terms outweigh the beta terms, else 'bandwidth-bound'."""
     a, b = cost_terms(algorithm, world_size)
-    return "latency-bound" if a * link.alpha > b * nbytes * link.beta else "bandwidth-bound"
+    return "latency-bound" if a * link.alpha > b * nbytes / link.beta else "bandwidth-bound"
 
 
 def crossover_bytes(algo_a: str, algo_b: str, world_size: int, link: LinkModel) -> float | None:
-    """The size S where the two algorithms take equal time (both are linear in S), or None
-    if one is never slower than the other. Below it the one with fewer alpha terms wins."""
+    """The size S where the two algorithms take equal time, or None if one is never slower.
+
+    a1 alpha + b1 S/beta = a2 alpha + b2 S/beta  gives  S = (a2 - a1) alpha beta / (b1 - b2).
+    Below it the algorithm with fewer alpha terms wins, above it the one with fewer bytes."""
     a1, b1 = cost_terms(algo_a, world_size)
     a2, b2 = cost_terms(algo_b, world_size)
     if b1 == b2:
         return None
-    s = (a2 - a1) * link.alpha / ((b1 - b2) * link.beta)
+    s = (a2 - a1) * link.alpha * link.beta / (b1 - b2)
     return s if s > 0 else None
 
 
 def fit_alpha_beta(sizes_bytes, seconds, name: str = "measured") -> LinkModel:
-    """Least-squares fit of t = alpha + S * beta, weighting each point by 1/t.
+    """Least-squares fit of t = alpha + S / beta, weighting each point by 1/t.
 
-    Plain least squares would let the largest messages (the largest times) decide
-    everything and leave alpha as noise; weighting by 1/t minimises *relative* error so the
-    small, latency-bound messages pin alpha and the large ones pin beta.
+    The model is linear in alpha and the inverse bandwidth 1/beta, so the fit solves for
+    those two and returns beta = 1 / (fitted slope). Plain least squares would let the
+    largest messages (the largest times) decide everything and leave alpha as noise;
+    weighting by 1/t minimises *relative* error so the small, latency-bound messages pin
+    alpha and the large ones pin beta.
     """
     pts = list(zip(sizes_bytes, seconds))
     if len(pts) < 2 or len({s for s, _ in pts}) < 2:
         raise ValueError(f"need at least two distinct message sizes to fit alpha and beta, got {len(pts)} point(s)")
     if any(t <= 0 for _, t in pts):
         raise ValueError("every time must be > 0 seconds")
-    # Normal equations of min sum w^2 (alpha + beta*S - t)^2 with w = 1/t.
+    # Normal equations of min sum w^2 (alpha + slope*S - t)^2 with w = 1/t, slope = 1/beta.
     w2 = [1.0 / t**2 for _, t in pts]
     s_w, s_ws = sum(w2), sum(w * s for w, (s, _) in zip(w2, pts))
     s_wss = sum(w * s * s for w, (s, _) in zip(w2, pts))
@@ -134,16 +149,16 @@ def fit_alpha_beta(sizes_bytes, seconds, name: str = "measured") -> LinkModel:
     s_wst = sum(w * s * t for w, (s, t) in zip(w2, pts))
     det = s_w * s_wss - s_ws**2
     alpha = (s_wss * s_wt - s_ws * s_wst) / det
-    beta = (s_w * s_wst - s_ws * s_wt) / det
-    if beta <= 0:
-        raise ValueError(f"fitted beta={beta:.3g} s/byte is not positive: times do not grow with size "
-                         "(measure larger messages or more iterations)")
-    return LinkModel(alpha=max(alpha, 0.0), beta=beta, name=name)
+    slope = (s_w * s_wst - s_ws * s_wt) / det
+    if slope <= 0:
+        raise ValueError(f"fitted 1/beta={slope:.3g} s/byte is not positive, so no bandwidth beta fits: times do "
+                         "not grow with size (measure larger messages or more iterations)")
+    return LinkModel(alpha=max(alpha, 0.0), beta=1.0 / slope, name=name)
 
 
 # ----------------------------------------------------------------------------- measuring (rank code)
-def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), iters: int = 20,
-              warmup: int = 3, budget_s: float = 0.3, all_pairs: bool = False) -> list[float] | None:
+def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), rounds: int = 5,
+              iters: int = 3, warmup: int = 1, all_pairs: bool = False) -> list[float] | None:
     """Inside rank code on >= 2 ranks: ranks 0 and 1 bounce one message of each size back and
     forth; returns the one-way times on rank 0 (None on the others).
 
@@ -153,8 +168,10 @@ def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), iter
 
     One-way time = fastest round trip / 2. The minimum, not the mean: on a shared machine
     every disturbance makes a round trip slower, never faster, so the fastest one is the
-    best estimate of what the link itself costs. Each size runs `iters` round trips, or
-    fewer (at least 3) once they exceed `budget_s`.
+    best estimate of what the link itself costs. The sizes are measured in `rounds`
+    interleaved passes (iters round trips of each size per pass), so a burst of load from
+    elsewhere on the machine slows one pass of every size rather than every round trip of
+    one size: a single size far off the fitted line is then rare, not a matter of luck.
     """
     import torch
     import torch.distributed as dist
@@ -162,34 +179,28 @@ def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), iter
     rank, n = dist.get_rank(), dist.get_world_size()
     if n < 2:
         raise ValueError("ping_pong needs at least 2 ranks")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} must be a positive int")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters={iters!r} must be a positive int")
     me, peer = rank % 2, rank ^ 1  # me == 0: the pinger of the pair (rank, rank ^ 1)
     active = rank <= 1 or (all_pairs and peer < n)
-    results = []
-    for size in sizes_bytes if active else ():
-        buf = torch.zeros(max(1, int(size)), dtype=torch.uint8)
-        stop = torch.zeros(1, dtype=torch.uint8)
-        best, start = float("inf"), time.perf_counter()
-        for i in range(warmup + iters):
-            t0 = time.perf_counter()
-            if me == 0:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
-            if i >= warmup:
-                best = min(best, time.perf_counter() - t0)
-            # The pinger decides when to stop and tells its partner (outside the timed part).
-            if me == 0:
-                stop[0] = int(i >= warmup + 2 and time.perf_counter() - start > budget_s)
-                dist.send(stop, peer)
-            else:
-                dist.recv(stop, peer)
-            if stop.item():
-                break
-        results.append(best / 2)
+    best = [float("inf")] * len(sizes_bytes)
+    buffers = [torch.zeros(max(1, int(size)), dtype=torch.uint8) for size in sizes_bytes]
+    for round_ in range(rounds if active else 0):
+        for i, buf in enumerate(buffers):
+            for it in range((warmup if round_ == 0 else 0) + iters):
+                t0 = time.perf_counter()
+                if me == 0:
+                    dist.send(buf, peer)
+                    dist.recv(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+                    dist.send(buf, peer)
+                if round_ > 0 or it >= warmup:
+                    best[i] = min(best[i], time.perf_counter() - t0)
     dist.barrier()
-    return results if rank == 0 else None
+    return [b / 2 for b in best] if rank == 0 else None
 
 
 def time_collective(fn, nbytes: int, iters: int = 5, warmup: int = 1) -> float:

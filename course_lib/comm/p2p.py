@@ -1,0 +1,64 @@
+"""The point-to-point plumbing every collective of this package is built on.
+
+    chunk_bounds(numel, N)           the N chunks of a flat tensor (torch.tensor_split's split)
+    rank_and_size(group)             this rank's index in `group` and the group's size
+    global_rank(group, group_rank)   send/recv take global ranks
+    flat_view(tensor)                a 1-D view sharing memory (in-place collectives need one)
+    exchange(send, dst, recv, src)   send and receive at the same time (isend + irecv, then wait)
+
+Sending and receiving at once matters: if every rank of a ring first did a blocking send,
+nobody would be receiving yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """[(start, end)] of the N chunks of a flat tensor, same split as torch.tensor_split:
+    the first numel % N chunks are one element longer; chunks may be empty when numel < N."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    q, rem = divmod(numel, world_size)
+    bounds, start = [], 0
+    for i in range(world_size):
+        end = start + q + (1 if i < rem else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def rank_and_size(group) -> tuple[int, int]:
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("this rank is not a member of `group`: only members may call the collective")
+    return rank, n
+
+
+def global_rank(group, group_rank: int) -> int:
+    """send/recv take global ranks; translate a rank within `group`."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def flat_view(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """A 1-D view sharing memory with `tensor` (in-place collectives need one flat buffer)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first): "
+                         "the collectives work in place on one flat buffer")
+    return tensor.view(-1)
+
+
+def exchange(send_buf, dst, recv_buf, src, group=None) -> None:
+    """Send to dst while receiving from src (group ranks); both directions overlap. Empty or
+    None buffers are skipped, so a rank can only send or only receive."""
+    works = []
+    if send_buf is not None and send_buf.numel():
+        works.append(dist.isend(send_buf, global_rank(group, dst), group=group))
+    if recv_buf is not None and recv_buf.numel():
+        works.append(dist.irecv(recv_buf, global_rank(group, src), group=group))
+    for w in works:
+        w.wait()
