@@ -1,48 +1,91 @@
 """Data-parallel step time: the course's DDP against torch's DistributedDataParallel, and
 naive per-parameter all-reduce against bucketed DDP, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_data_parallel.py [--world-size 4] [--steps 6] [--rounds 3]
+    .venv/bin/python benchmarks/bench_data_parallel.py [--world-size 4] [--steps 6] [--rounds 9]
 
-4 gloo ranks train the course GPT (d_model 256, 4 layers: about 3.3M parameters, 13 MB of
-fp32 gradients per step) with the same data. A step's time is the slowest rank's; a run's
-time is the median of its steps (the first 2 are warm-up and dropped); a strategy's number
-is the fastest of its runs over the rounds. Rounds interleave the strategies so that load
-from other processes on the machine hits all of them alike, and the minimum over rounds is
-the least disturbed measurement (the spread column shows how disturbed the others were). Ratios are against torch DDP measured in
-the same run: "ours / torch" close to 1 means the from-scratch DDP costs what torch's does;
-"naive / ours" > 1 is what buckets and overlap buy.
+4 gloo ranks train the course GPT (d_model 256, 4 layers: about 3.2M parameters, 12.2 MiB of
+fp32 gradients per step) with the same data.
+
+Method (built to tell a 10% difference on a shared machine):
+* a step's time is the slowest rank's; a run's time is the median of its steps (the first
+  WARMUP are dropped: torch DDP rebuilds its buckets after its first step);
+* one round runs every strategy once, inside one call on the same warm ranks, in an order
+  rotated from round to round, so that load from other processes hits all strategies alike
+  and no strategy always runs first;
+* a ratio is computed per round from runs of the same round (paired), and reported as the
+  median over rounds with its interquartile range as the spread. A target inside that
+  spread is "inconclusive": the noise is larger than the difference being asked about.
+
+"ours / torch" close to 1 means the from-scratch DDP costs what torch's does. The 25 MB case
+checks the small first bucket (1 MiB, as torch DDP): without it the whole 12 MiB gradient
+sits in one bucket that cannot leave before backward ends. "naive / ours" > 1 is what
+buckets and overlap buy. Ratios are recorded with benchmarks/summary.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import statistics
+import sys
 import time
 
 import torch
 
-from course_lib import run_on_ranks
-from course_lib.data import CharDataset
-from course_lib.model import GPT, GPTConfig
-from course_lib.parallel.dp.training import train_data_parallel
-from course_lib.train import TrainConfig
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from summary import record  # noqa: E402  (benchmarks/ is not a package)
+
+from course_lib import run_on_ranks  # noqa: E402
+from course_lib.data import CharDataset  # noqa: E402
+from course_lib.model import GPT, GPTConfig  # noqa: E402
+from course_lib.parallel.dp.training import train_data_parallel  # noqa: E402
+from course_lib.train import TrainConfig  # noqa: E402
 
 WARMUP = 2
+TARGET = 1.10  # ours / torch DDP
+RUNS = {  # name -> (strategy, DDP keyword arguments)
+    "torch DDP, 25 MB buckets": ("torch", {}),
+    "ours, 25 MB buckets": ("ddp", {}),
+    "ours, 25 MB, no small first bucket": ("ddp", {"first_bucket_cap_mb": None}),
+    "torch DDP, 2 MB buckets": ("torch", {"bucket_cap_mb": 2}),
+    "ours, 2 MB buckets": ("ddp", {"bucket_cap_mb": 2}),
+    "naive (1 call/param)": ("naive", {}),
+}
+RATIOS = {  # label -> (numerator, denominator, target, better)
+    "course DDP / torch DDP, 25 MB buckets": ("ours, 25 MB buckets", "torch DDP, 25 MB buckets", TARGET, "lower"),
+    "course DDP / torch DDP, 2 MB buckets": ("ours, 2 MB buckets", "torch DDP, 2 MB buckets", TARGET, "lower"),
+    "course DDP 25 MB: no small first bucket / with": ("ours, 25 MB, no small first bucket", "ours, 25 MB buckets",
+                                                        None, "higher"),
+    "naive / course DDP, 2 MB buckets": ("naive (1 call/param)", "ours, 2 MB buckets", 1.0, "higher"),
+}
 
 
-def step_time(world_size, config, cfg, strategy, **kw) -> float:
-    res = run_on_ranks(train_data_parallel, config, cfg, strategy, world_size=world_size, timeout_s=300,
-                       check_collectives=False, **kw)
-    return statistics.median(max(r.step_seconds[s] for r in res) for s in range(WARMUP, cfg.steps))
+def one_round(config, cfg, order):
+    """Rank code: train with every strategy of `order` in turn; step seconds per strategy."""
+    return {name: train_data_parallel(config, cfg, RUNS[name][0], **RUNS[name][1]).step_seconds for name in order}
+
+
+def quartiles(values):
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return q[0], q[1], q[2]
+
+
+def verdict(lo, mid, hi, target, better):
+    if target is None:
+        return ""
+    if lo <= target <= hi:
+        return "inconclusive (target inside the spread)"
+    return "met" if (mid <= target if better == "lower" else mid >= target) else "MISSED"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or args.micro_batch < 1:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --world-size >= 2, --micro-batch >= 1")
@@ -50,32 +93,32 @@ def main(argv=None):
     config = GPTConfig.tiny(CharDataset("train").vocab_size, d_model=256, n_layer=4, n_head=8)
     n_params = GPT(config).num_params()
     cfg = TrainConfig(steps=args.steps, batch_size=args.micro_batch * args.world_size, progress=False)
-    runs = {  # name -> (strategy, kwargs)
-        "torch DDP (25 MB buckets)": ("torch", {}),
-        "ours DDP (25 MB buckets)": ("ddp", {}),
-        "torch DDP (2 MB buckets)": ("torch", {"bucket_cap_mb": 2}),
-        "ours DDP (2 MB buckets)": ("ddp", {"bucket_cap_mb": 2}),
-        "naive (1 call/param)": ("naive", {}),
-    }
     print(f"{args.world_size} gloo ranks on {os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f}), "
           f"torch {torch.__version__}; GPT d_model={config.d_model} n_layer={config.n_layer}: "
-          f"{n_params / 1e6:.2f}M params, {4 * n_params / 2**20:.1f} MB of gradients; "
-          f"{args.micro_batch} x {config.block_size} tokens per rank per step")
-    step_time(args.world_size, config, cfg, "ddp")  # start the ranks and warm them up
-    times = {name: [] for name in runs}
+          f"{n_params / 1e6:.2f}M params, {4 * n_params / 2**20:.1f} MiB of gradients; "
+          f"{args.micro_batch} x {config.block_size} tokens per rank per step; {args.rounds} rounds")
+    names = list(RUNS)
+    kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False)
+    run_on_ranks(one_round, config, TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False), names, **kw)  # warm
+    per_round = []  # one {name: seconds per step} per round
     start = time.perf_counter()
-    for _ in range(args.rounds):
-        for name, (strategy, kw) in runs.items():
-            times[name].append(step_time(args.world_size, config, cfg, strategy, **kw))
-    med = {name: min(t) for name, t in times.items()}
-    print(f"\n{'strategy':<28}{'step (ms)':>11}{'spread (ms)':>14}")
-    for name, t in times.items():
-        print(f"{name:<28}{med[name] * 1e3:>11.1f}{(max(t) - min(t)) * 1e3:>14.1f}")
-    print("\nratios (same run):")
-    for cap in ("25 MB", "2 MB"):
-        print(f"  ours / torch DDP, {cap} buckets: {med[f'ours DDP ({cap} buckets)'] / med[f'torch DDP ({cap} buckets)']:.3f}x")
-    print(f"  naive / ours (2 MB buckets):      {med['naive (1 call/param)'] / med['ours DDP (2 MB buckets)']:.3f}x")
-    print(f"  naive / ours (25 MB buckets):     {med['naive (1 call/param)'] / med['ours DDP (25 MB buckets)']:.3f}x")
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        res = run_on_ranks(one_round, config, cfg, order, **kw)
+        per_round.append({name: statistics.median(max(rank[name][s] for rank in res) for s in range(WARMUP, cfg.steps))
+                          for name in names})
+
+    print(f"\n{'strategy':<36}{'median step (ms)':>18}{'quartiles (ms)':>20}")
+    for name in names:
+        lo, mid, hi = quartiles([r[name] for r in per_round])
+        print(f"{name:<36}{mid * 1e3:>18.1f}{f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>20}")
+    print("\nratios, paired per round (median, interquartile spread):")
+    for label, (num, den, target, better) in RATIOS.items():
+        lo, mid, hi = quartiles([r[num] / r[den] for r in per_round])
+        goal = "" if target is None else f"target {'<=' if better == 'lower' else '>='} {target:g}"
+        print(f"  {label:<48} {mid:6.3f}x  ({lo:.3f}-{hi:.3f})  {goal:<14} {verdict(lo, mid, hi, target, better)}")
+        if not args.no_record:
+            record("bench_data_parallel", label, mid, target=target, better=better, spread=(lo, hi))
     print(f"(measured in {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.1f})")
 
 

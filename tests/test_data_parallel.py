@@ -257,12 +257,29 @@ def test_bad_input_raises_before_ranks(config):
 
 def test_assign_buckets_reverse_order_and_cap():
     assert assign_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
-    assert assign_buckets([4, 100, 4, 4], 10) == [[3, 2], [1], [0]]  # too big: alone
+    assert assign_buckets([4, 100, 4, 4], 10) == [[3, 2, 1], [0]]  # closed once it holds the cap
     assert assign_buckets([1, 2, 3], 1e9) == [[2, 1, 0]]
+    assert assign_buckets([4, 4, 4, 4], 8, first_bucket_cap_bytes=4) == [[3], [2, 1], [0]]
     sizes = [p.numel() * 4 for p in GPT(GPTConfig.tiny(8)).parameters()]
-    buckets = assign_buckets(sizes, 50_000)
-    assert [i for b in buckets for i in b] == list(reversed(range(len(sizes))))
-    assert all(sum(sizes[i] for i in b) <= 50_000 or len(b) == 1 for b in buckets)
+    for first in (None, 10_000):
+        buckets = assign_buckets(sizes, 50_000, first)
+        assert [i for b in buckets for i in b] == list(reversed(range(len(sizes))))
+        caps = [first or 50_000] + [50_000] * len(buckets)
+        for b, cap in zip(buckets[:-1], caps):  # every bucket but the last: just reached its cap
+            assert sum(sizes[i] for i in b) >= cap > sum(sizes[i] for i in b[:-1])
+
+
+def test_first_bucket_cap_like_torch():
+    """A model whose gradients fit in one 25 MB bucket still gets a small first bucket (torch
+    DDP's 1 MiB), so communication can start while backward runs."""
+    sizes = [p.numel() * 4 for p in GPT(GPTConfig.tiny(8, d_model=256, n_layer=4, n_head=8)).parameters()]
+    assert sum(sizes) < 25 * 2**20
+    one = assign_buckets(sizes, 25 * 2**20)
+    two = assign_buckets(sizes, 25 * 2**20, first_bucket_cap_bytes=dist._DEFAULT_FIRST_BUCKET_BYTES)
+    assert len(one) == 1 and len(two) == 2
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES <= sum(sizes[i] for i in two[0]) < 2 * 2**20
+    with pytest.raises(ValueError, match="first_bucket_cap_mb"):
+        DDP(nn.Linear(2, 2), first_bucket_cap_mb=0)
 
 
 def test_distributed_sampler_shards_without_overlap():

@@ -16,8 +16,13 @@ Two ways to average, same numbers, different cost:
                                      idle during backward, the CPU/GPU idle during comm.
   DDP(model, bucket_cap_mb)          torch DistributedDataParallel's design:
     * buckets: parameters in reverse registration order (roughly the order backward
-      produces their gradients) packed into flat buffers of <= bucket_cap_mb; one call per
-      bucket, so time ~ n_buckets * alpha + S / beta instead of P * alpha + S / beta;
+      produces their gradients) packed into flat buffers, each closed once it holds
+      bucket_cap_mb (torch's rule); one call per bucket, so with the alpha-beta model
+      (T = alpha + S / beta per call) time ~ n_buckets * alpha + S / beta instead of
+      P * alpha + S / beta;
+    * a small first bucket (first_bucket_cap_mb, 1 MiB as in torch DDP): the gradients
+      backward produces first leave at once. Without it, a model whose gradients fit in
+      one 25 MB bucket could not start communicating before backward ends (no overlap);
     * overlap: a hook per parameter fires when its gradient is accumulated; when a bucket
       is full its all-reduce starts asynchronously while backward continues on earlier
       layers. Buckets always start in index order (the same order on every rank: async
@@ -51,6 +56,8 @@ import torch.nn as nn
 from course_lib.comm.compat import all_gather_single
 
 MB = 2**20
+# torch DDP caps its first bucket at 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+FIRST_BUCKET_MB = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", MB) / MB
 
 
 def _check_positive(name, value):
@@ -139,18 +146,29 @@ def naive_all_reduce_gradients(model: nn.Module, group=None) -> None:
 
 
 # ---------------------------------------------------------------------------- DDP
-def assign_buckets(sizes_bytes: list[int], bucket_cap_bytes: float) -> list[list[int]]:
+def assign_buckets(sizes_bytes: list[int], bucket_cap_bytes: float,
+                   first_bucket_cap_bytes: float | None = None) -> list[list[int]]:
     """Group parameter indices into buckets, walking from the LAST parameter to the first
-    (backward produces gradients roughly in that order). A bucket is closed when the next
-    parameter would push it past the cap; a parameter larger than the cap gets its own."""
+    (backward produces gradients roughly in that order). A bucket is closed as soon as it
+    holds at least its cap (so it overshoots by at most its last parameter), the rule torch
+    DDP's reducer uses. The first bucket's cap may be smaller (first_bucket_cap_bytes): the
+    first gradients of backward then leave early instead of waiting for a big bucket to fill.
+
+        sizes [4, 4, 4, 4], cap 8            ->  [[3, 2], [1, 0]]
+        sizes [4, 100, 4, 4], cap 10         ->  [[3, 2, 1], [0]]
+        sizes [4, 4, 4, 4], cap 8, first 4   ->  [[3], [2, 1], [0]]
+    """
     _check_positive("bucket_cap_bytes", bucket_cap_bytes)
+    if first_bucket_cap_bytes is not None:
+        _check_positive("first_bucket_cap_bytes", first_bucket_cap_bytes)
     buckets, current, size = [], [], 0
     for i in reversed(range(len(sizes_bytes))):
-        if current and size + sizes_bytes[i] > bucket_cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
         current.append(i)
         size += sizes_bytes[i]
+        cap = first_bucket_cap_bytes if not buckets and first_bucket_cap_bytes is not None else bucket_cap_bytes
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
     return buckets + ([current] if current else [])
 
 
@@ -196,9 +214,11 @@ class DDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True, group=None,
-                 comm_hook=None, timeline=None):
+                 comm_hook=None, timeline=None, first_bucket_cap_mb: float | None = FIRST_BUCKET_MB):
         super().__init__()
         _check_positive("bucket_cap_mb", bucket_cap_mb)
+        if first_bucket_cap_mb is not None:
+            _check_positive("first_bucket_cap_mb", first_bucket_cap_mb)
         if not dist.is_initialized():
             raise RuntimeError("DDP needs an initialised process group: run inside run_on_ranks or torchrun")
         self.module, self.group, self.overlap = module, group, overlap
@@ -207,7 +227,8 @@ class DDP(nn.Module):
         check_replicas(module, group, check_values=False)  # shapes must match...
         broadcast_parameters(module, group)  # ...values: rank 0's copy wins
         params = [p for p in module.parameters() if p.requires_grad]  # frozen: skipped; tied: once
-        layout = assign_buckets([p.numel() * p.element_size() for p in params], bucket_cap_mb * MB)
+        first_cap = None if first_bucket_cap_mb is None else min(first_bucket_cap_mb, bucket_cap_mb) * MB
+        layout = assign_buckets([p.numel() * p.element_size() for p in params], bucket_cap_mb * MB, first_cap)
         self.buckets = [Bucket(b, [params[i] for i in idx]) for b, idx in enumerate(layout)]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync = True  # False inside no_sync()
