@@ -77,7 +77,10 @@ def percent_to_notebook(text: str) -> nbformat.NotebookNode:
 
 def execute(nb, cwd: pathlib.Path) -> float:
     start = time.perf_counter()
-    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    # No saved widget state: without it every front end shows a widget cell's static figure until the
+    # cell runs (course_lib/widgets.py), instead of a frozen copy of the widget that does not respond.
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", store_widget_state=False,
+                   resources={"metadata": {"path": str(cwd)}}).execute()
     return time.perf_counter() - start
 
 
