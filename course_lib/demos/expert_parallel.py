@@ -1,0 +1,102 @@
+"""Expert parallelism on real ranks: losses against the single-process MoE, and the expert load.
+
+    torchrun --nproc-per-node=4 -m course_lib.demos.expert_parallel --n-experts 8 --top-k 2 --steps 10
+
+Every rank keeps n_experts / ep experts of each layer and its own share of each batch; the
+tokens travel to their experts and back by two all-to-alls per layer (course_lib.parallel.ep).
+Rank 0 also trains the single-process MoE on the same shares and prints both loss curves (the
+mean of the ranks' losses against the reference's), then the tokens each expert received on one
+more batch, summed over the ranks, and the tokens dropped by the capacity limit.
+
+In a notebook: `course_lib.parallel.ep.run_expert_parallel(world_size, config, train_cfg)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from course_lib.data import CharDataset, get_batch
+from course_lib.model import GPT, GPTConfig
+from course_lib.model.moe import routing_stats
+from course_lib.parallel.ep import apply_expert_parallel, check_expert_parallel, train_expert_parallel, train_moe_reference
+from course_lib.runtime.device import rank_device
+from course_lib.runtime.launch import init_from_env
+from course_lib.train import TrainConfig
+
+TOLERANCE = 1e-4  # fp32 on CPU agrees to ~1e-6; GPUs (TF32 matmuls) may need --tolerance
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--n-experts", type=int, default=4)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--capacity-factor", type=float, default=1.25, help="0 means no capacity limit")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch (sequences), split over ranks")
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE)
+    args = parser.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.steps < 1:
+        parser.error(f"--steps={args.steps} must be >= 1")
+    if args.batch_size % world:
+        parser.error(f"--batch-size={args.batch_size} must be divisible by the {world} ranks")
+    try:  # the model's own checks (top_k, capacity factor, ...) and ep dividing n_experts
+        config = GPTConfig.tiny(CharDataset("train", 32).vocab_size, block_size=32, n_layer=args.n_layer,
+                                d_model=args.d_model, n_experts=args.n_experts, top_k=args.top_k,
+                                capacity_factor=args.capacity_factor or None)
+        check_expert_parallel(config, world)
+    except ValueError as e:
+        parser.error(str(e))
+    return args, config
+
+
+def expert_load(config, seed: int = 0):
+    """One forward of the EP model on one more batch per rank: (routed, kept) per layer, summed over ranks."""
+    model = apply_expert_parallel(GPT(config, seed=seed).to(rank_device()))
+    dataset = CharDataset("train", config.block_size)
+    x, _ = get_batch(dataset, 4, torch.Generator().manual_seed(1000 + dist.get_rank()))
+    with torch.no_grad():
+        model(x.to(rank_device()))
+    counts = torch.stack([torch.stack([s.routed, s.kept]) for s in routing_stats(model)]).to(rank_device())
+    dist.all_reduce(counts)
+    return counts.cpu()
+
+
+def main(argv=None):
+    args, config = parse(argv)
+    backend = init_from_env(timeout_s=120)  # a stuck rank becomes an error, not a hang
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=1e-2, progress=False)
+        mine = train_expert_parallel(config, train_cfg)
+        losses = torch.tensor(mine.train_losses, dtype=torch.float64, device=rank_device())
+        dist.all_reduce(losses)
+        losses = (losses / world).cpu()
+        load = expert_load(config)
+        if rank == 0:
+            ref = train_moe_reference(config, train_cfg, shares=world)
+            print(f"expert parallel on {world} ranks ({backend}): {config.n_experts} experts, "
+                  f"{config.n_experts // world} per rank, top_k={config.top_k}, "
+                  f"capacity_factor={config.capacity_factor}")
+            print(f"{'step':>5} {'EP loss (mean of ranks)':>24} {'single process':>15}")
+            for step, (a, b) in enumerate(zip(losses.tolist(), ref.train_losses), start=1):
+                print(f"{step:>5} {a:>24.6f} {b:>15.6f}")
+            diff = max(abs(a - b) for a, b in zip(losses.tolist(), ref.train_losses))
+            print(f"max |loss difference| = {diff:.2e}: {'MATCH' if diff < args.tolerance else 'MISMATCH'}")
+            for layer, (routed, kept) in enumerate(load.tolist()):
+                dropped = sum(routed) - sum(kept)
+                print(f"layer {layer}: tokens per expert {routed}, dropped {dropped} of {sum(routed)}")
+            if diff >= args.tolerance:
+                raise SystemExit(1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""Expert parallelism for mixture-of-experts models (notebook 07).
+
+    dispatch.py   exchange_counts, dispatch, run_local_experts, combine: the two all-to-alls
+    apply.py      apply_expert_parallel(model, group), reduce_gradients(model, group),
+                  clip_grad_norm, full_flat (the whole model's parameters, experts gathered)
+    training.py   train_expert_parallel (rank side, ep x dp mesh), run_expert_parallel (parent),
+                  train_moe_reference (the single process it equals)
+"""
+
+from course_lib.parallel.ep.apply import (ExpertParallelExperts, apply_expert_parallel, check_expert_parallel,
+                                          clip_grad_norm, expert_parameters, full_flat, reduce_gradients)
+from course_lib.parallel.ep.dispatch import combine, dispatch, exchange_counts, run_local_experts, traffic_matrix
+from course_lib.parallel.ep.training import run_expert_parallel, train_expert_parallel, train_moe_reference
+
+__all__ = ["apply_expert_parallel", "reduce_gradients", "clip_grad_norm", "full_flat", "expert_parameters",
+           "check_expert_parallel", "ExpertParallelExperts", "exchange_counts", "dispatch", "run_local_experts",
+           "combine", "traffic_matrix", "train_expert_parallel", "run_expert_parallel", "train_moe_reference"]

@@ -1,0 +1,155 @@
+"""Training an MoE GPT with expert parallelism (optionally x data parallelism), and its reference.
+
+Every rank r of the world draws the reference's global batch with the same seeded generator
+and keeps its contiguous share idx[r*B/W : (r+1)*B/W] (W = world size). Each share is routed
+on its own rank, with its own capacity and auxiliary losses, so the single-process reference
+is `train_moe_reference(..., shares=W)`: the same model run on the W shares one after the
+other, loss = mean of the W share losses, then one optimizer step.
+
+Mesh: ep x dp (course_lib.parallel.mesh: rank = dp_index * ep + ep_index). Gradients:
+reduce_gradients over the ep group, then an all-reduce average over the dp group.
+experts="replicated" is the baseline: every rank keeps every expert and all gradients are
+averaged over the world (data parallelism only), with the same result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.model import GPT
+from course_lib.observe.timeline import Timeline
+from course_lib.observe.tracer import CommTracer
+from course_lib.parallel.dp import naive_all_reduce_gradients
+from course_lib.parallel.ep.apply import apply_expert_parallel, check_expert_parallel, clip_grad_norm, full_flat, reduce_gradients
+from course_lib.runtime.device import rank_device
+from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
+
+EXPERT_LAYOUTS = ("sharded", "replicated")
+
+
+def check_run(model_config, train_cfg, world_size: int, dp: int = 1, experts: str = "sharded") -> int:
+    """Parent-side validation; returns ep = world_size / dp."""
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"experts={experts!r} must be one of {EXPERT_LAYOUTS}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1 or world_size % dp:
+        raise ValueError(f"dp={dp!r} must be a positive int dividing world_size={world_size}")
+    ep = world_size // dp
+    if experts == "sharded":
+        check_expert_parallel(model_config, ep)
+    elif not model_config.n_experts:
+        raise ValueError("n_experts=0 is a dense model: this loop trains an MoE GPT")
+    if train_cfg.batch_size % world_size:
+        raise ValueError(f"batch_size={train_cfg.batch_size} must be divisible by world_size={world_size}: "
+                         f"every rank takes an equal share")
+    return ep
+
+
+def _shares(dataset, train_cfg, gen, n_shares):
+    idx = sample_indices(len(dataset), train_cfg.batch_size, gen)
+    share = train_cfg.batch_size // n_shares
+    return [collate(dataset, idx[r * share:(r + 1) * share]) for r in range(n_shares)]
+
+
+def train_moe_reference(model_config, train_cfg, shares: int) -> TrainResult:
+    """Single process: each step runs the model on the `shares` contiguous shares of the batch
+    separately (each its own routing, capacity, auxiliary loss), back-propagates
+    (1/shares) * sum of their losses, clips and steps. train_losses: the mean share loss."""
+    dataset = CharDataset("train", block_size=model_config.block_size)
+    model = GPT(model_config, seed=train_cfg.seed)
+    optimizer = make_optimizer(model, train_cfg)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    result = TrainResult(model=model)
+    for _ in range(train_cfg.steps):
+        batches = _shares(dataset, train_cfg, gen, shares)
+
+        def forward_backward(m, x, y):
+            total = 0.0
+            for xs, ys in batches:
+                loss = m(xs, ys)[1] / shares
+                loss.backward()
+                total += loss.item()
+            return total
+
+        start = time.perf_counter()
+        result.train_losses.append(train_step(model, optimizer, None, None, train_cfg.grad_clip,
+                                              forward_backward=forward_backward))
+        result.step_seconds.append(time.perf_counter() - start)
+    result.final_params, result.final_grads = flat_params(model), flat_grads(model)
+    return result
+
+
+def train_expert_parallel(model_config, train_cfg, dp: int = 1, experts: str = "sharded", trace: bool = False,
+                          record_timeline: bool = False) -> TrainResult:
+    """Rank code: the MoE GPT on an ep x dp mesh (ep = world / dp), this rank's share of each batch.
+
+    Returns a TrainResult: train_losses this rank's share losses (their mean over ranks is the
+    reference's), final_params / final_grads of the WHOLE model in single-process order
+    (experts gathered after training), step_seconds; comm_summary with trace; timeline_events
+    with record_timeline (forward/backward/optimizer spans and every collective).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep = check_run(model_config, train_cfg, world, dp, experts)
+    if dp > 1:
+        from course_lib.parallel.mesh import make_mesh
+
+        mesh = make_mesh(dp=dp, ep=ep)
+        ep_group, dp_group = mesh["ep"].get_group(), mesh["dp"].get_group()
+    else:
+        ep_group, dp_group = None, None
+    dev = rank_device()
+    model = GPT(model_config, seed=train_cfg.seed).to(dev)
+    if experts == "sharded":
+        apply_expert_parallel(model, ep_group)
+
+        def sync_gradients():
+            reduce_gradients(model, ep_group)
+            if dp > 1:
+                naive_all_reduce_gradients(model, dp_group)
+
+        def clip(max_norm):
+            clip_grad_norm(model, max_norm, ep_group)
+    else:
+        def sync_gradients():
+            naive_all_reduce_gradients(model, None)
+
+        clip = None
+    dataset = CharDataset("train", block_size=model_config.block_size)
+    optimizer = make_optimizer(model, train_cfg)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    timeline = Timeline() if record_timeline else None
+    tracer = CommTracer(timeline=timeline) if (trace or record_timeline) else contextlib.nullcontext()
+    result = TrainResult()
+    start_all = time.perf_counter()
+    with tracer:
+        for _ in range(train_cfg.steps):
+            x, y = (t.to(dev) for t in _shares(dataset, train_cfg, gen, world)[rank])
+            start = time.perf_counter()
+            loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, sync_gradients=sync_gradients,
+                              clip_grad_norm=clip, timeline=timeline)
+            result.step_seconds.append(time.perf_counter() - start)
+            result.train_losses.append(loss)
+    result.seconds = time.perf_counter() - start_all
+    if experts == "sharded":
+        result.final_params, result.final_grads = full_flat(model, ep_group), full_flat(model, ep_group, grads=True)
+    else:
+        result.final_params, result.final_grads = flat_params(model), flat_grads(model)
+    if trace:
+        result.comm_summary = tracer.summary()
+    if timeline is not None:
+        result.timeline_events = timeline.events
+    return result
+
+
+def run_expert_parallel(world_size: int, model_config, train_cfg, dp: int = 1, experts: str = "sharded",
+                        timeout_s: float = 120, check_collectives: bool = True, **kwargs) -> list[TrainResult]:
+    """Parent side: validate, then train_expert_parallel on world_size ranks."""
+    from course_lib.runtime import run_on_ranks
+
+    check_run(model_config, train_cfg, world_size, dp, experts)
+    return run_on_ranks(train_expert_parallel, model_config, train_cfg, dp, experts, world_size=world_size,
+                        timeout_s=timeout_s, check_collectives=check_collectives, **kwargs)

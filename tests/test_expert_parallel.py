@@ -1,0 +1,169 @@
+"""Expert parallelism (course_lib.parallel.ep) equal to the single-process MoE over several AdamW
+steps; all-to-all bytes against the formula; ep x dp on a 2-D mesh; memory per rank against the
+estimate formulas; bad input; the torchrun demo."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import CommTracer, run_on_ranks
+from course_lib.estimate import MoEConfig, param_count, per_gpu_memory
+from course_lib.model import GPT, GPTConfig
+from course_lib.model.moe import routing_stats
+from course_lib.parallel.ep import (apply_expert_parallel, check_expert_parallel, full_flat, run_expert_parallel,
+                                    traffic_matrix, train_moe_reference)
+from course_lib.train import TrainConfig, flat_params
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+V = 97
+
+
+def moe(**kw):
+    base = dict(n_layer=2, d_model=32, n_head=2, block_size=16, n_experts=4, top_k=2)
+    return GPTConfig.tiny(V, **{**base, **kw})
+
+
+TC = TrainConfig(steps=3, batch_size=8, lr=1e-2, progress=False)
+
+
+def assert_matches_reference(results, ref):
+    steps = len(ref.train_losses)
+    mean_losses = [sum(r.train_losses[i] for r in results) / len(results) for i in range(steps)]
+    assert mean_losses == pytest.approx(ref.train_losses, rel=1e-5, abs=1e-6)
+    for r in results:
+        torch.testing.assert_close(r.final_grads, ref.final_grads, rtol=1e-4, atol=1e-6)
+        # atol 1e-4 (steps of lr = 1e-2): the key bias's true gradient is 0 (softmax ignores a shift
+        # of all scores), so its gradient is rounding noise, and Adam divides noise by its own size.
+        torch.testing.assert_close(r.final_params, ref.final_params, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ep,n_experts,top_k,capacity_factor", [
+    (2, 4, 1, None), (2, 4, 2, 1.0), (4, 8, 2, None), (4, 8, 1, 0.75),
+])
+def test_expert_parallel_equals_single_process(ep, n_experts, top_k, capacity_factor):
+    cfg = moe(n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor)
+    ref = train_moe_reference(cfg, TC, shares=ep)
+    results = run_expert_parallel(ep, cfg, TC, timeout_s=120)
+    assert_matches_reference(results, ref)
+    if capacity_factor is not None:  # the case really drops tokens
+        model = GPT(cfg, seed=0)
+        model(torch.randint(0, V, (2, 16)))
+        assert sum(int(s.dropped.sum()) for s in routing_stats(model)) > 0
+
+
+def test_replicated_experts_baseline_equals_single_process_too():
+    cfg = moe(capacity_factor=1.0)
+    assert_matches_reference(run_expert_parallel(2, cfg, TC, experts="replicated"), train_moe_reference(cfg, TC, 2))
+
+
+def test_expert_by_data_parallel_on_a_2d_mesh():
+    cfg = moe(top_k=2, capacity_factor=1.25)
+    ref = train_moe_reference(cfg, TC, shares=4)
+    results = run_expert_parallel(4, cfg, TC, dp=2, timeout_s=120)
+    assert_matches_reference(results, ref)
+
+
+def _one_step_traced(cfg):
+    model = GPT(cfg, seed=0)
+    apply_expert_parallel(model)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    idx = torch.randint(0, V, (2, cfg.block_size), generator=gen)
+    with CommTracer() as tracer:
+        model(idx, idx)[1].backward()
+    rows = [r for r in tracer.records if r.op == "all_to_all_single" and r.dtype == "float32"]
+    return ([s.kept for s in routing_stats(model)], tracer.summary(), [(r.bytes_sent, r.bytes_recv) for r in rows],
+            sum(p.numel() for p in model.parameters()))
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_all_to_all_bytes_equal_the_formula(ep):
+    cfg = moe(n_experts=8, top_k=2, capacity_factor=1.0)
+    out = run_on_ranks(_one_step_traced, cfg, world_size=ep, timeout_s=60)
+    d, L, E = cfg.d_model, cfg.n_layer, cfg.n_experts
+    kept = [o[0] for o in out]  # kept[r][layer]: rows rank r sends to each global expert
+    for r, (_, summary, rows, _) in enumerate(out):
+        sent = [int(kept[r][layer].sum()) for layer in range(L)]  # M: rows this rank sends
+        recv = [int(sum(kept[s][layer].view(ep, -1)[r].sum() for s in range(ep))) for layer in range(L)]  # R
+        # per layer: counts E*8 bytes; forward dispatch M, combine R; backward R, M rows of d fp32
+        expected = sum(E * 8 + 2 * (m + q) * d * 4 for m, q in zip(sent, recv))
+        assert summary["all_to_all_single"] == {"calls": 5 * L, "bytes_sent": expected, "bytes_recv": expected}
+        for layer in range(L):  # forward dispatch of each layer, against the traffic matrix
+            matrix = traffic_matrix([kept[s][layer] for s in range(ep)], d)
+            assert rows[2 * layer] == (int(matrix[r].sum()), int(matrix[:, r].sum()))
+            off_rank = int(matrix[r].sum() - matrix[r, r])
+            assert off_rank == (sent[layer] - int(kept[r][layer].view(ep, -1)[r].sum())) * d * 4
+        assert "all_reduce" not in summary  # forward/backward: only the all-to-alls communicate
+
+
+def test_parameters_per_rank_match_the_estimate_formulas():
+    cfg = moe(n_experts=8, top_k=2)
+    dense = GPTConfig.tiny(V, n_layer=2, d_model=32, n_head=2, block_size=16)
+    per_rank = run_on_ranks(_one_step_traced, cfg, world_size=4, timeout_s=60)
+    for ep_out in per_rank:
+        assert ep_out[3] == per_gpu_memory(MoEConfig(dense, 8, 2), ep=4, recipe="fp32")["params_on_gpu"]
+    total = param_count(MoEConfig(dense, 8, 2))
+    assert GPT(cfg).num_params() == total > per_rank[0][3]
+    # active parameters: what one token touches (top_k experts of each layer), the same with or without EP
+    assert param_count(MoEConfig(dense, 8, 2), active=True) < total
+
+
+def test_full_flat_gathers_the_single_process_order():
+    cfg = moe(n_experts=4)
+
+    def gathered():
+        model = apply_expert_parallel(GPT(cfg, seed=5))
+        return full_flat(model), sorted(n for n, _ in model.named_parameters() if ".experts." in n)[:2]
+
+    out = run_on_ranks(gathered, world_size=2, timeout_s=60)
+    assert torch.equal(out[0][0], flat_params(GPT(cfg, seed=5))) and torch.equal(out[1][0], out[0][0])
+    assert out[1][1] == ["blocks.0.mlp.experts.mlps.2.fc.bias", "blocks.0.mlp.experts.mlps.2.fc.weight"]
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda: run_expert_parallel(3, moe(n_experts=4), TC), "ep=3 must divide n_experts=4"),
+    (lambda: run_expert_parallel(2, GPTConfig.tiny(V), TC), "n_experts=0 is a dense model"),
+    (lambda: run_expert_parallel(4, moe(), TC, dp=3), "dp=3 must be a positive int dividing world_size=4"),
+    (lambda: run_expert_parallel(4, moe(), TrainConfig(batch_size=6)), "batch_size=6 must be divisible"),
+    (lambda: run_expert_parallel(2, moe(), TC, experts="all"), "experts='all' must be one of"),
+    (lambda: check_expert_parallel(moe(), 0), "ep=0 must be a positive int"),
+    (lambda: moe(n_experts=2, top_k=3), r"top_k=3 must satisfy 1 <= top_k <= n_experts=2"),
+    (lambda: moe(capacity_factor=0), "capacity_factor=0 must be > 0"),
+])
+def test_bad_input_is_rejected_in_the_parent(call, msg):
+    with pytest.raises(ValueError, match=msg):
+        call()
+
+
+def test_apply_rejects_dense_models_and_double_application():
+    def bad():
+        errors = []
+        for make in (lambda: GPT(GPTConfig.tiny(V)), lambda: apply_expert_parallel(GPT(moe()))):
+            try:
+                apply_expert_parallel(make())
+            except ValueError as e:
+                errors.append(str(e))
+        return errors
+
+    errors = run_on_ranks(bad, world_size=2, timeout_s=60)[0]
+    assert "no MoE layers" in errors[0] and "already applied" in errors[1]
+
+
+def test_expert_parallel_demo_under_torchrun_with_gloo():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "course_lib.demos.expert_parallel", "--steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max |loss difference|" in proc.stdout and "tokens per expert" in proc.stdout
+    assert "MATCH" in proc.stdout, proc.stdout
+
+
+def test_expert_parallel_demo_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.expert_parallel", "--top-k", "9"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode != 0 and "top_k=9 must satisfy" in proc.stderr
