@@ -92,8 +92,10 @@ def main(argv=None):
             for layer, (routed, kept) in enumerate(load.tolist()):
                 dropped = sum(routed) - sum(kept)
                 print(f"layer {layer}: tokens per expert {routed}, dropped {dropped} of {sum(routed)}")
-            if diff >= args.tolerance:
-                raise SystemExit(1)
+        ok = torch.tensor([rank != 0 or diff < args.tolerance], dtype=torch.int32, device=rank_device())
+        dist.broadcast(ok, src=0)  # every rank waits for rank 0's reference, then all leave together
+        if not ok.item():
+            raise SystemExit(1)
     finally:
         dist.destroy_process_group()
 
