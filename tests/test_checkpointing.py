@@ -99,3 +99,24 @@ def test_bad_every_k_is_rejected(bad):
         checkpointed_forward(model, x, y, bad)
     with pytest.raises(ValueError, match="every_k"):
         CheckpointedGPT(model, bad)
+
+
+def test_checkpointing_wraps_blocks_and_restores_them():
+    """GPT.forward runs (no copy of it): the blocks are swapped for checkpointed segments only
+    during the call, also when the forward raises; the segments hold the same block objects."""
+    from course_lib.techniques.activation_checkpointing import CheckpointedSegment, checkpointed_blocks
+
+    model = GPT(GPTConfig.tiny(V, n_layer=3, d_model=32))
+    original = model.blocks
+    with checkpointed_blocks(model, 2) as m:
+        assert [type(b) for b in m.blocks] == [CheckpointedSegment, CheckpointedSegment]
+        assert [blk for seg in m.blocks for blk in seg.blocks] == list(original)
+    assert model.blocks is original
+    too_long = torch.zeros(1, model.config.block_size + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="block_size"):
+        checkpointed_forward(model, too_long, every_k=1)
+    assert model.blocks is original
+    names = [n for n, _ in model.named_parameters()]
+    x, y = _batch()
+    checkpointed_forward(model, x, y, every_k=3)[1].backward()
+    assert [n for n, _ in model.named_parameters()] == names

@@ -19,19 +19,23 @@ input (a >> b), which is why transformer training checkpoints every block (k = 1
 Cost: every checkpointed block runs its forward twice, so a step costs about
 forward + forward + backward ~ 4/3 of the plain step when backward ~ 2 x forward.
 
-The model stays plain: `checkpointed_forward(model, idx, targets, every_k)` re-implements
-GPT.forward with the block loop in segments, and `CheckpointedGPT` wraps a model with it.
+The model stays plain and GPT.forward exists once: checkpointing wraps blocks. Inside
+`checkpointed_blocks(model, every_k)` the model's `blocks` are replaced by segments of k
+blocks, each a `CheckpointedSegment`; GPT.forward runs its usual loop over them, and on exit
+the original blocks are back (the parameters are the same objects throughout).
+`checkpointed_forward(model, idx, targets, every_k)` is one forward in that state, and
+`CheckpointedGPT` a module that always runs so.
 Dropout is safe: checkpoint restores the RNG state before recomputing, so the same units drop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
@@ -60,21 +64,39 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, every_k: int
     return x
 
 
+class CheckpointedSegment(nn.Module):
+    """Consecutive blocks run as one checkpointed unit: only its input is saved for backward."""
+
+    def __init__(self, blocks: Sequence[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(_run_blocks, x, list(self.blocks), use_reentrant=False)
+
+
+@contextlib.contextmanager
+def checkpointed_blocks(model: nn.Module, every_k: int = 1):
+    """Within the block, model.blocks is a ModuleList of CheckpointedSegments of every_k blocks
+    (the same block objects); the original list is restored on exit. The recomputation in
+    backward calls the segments' own block lists, so backward may run after the block ends."""
+    check_every_k(every_k, len(model.blocks))
+    original = model.blocks
+    model.blocks = nn.ModuleList(CheckpointedSegment(original[seg.start:seg.stop])
+                                 for seg in segments(len(original), every_k))
+    try:
+        yield model
+    finally:
+        model.blocks = original
+
+
 def checkpointed_forward(model, idx: torch.Tensor, targets: torch.Tensor | None = None, every_k: int = 1):
-    """GPT.forward with the blocks checkpointed in segments of `every_k`: same (logits, loss),
-    same gradients, fewer saved activations. Embeddings, ln_f and head run normally."""
+    """model(idx, targets) with the blocks checkpointed in segments of `every_k`: same
+    (logits, loss), same gradients, fewer saved activations. Embeddings, ln_f, head and the
+    loss run as GPT.forward runs them (it is GPT.forward)."""
     check_every_k(every_k, model.config.n_layer)
-    B, T = idx.shape
-    if T > model.config.block_size:
-        raise ValueError(f"sequence length {T} exceeds block_size={model.config.block_size}")
-    pos = torch.arange(T, device=idx.device)
-    x = model.drop(model.tok_emb(idx) + model.pos_emb(pos))
-    x = checkpoint_blocks(model.blocks, x, every_k)
-    logits = model.head(model.ln_f(x))
-    loss = None
-    if targets is not None:
-        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
-    return logits, loss
+    with checkpointed_blocks(model, every_k):
+        return model(idx, targets)
 
 
 class CheckpointedGPT(nn.Module):

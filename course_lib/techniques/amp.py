@@ -3,7 +3,7 @@
 Number formats (sign / exponent / mantissa bits; `torch.finfo` gives the rest)::
 
     fp32   1/8/23   max 3.4e38   smallest normal 1.2e-38   eps 1.2e-7
-    bf16   1/8/7    max 3.4e38   smallest normal 1.2e-38   eps 7.8e-3   (fp32's range, less precision)
+    bf16   1/8/7    max 3.4e38   smallest normal 1.2e-38   eps 7.8e-3   (fp32's range, 8 significant bits)
     fp16   1/5/10   max 65504    smallest normal 6.1e-5    eps 9.8e-4   (subnormals down to 6.0e-8)
 
 fp16's narrow range is the problem: gradients below 2^-24 ~ 6e-8 round to zero
@@ -25,8 +25,9 @@ so S hovers just below the largest value that does not overflow.
 
 Master weights (`MixedPrecisionOptimizer`). The model's parameters live in fp16/bf16 for
 forward and backward; an fp32 copy ("master weights") is what the optimizer updates. Why: an
-update lr * g much smaller than w vanishes when w + lr*g is rounded to 16 bits (bf16 keeps 8
-significant bits, so w = 1 cannot move by less than 2^-8). Memory per parameter, with the
+update lr * g much smaller than w vanishes when w + lr*g is rounded to 16 bits: bf16 keeps 8
+significant bits, so next to w = 1 the representable numbers are 2^-7 apart and, rounding to
+nearest, any update below 2^-8 relative to w is lost (fp16: 11 bits, below 2^-11). Memory per parameter, with the
 ZeRO paper's convention that the master copy counts as optimizer state (K = 12)::
 
     2 (16-bit params) + 2 (16-bit grads) + 4 (fp32 master) + 4 + 4 (Adam m, v)  = 16 bytes

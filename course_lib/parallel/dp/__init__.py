@@ -3,6 +3,7 @@
     ddp.py           naive_all_reduce_gradients, DDP (bucketed, overlapped), check_replicas
     training.py      the reference training loop made data parallel (train/run_data_parallel)
     compression.py   gradient compression hooks for DDP (top-k + error feedback, bf16/fp16)
+    large_batch.py   large global batches: LR scaling, warm-up, gradient-noise scale (notebook 03)
 """
 
 from course_lib.parallel.dp.compression import LowPrecisionHook, TopKHook
