@@ -3,15 +3,18 @@
 #
 # Every strategy in this course (data, tensor, pipeline and expert parallelism, ZeRO) is a
 # way for several **processes** to cooperate on one training run. Before any of them, we need
-# those processes, a way for them to talk, and a way to see what they say. This notebook
-# builds that ground:
+# those processes, a way for them to talk, and a way to see what they say.
 #
-# 1. what a *process group*, a *rank* and the *world size* are;
-# 2. running a function defined right here on 2, 4 and 8 emulated ranks;
-# 3. the first collective, **all-reduce**, and counting its bytes with the course's tracer;
-# 4. what a failing rank and a stuck rank look like (an error, and the kernel lives on);
-# 5. the same code on GPUs with `torchrun`;
-# 6. the reference model every later notebook parallelises, trained once on one process.
+# **After this notebook you can**
+#
+# * explain what a *rank*, the *world size*, a *process group* and a *backend* are;
+# * run a function you wrote on 2, 4 or 8 ranks and get its results back in rank order;
+# * predict what an **all-reduce** leaves on every rank, and count its bytes with `CommTracer`;
+# * read a per-rank timeline and explain why a synchronous step runs at the pace of the
+#   slowest rank;
+# * recognise a failing rank, a stuck rank and mismatched collectives from the errors they raise;
+# * launch the same code on GPUs with `torchrun`;
+# * train the reference model that every later notebook parallelises.
 #
 # Everything here runs for real: separate operating-system processes talking over the
 # loopback network with PyTorch's **gloo** backend. On a multi-GPU machine the same code
@@ -76,8 +79,18 @@ _ = run_on_ranks(greet, world_size=4)  # ...but the output still comes in rank o
 # %% [markdown]
 # **Why the first call is slower.** Starting a process and importing PyTorch takes time, so
 # the ranks of one world size stay alive between calls (a *pool*): the first call pays for
-# start-up, later calls only send the function and collect the results. Timings depend on
-# the machine, so nbval does not compare this cell's output.
+# start-up, later calls only send the function and collect the results.
+#
+# *Predict first:* how many times slower than a later call is the first call on 4 ranks:
+# about the same, a few times, or more than ten times?
+#
+# <details><summary>Answer</summary>
+#
+# More than ten times on most machines: the first call starts 4 Python processes that import
+# PyTorch and meet at the rendezvous, which takes a good fraction of a second, while a later
+# call only pickles a function to ranks already waiting, a few milliseconds. Your exact
+# numbers depend on the machine and its load.
+# </details>
 
 # %% tags=["nbval-ignore-output"]
 from course_lib.runtime import shutdown_pools
@@ -89,6 +102,7 @@ for _ in range(10):
     run_on_ranks(whoami, world_size=4)
 again = (time.perf_counter() - t0) / 10
 print(f"first call on 4 ranks: {first:.2f} s;  each later call: {again * 1e3:.0f} ms")
+assert again < first  # the pool is warm
 
 # %% [markdown]
 # ## 2. Hello, all-reduce
@@ -101,9 +115,19 @@ print(f"first call on 4 ranks: {first:.2f} s;  each later call: {again * 1e3:.0f
 #  after:   rank0 [10]  rank1 [10]  rank2 [10]  rank3 [10]      (1+2+3+4)
 # ```
 #
-# With rank `r` holding `r + 1`, every rank must end with `1 + 2 + … + N = N(N+1)/2`.
 # The course's `CommTracer` records every `torch.distributed` call made inside its block:
 # op, dtype, element count and bytes.
+#
+# *Predict first:* 4 ranks, rank `r` fills a tensor of 1,000 float32 values with `r + 1` and
+# all-reduces it. What does every rank hold afterwards, and how many bytes does the tracer
+# record for each rank's call?
+#
+# <details><summary>Answer</summary>
+#
+# Every element on every rank is `1 + 2 + 3 + 4 = 10` (in general `N(N+1)/2`), and each rank's
+# call carries its 1,000 × 4 = 4,000-byte buffer. That is the size of the buffer handed to
+# the collective, not what crosses the wire (notebook 02).
+# </details>
 
 # %%
 def hello_all_reduce(numel):
@@ -133,26 +157,50 @@ assert merged["all_reduce"]["bytes_sent"] == [numel * 4] * n   # 1000 float32 = 
 # **Timelines.** Later notebooks ask *when* things happen: does communication overlap
 # compute? where are the pipeline bubbles? Each rank can record spans in a `Timeline`, and
 # the tracer adds every collective to it; the parent draws them on one time axis.
+#
+# Below, the 4 ranks start together (a barrier), then rank `r` "computes" for
+# `(r + 1) × 40 ms` (a sleep stands in for a slower device or a longer batch, so the
+# difference shows the same on any machine), then all of them all-reduce.
+#
+# *Predict first:* which rank's all-reduce bar is the longest, and when does each rank's
+# all-reduce end?
+#
+# <details><summary>Answer</summary>
+#
+# Rank 0's, the rank with the least work: it enters the all-reduce first and then waits
+# about 120 ms for rank 3 to arrive. Every rank's all-reduce ends at about the same moment,
+# shortly after rank 3 joins: nobody can have the sum before everyone contributed.
+# </details>
 
 # %%
-def compute_then_reduce():
+WORK_S = 0.04
+
+def unequal_work_then_reduce():
     tl = Timeline()
-    x = torch.randn(256, 256)
-    with tl.span("matmul", "compute"):
-        for _ in range(5 * (dist.get_rank() + 1)):   # ranks do unequal work on purpose
-            x = torch.tanh(x @ x)
+    x = torch.ones(1000)
+    dist.barrier()                                        # start together
+    with tl.span("compute", "compute"):
+        time.sleep(WORK_S * (dist.get_rank() + 1))       # rank r works (r + 1) x 40 ms
     with CommTracer(timeline=tl):
         dist.all_reduce(x)
     return tl.events
 
-events = run_on_ranks(compute_then_reduce, world_size=4)
+# check_collectives=False: run_on_ranks normally checks each collective's shape across the
+# ranks first (section 3); that check is a small exchange of its own, and the waiting would
+# happen inside it, before the all-reduce bar starts.
+events = run_on_ranks(unequal_work_then_reduce, world_size=4, check_collectives=False)
 plot_gantt(events, title="all-reduce waits for the slowest rank")
 plt.show()
+(_, start0, end0, _), (_, c_start, c_end, _) = events[0]          # rank 0: compute, all_reduce
+slowest_compute_end = max(ev[0][2] for ev in events)
+assert all(ev[1][2] >= slowest_compute_end for ev in events)     # no rank finishes before rank 3 joins
+assert c_end - c_start > 0.5 * (slowest_compute_end - end0)     # rank 0 mostly waits in its all-reduce
 
 # %% [markdown]
-# The all-reduce cannot finish on any rank before the slowest rank has joined it: the fast
-# ranks' red bars are mostly *waiting*. That is the first lesson about synchronous training:
-# the step runs at the pace of the slowest rank.
+# Rank 0's red bar is the longest: it reached the all-reduce first and spent most of the bar
+# *waiting* for rank 3; rank 3's bar is short. All four bars end together. That is the first
+# lesson about synchronous training: the step runs at the pace of the slowest rank, and
+# every faster rank idles for the difference.
 #
 # ## 3. When a rank fails, or gets stuck
 #
@@ -193,8 +241,8 @@ print("the kernel is alive, and a fresh pool works:", run_on_ranks(lambda: dist.
 # %% [markdown]
 # A subtler bug: ranks that call the *same* collective with *different* shapes. Left alone,
 # gloo may return wrong numbers without complaint. `run_on_ranks` checks every collective's
-# op, dtype and shape across the group first (see `course_lib/observe/checks.py`), so the bug is an
-# error that says what each rank called:
+# op, dtype and shape across the group first, so the bug is an error that says what each
+# rank called:
 
 # %%
 def mismatched_shapes():
@@ -276,14 +324,18 @@ print(format_rows(rows, 2, "gloo, from the notebook"))
 # *Algorithm bandwidth* is the buffer size over the time; *bus bandwidth* multiplies it by
 # `2(N-1)/N`, the share of the buffer each link carries in a ring all-reduce, so it can be
 # compared across world sizes. Loopback on one CPU shows a few GB/s at most; NVLink moves
-# hundreds of GB/s. **Honesty note:** this course's CI runs on CPUs only; the NCCL path is the
-# standard PyTorch one, but multi-GPU runs are not part of its automated tests.
+# hundreds of GB/s (bandwidths are quoted in the vendors' decimal GB/s, 10⁹ bytes per second;
+# sizes the course computes are in binary units, MiB = 2²⁰ bytes). **Honesty note:** the
+# course's own checks run on CPUs only; the NCCL path is the standard PyTorch one, but
+# multi-GPU runs are not part of its automated tests.
 #
 # ## 6. The reference model
 #
 # Every strategy in the course is proven against one plain model trained by one process:
-# `course_lib.model.GPT`, a small GPT-2-style decoder, on a character-level dataset made of
-# the documentation that ships with Python (`pydoc_data.topics`), so nothing is downloaded.
+# `course_lib.model.GPT`, a small GPT-2-style decoder, on a character-level dataset: a pinned
+# extract of the Python documentation shipped with the course (with its licence), encoded
+# over a fixed alphabet of 97 symbols (newline, the 95 printable ASCII characters, and one
+# "unknown" symbol), so nothing is downloaded and every machine sees the same data.
 
 # %%
 from course_lib.data import CharDataset
@@ -297,21 +349,63 @@ print(f"{len(train_set.data):,} training characters, {len(val_set.data):,} valid
 print(config)
 print(f"{GPT(config).num_params():,} parameters")
 
+# %% [markdown]
+# *Predict first:* before any training, the model's guesses are close to uniform over the
+# 97 symbols. What validation loss (cross-entropy, in nats) do you expect at step 0?
+#
+# <details><summary>Answer</summary>
+#
+# About ln 97 ≈ 4.57: a uniform guess gives every character probability 1/97, and the loss
+# is −ln of the probability of the right character. A randomly initialised model is close to
+# uniform, so it starts near that value; the printout below shows how near.
+# </details>
+
 # %% tags=["nbval-ignore-output"]
+import math
+
 result = train_reference(config, TrainConfig(steps=200, eval_every=50))
+first, last = result.val_losses[0][1], result.val_losses[-1][1]
 print(f"trained in {result.seconds:.1f} s")
+print(f"validation loss: {first:.2f} at step 0 (ln {config.vocab_size} = {math.log(config.vocab_size):.2f}) "
+      f"-> {last:.2f} at step {result.val_losses[-1][0]}")
+assert abs(first - math.log(config.vocab_size)) < 0.3 and last < 0.6 * first
 
 # %%
-first, last = result.val_losses[0][1], result.val_losses[-1][1]
-print(f"validation loss: {first:.2f} at step 0 -> {last:.2f} at step {result.val_losses[-1][0]}")
-assert last < 0.6 * first
 plot_losses(result)
 plt.show()
 
 # %% [markdown]
 # The loss falls from about ln(vocabulary) (a uniform guess) to well below it: the model is
-# learning the text. From notebook 03 on, each parallel version of this training run must
-# reproduce these numbers.
+# learning the text. (The last digits of these losses can differ between machines: float
+# sums are added in an order that depends on the CPU and its thread count.) From notebook 03
+# on, each parallel version of this training run must reproduce the single-process run on
+# the same machine.
+#
+# ## Self-check
+#
+# 1. `run_on_ranks(fn, world_size=4)` returns a list. Whose results are in it, and in what
+#    order? Why does the order not depend on which rank finishes first?
+# 2. Four ranks hold tensors `[1, 1]`, `[2, 0]`, `[0, 2]`, `[3, 3]` and call `dist.all_reduce`.
+#    What does rank 2 hold afterwards?
+# 3. In the timeline of section 2, rank 2 takes 60 ms longer than the others. What happens to
+#    the step time of all four ranks?
+# 4. Rank 1 skips a `dist.barrier()` that the other ranks call. What do the other ranks do,
+#    and what does `run_on_ranks` report?
+# 5. Why does every rank of a data-parallel run have to call the same collectives, in the
+#    same order, with the same shapes?
+#
+# <details><summary>Answers</summary>
+#
+# 1. One result per rank, in rank order: `run_on_ranks` collects them by rank, not by
+#    arrival.
+# 2. `[6, 6]`: every rank holds the element-wise sum.
+# 3. Every rank's step takes 60 ms longer: the all-reduce cannot finish anywhere before
+#    rank 2 has joined it.
+# 4. They wait in the barrier for rank 1 forever; `run_on_ranks` stops them after `timeout_s`
+#    and raises `RankTimeout` naming the stuck ranks.
+# 5. A collective matches the calls of all ranks one by one: a missing call leaves the others
+#    waiting, and a different shape either fails or silently combines the wrong data.
+# </details>
 #
 # **Next:** notebook 01 asks how much memory and compute a *real* model of this shape needs,
 # and why one GPU is not enough.
