@@ -1,0 +1,40 @@
+"""Tensor parallelism (Megatron) and sequence parallelism (notebook 05).
+
+    functions.py   entering / leaving a tensor-parallel region: f and g, or all-gather and
+                   reduce-scatter along the sequence (from course_lib.comm.autograd)
+    layers.py      ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, and the
+                   sequence-parallel LayerNorm and position embedding
+    loss.py        cross-entropy over vocabulary-split logits (three all-reduces of N numbers)
+    apply.py       apply_tensor_parallel(model, group, sequence_parallel=False); gather the full
+                   state dict back; the global-norm gradient clip
+    costs.py       the communication per layer and per step, as formulas
+    training.py    the reference training loop, tensor parallel (course layers or DTensor)
+    dtensor.py     the same model through torch's DTensor parallelize_module, for comparison
+"""
+
+from course_lib.parallel.tp.apply import (
+    TensorParallelInfo,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    clip_grad_norm_,
+    full_logits,
+    gather_full_gradients,
+    gather_full_state_dict,
+    qkv_rows,
+    sharded_parameters,
+)
+from course_lib.parallel.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    SequenceParallelPositions,
+    VocabParallelEmbedding,
+)
+from course_lib.parallel.tp.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+
+__all__ = [
+    "apply_tensor_parallel", "check_tensor_parallel", "TensorParallelInfo", "gather_full_state_dict",
+    "gather_full_gradients", "full_logits", "clip_grad_norm_", "sharded_parameters", "qkv_rows",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelLayerNorm",
+    "SequenceParallelPositions", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,196 @@
+"""apply_tensor_parallel: the course GPT made tensor (and sequence) parallel by swapping modules.
+
+What each rank holds after `apply_tensor_parallel(model, group, sequence_parallel)` (tp ranks,
+a = heads, d = d_model, f = d_ff, V' = vocabulary padded to a multiple of tp):
+
+    tok_emb      VocabParallelEmbedding     V'/tp rows           leaves with g (or reduce-scatter)
+    pos_emb      whole (SP: its sequence rows through f)
+    per block:
+      ln1, ln2   whole (SP: SequenceParallelLayerNorm on T/tp tokens)
+      attn.qkv   ColumnParallelLinear       3d/tp rows = whole heads of Q, K and V (a/tp heads)
+      attn.proj  RowParallelLinear          d/tp input columns, whole bias
+      mlp.fc     ColumnParallelLinear       f/tp rows
+      mlp.proj   RowParallelLinear          f/tp input columns, whole bias
+    ln_f         whole (SP: sequence-parallel)
+    head         ColumnParallelLinear over V' (tied: the very same Parameter as tok_emb's shard)
+    loss_fn      VocabParallelCrossEntropy: the logits stay split by vocabulary
+
+The attention and MLP modules themselves are the plain ones: only their linear layers change,
+and CausalSelfAttention reads its head count off the qkv output (a/tp heads here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course_lib.comm.autograd import gather_along_dim
+from course_lib.model import GPT
+from course_lib.parallel.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    SequenceParallelPositions,
+    VocabParallelEmbedding,
+    contiguous_table,
+    padded_size,
+)
+from course_lib.parallel.tp.loss import VocabParallelCrossEntropy
+
+
+@dataclass(frozen=True)
+class TensorParallelInfo:
+    group: object
+    tp: int
+    sequence_parallel: bool
+    padded_vocab: int
+
+
+def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+    """Raise ValueError unless tp can split this config (call it in the parent, before any rank
+    starts): tp must divide n_head (whole heads per rank), d_model and d_ff; under sequence
+    parallelism it must divide the sequence length (seq_len, default block_size)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be a positive int")
+    if getattr(config, "n_experts", 0):
+        raise ValueError(f"n_experts={config.n_experts}: tensor parallelism here splits the dense GPT only")
+    for name, value in (("n_head", config.n_head), ("d_model", config.d_model), ("d_ff", config.ff_dim)):
+        if value % tp:
+            raise ValueError(f"tp={tp} must divide {name}={value}")
+    seq = config.block_size if seq_len is None else seq_len
+    if sequence_parallel and seq % tp:
+        raise ValueError(f"sequence length {seq} must be divisible by tp={tp} under sequence parallelism")
+
+
+def qkv_rows(d_model: int, tp: int) -> torch.Tensor:
+    """(tp, 3d/tp): rank r's rows of the fused qkv weight, [Q rows | K rows | V rows] of its heads.
+
+    Fused rows are [Q (d) | K (d) | V (d)], head h at rows h*d_head:(h+1)*d_head of each part.
+    A contiguous third of the fused rows would hand rank 0 all of Q and part of K: wrong."""
+    heads = contiguous_table(d_model, tp)  # rank r: features of heads r*a/tp ... (r+1)*a/tp - 1
+    return torch.cat([heads + part * d_model for part in range(3)], dim=1)
+
+
+def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = False) -> GPT:
+    """Turn a single-process GPT (same weights on every rank) into its tensor-parallel form on
+    `group` (a ProcessGroup, None for the world, or a 1-D DeviceMesh), in place; returns it.
+
+    model(idx, targets) -> (local logits (B, T, V'/tp): this rank's vocabulary slice, loss: the
+    single-process loss). After backward each shard's gradient is the matching slice of the
+    single-process gradient. Under sequence parallelism T must be divisible by tp.
+    """
+    if hasattr(group, "get_group") and hasattr(group, "mesh"):  # a DeviceMesh
+        group = group.get_group()
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise ValueError("the model is already tensor parallel: apply_tensor_parallel takes a plain GPT")
+    if not isinstance(model, GPT):
+        raise ValueError(f"model={type(model).__name__} must be a course_lib.model.GPT")
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cfg, sp = model.config, bool(sequence_parallel)
+    check_tensor_parallel(cfg, tp, sp)
+
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, sp, rows=qkv_rows(cfg.d_model, tp))
+        attn.proj = RowParallelLinear.from_linear(attn.proj, group, sp)
+        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, sp)
+        mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, sp)
+        if sp:
+            block.ln1 = SequenceParallelLayerNorm.from_layer_norm(block.ln1, group)
+            block.ln2 = SequenceParallelLayerNorm.from_layer_norm(block.ln2, group)
+
+    head = model.head
+    model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, group, sp)
+    if cfg.tie_weights:
+        model.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, group, bias=False, sequence_parallel=sp)
+        model.head.weight = model.tok_emb.weight  # kept tied: one Parameter, both gradients
+    else:
+        model.head = ColumnParallelLinear.from_linear(head, group, sp)
+    if sp:
+        model.pos_emb = SequenceParallelPositions.from_embedding(model.pos_emb, group)
+        model.ln_f = SequenceParallelLayerNorm.from_layer_norm(model.ln_f, group)
+    model.loss_fn = VocabParallelCrossEntropy(model.tok_emb.vocab_start, cfg.vocab_size, group)
+    model.tensor_parallel = TensorParallelInfo(group, tp, sp, padded_size(cfg.vocab_size, tp))
+    return model
+
+
+def _info(model) -> TensorParallelInfo:
+    info = getattr(model, "tensor_parallel", None)
+    if info is None:
+        raise ValueError("the model is not tensor parallel (call apply_tensor_parallel first)")
+    return info
+
+
+def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters split across the tensor-parallel ranks (each listed once)."""
+    seen, out = set(), []
+    for module in model.modules():
+        for name, *_ in getattr(module, "sharded", lambda: [])():
+            p = getattr(module, name)
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _gather(shard: torch.Tensor, dim: int, table: torch.Tensor, full_size: int, group) -> torch.Tensor:
+    """Concatenate every rank's shard, put each slice at its table indices, drop padding."""
+    parts = [torch.empty_like(shard) for _ in range(table.shape[0])]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    stacked = torch.cat(parts, dim=dim)
+    full = stacked.new_zeros(stacked.shape).index_copy_(dim, table.flatten().to(stacked.device), stacked)
+    return full.narrow(dim, 0, full_size)
+
+
+def _gather_all(model, pick) -> dict[str, torch.Tensor]:
+    info = _info(model)
+    out, done = {}, {}
+    for mod_name, module in model.named_modules():
+        specs = {name: (dim, table, size) for name, dim, table, size in getattr(module, "sharded", lambda: [])()}
+        for name, p in module.named_parameters(recurse=False):
+            key = f"{mod_name}.{name}" if mod_name else name
+            t = pick(p)
+            if t is None:
+                continue
+            if id(p) not in done:
+                done[id(p)] = (_gather(t.detach(), *specs[name], info.group) if name in specs else t.detach()).clone()
+            out[key] = done[id(p)]
+    return out
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The single-process GPT's state dict, rebuilt from the shards on every rank (collective:
+    all ranks call it). `GPT(config).load_state_dict(...)` accepts it."""
+    return _gather_all(model, lambda p: p)
+
+
+def gather_full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Like gather_full_state_dict, for the gradients (parameters without one are left out)."""
+    return _gather_all(model, lambda p: p.grad)
+
+
+def full_logits(model: nn.Module, local_logits: torch.Tensor) -> torch.Tensor:
+    """(B, T, V): the vocabulary slices of every rank, gathered, padding dropped (a collective)."""
+    info = _info(model)
+    return gather_along_dim(local_logits, -1, info.group)[..., : model.config.vocab_size]
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the global norm of the single-process gradient: ||g||^2 = (sum over shards of
+    sharded parameters, all-reduced) + (replicated parameters, counted once). Returns ||g||."""
+    info = _info(model)
+    sharded = {id(p) for p in sharded_parameters(model)}
+    grads = [(id(p) in sharded, p.grad) for p in model.parameters() if p.grad is not None]
+    zero = torch.zeros((), device=next(model.parameters()).device)
+    sq_sharded = sum((g.float().pow(2).sum() for s, g in grads if s), zero)
+    dist.all_reduce(sq_sharded, group=info.group)
+    sq_replicated = sum((g.float().pow(2).sum() for s, g in grads if not s), zero)
+    total = (sq_sharded + sq_replicated).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+    for _, g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total

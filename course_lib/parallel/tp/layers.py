@@ -1,0 +1,219 @@
+"""Tensor-parallel layers: each rank holds a slice of a weight and computes its share.
+
+A linear layer computes Y = X A with A = W^T (nn.Linear stores W as out x in). Split A two ways
+over tp ranks (here tp = 2):
+
+    column split (ColumnParallelLinear)          row split (RowParallelLinear)
+                                                                 [ A_0 ]
+    Y = X [ A_0 | A_1 ] = [ X A_0 | X A_1 ]      Y = [X_0 | X_1] [ A_1 ] = X_0 A_0 + X_1 A_1
+        every rank needs all of X;                   rank r holds only X_r (its columns of X)
+        rank r produces Y_r: its columns of Y        and produces a partial sum: add them up
+
+Column-parallel output is already split the way a row-parallel layer wants its input, so
+column -> (element-wise op) -> row needs no communication in between: an MLP (fc column, GELU,
+proj row) or attention (qkv column by heads, attention per head, proj row) costs one
+all-reduce forward (g, after the row layer) and one backward (f, before the column layer).
+
+`rows` / `cols` tables say which features of the full layer each rank holds: table[r] is rank
+r's list of indices. They make non-contiguous splits explicit (the fused QKV weight, where each
+rank takes whole heads of Q, K and V) and let `gather_full_state_dict` put the shards back.
+A vocabulary not divisible by tp is padded with zero rows up to a multiple of tp (Megatron does
+the same); the loss ignores the padded logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib.comm.autograd import copy_to_group
+from course_lib.parallel.tp.functions import SEQUENCE_DIM, enter_region, gathered_linear, leave_region
+
+
+def contiguous_table(size: int, tp: int) -> torch.Tensor:
+    """(tp, size/tp): rank r holds indices [r*size/tp, (r+1)*size/tp)."""
+    return torch.arange(size).view(tp, size // tp)
+
+
+def padded_size(size: int, tp: int) -> int:
+    """The smallest multiple of tp that is >= size."""
+    return -(-size // tp) * tp
+
+
+def _group_info(group):
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_sequence(x: torch.Tensor, tp: int, sequence_parallel: bool, dim: int = SEQUENCE_DIM):
+    if sequence_parallel and x.shape[dim] % tp:
+        raise ValueError(f"sequence length {x.shape[dim]} must be divisible by tp={tp} under sequence parallelism")
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, dim: int):
+    """dst = src.index_select(dim, index), with zeros where index is past src (vocabulary padding)."""
+    valid = index < src.shape[dim]
+    with torch.no_grad():
+        dst.zero_()
+        dst.index_copy_(dim, valid.nonzero().flatten(), src.index_select(dim, index[valid]))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X A_r + b_r: rank r computes the output features rows[r] (its columns of A = W^T).
+
+    weight: (len(rows[r]), in_features), bias: (len(rows[r]),). Forward enters the region:
+    f (identity; the backward all-reduces dL/dX, since every rank's columns used all of X) or,
+    under sequence parallelism, an all-gather of the sequence shards of X.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
+                 sequence_parallel: bool = False, rows: torch.Tensor | None = None):
+        super().__init__()
+        tp, rank = _group_info(group)
+        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features  # full sizes
+        self.rows = contiguous_table(padded_size(out_features, tp), tp) if rows is None else rows
+        local = self.rows.shape[1]
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.register_parameter("bias", nn.Parameter(torch.zeros(local)) if bias else None)
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel: bool = False, rows=None):
+        """This rank's rows of a full nn.Linear (same weights on every rank)."""
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, sequence_parallel, rows)
+        layer.to(linear.weight.device, linear.weight.dtype)
+        mine = layer.rows[dist.get_rank(group)]
+        _copy_rows(layer.weight, linear.weight, mine, 0)
+        if linear.bias is not None:
+            _copy_rows(layer.bias, linear.bias, mine, 0)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            _check_sequence(x, self.tp, True)
+            return gathered_linear(x, self.weight, self.bias, self.group)
+        return F.linear(enter_region(x, self.group, False), self.weight, self.bias)
+
+    def sharded(self):
+        """(parameter name, split dim, table, full size) of each sharded parameter."""
+        out = [("weight", 0, self.rows, self.out_features)]
+        return out + ([("bias", 0, self.rows, self.out_features)] if self.bias is not None else [])
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}/{self.tp} per rank, sp={self.sequence_parallel}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_r X_r A_r + b: rank r holds the input features cols[r] (its rows of A = W^T).
+
+    weight: (out_features, len(cols[r])); the bias is whole on every rank and added once, after
+    the partial sums are reduced: g (all-reduce; backward identity) or, under sequence
+    parallelism, a reduce-scatter to this rank's sequence shard. There the bias meets only that
+    shard, so it goes through f: its gradient is summed over the ranks.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
+                 sequence_parallel: bool = False, cols: torch.Tensor | None = None):
+        super().__init__()
+        tp, _ = _group_info(group)
+        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.cols = contiguous_table(in_features, tp) if cols is None else cols
+        self.weight = nn.Parameter(torch.empty(out_features, self.cols.shape[1]))
+        self.register_parameter("bias", nn.Parameter(torch.zeros(out_features)) if bias else None)
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel: bool = False, cols=None):
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, sequence_parallel, cols)
+        layer.to(linear.weight.device, linear.weight.dtype)
+        _copy_rows(layer.weight, linear.weight, layer.cols[dist.get_rank(group)], 1)
+        if linear.bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = leave_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        if self.bias is None:
+            return y
+        return y + (copy_to_group(self.bias, self.group) if self.sequence_parallel else self.bias)
+
+    def sharded(self):
+        return [("weight", 1, self.cols, self.in_features)]
+
+    def extra_repr(self):
+        return f"in={self.in_features}/{self.tp} per rank, out={self.out_features}, sp={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds the embedding rows of tokens [r*V'/tp, (r+1)*V'/tp), V' = vocab padded to a
+    multiple of tp. A token outside that range looks up nothing (zeros); the rank owning it
+    supplies its row, so the sum over ranks (g, or a reduce-scatter under sequence
+    parallelism) is the full embedding. Backward: each rank scatters into its own rows only.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, sequence_parallel: bool = False):
+        super().__init__()
+        tp, rank = _group_info(group)
+        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.rows = contiguous_table(padded_size(num_embeddings, tp), tp)
+        self.vocab_start = int(self.rows[rank, 0])
+        self.weight = nn.Parameter(torch.empty(self.rows.shape[1], embedding_dim))
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, group=None, sequence_parallel: bool = False):
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel).to(emb.weight.device, emb.weight.dtype)
+        _copy_rows(layer.weight, emb.weight, layer.rows[dist.get_rank(group)], 0)
+        return layer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _check_sequence(idx, self.tp, self.sequence_parallel)
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        partial = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_region(partial, self.group, self.sequence_parallel)
+
+    def sharded(self):
+        return [("weight", 0, self.rows, self.num_embeddings)]
+
+    def extra_repr(self):
+        return f"{self.num_embeddings} tokens ({self.weight.shape[0]} per rank), dim={self.embedding_dim}"
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """LayerNorm on this rank's sequence shard. Its weight and bias are whole on every rank but
+    each rank's copy only sees 1/tp of the tokens, so they go through f: the gradient is the
+    sum over ranks, the single-process gradient."""
+
+    @classmethod
+    def from_layer_norm(cls, ln: nn.LayerNorm, group=None):
+        new = cls(ln.normalized_shape, eps=ln.eps, bias=ln.bias is not None).to(ln.weight.device, ln.weight.dtype)
+        new.load_state_dict(ln.state_dict())
+        new.group = group
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = copy_to_group(self.bias, self.group) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, copy_to_group(self.weight, self.group), bias, self.eps)
+
+
+class SequenceParallelPositions(nn.Embedding):
+    """The position embedding under sequence parallelism: rank r returns the rows of its
+    sequence shard (positions [r*T/tp, (r+1)*T/tp)); the table goes through f, as above."""
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, group=None):
+        new = cls(emb.num_embeddings, emb.embedding_dim).to(emb.weight.device, emb.weight.dtype)
+        new.load_state_dict(emb.state_dict())
+        new.group, (new.tp, new.rank) = group, _group_info(group)
+        return new
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        _check_sequence(pos, self.tp, True, dim=0)
+        mine = pos.chunk(self.tp)[self.rank]  # integer ids: a local slice, nothing to send
+        return F.embedding(mine, copy_to_group(self.weight, self.group))

@@ -1,0 +1,112 @@
+"""The reference training loop (course_lib.train), tensor parallel.
+
+Every rank of the tensor-parallel group reads the same batch (the reference's: a generator
+seeded with train_cfg.seed), builds the same GPT(config, seed), keeps its shards and runs
+`train_step`. The loss is the single-process loss on every rank, each shard's gradient is the
+matching slice of the single-process gradient, and clipping uses the global norm, so a plain
+AdamW on each rank trains the same model as `train_reference`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from course_lib.data import CharDataset, get_batch
+from course_lib.model import GPT
+from course_lib.observe.timeline import Timeline
+from course_lib.observe.tracer import CommTracer
+from course_lib.parallel.tp.apply import (apply_tensor_parallel, check_tensor_parallel, clip_grad_norm_, gather_full_gradients,
+                                         gather_full_state_dict)
+from course_lib.runtime.device import rank_device
+from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
+
+IMPLS = ("course", "dtensor")
+
+
+def _check_run(impl, config, train_cfg, tp, sequence_parallel):
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    check_tensor_parallel(config, tp, sequence_parallel, config.block_size)
+
+
+@contextlib.contextmanager
+def _dtensor_counter(counts: dict):
+    """Add the functional collectives DTensor ran in the block to counts ({op name: calls}).
+    One CommDebugMode per step: its module tracking does not survive being re-entered."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as mode:
+        yield
+    for op, n in mode.get_comm_counts().items():
+        name = getattr(op, "__name__", str(op)).split(".")[-1]
+        counts[name] = counts.get(name, 0) + n
+
+
+def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = False, impl: str = "course",
+                          group=None, trace: bool = False, record_timeline: bool = False) -> TrainResult:
+    """Rank code: train_cfg.steps steps of the tensor-parallel GPT on `group` (None: the world).
+
+    impl "course" (apply_tensor_parallel) or "dtensor" (apply_dtensor_tensor_parallel).
+    Returns a TrainResult: train_losses (the global loss, equal on every rank), step_seconds;
+    for "course" also final_params / final_grads of the gathered single-process model (flat, in
+    GPT.parameters() order); comm_summary with trace (CommTracer for "course", CommDebugMode's
+    per-op counts for "dtensor"); timeline_events with record_timeline.
+    """
+    tp = dist.get_world_size(group)
+    _check_run(impl, model_config, train_cfg, tp, sequence_parallel)
+    dev = rank_device()
+    model = GPT(model_config, seed=train_cfg.seed).to(dev)
+    if impl == "course":
+        apply_tensor_parallel(model, group, sequence_parallel)
+        clip = lambda c: clip_grad_norm_(model, c)  # noqa: E731
+    else:
+        from course_lib.parallel.tp.dtensor import apply_dtensor_tensor_parallel, clip_grad_norm_dtensor
+
+        apply_dtensor_tensor_parallel(model, group, sequence_parallel)
+        clip = lambda c: clip_grad_norm_dtensor(model, c)  # noqa: E731
+    optimizer = make_optimizer(model, train_cfg)
+    dataset = CharDataset("train", block_size=model_config.block_size)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    timeline = Timeline() if record_timeline else None
+    tracer = CommTracer(timeline=timeline) if (trace or record_timeline) else contextlib.nullcontext()
+    dtensor_counts: dict[str, int] = {}
+    result = TrainResult()
+    start_all = time.perf_counter()
+    with tracer:
+        for _ in range(train_cfg.steps):
+            start = time.perf_counter()
+            x, y = (t.to(dev) for t in get_batch(dataset, train_cfg.batch_size, gen))
+            with _dtensor_counter(dtensor_counts) if (trace and impl == "dtensor") else contextlib.nullcontext():
+                loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=clip, timeline=timeline)
+            result.train_losses.append(loss)
+            result.step_seconds.append(time.perf_counter() - start)
+    result.seconds = time.perf_counter() - start_all
+    if impl == "course":
+        full = GPT(model_config, seed=train_cfg.seed)
+        full.load_state_dict({k: v.cpu() for k, v in gather_full_state_dict(model).items()})
+        result.final_params = flat_params(full)
+        for name, g in gather_full_gradients(model).items():
+            full.get_parameter(name).grad = g.cpu()
+        result.final_grads = flat_grads(full)
+        if trace:
+            result.comm_summary = tracer.summary()
+    elif trace:
+        result.comm_summary = dtensor_counts
+    if timeline is not None:
+        result.timeline_events = timeline.events
+    return result
+
+
+def run_tensor_parallel(tp: int, model_config, train_cfg, sequence_parallel: bool = False, impl: str = "course",
+                        backend: str = "auto", timeout_s: float = 120, **kwargs) -> list[TrainResult]:
+    """Parent side: validate (tp must divide n_head, d_model, d_ff and, under sequence
+    parallelism, block_size), then run train_tensor_parallel on tp ranks."""
+    from course_lib.runtime import run_on_ranks
+
+    _check_run(impl, model_config, train_cfg, tp, sequence_parallel)
+    return run_on_ranks(train_tensor_parallel, model_config, train_cfg, sequence_parallel, impl, world_size=tp,
+                        backend=backend, timeout_s=timeout_s, **kwargs)
