@@ -1,0 +1,29 @@
+"""Checkpoints that survive failures (notebook 11): sharded save and load, resharding, atomicity,
+async saves, the full training state, and elastic recovery.
+
+    reshard.py     boxes of global tensors; a flat ZeRO range as boxes; copying overlaps
+    layouts.py     what each rank holds (replicated, ZeRO flat shards, tensor parallel) as boxes
+    format.py      the course's own format: one file per rank + metadata.json (global shapes, offsets)
+    reader.py      loading it at any layout and world size; every corruption named (CheckpointError)
+    atomic.py      temp directory + rename; the newest complete checkpoint
+    async_save.py  the copy to host blocks, the write does not
+    state.py       the full training state: model, optimizer, step, data position, every rank's RNG
+    dcp.py         the same pieces through torch.distributed.checkpoint as the storage layer
+    training.py    the training loop with periodic checkpoints, resumption and a kill on purpose
+    interval.py    failures at scale and the Young/Daly checkpoint interval
+"""
+
+from course_lib.checkpoint.async_save import AsyncCheckpointer
+from course_lib.checkpoint.atomic import checkpoint_path, complete_checkpoints, latest_checkpoint, prune
+from course_lib.checkpoint.format import CheckpointError, save_sharded
+from course_lib.checkpoint.layouts import LAYOUTS, Layout, Piece, Slot, describe_layout
+from course_lib.checkpoint.reader import CheckpointReader
+from course_lib.checkpoint.reshard import Box, flat_range_boxes, index_runs, whole
+from course_lib.checkpoint.state import LoadInfo, capture_rng, load_training_state, restore_rng, save_training_state
+
+__all__ = [
+    "AsyncCheckpointer", "checkpoint_path", "complete_checkpoints", "latest_checkpoint", "prune",
+    "CheckpointError", "save_sharded", "CheckpointReader", "LAYOUTS", "Layout", "Piece", "Slot",
+    "describe_layout", "Box", "flat_range_boxes", "index_runs", "whole", "LoadInfo", "capture_rng",
+    "load_training_state", "restore_rng", "save_training_state",
+]
