@@ -8,7 +8,8 @@ of ranks summed into it), and the notebook asserts the two are equal.
 
     states = simulate_ring(4)       # states[s][rank][chunk] = bitmask of contributors
     plot_ring_steps(4)              # every step in one static figure (works everywhere)
-    ring_widget(4)                  # a slider over the steps (Jupyter with ipywidgets)
+    ring_view(4, step=0)            # one step, as the widget shows it
+    ring_widget(4)                  # a slider over the steps (show it with widgets.show_interactive)
 """
 
 from __future__ import annotations
@@ -130,22 +131,36 @@ def plot_ring_steps(world_size: int = 4, cols: int = 4):
     return fig
 
 
+RING_FIGSIZE = (4.6, 4.2)  # inches at widgets.DPI: the widget's figure never changes size
+
+
+def _draw_ring_figure(fig, world_size: int, step: int) -> str:
+    """widgets.render's draw function: the state after `step` steps, and a caption naming it."""
+    n = world_size
+    if not 0 <= step <= 2 * (n - 1):
+        raise ValueError(f"step={step} must be between 0 and 2(N-1)={2 * (n - 1)}")
+    draw_ring_state(fig.add_subplot(), n, step)
+    fig.subplots_adjust(left=0.16, right=0.97, top=0.86, bottom=0.08)
+    if step == 0:
+        return f"step 0 of {2 * (n - 1)}: the start"
+    phase = "reduce-scatter" if step - 1 < n - 1 else "all-gather"
+    return f"step {step} of {2 * (n - 1)}: {phase}"
+
+
+def ring_view(world_size: int = 4, step: int = 0):
+    """One step as a static `widgets.View` (the widget's first state when step=0)."""
+    from course_lib.widgets import render
+
+    return render(_draw_ring_figure, RING_FIGSIZE, world_size=world_size, step=step)
+
+
 def ring_widget(world_size: int = 4):
-    """An ipywidgets slider over the steps; returns the widget (display it in Jupyter)."""
-    import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    """A slider over the 2(N-1) steps above a fixed-size picture of the current step.
+    Show it with `widgets.show_interactive(lambda: ring_view(N), lambda: ring_widget(N))`."""
+    import ipywidgets as W
 
-    states = simulate_ring(world_size)
-    out = widgets.Output()
-    slider = widgets.IntSlider(value=0, min=0, max=len(states) - 1, description="step")
+    from course_lib.widgets import LiveFigure
 
-    def show(change=None):
-        with out:
-            out.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(4.5, 4.2))
-            draw_ring_state(ax, world_size, slider.value, states)
-            plt.show()
-
-    slider.observe(show, names="value")
-    show()
-    return widgets.VBox([slider, out])
+    simulate_ring(world_size)  # validates world_size before any widget exists
+    step = W.IntSlider(value=0, min=0, max=2 * (world_size - 1), description="step")
+    return LiveFigure({"step": step}, _draw_ring_figure, RING_FIGSIZE, fixed={"world_size": world_size})

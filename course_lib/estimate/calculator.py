@@ -1,25 +1,34 @@
 """Per-GPU memory and time-to-train calculator (notebook 01), interactive and static.
 
     Settings(...)                 one point of the design space: model preset and shape, micro-batch,
-                                  precision recipe, recomputation, ZeRO stage, dp/tp/pp/ep, offload
+                                  precision recipe, recomputation, ZeRO stage, dp/tp/pp/ep, offload, GPU
     evaluate(settings)            -> memory per GPU (estimate.per_gpu_memory), FLOPs, GPUs, time
-    plot_scenarios([(label, s)])  stacked per-GPU bars (params/grads/optimizer/activations) vs 80 GB
-    MemoryCalculator()            the same with ipywidgets controls (needs a live kernel)
+    plot_scenarios([(label, s)])  stacked per-GPU bars (params/grads/optimizer/activations) vs the GPU
+    calculator_view(settings)     the calculator's figure and summary as a static widgets.View
+    MemoryCalculator(settings)    the same with ipywidgets controls; its first state IS calculator_view
+    parse_tokens("300B")          token counts as people type them (K/M/B/T), exactly; fmt_tokens back
 
 Public calculators usually stop at data and tensor parallelism; this one also covers pipeline
 parallelism (1F1B activations on the first stage, embedding and head on the end stages),
 expert parallelism and optimizer offload. Expert parallelism needs experts: set n_experts > 1
 and the model becomes an `estimate.MoEConfig` (each MLP becomes n_experts expert MLPs, top_k
-per token), and ep divides the experts. Memory is in GB = 1e9 bytes; "80 GB" is the budget line.
+per token), and ep divides the experts.
+
+Units: memory is computed in bytes and printed in IEC units (GiB = 2**30 bytes). A GPU's
+memory is quoted from its spec sheet in decimal GB (10**9 bytes) and converted explicitly:
+an "80 GB" H100 holds 80e9 bytes = 74.5 GiB, which is the line the bars are held against.
+The widget offers only valid layouts: heads that divide the hidden size, tp degrees that divide
+the heads, KV heads and MLP width, pp degrees that divide the layers, ep degrees that divide
+the experts; anything else that is invalid (a mistyped token count) greys the chart out.
 """
 
 from __future__ import annotations
 
-import io
+import re
 from dataclasses import asdict, dataclass, replace
 
 from course_lib import estimate as E
-
+from course_lib.units import GB, GiB
 
 @dataclass(frozen=True)
 class GPU:
@@ -29,10 +38,29 @@ class GPU:
     memory: float  # bytes
 
 
-GPUS = {
-    "A100 80GB": GPU("A100 80GB", 312e12, 156e12, 80e9),
-    "H100 SXM 80GB": GPU("H100 SXM 80GB", 989e12, 495e12, 80e9),
-}
+def _gpu(name, spec_gb, peak_bf16, peak_fp32):
+    return GPU(f"{name} {spec_gb:g} GB", peak_bf16, peak_fp32, spec_gb * GB)
+
+
+# Spec-sheet figures: memory in the vendor's decimal GB; dense (no sparsity) tensor-core peaks
+# in FLOP/s, bf16 and the rate an fp32 recipe gets (TF32 on NVIDIA, FP32 matrix on AMD).
+GPUS = {g.name: g for g in (
+    _gpu("A100 SXM", 80, 312e12, 156e12),
+    _gpu("H100 SXM", 80, 989e12, 495e12),
+    _gpu("H200 SXM", 141, 989e12, 495e12),
+    _gpu("B200", 180, 2.25e15, 1.1e15),  # HGX B200: 180 GB usable of 192 GB of HBM3e
+    _gpu("MI300X", 192, 1307e12, 163e12),
+    _gpu("B300", 288, 2.25e15, 1.1e15),
+    _gpu("MI355X", 288, 2.5e15, 157e12),
+)}
+
+
+def gpu_label(gpu: GPU) -> str:
+    """'H100 SXM: 80 GB = 74.5 GiB' (spec-sheet GB, and what the course's GiB make of it)."""
+    name, spec = gpu.name.rsplit(" ", 2)[0], gpu.memory / GB
+    return f"{name}: {spec:g} GB = {gpu.memory / GiB:.1f} GiB"
+
+
 # Tokens each preset was (or, for the course GPT, is in this course) trained on.
 PRESET_TOKENS = {"course GPT": 200 * 32 * 64, "GPT-3 175B": 300e9, "Llama-3 8B": 15e12,
                  "Llama-3 70B": 15e12, "Llama-3 405B": 15e12}
@@ -58,7 +86,7 @@ class Settings:
     pp: int = 1
     ep: int = 1
     offload: bool = False
-    gpu: str = "A100 80GB"
+    gpu: str = "A100 SXM 80 GB"
     mfu: float = 0.4
     tokens: float | None = None  # None: PRESET_TOKENS[preset]
 
@@ -110,18 +138,49 @@ def summary_text(r: dict) -> str:
     verdict = "fits" if r["fits"] else "does NOT fit"
     lines = [
         f"{s.preset}: {params}; micro-batch {s.batch} x {r['seq']} tokens",
-        f"per GPU (stage {m['stage']}): {parts} = {E.fmt_bytes(m['total'])} -> {verdict} in {E.fmt_bytes(r['gpu'].memory)}",
+        f"per GPU (stage {m['stage']}): {parts} = {E.fmt_bytes(m['total'])} -> {verdict} in {gpu_label(r['gpu'])}",
         f"mesh dp={s.dp} x ep={s.ep} x tp={s.tp} x pp={s.pp} = {_gpus(m['n_gpus'])}; "
         f"{s.recipe}, ZeRO-{s.zero_stage}, recompute={s.recompute}, attention={s.attention}"
         + (f"; optimizer offloaded to CPU: {E.fmt_bytes(m['cpu_offload'])}" if s.offload else ""),
-        f"training: {r['flops']:.3g} FLOPs over {r['tokens']:.3g} tokens -> {E.fmt_duration(r['seconds'])} "
-        f"on {_gpus(m['n_gpus'])} ({r['gpu'].name}) at MFU {s.mfu:.0%}",
+        f"training: {_sci(r['flops'])} FLOPs over {fmt_tokens(r['tokens'])} tokens -> {E.fmt_duration(r['seconds'])} "
+        f"on {_gpus(m['n_gpus'])} at MFU {s.mfu:.0%}",
     ]
     return "\n".join(lines)
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}e9" if n >= 1e9 else f"{n:,}"
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _sci(x: float) -> str:
+    """3.15e23 style (no '+' and no leading zero in the exponent)."""
+    mantissa, exponent = f"{x:.3g}".split("e") if "e" in f"{x:.3g}" else (f"{x:.3g}", "0")
+    return mantissa if exponent == "0" else f"{mantissa}e{int(exponent)}"
+
+
+_SUFFIX = {"K": 3, "M": 6, "B": 9, "T": 12}
+_TOKENS = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([KMBT]?)\s*$", re.IGNORECASE)
+
+
+def parse_tokens(text: str) -> float:
+    """'300B' -> 3e11, '15T' -> 1.5e13, '409.6K', '2e9': exactly the number typed (the decimal
+    string is converted once, so 300B is 300e9, never a nearby slider stop)."""
+    match = _TOKENS.match(str(text))
+    if not match:
+        raise ValueError(f"tokens={text!r} must be a number with an optional K, M, B or T suffix (e.g. 300B, 15T)")
+    digits, exp, suffix = match.groups()
+    value = float(f"{digits}e{int(exp or 0) + _SUFFIX.get(suffix.upper(), 0)}")
+    if not value > 0:
+        raise ValueError(f"tokens={text!r} must be more than zero")
+    return value
+
+
+def fmt_tokens(n: float) -> str:
+    """The inverse of parse_tokens for display: 3e11 -> '300B', 409600 -> '409.6K'."""
+    for suffix, exp in sorted(_SUFFIX.items(), key=lambda kv: -kv[1]):
+        if n >= 10**exp:
+            return f"{n / 10**exp:.12g}{suffix}"
+    return f"{n:.12g}"
 
 
 def _gpus(n: int) -> str:
@@ -139,8 +198,9 @@ def plot_scenarios(scenarios, fig=None):
     import matplotlib.pyplot as plt
 
     results = [(label, evaluate(s)) for label, s in scenarios]
-    limit = results[0][1]["gpu"].memory / 1e9
-    tallest = max(r["memory"]["total"] for _, r in results) / 1e9
+    gpu = results[0][1]["gpu"]
+    limit = gpu.memory / GiB
+    tallest = max(r["memory"]["total"] for _, r in results) / GiB
     broken = tallest > 2 * limit
     if fig is None:
         fig = plt.figure(figsize=(max(4.5, 1.7 * len(results) + 1), 5))
@@ -153,7 +213,7 @@ def plot_scenarios(scenarios, fig=None):
     for i, (label, r) in enumerate(results):
         bottom = 0.0
         for part, color in COLORS.items():
-            h = r["memory"][part] / 1e9
+            h = r["memory"][part] / GiB
             for a in axes:
                 a.bar(i, h, bottom=bottom, color=color, width=0.6, label=part if i == 0 and a is axes[0] else None)
             bottom += h
@@ -162,18 +222,18 @@ def plot_scenarios(scenarios, fig=None):
                          textcoords="offset points", ha="center", va="bottom", fontsize=8)
     ax.set_ylim(0, 1.5 * limit)
     ax.axhline(limit, color="black", linestyle="--", linewidth=1)
-    ax.text(len(results) - 0.5, limit, f"{limit:.0f} GB GPU", ha="right", va="bottom", fontsize=8)
+    ax.text(len(results) - 0.5, limit, gpu_label(gpu), ha="right", va="bottom", fontsize=8)
     if broken:
         top_ax.set_ylim(1.5 * limit, tallest * 1.15)
         top_ax.spines["bottom"].set_visible(False)
         ax.spines["top"].set_visible(False)
         top_ax.tick_params(bottom=False)
-        top_ax.set_title("(y axis broken at %.0f GB)" % (1.5 * limit), fontsize=8, loc="left")
+        top_ax.set_title(f"(y axis broken at {1.5 * limit:.0f} GiB)", fontsize=8, loc="left")
     ax.set_xlim(-0.6, len(results) - 0.4)
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels([f"{label}\n{_gpus(r['memory']['n_gpus'])}\n{E.fmt_duration(r['seconds'])}"
                         for label, r in results], fontsize=8)
-    fig.supylabel("memory per GPU (GB)", fontsize=10)
+    fig.supylabel("memory per GPU (GiB)", fontsize=10)
     axes[0].legend(loc="upper right", fontsize=8)
     return fig
 
@@ -191,104 +251,11 @@ def gpt3_ladder() -> list[tuple[str, Settings]]:
     return steps
 
 
-try:  # the widget needs ipywidgets (a course dependency); the functions above do not
-    import ipywidgets as widgets
-except ImportError:  # pragma: no cover
-    widgets = None
-
-_POW2 = [2**i for i in range(13)]
 
 
-class MemoryCalculator(widgets.VBox if widgets else object):
-    """Controls on the left, the stacked bar of the current settings and a summary on the right.
-    Invalid combinations (e.g. tp=3 with 96 heads) show the ValueError's message in red."""
+def __getattr__(name):  # the widget lives in calculator_widget.py (it needs ipywidgets); same names here
+    if name in ("MemoryCalculator", "calculator_view", "START"):
+        from course_lib.estimate import calculator_widget
 
-    def __init__(self, settings: Settings = Settings(preset="GPT-3 175B", recompute="selective", zero_stage=1,
-                                                     dp=16, tp=8, pp=8)):
-        if widgets is None:
-            raise ImportError("MemoryCalculator needs ipywidgets; use plot_scenarios for a static figure")
-        W, style = widgets, {"description_width": "110px"}
-        self._busy = False
-        c = self.controls = {
-            "preset": W.Dropdown(options=list(E.PRESETS), description="preset"),
-            "batch": W.IntSlider(min=1, max=64, description="micro-batch"),
-            "seq": W.SelectionSlider(options=[2**i for i in range(4, 18)], description="sequence"),
-            "d_model": W.IntSlider(min=64, max=32768, step=64, description="hidden d"),
-            "n_layer": W.IntSlider(min=1, max=200, description="layers"),
-            "n_head": W.IntSlider(min=1, max=256, description="heads"),
-            "vocab_size": W.BoundedIntText(min=1, max=10**6, description="vocab"),
-            "n_experts": W.IntSlider(min=1, max=64, description="experts (MoE)"),
-            "top_k": W.IntSlider(min=1, max=8, description="top-k"),
-            "recipe": W.Dropdown(options=list(E.RECIPES), description="precision"),
-            "recompute": W.ToggleButtons(options=list(E.RECOMPUTE), description="recompute"),
-            "attention": W.ToggleButtons(options=list(E.ATTENTION), description="attention"),
-            "zero_stage": W.ToggleButtons(options=list(E.ZERO_STAGES), description="ZeRO stage"),
-            "dp": W.SelectionSlider(options=_POW2, description="dp"),
-            "tp": W.SelectionSlider(options=_POW2[:8], description="tp"),
-            "pp": W.IntSlider(min=1, max=128, description="pp"),
-            "ep": W.SelectionSlider(options=_POW2[:7], description="ep"),
-            "offload": W.Checkbox(description="offload optimizer to CPU"),
-            "gpu": W.Dropdown(options=list(GPUS), description="GPU"),
-            "mfu": W.FloatSlider(min=0.05, max=0.8, step=0.05, description="MFU"),
-            "tokens": W.FloatLogSlider(min=5, max=14, description="tokens"),
-        }
-        for w in c.values():
-            w.style = style
-        self.image = W.Image(format="png")
-        self.summary = W.HTML()
-        self._set(settings)
-        for name, w in c.items():
-            w.observe(self._on_preset if name == "preset" else self._on_change, names="value")
-        left = W.VBox(list(c.values()), layout=W.Layout(width="420px"))
-        super().__init__([W.HBox([left, W.VBox([self.image, self.summary])])])
-        self._on_change()
-
-    def __repr__(self):  # the notebook's text/plain output: stable, unlike the widget's model id
-        return f"MemoryCalculator(preset={self.controls['preset'].value!r})"
-
-    def _set(self, s: Settings) -> None:
-        """Write settings into the controls, filling None with the preset's own values."""
-        cfg = E.PRESETS[s.preset]
-        filled = {**asdict(s), "seq": s.seq or cfg.block_size, "tokens": s.tokens or PRESET_TOKENS[s.preset]}
-        for k in ("d_model", "n_layer", "n_head", "vocab_size"):
-            filled[k] = filled[k] or getattr(cfg, k)
-        self._busy = True
-        try:
-            for name, w in self.controls.items():
-                w.value = filled[name]
-        finally:
-            self._busy = False
-
-    @property
-    def settings(self) -> Settings:
-        values = {name: w.value for name, w in self.controls.items()}
-        cfg = E.PRESETS[values["preset"]]
-        for k in ("d_model", "n_layer", "n_head", "vocab_size"):  # unchanged shape: use the preset as is
-            if values[k] == getattr(cfg, k):
-                values[k] = None
-        return Settings(**values)
-
-    def _on_preset(self, change) -> None:
-        if not self._busy:
-            self._set(replace(self.settings, preset=change["new"], seq=None, tokens=None, d_model=None,
-                              n_layer=None, n_head=None, vocab_size=None))
-            self._on_change()
-
-    def _on_change(self, change=None) -> None:
-        if self._busy:
-            return
-        try:
-            r = evaluate(self.settings)
-        except ValueError as err:
-            self.summary.value = f"<pre style='color:#b00'>invalid settings: {err}</pre>"
-            return
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(3.6, 4.4))
-        FigureCanvasAgg(fig)
-        plot_scenarios([("current settings", r["settings"])], fig=fig)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-        self.image.value = buf.getvalue()
-        self.summary.value = f"<pre>{summary_text(r)}</pre>"
+        return getattr(calculator_widget, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
