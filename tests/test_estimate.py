@@ -316,7 +316,8 @@ def test_calculator_static_and_widget():
     w = C.MemoryCalculator()
     assert repr(w) == "MemoryCalculator(preset='GPT-3 175B')"
     assert "fits" in w.summary.value and w.image.value[:4] == b"\x89PNG"
-    w.controls["tp"].value = 64
-    assert "tp=64 must divide n_head=96" in w.summary.value
+    assert 64 not in w.controls["tp"].options  # only valid layouts are offered: tp divides the 96 heads
+    w.controls["tokens"].value = "3OOB"  # a mistyped count greys the chart out and says why
+    assert "tokens='3OOB'" in w.summary.value and not w.current.valid
     w.controls["preset"].value = "Llama-3 70B"
     assert w.controls["n_layer"].value == 80 and w.controls["seq"].value == 8192
