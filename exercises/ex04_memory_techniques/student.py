@@ -1,29 +1,29 @@
-"""Exercise 04: the dynamic loss scaler's update rule and a checkpointed forward pass.
-Fill in the two functions, then run the check cells of ex04_memory_techniques.ipynb.
+"""Exercise 04: one mixed-precision optimizer step with fp32 master weights.
+Fill in the function, then run the check cells of ex04_memory_techniques.ipynb.
 Each check prints PASS when your code is right."""
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
-def update_scale(scale, good_steps, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-    """One step of dynamic loss scaling. Return the new (scale, good_steps).
+def master_weights_step(params, masters, optimizer, loss_scale):
+    """One optimizer step of mixed-precision training with fp32 master weights.
 
-    * found_inf: multiply the scale by backoff_factor and reset good_steps to 0
-      (the optimizer step is skipped; that is the caller's business).
-    * otherwise: count one more good step; when good_steps reaches growth_interval,
-      multiply the scale by growth_factor and reset good_steps to 0.
+    params      the model's 16-bit (fp16 or bf16) parameters. Their .grad hold the gradients
+                of the loss multiplied by `loss_scale` (16-bit too; None where a parameter got
+                no gradient).
+    masters     fp32 tensors, one per parameter, same shapes and order: the master weights.
+    optimizer   a torch optimizer built over `masters` (it never sees `params`).
+    loss_scale  the factor the loss was multiplied by before backward (1.0 when not scaling).
+
+    Do:
+    1. give every master an fp32 gradient: its parameter's gradient in fp32, divided by
+       loss_scale (None stays None);
+    2. if any of those gradients holds an inf or a nan, skip the step: no optimizer step,
+       masters and params keep their values;
+    3. otherwise take the optimizer step on the masters, then copy each master into its
+       16-bit parameter (the copy rounds it);
+    4. in both cases clear the gradients: .grad = None on params and masters.
+
+    Return True if the step was taken, False if it was skipped.
     """
-    raise NotImplementedError("exercise 04: write update_scale")
-
-
-def checkpointed_forward(model, idx, targets=None, every_k=1):
-    """Like model(idx, targets) for a course_lib.model.GPT -> (logits, loss), but run the blocks
-    model.blocks in segments of `every_k` consecutive blocks, each segment under
-    torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False) so that only the segment's
-    input is saved. Embeddings, ln_f, head and the loss run as in GPT.forward.
-
-    Raise ValueError when every_k is not an int with 1 <= every_k <= model.config.n_layer.
-    """
-    raise NotImplementedError("exercise 04: write checkpointed_forward")
+    raise NotImplementedError("exercise 04: write master_weights_step")

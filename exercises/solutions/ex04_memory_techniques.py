@@ -1,35 +1,21 @@
 """Reference solution for exercise 04 (kept apart from the learner's stubs)."""
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
-def update_scale(scale, good_steps, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-    """One step of dynamic loss scaling -> (scale, good_steps)."""
-    if found_inf:
-        return scale * backoff_factor, 0
-    good_steps += 1
-    if good_steps == growth_interval:
-        return scale * growth_factor, 0
-    return scale, good_steps
-
-
-def checkpointed_forward(model, idx, targets=None, every_k=1):
-    """GPT.forward with the blocks checkpointed in segments of every_k."""
-    n_layer = model.config.n_layer
-    if isinstance(every_k, bool) or not isinstance(every_k, int) or not 1 <= every_k <= n_layer:
-        raise ValueError(f"every_k={every_k!r} must be an int with 1 <= every_k <= n_layer={n_layer}")
-    B, T = idx.shape
-    x = model.drop(model.tok_emb(idx) + model.pos_emb(torch.arange(T, device=idx.device)))
-
-    def run(x, blocks):
-        for block in blocks:
-            x = block(x)
-        return x
-
-    for start in range(0, n_layer, every_k):
-        x = checkpoint(run, x, model.blocks[start : start + every_k], use_reentrant=False)
-    logits = model.head(model.ln_f(x))
-    loss = None if targets is None else F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
-    return logits, loss
+def master_weights_step(params, masters, optimizer, loss_scale):
+    """One mixed-precision step with fp32 master weights; True if taken, False if skipped."""
+    grads = []
+    for p, m in zip(params, masters):
+        # Unscale in fp32: 1 / loss_scale is a power of two, so the multiplication is exact.
+        m.grad = None if p.grad is None else p.grad.to(torch.float32) * (1.0 / loss_scale)
+        grads.append(m.grad)
+    overflow = any(g is not None and not torch.isfinite(g).all() for g in grads)
+    if not overflow:
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)  # round the fp32 master to the parameter's 16 bits
+    for p, m in zip(params, masters):
+        p.grad = m.grad = None
+    return not overflow

@@ -14,15 +14,27 @@
 # | technique | what it shrinks | what it costs |
 # |---|---|---|
 # | **mixed precision** (bf16 / fp16 compute) | activations (~half), and on GPUs the time of every matmul | numerics: fp16 needs *loss scaling*; the fp32 *master weights* keep the model state at 16 B/param |
-# | **activation checkpointing** | activations: from every layer's to one tensor per segment | one more forward pass of the checkpointed layers (~+33% compute) |
+# | **activation checkpointing** | activations: from every layer's to one tensor per segment | one more forward pass of the checkpointed layers (a third more compute when backward costs two forwards; §2.4 measures it) |
 # | **gradient accumulation** | activations for a given batch: divided by the number of micro-batches | the micro-batches run one after another |
+#
+# **After this notebook you can**
+#
+# * explain why fp16 training needs loss scaling and bf16 does not, and why both keep fp32
+#   master weights (bf16: 8 significant bits, so updates below 2^-8 of a weight are lost);
+# * run a dynamic loss scaler by hand and check it against `torch.amp.GradScaler`;
+# * count the bytes per parameter of each mixed-precision recipe (16 for 2 + 2 + 12);
+# * predict the activation memory of checkpointing every k blocks, find the best k for a
+#   given depth and block size, and say when "checkpoint every block" is the right choice;
+# * accumulate gradients over micro-batches so that they equal the big-batch gradient, and
+#   spot the missing 1/k.
 #
 # Every claim below is measured on the course GPT and held against the formulas of
 # notebook 01 (`course_lib.estimate`) with an `assert`. The code lives in
-# `course_lib/amp.py`, `course_lib/checkpointing.py` and `course_lib/accumulation.py`.
+# `course_lib/techniques/`: `amp.py`, `activation_checkpointing.py` and `accumulation.py`.
 
 # %%
 import math
+import os
 import time
 
 import ipywidgets as widgets
@@ -33,7 +45,7 @@ import torch.nn.functional as F
 from course_lib import estimate
 from course_lib.techniques.accumulation import accumulate_gradients
 from course_lib.techniques.amp import DynamicLossScaler, MixedPrecisionOptimizer
-from course_lib.techniques.activation_checkpointing import Chain, checkpoint_memory, checkpointed_forward
+from course_lib.techniques.activation_checkpointing import Chain, best_every_k, checkpoint_memory, checkpointed_forward
 from course_lib.data import CharDataset, get_batch
 from course_lib.observe.memory import SavedActivations, model_state_bytes
 from course_lib.model import GPT, GPTConfig
@@ -66,8 +78,11 @@ def loss_fp32(model, x, y):
 #
 # A floating-point number is sign × 2^exponent × 1.mantissa. The exponent bits set the
 # **range**, the mantissa bits the **precision** (the gap between 1 and the next number, `eps`).
-# bf16 keeps fp32's 8 exponent bits and cuts the mantissa to 7 bits; fp16 spends its bits the
-# other way: 5 exponent bits (tiny range), 10 mantissa bits. Below the smallest *normal* number,
+# bf16 keeps fp32's 8 exponent bits and cuts the mantissa to 7 stored bits: with the implicit
+# leading 1 that is **8 significant bits**, so the numbers next to 1.0 are spaced
+# 2^-7 ≈ 0.0078 apart (`eps`), and rounding to nearest loses any update smaller than half that
+# spacing, 2^-8 ≈ 0.0039 relative to the weight. fp16 spends its bits the other way: 5 exponent
+# bits (tiny range), 10 mantissa bits (11 significant). Below the smallest *normal* number,
 # *subnormals* trade precision for a little more range, down to 2^-24 ≈ 6e-8 in fp16: anything
 # smaller rounds to zero.
 
@@ -85,6 +100,9 @@ print(f"\n{'stored as':10}{'1e-8':>12}{'7e4':>12}{'1 + 1e-3':>12}")
 for dt in (torch.float16, torch.bfloat16):
     print(f"{str(dt)[6:]:10}" + "".join(f"{v:>12.6g}" for v in h.to(dt).float().tolist()))
 assert h.half()[0] == 0 and h.half()[1] == math.inf and h.bfloat16()[2] == 1.0
+assert torch.finfo(torch.bfloat16).eps == 2**-7
+one = torch.ones((), dtype=torch.bfloat16)
+assert one + 0.99 * 2**-8 == 1 and one + 1.01 * 2**-8 == 1 + 2**-7  # half the spacing: the rounding edge
 
 # %% [markdown]
 # Each format has its own failure: fp16 flushes `1e-8` to zero and overflows `7e4` to inf;
@@ -96,6 +114,16 @@ assert h.half()[0] == 0 and h.half()[1] == math.inf and h.bfloat16()[2] == 1.0
 # `torch.autocast` runs each op in the precision that suits it: matmuls in bf16, numerically
 # touchy ops (LayerNorm, softmax, the loss) in fp32. The parameters stay fp32: autocast casts
 # weights to bf16 on the fly. The model code does not change.
+#
+# **Predict first.** Under bf16 autocast, what fraction of the fp32 run's saved activation
+# bytes does backward keep: 1/2, more, or less?
+#
+# <details><summary>Answer</summary>
+#
+# More than half (about 0.6-0.7 here): only the matmul inputs and outputs become bf16.
+# LayerNorm inputs, the residual stream and the loss stay fp32, and autocast also saves the
+# bf16 copies of the weights it made for each matmul.
+# </details>
 
 # %%
 cfg = GPTConfig.tiny(V)
@@ -111,12 +139,15 @@ by_dtype = {}
 for (shape, dt), count in saved16.by_shape().items():
     by_dtype[dt] = by_dtype.get(dt, 0) + count
 print(f"logits: {logits16.dtype}, loss: {loss16.dtype}, gradients: {next(model.parameters()).grad.dtype}")
-print(f"loss fp32 {loss32.item():.4f}  vs  autocast {loss16.item():.4f}")
 print(f"saved for backward: fp32 {fmt(saved32.bytes)}, autocast {fmt(saved16.bytes)} "
       f"({saved16.bytes / saved32.bytes:.2f}x); saved tensors by dtype: {dict(sorted(by_dtype.items()))}")
 assert logits16.dtype == torch.bfloat16 and loss16.dtype == torch.float32
 assert next(model.parameters()).grad.dtype == torch.float32  # parameters and gradients stay fp32
 assert abs(loss16.item() - loss32.item()) < 0.02 and saved16.bytes < 0.75 * saved32.bytes
+
+# %% tags=["nbval-ignore-output"]
+# bf16 kernels differ between CPUs (instruction sets, thread counts): the last digits vary.
+print(f"loss fp32 {loss32.item():.4f}  vs  autocast {loss16.item():.4f} (the cell above asserts |difference| < 0.02)")
 
 # %% [markdown]
 # The activations shrink, though not to half: LayerNorm inputs, the residual stream and the
@@ -135,8 +166,21 @@ assert abs(loss16.item() - loss32.item()) < 0.02 and saved16.bytes < 0.75 * save
 # multiplying the loss by $c = 2^{-20}$: by the chain rule every gradient is multiplied by $c$
 # too. Then we run backward with the model in fp16 and the loss multiplied by a **scale S**,
 # divide the gradients by S in fp32, and compare with the fp32 gradients of the same loss.
+#
+# **Predict first.** We try S = 2^0, 2^4, ..., 2^44. Which scales give the fp32 gradients
+# back (to fp16 precision), and what goes wrong at either end?
+#
+# <details><summary>Answer</summary>
+#
+# Too small a scale leaves the gradients below fp16's smallest subnormal (2^-24): they flush to
+# zero. Too large a scale overflows the largest ones past 65504: inf, then nan. In between
+# there is a wide window (here roughly 2^20 to 2^36) where the scaled gradients fit.
+# </details>
+#
+# (fp16 arithmetic on a CPU runs different kernels on different processors, so the printed
+# fractions may differ in their last digits from one machine to another; the asserts hold.)
 
-# %%
+# %% tags=["nbval-ignore-output"]
 c = 2.0**-20
 x4, y4 = batch(4)
 
@@ -249,8 +293,9 @@ print("skipped:   ", [i for i, s in enumerate(mine_skips) if s])
 # %% [markdown]
 # ### 1.5 fp32 master weights
 #
-# bf16 has 8 significant bits: next to a weight of 1.0, any update smaller than 2^-9 ≈ 0.002
-# rounds away. Learning rates times normalised gradients are often that small, so a model whose
+# bf16 has 8 significant bits: next to a weight of 1.0 the representable numbers are 2^-7
+# apart, so with rounding to nearest any update smaller than 2^-8 ≈ 0.0039 of the weight
+# rounds away (§1.1). Learning rates times normalised gradients are often that small, so a model whose
 # weights *live* in bf16 stops learning in exactly the parameters that need fine adjustment. The
 # cure: keep an fp32 **master copy** for the optimizer, and use the 16-bit weights only for
 # forward and backward.
@@ -267,9 +312,12 @@ assert w16.item() == 1.0 and abs(w32.item() - 1.1) < 1e-4
 # `course_lib.techniques.amp.MixedPrecisionOptimizer` does the bookkeeping: the model's parameters become
 # fp16/bf16; an fp32 copy of the model is what AdamW updates. Each step: gradients → fp32,
 # divide by the loss scale (if any), skip on inf/nan, AdamW on the master, copy the master back
-# into the 16-bit model. Thirty steps of real training in three recipes:
+# into the 16-bit model. Thirty steps of real training in three recipes. The printed losses come
+# from 16-bit kernels that differ between processors, so their last digits vary from machine
+# to machine; what the cell asserts (every recipe ends within 0.1 of fp32, and the fp16
+# scaler hit the overflow edge at least once) holds on any of them.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 tc = TrainConfig(lr=3e-3)
 recipes = {"fp32": None, "bf16 + fp32 master": torch.bfloat16, "fp16 + fp32 master + loss scaling": torch.float16}
 curves, scales = {}, []
@@ -409,6 +457,16 @@ for k in (1, 2, 3, 4, 8):
 # %% [markdown]
 # ### 2.2 What stays saved, measured against the formula
 #
+# **Predict first.** The 8-layer GPT below, checkpointed every block (k = 1): what fraction of
+# its saved activations remains, roughly: a half, a tenth, a fiftieth?
+#
+# <details><summary>Answer</summary>
+#
+# Less than a tenth (about 7% here). The blocks' insides are gone, one (B, T, d) tensor per block remains
+# (a block normally saves ~20 of them), and what lies outside the blocks stays: the head's
+# logits and log-softmax over the vocabulary are a large part of what is left.
+# </details>
+#
 # Notebook 01's `estimate.activation_bytes` gives the bytes saved per layer without
 # recomputation ($a_\text{full}$: inputs of every LayerNorm and matmul, Q, K, V, the softmax
 # output, GELU input and output, LayerNorm statistics) and, with `recompute="full"`, one layer
@@ -453,8 +511,24 @@ print(f"checkpointing every block keeps {measured_saved[1] / measured_saved[None
 # For a chain of small layers that each save about one tensor of their input's size ($a = b$,
 # the setting of Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") the best
 # segment length is $\sqrt{L}$ and the peak drops from $L b$ to $2\sqrt{L}\, b$. A transformer
-# block saves ~20 times its input ($a \gg b$), so there $k^* = 1$: checkpoint every block, as
-# Megatron and most trainers do.
+# block saves ~20 times its input ($a \approx 20\, b$ for the course GPT), so $k^*$ is small,
+# but how small depends on the depth: $k^* = \sqrt{L b / a}$ grows with $L$. The integer
+# optimum is $k = 1$ as long as $L b + a \le \lceil L/2\rceil b + 2a$, that is
+# $L \lesssim 2a/b$: about 40 layers for this block. The 8-layer course GPT is well inside
+# (checkpoint every block), but a GPT-3-sized stack of $L = 96$ such blocks has
+# $k^* = \sqrt{96/20} \approx 2.2$: there two blocks per segment lower the peak by about a
+# quarter. (Large trainers often checkpoint every block anyway, or recompute only the cheap,
+# memory-hungry attention parts: Korthikanti et al. 2022, "Reducing Activation Recomputation
+# in Large Transformer Models".)
+#
+# **Predict first.** For the 16-layer chain of small layers ($a = b$) and for the 8-layer
+# GPT ($a \approx 20 b$): which $k$ gives the lowest peak?
+#
+# <details><summary>Answer</summary>
+#
+# The chain: $k = \sqrt{16} = 4$. The GPT: $k^* = \sqrt{8/20} \approx 0.6$, so the smallest
+# possible segment, $k = 1$.
+# </details>
 #
 # We measure both terms: the kept part from the checkpointed forward, the recompute part by
 # running one segment's $k$ layers plainly from a boundary tensor (exactly what the
@@ -500,6 +574,13 @@ for k in (1, 2, 4, 8):
 assert min(gpt_measured, key=gpt_measured.get) == 1
 print(f"GPT, L = 8: a / b = {a_gpt / b:.1f}, so k* = sqrt(L b / a) = {math.sqrt(L * b / a_gpt):.2f} -> every block; "
       f"peak {fmt(gpt_measured[1])} vs {fmt(measured_saved[None])} without checkpointing")
+# The same blocks, stacked deeper: k = 1 stops being the best choice near L = 2 a / b.
+for depth in (8, 24, 40, 48, 96):
+    best = best_every_k(depth, a_gpt, b)
+    peaks = {k: checkpoint_memory(depth, k, a_gpt, b)["peak"] for k in (1, best)}
+    print(f"L = {depth:>2}: k* = sqrt(L b / a) = {math.sqrt(depth * b / a_gpt):.1f}, best integer k = {best}"
+          + (f", peak {peaks[best] / peaks[1]:.0%} of k = 1's" if best != 1 else ""))
+assert best_every_k(40, a_gpt, b) == 1 and best_every_k(96, a_gpt, b) == 2
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
@@ -513,11 +594,11 @@ ax1.set_ylabel("peak saved activations (units of b)")
 ax1.set_title("chain of 16 small layers (a = b): best k = √L")
 ax1.legend(fontsize=8)
 ks = list(gpt_measured)
-ax2.plot(ks, [gpt_formula[k] / 1e6 for k in ks], "-", label="formula")
-ax2.plot(ks, [gpt_measured[k] / 1e6 for k in ks], "o", label="measured")
-ax2.axhline(measured_saved[None] / 1e6, color="gray", ls="--", label="no checkpointing")
+ax2.plot(ks, [gpt_formula[k] / 2**20 for k in ks], "-", label="formula")
+ax2.plot(ks, [gpt_measured[k] / 2**20 for k in ks], "o", label="measured")
+ax2.axhline(measured_saved[None] / 2**20, color="gray", ls="--", label="no checkpointing")
 ax2.set_xlabel("k (blocks per segment)")
-ax2.set_ylabel("peak saved activations (MB)")
+ax2.set_ylabel("peak saved activations (MiB)")
 ax2.set_title(f"course GPT, L = 8 (a ≈ {a_gpt / b:.0f} b): best k = 1")
 ax2.legend(fontsize=8)
 plt.tight_layout()
@@ -548,9 +629,16 @@ widgets.interact(explore, L=widgets.IntSlider(16, 2, 64), a_over_b=widgets.Float
 #
 # Each checkpointed block runs its forward twice. With backward ≈ 2 × forward, a step costs
 # about (1 + 1 + 2) / (1 + 2) = 4/3 of a plain step, whatever k (every block is recomputed once).
-# Layers this small also pay checkpoint's bookkeeping (saving and restoring RNG state, hooks),
-# so expect somewhat more than 4/3 here; large layers come close to it. Timings depend on the
-# machine and its load; nbval does not compare this output.
+#
+# **Predict first.** Will the measured ratio on these tiny blocks be below, at, or above 4/3?
+#
+# <details><summary>Answer</summary>
+#
+# Usually above. Layers this small also pay checkpoint's fixed bookkeeping per segment (saving
+# and restoring the RNG state, hooks, Python calls), and for small matrices backward is often
+# more than twice a forward, so the recomputation is not the only extra cost. Large layers
+# come close to 4/3. The cell prints what this machine measured, with its load.
+# </details>
 
 # %% tags=["nbval-ignore-output"]
 def step_time(fwd, reps=5):
@@ -566,9 +654,15 @@ def step_time(fwd, reps=5):
 xb, yb = batch(8)
 base_t = step_time(lambda: model8(xb, yb))
 print(f"no checkpointing: {base_t * 1e3:.1f} ms per forward+backward")
+ratios = {}
 for k in (1, 2, 4, 8):
     t = step_time(lambda: checkpointed_forward(model8, xb, yb, every_k=k))
-    print(f"every_k = {k}: {t * 1e3:.1f} ms  ({t / base_t:.2f}x)")
+    ratios[k] = t / base_t
+    print(f"every_k = {k}: {t * 1e3:.1f} ms  ({ratios[k]:.2f}x)")
+worst = max(ratios.values())
+print(f"measured {min(ratios.values()):.2f}x to {worst:.2f}x of a plain step: "
+      + ("above" if min(ratios.values()) > 4 / 3 else "around") + f" the 4/3 of the estimate "
+      f"(load average {os.getloadavg()[0]:.1f})")
 
 # %% [markdown]
 # ## 3. Gradient accumulation
@@ -639,6 +733,16 @@ for name in ("SGD", "AdamW"):
 # Micro-batches of 2 sequences; k = 1, 2, 4, 8 of them per step, so the effective batch grows
 # from 2 to 16. We measure the saved activations of every micro-batch, and of one big batch of
 # the same effective size for comparison, and hold them against `estimate.activation_bytes`.
+#
+# **Predict first.** Going from k = 1 to k = 8 micro-batches of 2, how do the peak saved bytes
+# per micro-batch change? And for one big batch of 16?
+#
+# <details><summary>Answer</summary>
+#
+# Not at all with accumulation: each micro-batch's activations are freed by its backward
+# before the next forward, so the peak is one micro-batch's. One big batch of 16 keeps 8 times
+# the activations of a batch of 2 (activations are linear in the batch).
+# </details>
 
 # %%
 micro = 2
@@ -662,10 +766,10 @@ print(f"formula for one micro-batch of {micro}: {fmt(per_micro_formula)}")
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.4))
 effs = [r[1] for r in rows]
-ax.plot(effs, [r[3] / 1e6 for r in rows], "o-", label="one big batch")
-ax.plot(effs, [r[2] / 1e6 for r in rows], "s-", label=f"accumulation (micro-batch {micro})")
+ax.plot(effs, [r[3] / 2**20 for r in rows], "o-", label="one big batch")
+ax.plot(effs, [r[2] / 2**20 for r in rows], "s-", label=f"accumulation (micro-batch {micro})")
 ax.set_xlabel("effective batch size (sequences)")
-ax.set_ylabel("saved activations (MB)")
+ax.set_ylabel("saved activations (MiB)")
 ax.set_title("accumulation: memory of the micro-batch, batch of the step")
 ax.legend()
 plt.show()
@@ -720,11 +824,44 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #   step). fp32 master weights keep tiny updates from rounding away, so the model state stays at
 #   16 B/param (2 + 2 + 12), or 20 with fp32 gradient accumulation, as notebook 01's formulas say.
 # * **Activation checkpointing** keeps one tensor per segment and recomputes the rest: same
-#   gradients bit for bit, the saved bytes of `⌈L/k⌉ b + outside`, for about a third more compute.
-#   The best segment length is $\sqrt{L b / a}$: $\sqrt L$ for a chain of small layers, 1 for
-#   transformer blocks.
+#   gradients bit for bit, the saved bytes of `⌈L/k⌉ b + outside`, for one more forward of the
+#   blocks (a third more compute when backward costs two forwards; more for small layers).
+#   The best segment length is $\sqrt{L b / a}$: $\sqrt L$ for a chain of small layers; for
+#   transformer blocks ($a \approx 20 b$) it is 1 up to about $2a/b \approx 40$ layers, and 2
+#   for a 96-layer stack.
 # * **Gradient accumulation** gives the big-batch gradient (divide each micro-batch loss by k!)
 #   with the activation memory of one micro-batch.
 #
 # None of these split the model state across devices. That is what ZeRO and the model-parallel
 # strategies of the next notebooks do, and they combine with all three techniques here.
+#
+# ## Self-check
+#
+# 1. A bf16 weight equals 2.0. Can an update of 0.005 change it? And one of 0.01?
+# 2. Your fp16 run skips a step every few hundred steps. Is that a bug?
+# 3. Why does mixed precision with fp32 master weights use *more* model-state memory than the
+#    16-bit weights alone would, and what does it still save?
+# 4. A 32-layer transformer whose blocks save 20 times their input: checkpoint every block or
+#    every second block? And at 80 layers?
+# 5. You accumulate 8 micro-batches and forget the 1/8. With AdamW and clipping at 1.0, what
+#    changes in the update?
+#
+# <details><summary>Answers</summary>
+#
+# 1. Near 2.0 bf16 numbers are 2 × 2^-7 = 2^-6 ≈ 0.0156 apart; rounding to nearest keeps
+#    2.0 for any update below half of that, 2^-7 ≈ 0.0078 (2^-8 relative). So 0.005 is lost,
+#    0.01 moves the weight to 2.0156 (too far: fp32 master weights would keep 2.01).
+# 2. No: dynamic loss scaling grows the scale until it overflows, then halves it and skips that
+#    step. A skip every `growth_interval` steps or so is the scaler working. Many skips in a row
+#    are a problem (the gradients themselves are inf/nan).
+# 3. The fp32 master copy (4 bytes) comes on top of the 16-bit weights (2): 16 bytes per
+#    parameter with Adam, as much as fp32 training. It saves activation memory and, on GPUs,
+#    time; the optimizer state is what ZeRO can shard.
+# 4. The integer optimum is k = 1 while L ≲ 2a/b = 40: every block at 32 layers; at 80
+#    layers k* = √(80/20) = 2, so every second block gives the lower peak.
+# 5. Little, which is what makes the bug dangerous: AdamW divides by the gradient's own running
+#    magnitude, so a constant factor of 8 barely changes its step. But the norm that clipping
+#    and your logs see is 8 times too large, clipping triggers on steps where it should not
+#    (a factor that now changes from step to step, which Adam does feel), and with SGD the
+#    step would be 8 times too large.
+# </details>
