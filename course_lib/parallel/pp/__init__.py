@@ -1,0 +1,40 @@
+"""Pipeline parallelism (notebook 06): the model cut into stages on different ranks, micro-batches
+flowing through them by a schedule.
+
+    stage.py      build_stage(model, group, virtual_stages): this rank's blocks (+ embedding / head)
+    schedules.py  the schedules as data (per-rank F/B/W lists), their simulation and checker
+    runner.py     run_schedule(stage, idx, targets, schedule, n_microbatches): real send/recv
+    training.py   train_pipeline / run_pipeline: the reference loop, pipelined
+    bubble.py     the bubble formulas and the bubble measured from a run's timeline
+    native.py     the same stages under torch.distributed.pipelining
+"""
+
+from course_lib.parallel.pp.runner import run_schedule
+from course_lib.parallel.pp.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    check_schedule,
+    in_flight,
+    make_schedule,
+    schedule_events,
+    simulate,
+)
+from course_lib.parallel.pp.stage import PipelineStage, build_stage, split_blocks
+from course_lib.parallel.pp.training import (
+    PipelineResult,
+    check_pipeline,
+    clip_grad_norm_pipeline,
+    run_pipeline,
+    stage_tensors,
+    train_pipeline,
+)
+
+__all__ = [
+    "build_stage", "PipelineStage", "split_blocks", "run_schedule",
+    "SCHEDULES", "Action", "Schedule", "ScheduleError", "make_schedule", "check_schedule", "simulate",
+    "in_flight", "schedule_events",
+    "train_pipeline", "run_pipeline", "check_pipeline", "PipelineResult", "clip_grad_norm_pipeline",
+    "stage_tensors",
+]

@@ -1,0 +1,62 @@
+"""The pipeline bubble: formulas, and the bubble measured from a run's timeline.
+
+With p stages, m micro-batches and every stage taking t_F + t_B per micro-batch, GPipe and
+1F1B keep each rank busy m(t_F + t_B) out of a step that lasts (m + p - 1)(t_F + t_B): the
+first micro-batch needs p - 1 stage-times to reach the last rank, and the last gradient needs
+as long to come back. The idle fraction of the step (the bubble) is therefore
+
+    bubble = (p - 1) / (m + p - 1)                        (GPipe, 1F1B; Huang et al., 2019)
+
+Interleaving v chunks per rank shrinks the fill and drain to (p - 1)/v stage-times:
+
+    bubble = (p - 1) / (v m + p - 1)                      (Narayanan et al., 2021)
+
+ZB-H1 splits the backward into B and W; with t_F = t_B = t_W only the B's are on the critical
+path back, so the fill-and-drain costs (p - 1) t_B instead of (p - 1)(t_F + t_B + t_W):
+
+    bubble = (p - 1) / (3 m + p - 1)      for m >= p      (Qi et al., 2023)
+
+Measured: on each rank, 1 - (time in F, B or W) / (the step's span from the first action of
+any rank to the last), averaged over the ranks.
+"""
+
+from __future__ import annotations
+
+COMPUTE = ("forward", "backward", "weight-grad")
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """(p - 1) / (v m + p - 1): GPipe and 1F1B (v = 1), interleaved 1F1B (v chunks)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def zero_bubble_fraction(p: int, m: int) -> float:
+    """ZB-H1 with t_F = t_B = t_W and m >= p: (p - 1) / (3 m + p - 1)."""
+    return (p - 1) / (3 * m + p - 1)
+
+
+def formula_for(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The bubble formula of a named schedule."""
+    if schedule == "zero_bubble":
+        return zero_bubble_fraction(p, m)
+    return bubble_fraction(p, m, v if schedule == "interleaved_1f1b" else 1)
+
+
+def measured_bubble(per_rank_events: list[list[tuple]], per_rank: bool = False):
+    """The idle fraction of compute events (categories forward/backward/weight-grad) in
+    Timeline events [(name, start, end, category)] per rank: mean over ranks, or the list."""
+    compute = [[e for e in events if e[3] in COMPUTE] for events in per_rank_events]
+    if not any(compute):
+        raise ValueError("the timeline has no forward/backward/weight-grad events")
+    t0 = min(e[1] for events in compute for e in events)
+    t1 = max(e[2] for events in compute for e in events)
+    fractions = [1 - sum(e[2] - e[1] for e in events) / (t1 - t0) for events in compute]
+    return fractions if per_rank else sum(fractions) / len(fractions)
+
+
+def last_step(events: list[tuple], n_actions: int) -> list[tuple]:
+    """The events of the last step of a multi-step run: its final n_actions compute events
+    and the communication between them."""
+    compute = [e for e in events if e[3] in COMPUTE]
+    start = compute[-n_actions][1]
+    return [e for e in events if e[1] >= start]

@@ -1,0 +1,108 @@
+"""The same stages under PyTorch's own pipelining (torch.distributed.pipelining).
+
+Each of our StageChunks is wrapped in a torch PipelineStage (stage index s = c*p + rank, the
+same placement as ours) and driven by ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B.
+torch's schedules compute loss_fn per micro-batch and divide the gradients by m
+(scale_grads=True), which is our L = (1/m) sum_j L_j. The tied matrix is summed between the
+first and last stage by the same PipelineStage.sum_tied_gradients.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib.data import CharDataset, get_batch
+from course_lib.model import GPT
+from course_lib.parallel.pp.stage import build_stage
+from course_lib.parallel.pp.training import PipelineResult, check_pipeline, clip_grad_norm_pipeline
+from course_lib.runtime.device import rank_device
+from course_lib.train import make_optimizer, train_step
+
+NATIVE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def check_native(schedule: str, virtual_stages: int) -> None:
+    if schedule not in NATIVE_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {NATIVE_SCHEDULES} for torch.distributed.pipelining")
+    if (schedule == "interleaved_1f1b") != (virtual_stages > 1):
+        raise ValueError(f"virtual_stages={virtual_stages} does not fit schedule={schedule!r}: interleaved_1f1b "
+                         f"needs virtual_stages >= 2, the others exactly 1")
+
+
+def native_schedule(stage, schedule: str, n_microbatches: int):
+    """A torch.distributed.pipelining schedule object driving `stage` (our PipelineStage)."""
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    vocab = stage.vocab_size
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+
+    dev = next(stage.parameters()).device
+    torch_stages = [TorchStage(chunk, stage.stage_of(c), stage.n_stages, dev, group=stage.group)
+                    for c, chunk in enumerate(stage.chunks)]
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(torch_stages, n_microbatches, loss_fn=loss_fn)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(torch_stages[0], n_microbatches, loss_fn=loss_fn)
+
+
+def native_forward_backward(stage, sched, idx, targets) -> float:
+    """One step of torch's schedule; returns the mean micro-batch loss on every rank."""
+    first, last = stage.rank == 0, stage.rank == stage.n_ranks - 1
+    losses: list = []
+    args = (idx,) if first else ()
+    kwargs = {"target": targets, "losses": losses} if last else {}
+    sched.step(*args, **kwargs)
+    stage.sum_tied_gradients()
+    mean = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros((), device=idx.device)
+    dist.broadcast(mean, stage.global_rank_of_stage(stage.n_stages - 1), group=stage.group)
+    return float(mean)
+
+
+def train_native(model_config, train_cfg, schedule: str = "1f1b", n_microbatches: int = 4,
+                 virtual_stages: int = 1, group=None) -> PipelineResult:
+    """Rank code: train_pipeline's loop with torch.distributed.pipelining running the schedule."""
+    check_native(schedule, virtual_stages)
+    n = dist.get_world_size(group)
+    check_pipeline(model_config, n, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
+    dev = rank_device()
+    dataset = CharDataset("train", block_size=model_config.block_size)
+    stage = build_stage(GPT(model_config, seed=train_cfg.seed).to(dev), group, virtual_stages)
+    sched = native_schedule(stage, schedule, n_microbatches)
+    optimizer = make_optimizer(stage, train_cfg)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    result = PipelineResult(param_names=list(stage.param_names),
+                            param_shapes=[tuple(p.shape) for p in stage.parameters()])
+    start_all = time.perf_counter()
+    for _ in range(train_cfg.steps):
+        x, y = (t.to(dev) for t in get_batch(dataset, train_cfg.batch_size, gen))
+        start = time.perf_counter()
+        loss = train_step(stage, optimizer, x, y, train_cfg.grad_clip,
+                          forward_backward=lambda _s, x_, y_: native_forward_backward(stage, sched, x_, y_),
+                          clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
+        result.step_seconds.append(time.perf_counter() - start)
+        result.train_losses.append(loss)
+    result.seconds = time.perf_counter() - start_all
+    result.final_params = torch.cat([p.detach().reshape(-1) for p in stage.parameters()]).cpu()
+    result.final_grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                                    for p in stage.parameters()]).cpu()
+    return result
+
+
+def run_native(world_size: int, model_config, train_cfg, schedule: str = "1f1b", n_microbatches: int = 4,
+               virtual_stages: int = 1, backend: str = "auto", timeout_s: float = 120) -> list[PipelineResult]:
+    """Parent side: validate, then train_native on `world_size` ranks. check_collectives is off:
+    torch's schedules exchange shape metadata and batch their send/recv below the API the
+    checker sees, and its pairing of those calls is not ours to verify."""
+    from course_lib.runtime import run_on_ranks
+
+    check_native(schedule, virtual_stages)
+    check_pipeline(model_config, world_size, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
+    return run_on_ranks(train_native, model_config, train_cfg, schedule, n_microbatches, virtual_stages,
+                        world_size=world_size, backend=backend, timeout_s=timeout_s, check_collectives=False)

@@ -1,0 +1,197 @@
+"""Run a schedule (course_lib.parallel.pp.schedules) on real ranks, with real send/recv.
+
+    loss = run_schedule(stage, idx, targets, "1f1b", n_microbatches=8)
+
+The batch is cut into m equal micro-batches. For each action of this rank, in order:
+
+    F(j, c)  stage s = c*p + rank: receive the activation from stage s-1 (stage 0 embeds idx_j),
+             run the chunk, send the output to stage s+1; the last stage computes
+             L_j = cross_entropy(logits_j, targets_j) and keeps L_j / m for its backward.
+    B(j, c)  receive dL/d(output) from stage s+1 (the last stage starts from L_j / m), back-propagate
+             through the chunk and send dL/d(input) to stage s-1.
+    W(j, c)  zero-bubble schedules only: B computed input gradients only, and every Linear
+             stashed (x, dy); W now adds dW = dy^T x and db = sum(dy) to the .grad of its weights.
+
+Since the mean loss is L = (1/m) sum_j L_j, the accumulated .grad is dL/dtheta: the single-process
+gradient of the whole batch's mean loss. Sends are isend (they never block) and receives block,
+so a schedule that passes check_schedule cannot deadlock. Messages carry a tag made of
+(activation or gradient, micro-batch, stage), so the order in which they arrive does not matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib.parallel.pp.schedules import Schedule, check_schedule, make_schedule
+
+CATEGORY = {"F": "forward", "B": "backward", "W": "weight-grad"}
+
+
+class _LinearInputGradOnly(torch.autograd.Function):
+    """y = x W^T + b whose backward returns only dy W (the input gradient) and stashes (x, dy)
+    in `sink` for the weight gradient, computed later by the W action."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sink):
+        ctx.save_for_backward(x)
+        # The parameters themselves, not saved copies: W sets their .grad.
+        ctx.weight, ctx.bias, ctx.sink = weight, bias, sink
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        ctx.sink.append((ctx.weight, ctx.bias, x, dy.clone()))  # autograd may reuse dy's buffer in place
+        return dy @ ctx.weight, None, None, None
+
+
+def _apply_weight_grads(sink: list) -> None:
+    """dW += dy^T x and db += sum of dy over all rows, for every stashed Linear call."""
+    for weight, bias, x, dy in sink:
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        gw = dy2.t() @ x2
+        weight.grad = gw if weight.grad is None else weight.grad.add_(gw)
+        if bias is not None:
+            gb = dy2.sum(0)
+            bias.grad = gb if bias.grad is None else bias.grad.add_(gb)
+    sink.clear()
+
+
+@contextlib.contextmanager
+def _deferred_weight_grads(stage: nn.Module, current: dict):
+    """While active, every nn.Linear of the stage computes through _LinearInputGradOnly,
+    stashing into current["sink"] (set by the runner before each forward)."""
+    linears = [m for m in stage.modules() if isinstance(m, nn.Linear)]
+    for lin in linears:
+        lin.forward = (lambda lin: lambda x: _LinearInputGradOnly.apply(x, lin.weight, lin.bias, current["sink"]))(lin)
+    try:
+        yield
+    finally:
+        for lin in linears:
+            del lin.forward  # back to the class's forward
+
+
+def _storage_bytes(tensors, exclude: set) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen and key not in exclude:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def validate_run(schedule, n_ranks: int, virtual_stages: int, n_microbatches: int, batch_size: int) -> Schedule:
+    """The Schedule to run, or ValueError: the same rules in the parent and on every rank."""
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches={n_microbatches!r} must be an int >= 1")
+    if batch_size % n_microbatches:
+        raise ValueError(f"batch size {batch_size} must be divisible by n_microbatches={n_microbatches}")
+    if isinstance(schedule, Schedule):
+        got = (schedule.n_ranks, schedule.virtual_stages, schedule.n_microbatches)
+        if got != (n_ranks, virtual_stages, n_microbatches):
+            raise ValueError(f"the schedule is for (ranks, virtual_stages, microbatches)={got}, the run has "
+                             f"{(n_ranks, virtual_stages, n_microbatches)}")
+        return check_schedule(schedule)
+    return make_schedule(schedule, n_ranks, n_microbatches, virtual_stages)
+
+
+def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_microbatches: int, *,
+                 timeline=None, action_seconds: dict | None = None) -> float:
+    """Run one forward+backward of the batch through the pipeline; returns the mean loss (every
+    rank). schedule: a name of schedules.SCHEDULES or a Schedule. timeline: a Timeline that
+    gets every F/B/W, send and receive. action_seconds: {"F": s, "B": s, "W": s} added (as sleep)
+    to every action of a whole micro-batch, to make a tiny model behave like a big one on a
+    crowded CPU. After the call stage.last_peak_activation_bytes holds this rank's peak."""
+    p, v, m = stage.n_ranks, stage.virtual_stages, n_microbatches
+    sched = validate_run(schedule, p, v, m, idx.shape[0])
+    S, last = stage.n_stages, stage.n_stages - 1
+    pad = {k: 0.0 for k in "FBW"} | dict(action_seconds or {})
+    if not sched.split_backward:
+        pad["B"] += pad["W"]
+    span = timeline.span if timeline is not None else (lambda *a: contextlib.nullcontext())
+    # Own storage per micro-batch (as a loader would give them), so saved bytes count only it.
+    idx_mb, tgt_mb = [t.clone() for t in idx.chunk(m)], [t.clone() for t in targets.chunk(m)]
+    mb, T = idx_mb[0].shape
+    d_model = stage.chunks[0].blocks[0].ln1.normalized_shape[0]
+    dtype = next(stage.parameters()).dtype
+    params = {p_.untyped_storage().data_ptr() for p_ in stage.parameters()}
+    inputs, outputs, graph_bytes, sinks, losses = {}, {}, {}, {}, []
+    pending_sends, local = [], {}
+    live = peak = 0
+    current = {"sink": None}
+
+    def tag(kind, j, s):  # kind 0: activation entering stage s, 1: gradient leaving stage s
+        return (kind * m + j) * S + s
+
+    def send(t, s_to, tg, label):
+        if stage.global_rank_of_stage(s_to) == dist.get_rank():
+            local[tg] = t.detach().clone()
+            return
+        with span(label, "comm"):
+            t = t.detach().contiguous()
+            pending_sends.append((dist.isend(t, stage.global_rank_of_stage(s_to), group=stage.group, tag=tg), t))
+
+    def recv(s_from, tg, label):
+        if tg in local:
+            return local.pop(tg)
+        buf = torch.empty(mb, T, d_model, dtype=dtype, device=idx.device)
+        with span(label, "comm"):
+            dist.recv(buf, stage.global_rank_of_stage(s_from), group=stage.group, tag=tg)
+        return buf
+
+    split = _deferred_weight_grads(stage, current) if sched.split_backward else contextlib.nullcontext()
+    with split:
+        for act in sched.actions[stage.rank]:
+            j, c = act.microbatch, act.chunk
+            s, name = stage.stage_of(c), str(act)
+            if act.kind == "F":
+                x = idx_mb[j] if s == 0 else recv(s - 1, tag(0, j, s), f"recv {name}").requires_grad_()
+                saved = []
+                current["sink"] = sinks[(j, c)] = []
+                with span(name, CATEGORY["F"]), torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: saved.append(t) or t, lambda t: t):
+                    out = stage.chunks[c](x)
+                    if s == last:
+                        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt_mb[j].reshape(-1))
+                        losses.append(loss.detach())
+                        out = loss / m
+                    time.sleep(pad["F"] / v)
+                graph_bytes[(j, c)] = _storage_bytes(saved, params)
+                del saved
+                live += graph_bytes[(j, c)]
+                inputs[(j, c)], outputs[(j, c)] = x, out
+                if s != last:
+                    send(out, s + 1, tag(0, j, s + 1), f"send {name}")
+            elif act.kind == "B":
+                dy = None if s == last else recv(s + 1, tag(1, j, s + 1), f"recv {name}")
+                with span(name, CATEGORY["B"]):
+                    torch.autograd.backward(outputs.pop((j, c)), dy)
+                    time.sleep(pad["B"] / v)
+                x = inputs.pop((j, c))
+                live -= graph_bytes.pop((j, c))
+                if sched.split_backward:
+                    live += _storage_bytes((t for w in sinks[(j, c)] for t in w[2:]), params)
+                if s != 0:
+                    send(x.grad, s - 1, tag(1, j, s), f"send {name}")
+            else:
+                sink = sinks.pop((j, c))
+                live -= _storage_bytes((t for w in sink for t in w[2:]), params)
+                with span(name, CATEGORY["W"]):
+                    _apply_weight_grads(sink)
+                    time.sleep(pad["W"] / v)
+            peak = max(peak, live)
+    for work, _ in pending_sends:
+        work.wait()
+    stage.last_peak_activation_bytes = peak
+    stage.sum_tied_gradients()
+    # The last stage holds the losses; every rank returns their mean.
+    mean = torch.stack(losses).mean() if losses else torch.zeros((), device=idx.device)
+    dist.broadcast(mean, stage.global_rank_of_stage(last), group=stage.group)
+    return float(mean)

@@ -1,0 +1,295 @@
+"""Pipeline schedules as data: for every rank, the ordered list of actions it runs.
+
+An action is F (forward), B (backward) or W (weight gradient) of one micro-batch j on one
+of the rank's model chunks c. With p ranks and v chunks per rank there are S = p*v stages;
+chunk c of rank r is stage s = c*p + r (Megatron's interleaving: rank r holds stages
+r, r+p, r+2p, ...). A micro-batch's activation goes stage s -> s+1, its gradient s+1 -> s:
+
+    F(j, s) needs F(j, s-1)                      (the activation it consumes)
+    B(j, s) needs F(j, s) and B(j, s+1)          (its own graph and the output gradient)
+    W(j, s) needs B(j, s)                        (the output gradient the weights need)
+
+Schedules without W run the full backward in B. With W (zero bubble) B computes only the
+input gradient, which is all the previous stage waits for, and W the weight gradients.
+
+Sends never block (isend) and each rank waits only in a receive, so a schedule runs without
+deadlock exactly when every rank can run its list in order under those dependencies, which is
+what `simulate` checks. `check_schedule` adds: every action exactly once, and (optionally)
+a cap on the micro-batches in flight (forward done, activations not yet released).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+class ScheduleError(ValueError):
+    """A schedule that misses an action, runs one twice, deadlocks or holds too much."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F", "B" or "W"
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self):
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+    __repr__ = __str__
+
+
+@dataclass
+class Schedule:
+    """Per-rank action lists. actions[r] is what rank r runs, in order."""
+
+    name: str
+    n_ranks: int
+    n_microbatches: int
+    virtual_stages: int
+    actions: list[list[Action]]
+
+    @property
+    def split_backward(self) -> bool:
+        return any(a.kind == "W" for acts in self.actions for a in acts)
+
+    @property
+    def n_stages(self) -> int:
+        return self.n_ranks * self.virtual_stages
+
+    def table(self) -> str:
+        """One line per rank: 'rank 0: F0 F1 B0 ...'."""
+        return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
+
+
+def _check_counts(p, m, v=1):
+    for name, value in (("n_ranks", p), ("n_microbatches", m), ("virtual_stages", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """All m forwards, then all m backwards (Huang et al., 2019). m=1 is naive model parallel."""
+    _check_counts(p, m)
+    acts = [[Action("F", j) for j in range(m)] + [Action("B", j) for j in range(m)] for _ in range(p)]
+    return Schedule("gpipe", p, m, 1, acts)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (Narayanan et al., 2019/2021): rank r runs w = min(p-r-1, m) warm-up forwards,
+    then alternates one forward and one backward, then drains the last w backwards. At most
+    p - r micro-batches are in flight on rank r, whatever m is. m < p also works: the
+    warm-up then covers every micro-batch (it degenerates to GPipe)."""
+    _check_counts(p, m)
+    acts = []
+    for r in range(p):
+        w = min(p - r - 1, m)
+        ranks = [Action("F", j) for j in range(w)]
+        for j in range(m - w):
+            ranks += [Action("F", w + j), Action("B", j)]
+        ranks += [Action("B", j) for j in range(m - w, m)]
+        acts.append(ranks)
+    return Schedule("1f1b", p, m, 1, acts)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Megatron's interleaved 1F1B (Narayanan et al., 2021): v chunks per rank. Forwards go
+    through the chunks in rounds of p micro-batches: the k-th forward of a rank is micro-batch
+    (k // pv)*p + k % p on chunk (k // p) % v; the k-th backward the same micro-batch on chunk
+    v-1 - (k // p) % v. Warm-up: (v-1)*p + 2*(p-r-1) forwards. Needs m to be a multiple of p."""
+    _check_counts(p, m, v)
+    if m % p:
+        raise ValueError(f"n_microbatches={m} must be a multiple of the {p} ranks for interleaved_1f1b "
+                         f"(micro-batches enter the chunks in rounds of p)")
+    total = m * v
+
+    def fwd(k):
+        return Action("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def bwd(k):
+        return Action("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    acts = []
+    for r in range(p):
+        w = min((v - 1) * p + 2 * (p - r - 1), total)
+        ranks = [fwd(k) for k in range(w)]
+        for i in range(total - w):
+            ranks += [fwd(w + i), bwd(i)]
+        ranks += [bwd(i) for i in range(total - w, total)]
+        acts.append(ranks)
+    return Schedule("interleaved_1f1b", p, m, v, acts)
+
+
+def zero_bubble(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al., 2023): the backward is split into B (input gradient: what the previous
+    stage waits for) and W (weight gradient: nobody waits for it). Built by list scheduling with
+    unit times for F, B and W. Whenever rank r is free it runs, in order of preference:
+      a ready B;
+      a forward, if fewer than p - r micro-batches wait for their B (1F1B's in-flight count)
+        and fewer than 2p - 1 - r wait for their W (so at most p - 1 W's are deferred; a W keeps
+        only the layers' inputs and output gradients, less than the graph B frees);
+      a deferred W, which fills time 1F1B leaves idle.
+    With t_F = t_B = t_W the bubble is (p-1)/(3m+p-1), a third of 1F1B's (p-1)(t_F+t_B+t_W)."""
+    _check_counts(p, m)
+    done: dict[tuple, int] = {}  # (kind, j, rank) -> end time
+    acts: list[list[Action]] = [[] for _ in range(p)]
+    next_f, next_b, pending_w = [0] * p, [0] * p, [[] for _ in range(p)]
+    free_at, t = [0] * p, 0
+
+    def ready(key):
+        return key in done and done[key] <= t
+
+    while any(len(a) < 3 * m for a in acts):
+        for r in range(p):
+            if free_at[r] > t:
+                continue
+            j, j_f = next_b[r], next_f[r]
+            b_ok = j < m and ready(("F", j, r)) and (r == p - 1 or ready(("B", j, r + 1)))
+            waiting_b = j_f - next_b[r]  # forwards whose B has not run
+            waiting_w = j_f - (next_b[r] - len(pending_w[r]))  # forwards whose W has not run
+            f_ok = (j_f < m and waiting_b < p - r and waiting_w < 2 * p - 1 - r
+                    and (r == 0 or ready(("F", j_f, r - 1))))
+            if b_ok:
+                act = Action("B", j)
+                next_b[r] += 1
+                pending_w[r].append(j)
+            elif f_ok:
+                act = Action("F", j_f)
+                next_f[r] += 1
+            elif pending_w[r]:
+                act = Action("W", pending_w[r].pop(0))
+            else:
+                continue
+            acts[r].append(act)
+            done[(act.kind, act.microbatch, r)] = t + 1
+            free_at[r] = t + 1
+        t += 1
+        if t > 10 * (3 * m + p):  # cannot happen for the rules above; guards the loop
+            raise RuntimeError("zero_bubble list scheduling made no progress")
+    return Schedule("zero_bubble", p, m, 1, acts)
+
+
+def make_schedule(name: str, n_ranks: int, n_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule called `name` (one of SCHEDULES) for p ranks, m micro-batches, v chunks."""
+    _check_counts(n_ranks, n_microbatches, virtual_stages)
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} must be one of {SCHEDULES}")
+    if name != "interleaved_1f1b" and virtual_stages != 1:
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' "
+                         f"({name!r} runs one chunk per rank)")
+    if name == "gpipe":
+        return gpipe(n_ranks, n_microbatches)
+    if name == "1f1b":
+        return one_f_one_b(n_ranks, n_microbatches)
+    if name == "zero_bubble":
+        return zero_bubble(n_ranks, n_microbatches)
+    return interleaved_1f1b(n_ranks, n_microbatches, virtual_stages)
+
+
+def _stage(sched: Schedule, rank: int, chunk: int) -> int:
+    return chunk * sched.n_ranks + rank
+
+
+def _dependencies(sched: Schedule, rank: int, act: Action) -> list[tuple[str, int, int]]:
+    """(kind, microbatch, stage) of the actions `act` waits for."""
+    s, last = _stage(sched, rank, act.chunk), sched.n_stages - 1
+    if act.kind == "F":
+        return [("F", act.microbatch, s - 1)] if s > 0 else []
+    if act.kind == "B":
+        return [("F", act.microbatch, s)] + ([("B", act.microbatch, s + 1)] if s < last else [])
+    return [("B", act.microbatch, s)]
+
+
+def _check_actions(sched: Schedule) -> None:
+    p, m, v = sched.n_ranks, sched.n_microbatches, sched.virtual_stages
+    if len(sched.actions) != p:
+        raise ScheduleError(f"the schedule has {len(sched.actions)} action lists for {p} ranks")
+    kinds = ("F", "B", "W") if sched.split_backward else ("F", "B")
+    for r, acts in enumerate(sched.actions):
+        seen = set()
+        for a in acts:
+            if not isinstance(a, Action) or a.kind not in kinds or not (0 <= a.microbatch < m) \
+                    or not (0 <= a.chunk < v):
+                raise ScheduleError(f"rank {r}: {a!r} is not an action of kind {kinds} with microbatch in "
+                                    f"[0, {m}) and chunk in [0, {v})")
+            if a in seen:
+                raise ScheduleError(f"rank {r} runs {a} twice")
+            seen.add(a)
+        missing = [Action(k, j, c) for c in range(v) for j in range(m) for k in kinds
+                   if Action(k, j, c) not in seen]
+        if missing:
+            raise ScheduleError(f"rank {r} never runs {', '.join(map(str, missing[:6]))}"
+                                + (" ..." if len(missing) > 6 else ""))
+
+
+def simulate(sched: Schedule, t_forward: float = 1.0, t_backward: float = 1.0, t_weight: float = 1.0,
+             t_comm: float = 0.0) -> list[list[tuple[Action, float, float]]]:
+    """Run the lists on an idealised machine: F, B, W of a whole micro-batch on one rank take
+    t_forward, t_backward, t_weight (a chunk takes 1/v of that; B without a W schedule takes
+    t_backward + t_weight), a message t_comm. Returns per rank [(action, start, end)].
+    Raises ScheduleError if the ranks deadlock, naming what each stuck rank waits for."""
+    _check_actions(sched)
+    p, v = sched.n_ranks, sched.virtual_stages
+    dur = {"F": t_forward / v, "W": t_weight / v,
+           "B": (t_backward if sched.split_backward else t_backward + t_weight) / v}
+    end: dict[tuple[str, int, int], tuple[float, int]] = {}  # (kind, j, stage) -> (end time, rank)
+    out: list[list] = [[] for _ in range(p)]
+    pos, free = [0] * p, [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(sched.actions[r]):
+                act = sched.actions[r][pos[r]]
+                deps = _dependencies(sched, r, act)
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d][0] + (t_comm if end[d][1] != r else 0.0) for d in deps])
+                free[r] = start + dur[act.kind]
+                end[(act.kind, act.microbatch, _stage(sched, r, act.chunk))] = (free[r], r)
+                out[r].append((act, start, free[r]))
+                pos[r] += 1
+                progress = True
+    stuck = [(r, sched.actions[r][pos[r]]) for r in range(p) if pos[r] < len(sched.actions[r])]
+    if stuck:
+        waits = []
+        for r, act in stuck:
+            need = [d for d in _dependencies(sched, r, act) if d not in end]
+            waits.append(f"rank {r} at {act} waits for "
+                         + ", ".join(f"{k}{j} of stage {s} (rank {s % p})" for k, j, s in need))
+        raise ScheduleError("deadlock: " + "; ".join(waits))
+    return out
+
+
+def in_flight(sched: Schedule) -> list[int]:
+    """Per rank, the most micro-batch chunks whose forward has run and whose B has not: each
+    holds its whole autograd graph (a deferred W keeps only a part of it)."""
+    peaks = []
+    for acts in sched.actions:
+        live = peak = 0
+        for a in acts:
+            live += (a.kind == "F") - (a.kind == "B")
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def check_schedule(sched: Schedule, max_in_flight: int | None = None) -> Schedule:
+    """Raise ScheduleError unless every rank runs each of its actions exactly once, all ranks
+    finish (no deadlock) and, given max_in_flight, no rank holds more micro-batches in flight.
+    Returns the schedule, so `run_schedule(..., check_schedule(s), ...)` reads naturally."""
+    simulate(sched)
+    if max_in_flight is not None:
+        for r, peak in enumerate(in_flight(sched)):
+            if peak > max_in_flight:
+                raise ScheduleError(f"rank {r} holds {peak} micro-batches in flight, more than "
+                                    f"max_in_flight={max_in_flight}")
+    return sched
+
+
+def schedule_events(sched: Schedule, **times) -> list[list[tuple[str, float, float, str]]]:
+    """The simulated run as Timeline events per rank, for plot_gantt next to a real run."""
+    cat = {"F": "forward", "B": "backward", "W": "weight-grad"}
+    return [[(str(a), s, e, cat[a.kind]) for a, s, e in rank] for rank in simulate(sched, **times)]

@@ -1,0 +1,123 @@
+"""The reference training loop (course_lib.train.train_step), pipelined.
+
+Every rank builds the same single-process GPT from the seed, keeps its stage (build_stage) and
+draws the same batches as train_reference; train_step's forward_backward hook runs the
+schedule, and the gradient-norm clip sums the squared norms of all stages (the tied matrix
+once). So the losses and parameters after each step equal the reference's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from course_lib.data import CharDataset, get_batch
+from course_lib.model import GPT
+from course_lib.observe.timeline import Timeline
+from course_lib.parallel.pp.runner import run_schedule, validate_run
+from course_lib.parallel.pp.stage import build_stage, split_blocks
+from course_lib.runtime.device import rank_device
+from course_lib.train import TrainResult, make_optimizer, train_step
+
+
+@dataclass
+class PipelineResult(TrainResult):
+    """TrainResult plus what a stage knows: the canonical names of its parameters (the order
+    of final_params / final_grads) and its peak saved-activation bytes per step."""
+
+    param_names: list[str] = field(default_factory=list)
+    param_shapes: list[tuple] = field(default_factory=list)
+    peak_activation_bytes: list[int] = field(default_factory=list)
+
+
+def clip_grad_norm_pipeline(stage, max_norm: float) -> torch.Tensor:
+    """Scale all gradients by min(1, max_norm / ||g||), ||g||^2 summed over every stage (the
+    tied matrix counted once). Returns the global norm."""
+    sq = torch.zeros((), device=next(stage.parameters()).device)
+    for name, p in zip(stage.param_names, stage.parameters()):
+        if p.grad is not None and stage.owns_unique(name):
+            sq += p.grad.detach().pow(2).sum()
+    dist.all_reduce(sq, group=stage.group)
+    norm = sq.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+    for p in stage.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm
+
+
+def check_pipeline(model_config, world_size: int, schedule, n_microbatches: int, batch_size: int,
+                   virtual_stages: int = 1):
+    """Every rule a pipelined run must satisfy, checked in the parent before any rank waits."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1")
+    split_blocks(model_config.n_layer, world_size * virtual_stages)
+    return validate_run(schedule, world_size, virtual_stages, n_microbatches, batch_size)
+
+
+def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatches: int = 4,
+                   virtual_stages: int = 1, group=None, record_timeline: bool = False,
+                   action_seconds: dict | None = None) -> PipelineResult:
+    """Rank code: train_cfg.steps steps of the reference loop, pipelined over `group`."""
+    n = dist.get_world_size(group)
+    check_pipeline(model_config, n, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
+    dev = rank_device()
+    dataset = CharDataset("train", block_size=model_config.block_size)
+    model = GPT(model_config, seed=train_cfg.seed).to(dev)
+    stage = build_stage(model, group, virtual_stages)
+    del model
+    optimizer = make_optimizer(stage, train_cfg)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    timeline = Timeline() if record_timeline else None
+    result = PipelineResult(param_names=list(stage.param_names),
+                            param_shapes=[tuple(p.shape) for p in stage.parameters()])
+
+    def forward_backward(_stage, x, y):
+        return run_schedule(_stage, x, y, schedule, n_microbatches, timeline=timeline,
+                            action_seconds=action_seconds)
+
+    start_all = time.perf_counter()
+    for _ in range(train_cfg.steps):
+        x, y = (t.to(dev) for t in get_batch(dataset, train_cfg.batch_size, gen))
+        start = time.perf_counter()
+        loss = train_step(stage, optimizer, x, y, train_cfg.grad_clip, forward_backward=forward_backward,
+                          clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
+        result.step_seconds.append(time.perf_counter() - start)
+        result.train_losses.append(loss)
+        result.peak_activation_bytes.append(stage.last_peak_activation_bytes)
+    result.seconds = time.perf_counter() - start_all
+    result.final_params = torch.cat([p.detach().reshape(-1) for p in stage.parameters()]).cpu()
+    result.final_grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                                    for p in stage.parameters()]).cpu()
+    if timeline is not None:
+        result.timeline_events = timeline.events
+    return result
+
+
+def run_pipeline(world_size: int, model_config, train_cfg, schedule: str = "1f1b", n_microbatches: int = 4,
+                 virtual_stages: int = 1, backend: str = "auto", timeout_s: float = 120,
+                 **kwargs) -> list[PipelineResult]:
+    """Parent side: validate everything, then run train_pipeline on `world_size` ranks."""
+    from course_lib.runtime import run_on_ranks
+
+    check_pipeline(model_config, world_size, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
+    return run_on_ranks(train_pipeline, model_config, train_cfg, schedule, n_microbatches, virtual_stages,
+                        world_size=world_size, backend=backend, timeout_s=timeout_s, **kwargs)
+
+
+def stage_tensors(results: list[PipelineResult], what: str = "final_params") -> dict[str, torch.Tensor]:
+    """{canonical name: tensor} over all stages (the tied matrix from stage 0), for comparing
+    with a single-process model's named_parameters()."""
+    out = {}
+    for res in results:
+        flat, offset = getattr(res, what), 0
+        for name, shape in zip(res.param_names, res.param_shapes):
+            numel = int(torch.Size(shape).numel())
+            out.setdefault(name, flat[offset:offset + numel].reshape(shape))
+            offset += numel
+    return out

@@ -1,0 +1,250 @@
+"""Tests for course_lib.parallel.pp: pipeline schedules as data, and real pipelined training.
+
+The central claims: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1 zero bubble) trained
+on 2 and 4 real ranks equals the single-process GPT over several AdamW steps (uneven block
+split, tied embeddings), as does torch.distributed.pipelining on the same stages; the
+schedules' simulated bubbles equal the formulas; GPipe's saved activations grow with m while
+1F1B's stay bounded by p in-flight micro-batches. Equality runs use grad_clip=0 and compare
+raw gradients: AdamW is scale-invariant, so a wrongly scaled gradient could still pass a
+parameter check.
+"""
+
+import sys
+import time
+
+import cloudpickle
+import pytest
+import torch
+
+from course_lib import run_on_ranks
+from course_lib.data import CharDataset
+from course_lib.model import GPT, GPTConfig
+from course_lib.parallel.pp import (
+    Action,
+    Schedule,
+    ScheduleError,
+    build_stage,
+    check_schedule,
+    in_flight,
+    make_schedule,
+    run_pipeline,
+    run_schedule,
+    schedule_events,
+    simulate,
+    split_blocks,
+    stage_tensors,
+)
+from course_lib.parallel.pp.bubble import formula_for, measured_bubble
+from course_lib.parallel.pp.native import run_native
+from course_lib.train import TrainConfig, train_reference
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
+torch.set_num_threads(1)
+
+STEPS = 3
+
+
+def small_config(n_layer=5, **kw):
+    return GPTConfig.tiny(CharDataset("train").vocab_size, n_layer=n_layer, d_model=32, n_head=2, block_size=16, **kw)
+
+
+def train_cfg(clip=0.0, batch_size=8):
+    return TrainConfig(steps=STEPS, batch_size=batch_size, grad_clip=clip, eval_every=10**6, eval_batches=1,
+                       progress=False)
+
+
+_REFERENCES = {}
+
+
+def reference(config, cfg):
+    key = (config, cfg.grad_clip, cfg.batch_size)
+    if key not in _REFERENCES:
+        res = train_reference(config, cfg)
+        _REFERENCES[key] = (res.train_losses, {n: p.detach().clone() for n, p in res.model.named_parameters()},
+                            {n: p.grad.detach().clone() for n, p in res.model.named_parameters()})
+    return _REFERENCES[key]
+
+
+def assert_equal_to_reference(results, config, cfg, atol=2e-6, param_atol=1e-5):
+    losses, params, grads = reference(config, cfg)
+    for r, res in enumerate(results):
+        assert res.train_losses == pytest.approx(losses, abs=1e-5), f"rank {r} losses"
+    got_p, got_g = stage_tensors(results, "final_params"), stage_tensors(results, "final_grads")
+    assert sorted(got_p) == sorted(params), "the stages together must hold every parameter once"
+    for name in params:
+        torch.testing.assert_close(got_g[name], grads[name], rtol=1e-4, atol=atol, msg=lambda m: f"grad {name}: {m}")
+        # Adam divides by sqrt(v): on a near-zero gradient element rounding moves the parameter by
+        # ~1e-6; a wrong gradient moves it by ~lr = 3e-3.
+        torch.testing.assert_close(got_p[name], params[name], rtol=1e-4, atol=param_atol, msg=lambda m: f"param {name}: {m}")
+
+
+# ---------------------------------------------------------------- schedules as data (no ranks)
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 12])
+def test_schedules_are_valid_and_their_simulated_bubble_is_the_formula(p, m):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)):
+        if name == "interleaved_1f1b" and m % p:
+            continue
+        sched = check_schedule(make_schedule(name, p, m, v))
+        events = schedule_events(sched)
+        bubble = measured_bubble(events)
+        one_f_one_b = formula_for("1f1b", p, m)
+        if name == "zero_bubble":
+            assert bubble < one_f_one_b
+            if m >= p:
+                assert bubble == pytest.approx(formula_for(name, p, m), abs=1e-12)
+        else:
+            assert bubble == pytest.approx(formula_for(name, p, m, v), abs=1e-12), (name, p, m, v)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 2), (4, 8), (4, 16)])
+def test_gpipe_holds_all_m_in_flight_and_1f1b_at_most_p_minus_rank(p, m):
+    assert in_flight(make_schedule("gpipe", p, m)) == [m] * p
+    assert in_flight(make_schedule("1f1b", p, m)) == [min(p - r, m) for r in range(p)]
+    assert max(in_flight(make_schedule("zero_bubble", p, m))) <= p
+
+
+def test_the_schedule_is_printable_data():
+    sched = make_schedule("1f1b", 2, 3)
+    assert sched.table() == "rank 0: F0 F1 B0 F2 B1 B2\nrank 1: F0 B0 F1 B1 F2 B2"
+    assert str(make_schedule("zero_bubble", 2, 2).actions[1]) == "[F0, B0, F1, B1, W0, W1]"
+
+
+def test_checker_catches_missing_duplicated_and_deadlocking_actions():
+    zb = make_schedule("zero_bubble", 2, 3)
+    missing_w = Schedule("zb", 2, 3, 1, [zb.actions[0], [a for a in zb.actions[1] if a != Action("W", 2)]])
+    with pytest.raises(ScheduleError, match="rank 1 never runs W2"):
+        check_schedule(missing_w)
+    g = make_schedule("gpipe", 2, 2)
+    with pytest.raises(ScheduleError, match="runs F1 twice"):
+        check_schedule(Schedule("x", 2, 2, 1, [g.actions[0] + [Action("F", 1)], g.actions[1]]))
+    # rank 0 insists on its backward before the forwards that the last stage needs: stuck.
+    backward_first = [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]
+    late_last = [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 at B0 waits for B0 of stage 1"):
+        check_schedule(Schedule("x", 2, 2, 1, [backward_first, late_last]))
+    with pytest.raises(ScheduleError, match="holds 4 micro-batches in flight"):
+        check_schedule(make_schedule("gpipe", 2, 4), max_in_flight=2)
+
+
+def test_make_schedule_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="schedule='pipedream' must be one of"):
+        make_schedule("pipedream", 2, 4)
+    with pytest.raises(ValueError, match="n_microbatches=6 must be a multiple of the 4 ranks"):
+        make_schedule("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved_1f1b'"):
+        make_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="n_microbatches=0 must be an int >= 1"):
+        make_schedule("gpipe", 2, 0)
+
+
+def test_blocks_split_as_evenly_as_possible_with_the_remainder_first():
+    assert split_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    assert split_blocks(9, 4) == [range(0, 3), range(3, 5), range(5, 7), range(7, 9)]
+    with pytest.raises(ValueError, match="n_layer=3 blocks cannot fill 4 stages"):
+        split_blocks(3, 4)
+
+
+def test_simulated_timeline_of_zero_bubble_fills_time_1f1b_leaves_idle():
+    a, b = simulate(make_schedule("1f1b", 4, 8)), simulate(make_schedule("zero_bubble", 4, 8))
+    assert max(e for r in b for *_, e in r) < max(e for r in a for *_, e in r)
+
+
+# ---------------------------------------------------------------- real ranks: equality to one process
+
+CASES = [  # (world size, schedule, micro-batches, virtual stages, n_layer)
+    (2, "gpipe", 4, 1, 5),
+    (2, "1f1b", 4, 1, 5),
+    (2, "zero_bubble", 4, 1, 5),
+    (2, "interleaved_1f1b", 4, 2, 5),
+    (4, "gpipe", 4, 1, 5),
+    (4, "1f1b", 2, 1, 5),   # fewer micro-batches than stages: works (degenerates to GPipe)
+    (4, "1f1b", 8, 1, 5),
+    (4, "zero_bubble", 8, 1, 5),
+    (4, "interleaved_1f1b", 8, 2, 9),
+]
+
+
+@pytest.mark.parametrize("world,schedule,m,v,n_layer", CASES, ids=[f"{c[1]}-p{c[0]}-m{c[2]}-v{c[3]}" for c in CASES])
+def test_pipeline_equals_single_process_training(world, schedule, m, v, n_layer):
+    config, cfg = small_config(n_layer), train_cfg()
+    results = run_pipeline(world, config, cfg, schedule, m, v, timeout_s=90)
+    assert_equal_to_reference(results, config, cfg)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pipeline_with_gradient_clipping_and_untied_head(schedule):
+    config = small_config(4, tie_weights=False)
+    cfg = train_cfg(clip=0.05)  # small enough to clip every step: the global norm must be right
+    assert_equal_to_reference(run_pipeline(2, config, cfg, schedule, 4, timeout_s=90), config, cfg)
+    tied = small_config(4)
+    assert_equal_to_reference(run_pipeline(4, tied, cfg, schedule, 4, timeout_s=90), tied, cfg)
+
+
+@pytest.mark.parametrize("world,schedule,m,v", [(2, "gpipe", 4, 1), (2, "1f1b", 4, 1), (2, "interleaved_1f1b", 4, 2),
+                                                (4, "1f1b", 4, 1)])
+def test_torch_pipelining_on_the_same_stages_gives_the_same_training(world, schedule, m, v):
+    config, cfg = small_config(5), train_cfg()
+    ours = run_pipeline(world, config, cfg, schedule, m, v, timeout_s=90)
+    theirs = run_native(world, config, cfg, schedule, m, v, timeout_s=90)
+    assert_equal_to_reference(theirs, config, cfg)
+    for a, b in zip(ours, theirs):
+        assert a.train_losses == pytest.approx(b.train_losses, abs=1e-6)
+
+
+def test_bad_input_is_rejected_in_the_parent_before_any_rank_waits():
+    cfg = train_cfg()
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="n_layer=2 blocks cannot fill 4 stages"):
+        run_pipeline(2, small_config(2), cfg, "interleaved_1f1b", 4, 2)
+    with pytest.raises(ValueError, match="batch size 8 must be divisible by n_microbatches=3"):
+        run_pipeline(2, small_config(), cfg, "1f1b", 3)
+    with pytest.raises(ValueError, match="n_microbatches=2 must be a multiple of the 4 ranks"):
+        run_pipeline(4, small_config(8), cfg, "interleaved_1f1b", 2, 2)
+    with pytest.raises(ValueError, match="schedule='zb2' must be one of"):
+        run_pipeline(2, small_config(), cfg, "zb2", 4)
+    with pytest.raises(ValueError, match="for torch.distributed.pipelining"):
+        run_native(2, small_config(), cfg, "zero_bubble", 4)
+    assert time.perf_counter() - start < 5, "validation must not start ranks"  # generous: no rank may wait
+
+
+def _run_one_step(schedules_and_m, micro_batch=2, n_layer=4):
+    """Rank code: one run_schedule per (schedule, m) on the same stage; returns per run the
+    compute-event names in order and the peak saved-activation bytes."""
+    from course_lib import Timeline
+
+    config = small_config(n_layer)
+    stage = build_stage(GPT(config, seed=0), None)
+    out = []
+    for schedule, m in schedules_and_m:
+        gen = torch.Generator().manual_seed(1)
+        idx = torch.randint(0, config.vocab_size, (m * micro_batch, config.block_size), generator=gen)
+        tl = Timeline()
+        run_schedule(stage, idx, idx, schedule, m, timeline=tl)
+        stage.zero_grad(set_to_none=True)
+        out.append(([n for n, _, _, c in tl.events if c != "comm"], [c for *_, c in tl.events],
+                    stage.last_peak_activation_bytes))
+    return out
+
+
+def test_real_timeline_follows_the_schedule_and_activation_memory_follows_in_flight():
+    runs = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 4), ("1f1b", 8), ("zero_bubble", 8),
+            ("zero_bubble", 16)]
+    per_rank = run_on_ranks(_run_one_step, runs, world_size=4, timeout_s=90)
+    for r, results in enumerate(per_rank):
+        one_mb = results[0][2]  # a micro-batch's saved activations on this stage
+        assert one_mb > 0
+        for (schedule, m), (names, cats, peak) in zip(runs, results):
+            sched = make_schedule(schedule, 4, m)
+            assert names == [str(a) for a in sched.actions[r]], (schedule, m, r)
+            if r > 0:
+                assert "comm" in cats  # every rank but the first receives activations
+            if schedule != "zero_bubble":
+                assert peak == in_flight(sched)[r] * one_mb, (schedule, m, r)
+        peaks = {run: res[2] for run, res in zip(runs, results)}
+        assert peaks[("gpipe", 4)] == 4 * one_mb  # GPipe grows with m
+        assert peaks[("1f1b", 8)] == peaks[("1f1b", 4)] == (4 - r) * one_mb  # 1F1B: bounded by p - r
+        # ZB-H1: at most p - r whole graphs plus p - 1 deferred W's (inputs and output gradients
+        # of the Linears): bounded, independent of m, and well below GPipe's m graphs.
+        assert peaks[("zero_bubble", 16)] == peaks[("zero_bubble", 8)] < 8 * one_mb
