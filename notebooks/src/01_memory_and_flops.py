@@ -458,14 +458,14 @@ for bad in (dict(tp=5), dict(pp=5), dict(ep=2), dict(zero_stage=4)):
 #   GPU, the activations are not — ZeRO does not touch activations.
 # * Llama-3 8B as an 8-expert MoE (top-2): compare ep=1 with ep=8.
 #
-# In a plain viewer, the static figure under the widget shows its starting point.
+# It starts at the fifth bar of the ladder above (tp=8, pp=8, dp=16, ZeRO-1, selective
+# recomputation, 300B tokens). Token counts are typed (300B, 15T) and used exactly; the
+# sliders offer only layouts that divide the model (tp the heads, pp the layers, ep the experts).
 
-# %%
-calc = calculator.MemoryCalculator()
-print(calculator.summary_text(calculator.evaluate(calc.settings)))
-fig = calculator.plot_scenarios([("starting point", calc.settings)])
-plt.show()
-calc
+# %% tags=["nbval-ignore-output"]
+from course_lib.widgets import show_interactive
+
+show_interactive(lambda: calculator.calculator_view(), lambda: calculator.MemoryCalculator())
 
 # %% [markdown]
 # ## What to remember

@@ -130,7 +130,9 @@ for step in range(2 * (N - 1)):
 # that just arrived.
 
 # %% tags=["nbval-ignore-output"]
-ringviz.ring_widget(4)
+from course_lib.widgets import show_interactive
+
+show_interactive(lambda: ringviz.ring_view(4), lambda: ringviz.ring_widget(4))
 
 # %%
 ringviz.plot_ring_steps(4)

@@ -312,24 +312,10 @@ for cap, buckets in layout.items():
 # again, tied, by the head), so it can never overlap with compute.
 
 # %% tags=["nbval-ignore-output"]
-import ipywidgets as widgets
+from course_lib.parallel.dp import bucketviz
+from course_lib.widgets import show_interactive
 
-def bucket_widget():
-    out = widgets.Output()
-    slider = widgets.FloatLogSlider(value=0.25, base=10, min=-2, max=1.5, step=0.05, description="cap (MB)")
-
-    def show(change=None):
-        with out:
-            out.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(9, 1.4))
-            draw_buckets(ax, slider.value)
-            plt.show()
-
-    slider.observe(show, names="value")
-    show()
-    return widgets.VBox([slider, out])
-
-bucket_widget()
+show_interactive(lambda: bucketviz.bucket_view(TIMING), lambda: bucketviz.bucket_widget(TIMING))
 
 # %% [markdown]
 # With buckets, the tracer sees **one call per bucket** and still the whole gradient's bytes.

@@ -609,20 +609,10 @@ plt.show()
 # need a live kernel; the figure above is the static version).
 
 # %% tags=["nbval-ignore-output"]
-def explore(L=16, a_over_b=1.0):
-    ks = range(1, L + 1)
-    m = [checkpoint_memory(L, k, a_over_b, 1.0)["peak"] for k in ks]
-    best = min(ks, key=lambda k: m[k - 1])
-    plt.figure(figsize=(5.5, 3.2))
-    plt.plot(ks, m, "o-", ms=3)
-    plt.axvline(best, color="k", lw=0.6)
-    plt.title(f"L = {L}, a/b = {a_over_b:g}: best k = {best}  (√(L b/a) = {math.sqrt(L / a_over_b):.1f})")
-    plt.xlabel("k")
-    plt.ylabel("peak (units of b)")
-    plt.show()
+from course_lib.techniques.checkpoint_viz import checkpoint_view, checkpoint_widget
+from course_lib.widgets import show_interactive
 
-
-widgets.interact(explore, L=widgets.IntSlider(16, 2, 64), a_over_b=widgets.FloatLogSlider(1.0, base=2, min=-2, max=5, step=0.5));
+show_interactive(lambda: checkpoint_view(L=16, a_over_b=1), lambda: checkpoint_widget(L=16, a_over_b=1))
 
 # %% [markdown]
 # ### 2.4 The price: recomputation time
