@@ -1,16 +1,14 @@
-"""Exercise 01: memory and FLOPs arithmetic. Fill in the six functions, then run the check cells
-of ex01_memory_math.ipynb. Each check prints PASS when your function is right.
+"""Exercise 01: plan a training layout with the memory and FLOPs arithmetic of notebook 01.
+Fill in the five functions, then run the check cells of ex01_memory_math.ipynb. Each check
+prints PASS when your answer is right.
 
-Use plain arithmetic (no course_lib.estimate: that is what the checks compare against).
-Notebook 01 derives every formula you need."""
+Parts 1, 2 and 5 are plain arithmetic (no course_lib.estimate: that is what the checks compare
+against). For parts 3 and 4 you choose a layout; you may try candidates with
+course_lib.estimate.per_gpu_memory, which is also how the checks judge them. Many layouts
+are right: the checks test the rules, not one answer.
 
-
-def gpt_param_count(n_layer: int, d_model: int, vocab_size: int, block_size: int, tie_weights: bool = True) -> int:
-    """Exact parameter count of the course GPT (course_lib.model.GPT) with biases and
-    d_ff = 4 * d_model: token and position embeddings, n_layer blocks (two LayerNorms with
-    gain and bias, qkv and proj, fc and proj, all with biases), a final LayerNorm, and a
-    vocab_size x d_model head only when it is not tied to the token embedding."""
-    raise NotImplementedError("exercise 01: write gpt_param_count")
+GPU memory: an H100 has "80 GB" on its spec sheet: 80 * 10**9 bytes (= 74.5 GiB).
+"""
 
 
 def state_bytes_per_param(recipe: str, zero_stage: int, dp: int) -> float:
@@ -20,31 +18,43 @@ def state_bytes_per_param(recipe: str, zero_stage: int, dp: int) -> float:
     recipe: "fp32"             params 4, grads 4, optimizer 8 (m, v)
             "bf16_mixed"       params 2, grads 2, optimizer 12 (fp32 master, m, v)
             "bf16_fp32_accum"  params 2, grads 2 + 4 (fp32 accumulation buffer), optimizer 12
+            "bf16_autocast"    params 4, grads 4, optimizer 8 (torch.autocast keeps fp32 state)
     ZeRO stage 1 shards the optimizer state over dp ranks, stage 2 also the gradients,
     stage 3 also the parameters (assume the parameter count divides evenly)."""
     raise NotImplementedError("exercise 01: write state_bytes_per_param")
 
 
-def min_gpus_zero3(n_params: int, recipe: str, gpu_bytes: float) -> int:
-    """The smallest number of data-parallel GPUs dp for which the ZeRO-3 model state per GPU,
-    ceil(n_params / dp) parameters' worth, fits in gpu_bytes (activations ignored)."""
-    raise NotImplementedError("exercise 01: write min_gpus_zero3")
+def needs_offload(n_params: float, n_gpus: int, gpu_bytes: float, bytes_per_param: int = 16) -> bool:
+    """True when the model state cannot fit in the GPUs' memory however it is split: even
+    sharded perfectly over all n_gpus (ZeRO-3, or tensor x pipeline parallelism), each GPU
+    would need more than gpu_bytes for n_params * bytes_per_param bytes, before a single
+    activation. Then part of the state must leave the GPUs (optimizer offload to CPU memory)
+    or the job needs more GPUs. n_params may be a float such as 70.6e9."""
+    raise NotImplementedError("exercise 01: write needs_offload")
 
 
-def activation_bytes_per_layer(batch: int, seq: int, d_model: int, n_head: int) -> int:
-    """Bytes one layer of the course GPT saves for backward in fp32 (naive attention, no
-    dropout, d_ff = 4 * d_model): the per-token tensors, the attention weights, the bool
-    causal mask (seq x seq, one per layer) and the LayerNorm statistics (two norms, each an
-    fp32 mean and rstd per token)."""
-    raise NotImplementedError("exercise 01: write activation_bytes_per_layer")
+def plan_70b_on_8_gpus() -> dict:
+    """A layout that trains Llama-3 70B (course_lib.estimate.LLAMA3_70B) on ONE node of 8 H100s
+    (80 GB each), micro-batch 1 of 4,096 tokens, bf16 mixed precision with AdamW.
+
+    Return {"dp": .., "tp": .., "pp": .., "zero_stage": 0-3, "recompute": "none" | "selective"
+    | "full", "offload": "none" | "optimizer"} such that dp * tp * pp == 8, the estimator accepts
+    the layout, the busiest GPU needs at most 90% of 80 GB (the rest goes to the CUDA context,
+    communication buffers and fragmentation), and whatever is offloaded fits the node's 2 TB
+    (2 * 10**12 bytes) of CPU memory in total over its 8 GPUs."""
+    raise NotImplementedError("exercise 01: write plan_70b_on_8_gpus")
 
 
-def training_flops(n_params: float, n_tokens: float) -> float:
-    """Total training FLOPs by the 6 * P * D rule."""
-    raise NotImplementedError("exercise 01: write training_flops")
+def plan_70b_on_64_gpus() -> dict:
+    """The same model and batch on 8 nodes of 8 H100s (64 GPUs), WITHOUT offload.
+
+    Same keys and the same 90% rule; dp * tp * pp == 64; offload must be "none"; and tensor
+    parallelism must stay inside one node (tp divides 8), because it communicates in every
+    layer and only NVLink inside a node is fast enough for that."""
+    raise NotImplementedError("exercise 01: write plan_70b_on_64_gpus")
 
 
-def gpu_days(total_flops: float, peak_flops: float, mfu: float) -> float:
-    """GPU-days of work: days one GPU running at mfu * peak_flops FLOP/s needs for total_flops
-    (divide by the number of GPUs for the wall-clock days of a perfectly scaled run)."""
-    raise NotImplementedError("exercise 01: write gpu_days")
+def training_days(n_params: float, n_tokens: float, n_gpus: int, peak_flops: float, mfu: float) -> float:
+    """Wall-clock days to train on n_gpus by the 6 * P * D rule, each GPU running at
+    mfu * peak_flops FLOP/s, with perfect scaling."""
+    raise NotImplementedError("exercise 01: write training_days")

@@ -1,15 +1,7 @@
 """Reference solution for exercise 01 (kept apart from the learner's stubs)."""
 
-import math
-
-BYTES = {"fp32": (4, 4, 8), "bf16_mixed": (2, 2, 12), "bf16_fp32_accum": (2, 6, 12)}  # param, grad, optimizer
-
-
-def gpt_param_count(n_layer: int, d_model: int, vocab_size: int, block_size: int, tie_weights: bool = True) -> int:
-    d = d_model
-    per_block = 12 * d * d + 13 * d  # 4d^2 attention + 8d^2 MLP weights; 4d + 5d biases; 4d LayerNorm
-    total = n_layer * per_block + vocab_size * d + block_size * d + 2 * d  # embeddings, final LayerNorm
-    return total + (0 if tie_weights else vocab_size * d)
+BYTES = {"fp32": (4, 4, 8), "bf16_mixed": (2, 2, 12), "bf16_fp32_accum": (2, 6, 12),
+         "bf16_autocast": (4, 4, 8)}  # param, grad, optimizer
 
 
 def state_bytes_per_param(recipe: str, zero_stage: int, dp: int) -> float:
@@ -18,24 +10,23 @@ def state_bytes_per_param(recipe: str, zero_stage: int, dp: int) -> float:
         opt / dp if zero_stage >= 1 else opt)
 
 
-def min_gpus_zero3(n_params: int, recipe: str, gpu_bytes: float) -> int:
-    per_param = sum(BYTES[recipe])
-    dp = max(1, math.ceil(n_params * per_param / gpu_bytes))  # the smallest dp the average allows
-    while math.ceil(n_params / dp) * per_param > gpu_bytes:  # rounding the shard up may need one more
-        dp += 1
-    return dp
+def needs_offload(n_params: float, n_gpus: int, gpu_bytes: float, bytes_per_param: int = 16) -> bool:
+    return n_params * bytes_per_param / n_gpus > gpu_bytes  # the best case: perfectly sharded state
 
 
-def activation_bytes_per_layer(batch: int, seq: int, d_model: int, n_head: int) -> int:
-    n, d, f = batch * seq, d_model, 4 * d_model
-    per_token = 4 * (8 * d + 2 * f)  # ln1, qkv in, q, k, v, proj in, ln2, fc in; GELU in and out
-    attention = 4 * n_head * seq * seq * batch  # softmax output
-    return n * per_token + attention + seq * seq + 16 * n  # + bool causal mask + LayerNorm stats
+def plan_70b_on_8_gpus() -> dict:
+    # 70.6e9 x 16 B = 1.13e12 B of state > 8 x 80e9 B: the optimizer state (12 B/param, 847e9 B)
+    # must go to CPU memory. What stays is 4 B/param = 282e9 B: tp=8 splits it into 35e9 B per
+    # GPU, and divides the activations by 8 too (sequence parallelism): 49e9 B in all.
+    return {"dp": 1, "tp": 8, "pp": 1, "zero_stage": 0, "recompute": "selective", "offload": "optimizer"}
 
 
-def training_flops(n_params: float, n_tokens: float) -> float:
-    return 6 * n_params * n_tokens
+def plan_70b_on_64_gpus() -> dict:
+    # tp=8 inside each node, dp=8 across the nodes with ZeRO-1 sharding the optimizer state:
+    # (2 + 2 + 12/8) B x 70.6e9 / 8 = 48.5e9 B of state per GPU, plus 13.9e9 B of activations
+    # (selective recomputation, divided by tp) = 62.4e9 B <= 72e9 B.
+    return {"dp": 8, "tp": 8, "pp": 1, "zero_stage": 1, "recompute": "selective", "offload": "none"}
 
 
-def gpu_days(total_flops: float, peak_flops: float, mfu: float) -> float:
-    return total_flops / (peak_flops * mfu) / 86400
+def training_days(n_params: float, n_tokens: float, n_gpus: int, peak_flops: float, mfu: float) -> float:
+    return 6 * n_params * n_tokens / (n_gpus * peak_flops * mfu) / 86400
