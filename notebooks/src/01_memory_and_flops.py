@@ -6,18 +6,30 @@
 #
 # * **Memory.** A GPU has to hold the parameters, their gradients, the optimizer's state and the
 #   activations that backward needs. For a 175-billion-parameter model the first three alone are
-#   about 2.8 TB; the largest GPUs hold 80 GB.
+#   a few TiB; one GPU holds between 80 and 288 GB (section 5).
 # * **Compute.** Training costs about 6 FLOPs per parameter per token. For GPT-3 that is
 #   3.15·10²³ FLOPs, decades of work for one GPU.
 #
-# This notebook builds each formula from what PyTorch really allocates and computes, and
-# **checks it against a measurement in the same run**: parameter and optimizer bytes against the
-# real model and optimizer, activation bytes against the tensors autograd saves, FLOPs against
-# PyTorch's FLOP counter. Every such check is an `assert`. Then it scales the same formulas up to
-# GPT-3 and Llama 3, and ends with a calculator for per-GPU memory and time to train.
+# **After this notebook you can**
 #
-# The formulas live in `course_lib/estimate.py` (each docstring states its formula and source);
-# the calculator in `course_lib/calculator.py`. Units: bytes, and **GB = 10⁹ bytes**.
+# * count the parameters of a GPT-style or Llama-style model exactly, from its shape;
+# * compute the bytes per parameter of model state under fp32, mixed precision, `torch.autocast`
+#   and ZeRO stages 0-3, and explain why mixed precision does not shrink it;
+# * list what autograd saves for backward in a transformer layer, compute its bytes, and say
+#   which term grows with the square of the sequence length and what removes it;
+# * estimate the FLOPs and the time to train a model (6·P·D, MFU), and the GPUs it needs;
+# * judge whether a layout (dp, tp, pp, ZeRO, recomputation) fits on a given GPU.
+#
+# Each formula is built from what PyTorch really allocates and computes, and **checked against
+# a measurement in the same run** (an `assert`): parameter and optimizer bytes against the real
+# model and optimizer, activation bytes against the tensors autograd saves, FLOPs against
+# PyTorch's FLOP counter. The formulas live in `course_lib/estimate/` (`params.py`, `memory.py`,
+# `compute.py`, `per_gpu.py`; each docstring states its formula and source).
+#
+# **Units.** Bytes the course computes or measures are in binary (IEC) units: KiB, MiB, GiB,
+# TiB = 2¹⁰, 2²⁰, 2³⁰, 2⁴⁰ bytes (`course_lib.units`). GPU vendors quote memory in decimal GB
+# (10⁹ bytes): an "80 GB" GPU holds 80·10⁹ bytes = 74.5 GiB. Such figures are converted
+# explicitly where they are used.
 
 # %%
 %matplotlib inline
@@ -25,7 +37,7 @@ import matplotlib.pyplot as plt
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from course_lib import estimate
+from course_lib import estimate, units
 from course_lib.estimate import calculator
 from course_lib.techniques.amp import MixedPrecisionOptimizer
 from course_lib.observe.memory import SavedActivations, model_state_bytes
@@ -34,8 +46,9 @@ from course_lib.train import TrainConfig, make_optimizer
 
 torch.manual_seed(0)
 torch.set_num_threads(1)  # small models: one thread is as fast, and leaves the CPU to others
-fmt = estimate.fmt_bytes
+fmt = units.fmt_bytes  # IEC: '74.5 GiB'
 A100_BF16 = 312e12  # FLOP/s: A100 dense bf16 tensor-core peak
+H100_BYTES = units.from_spec_gb(80)  # an H100's "80 GB" = 80e9 bytes = 74.5 GiB
 
 # %% [markdown]
 # ## 1. Counting parameters
@@ -53,6 +66,15 @@ A100_BF16 = 312e12  # FLOP/s: A100 dense bf16 tensor-core peak
 # $Td$, a final LayerNorm $2d$, and an output head $Vd$ — unless it is **tied** to the token
 # embedding (one tensor used twice, counted once). `estimate.param_count` uses the model's own
 # closed form, `course_lib.model.expected_num_params`; here it meets `sum(p.numel())`.
+#
+# *Predict first:* the course GPT has $d = 64$, 2 layers, $V = 97$, $T = 64$ and a tied head.
+# How many parameters does untying the head add?
+#
+# <details><summary>Answer</summary>
+#
+# $Vd = 97 \times 64 = 6{,}208$: the head becomes its own $V \times d$ matrix (no bias). The
+# printout shows it as the difference of the two totals.
+# </details>
 
 # %%
 for tie in (True, False):
@@ -64,6 +86,7 @@ for tie in (True, False):
     print(f"tie_weights={tie!s:5}: formula {formula:,} == measured {real:,}   "
           f"(per layer: attention {parts['attention']:,}, mlp {parts['mlp']:,}, norms {parts['norms']:,}; "
           f"head {parts['head']:,})")
+assert parts["head"] == cfg.vocab_size * cfg.d_model  # the untied case, printed last
 
 # %% [markdown]
 # The same count works at any size. GPT-3 175B (Brown et al. 2020) is this architecture with
@@ -90,17 +113,38 @@ for name, expected in published.items():
 # precision recipe:
 #
 # * **fp32**: everything in 4-byte floats: $4 + 4 + (4 + 4) = 16$ bytes/param.
-# * **bf16 mixed precision** (Micikevicius et al. 2018): forward and backward run on 2-byte
-#   parameters and produce 2-byte gradients; the optimizer updates an **fp32 master copy**
-#   (a bf16 weight cannot absorb an update 256× smaller than itself) and keeps $m$, $v$ in fp32:
-#   $2 + 2 + (4 + 4 + 4) = 16$ bytes/param. Mixed precision saves compute and activation memory,
-#   *not* model-state memory.
+# * **bf16 mixed precision with fp32 master weights**: forward and backward run on 2-byte
+#   parameters and produce 2-byte gradients; the optimizer updates an **fp32 master copy** and
+#   keeps $m$, $v$ in fp32: $2 + 2 + (4 + 4 + 4) = 16$ bytes/param. This is the master-weights
+#   recipe of mixed-precision training (Micikevicius et al. 2018, who used fp16) applied to
+#   bfloat16 (Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning Training"): bf16 has
+#   fp32's 8 exponent bits, so its range is fp32's, but only **8 significant bits** (7 stored,
+#   1 implicit). Between 1 and 2 its values are $2^{-7}$ apart, so with round-to-nearest an
+#   update smaller than $2^{-8}$ of the weight (half the spacing) is rounded away: the weight
+#   does not move at all. The fp32 master copy keeps those small updates.
 # * **fp16 mixed**: the same bytes, plus a loss scaler (a single scale factor, not per parameter)
 #   because fp16's range is narrow.
 # * **bf16 with fp32 gradient accumulation**: gradients of many micro-batches are summed in an
 #   fp32 buffer, $2 + (2 + 4) + 12 = 20$ bytes/param.
+# * **`torch.autocast` (bf16)**: PyTorch's everyday mixed precision works differently. The
+#   parameters, their gradients and AdamW's $m$, $v$ all stay fp32, $4 + 4 + 8 = 16$ bytes/param
+#   as in plain fp32; autocast casts each weight to a bf16 copy for its matmul (2 bytes/param
+#   more while those copies live) and saves bf16 activations. It saves compute and activation
+#   memory, not model state.
 #
-# Following the ZeRO paper, the master copy is counted as optimizer state ($K = 12$).
+# So mixed precision saves compute and activation memory, *not* model-state memory. Following
+# the ZeRO paper, the master copy is counted as optimizer state ($K = 12$).
+#
+# The bf16 rounding, on real bf16 numbers (the update is added in fp32, then the sum rounded to
+# bf16, as a bf16 weight update does):
+
+# %%
+weight = torch.tensor(1.0)
+print(f"bf16 spacing at 1.0: {torch.finfo(torch.bfloat16).eps} = 2^-7")
+for update in (2**-7, 1.01 * 2**-8, 2**-8, 2**-9):
+    new = (weight + update).to(torch.bfloat16).item()
+    print(f"  1.0 + {update:.6f} -> {new:.7f} in bf16  ({'kept' if new != 1.0 else 'lost'})")
+assert (weight + 2**-8).to(torch.bfloat16).item() == 1.0 and (weight + 1.01 * 2**-8).to(torch.bfloat16).item() > 1.0
 
 # %%
 print(f"{'recipe':16} {'param':>5} {'grad':>5} {'optim':>5} {'total':>5}  what is kept")
@@ -108,6 +152,17 @@ for name, r in estimate.RECIPES.items():
     print(f"{name:16} {r.param:5} {r.grad:5} {r.optimizer:5} {r.total:5}  {r.description[:70]}...")
 
 # %% [markdown]
+# (Exactly $2^{-8}$ is a tie between 1 and $1 + 2^{-7}$; round-to-nearest-even picks 1.)
+#
+# *Predict first:* the course GPT in fp32 with AdamW, after one optimizer step. How many bytes
+# per parameter do the parameters, the gradients and the optimizer hold?
+#
+# <details><summary>Answer</summary>
+#
+# 4 + 4 + 8 = 16: fp32 parameters and gradients, and two fp32 moments per parameter. The
+# optimizer's step counter is one number per tensor, not per parameter, and is not counted.
+# </details>
+#
 # **Measured, fp32.** Build the course GPT and the course's AdamW (`course_lib.train.make_optimizer`),
 # take one step so the optimizer has allocated $m$ and $v$, run a second backward so gradients
 # exist, and count every byte the model and optimizer hold (`course_lib.observe.memory.model_state_bytes`,
@@ -156,6 +211,20 @@ for recipe, accum in (("bf16_mixed", False), ("bf16_fp32_accum", True)):
     per = {k: v / P for k, v in measured.items()}
     print(f"{recipe:16} measured params {per['params']:.0f} + grads {per['grads']:.0f} + "
           f"optimizer {per['optimizer']:.0f} = {per['total']:.0f} B/param  == formula")
+
+# torch.autocast: the model and AdamW stay fp32; only the compute inside the block is bf16.
+model_ac = GPT(cfg)
+opt_ac = make_optimizer(model_ac, TrainConfig())
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    logits, loss = model_ac(x, x)
+loss.backward()
+opt_ac.step()
+assert logits.dtype == torch.bfloat16 and next(model_ac.parameters()).dtype == torch.float32
+measured = model_state_bytes(model_ac, opt_ac)
+assert measured == estimate.model_state_bytes(P, "bf16_autocast")
+per = {k: v / P for k, v in measured.items()}
+print(f"{'bf16_autocast':16} measured params {per['params']:.0f} + grads {per['grads']:.0f} + "
+      f"optimizer {per['optimizer']:.0f} = {per['total']:.0f} B/param  == formula (bf16 logits, fp32 state)")
 
 # %% [markdown]
 # ### ZeRO: stop replicating the state
@@ -214,8 +283,22 @@ for stage in range(4):
 #
 # Outside the layers: token and position ids, the final LayerNorm and head inputs, the
 # log-softmax over the vocabulary ($4nV$) and the targets. `SavedActivations` counts what autograd
-# really saves (through saved-tensor hooks, each storage once, parameters excluded). Side by side
-# for a one-layer model:
+# really saves (through saved-tensor hooks, each storage once, parameters excluded).
+#
+# *Predict first:* one layer of the course GPT ($d = 64$, 4 heads, $f = 256$) on a batch of
+# 4 sequences of 64 tokens, in fp32. Which single term of the formula is the largest: the
+# attention weights ($4as^2b$) or the MLP hidden activations ($2 \cdot 4nf$)? What if the
+# sequence were 1,024 tokens long?
+#
+# <details><summary>Answer</summary>
+#
+# At $s = 64$ the MLP hidden term: $2 \cdot 4 \cdot 256 \cdot 256 = 524{,}288$ bytes against
+# $4 \cdot 4 \cdot 64^2 \cdot 4 = 262{,}144$ for the softmax output. The attention term grows
+# with $s^2$ and the MLP term with $s$, so at $s = 1{,}024$ the attention weights are
+# $16\times$ larger relative to it and dominate.
+# </details>
+#
+# Side by side for a one-layer model:
 
 # %%
 def saved_bytes(cfg, batch, seq):
@@ -291,22 +374,28 @@ print(f"GPT-3 layer, s={s}, b={b}: inventory {fmt(g3['per_layer'])}, Korthikanti
 
 fig, ax = plt.subplots(figsize=(6.5, 3.8))
 seqs = [256, 512, 1024, 2048]
+at_2048 = {}
 for label, kw in [("naive attention, no recompute", dict(attention="naive")),
                   ("fused attention (or selective)", dict(attention="fused")),
                   ("full recompute", dict(attention="fused", recompute="full"))]:
-    totals = [estimate.activation_bytes(estimate.GPT3_175B, 1, q, 2, dropout=True, **kw)["total"] / 1e9 for q in seqs]
-    ax.plot(seqs, totals, "o-", label=label)
-ax.axhline(80, color="black", linestyle="--", linewidth=1, label="80 GB GPU")
-ax.set(xscale="log", yscale="log", xlabel="sequence length s", ylabel="activations, GB",
+    totals = [estimate.activation_bytes(estimate.GPT3_175B, 1, q, 2, dropout=True, **kw)["total"] for q in seqs]
+    at_2048[label] = totals[-1]
+    ax.plot(seqs, [t / units.GiB for t in totals], "o-", label=label)
+ax.axhline(H100_BYTES / units.GiB, color="black", linestyle="--", linewidth=1, label="H100: 80 GB = 74.5 GiB")
+ax.set(xscale="log", yscale="log", xlabel="sequence length s", ylabel="activations, GiB",
        title="GPT-3 175B activations for ONE sequence (bf16, all 96 layers)")
 ax.set_xticks(seqs, [str(q) for q in seqs])
 ax.minorticks_off()
 ax.legend(fontsize=8)
 plt.show()
+for label, b in at_2048.items():
+    print(f"s = 2048, {label:32} {fmt(b):>10}  ({b / H100_BYTES:.2f} x an H100's memory)")
+naive_b, fused_b, full_b = at_2048.values()
+assert naive_b > fused_b > H100_BYTES > full_b  # only full recomputation fits one sequence
 
 # %% [markdown]
-# Even a single 2048-token sequence through GPT-3 needs more activation memory than a GPU has,
-# unless attention is fused and layers are recomputed. Activations also scale linearly with the
+# Even a single 2048-token sequence through GPT-3 needs more activation memory than an 80 GB
+# GPU has, with naive and even with fused attention; only full recomputation brings it under. Activations also scale linearly with the
 # micro-batch: the reason micro-batches of 1 are common at this size.
 #
 # ## 4. FLOPs: what a training step costs
@@ -325,6 +414,17 @@ plt.show()
 # Kaplan et al. 2020 count half of it ($2 L s d$ forward) assuming the masked half is skipped
 # (`causal=True`). `torch.utils.flop_counter.FlopCounterMode` counts the matmuls PyTorch really
 # runs in forward and backward; the formula must agree within 5 %.
+#
+# *Predict first:* the course GPT has about 110,000 parameters and trains on 64-token
+# sequences. Is its exact training cost per token above or below $6N$, and by roughly how much?
+#
+# <details><summary>Answer</summary>
+#
+# Above, by the attention term: relative to the $6 \cdot 12Ld^2$ of the layer weights it adds
+# $s/(6d) = 64/384 \approx 17\%$. Two things pull the other way: the position table and the
+# biases count in $N$ but are never multiplied, and the tied head multiplies although it is
+# counted once. The printout below shows the net ratio.
+# </details>
 
 # %%
 print(f"{'config':28} {'formula':>14} {'FlopCounter':>14}  ratio")
@@ -360,29 +460,52 @@ for name in ("course GPT", "GPT-3 175B"):
 # %% [markdown]
 # ## 5. Scaling up: GPT-3 175B
 #
-# **Memory.** 175 billion parameters in 2-byte floats are 350 GB: four and a half 80 GB GPUs
-# for the weights alone, before a single gradient, optimizer moment or activation.
+# **How much memory does a GPU have?** Data-centre GPUs of 2022-2025, as their vendors quote
+# them (decimal GB), and in the binary units the course computes in:
+
+# %%
+GPU_MEMORY_GB = {  # vendor spec sheets; B200 is sold in 180 and 192 GB versions
+    "NVIDIA H100 (SXM)": 80, "NVIDIA H200": 141, "NVIDIA B200": 180, "AMD MI300X": 192,
+    "NVIDIA B300": 288, "AMD MI355X": 288,
+}
+print(f"{'GPU':18} {'spec sheet':>10} {'= bytes':>16} {'in GiB':>10}")
+for gpu, gb in GPU_MEMORY_GB.items():
+    print(f"{gpu:18} {gb:>7} GB {units.from_spec_gb(gb):>16,} {units.spec_gb_to_gib(gb):>6.1f} GiB")
+assert round(units.spec_gb_to_gib(80), 1) == 74.5
+
+# %% [markdown]
+# The rest of this section measures models in H100s (80 GB = 74.5 GiB), the most common
+# training GPU of these years; divide by 1.8 for a 141 GB H200 or by 3.6 for a 288 GB B300.
+#
+# *Predict first:* GPT-3 has 175 billion parameters. How many H100s does it take just to hold
+# its weights in bf16? And its whole model state for training with AdamW in mixed precision?
+#
+# <details><summary>Answer</summary>
+#
+# Weights: $2 \times 175 \cdot 10^9$ bytes $= 350 \cdot 10^9$ bytes, about 4.4 H100s. The model
+# state is 16 bytes per parameter, 8× more: about 35 H100s, before any activation. The cell
+# below computes both with the exact parameter count.
+# </details>
 
 # %%
 P3 = estimate.param_count(estimate.GPT3_175B)
 weights16 = 2 * P3
-assert weights16 > 4 * 80e9
 print(f"GPT-3: {P3 / 1e9:.1f}e9 parameters -> 16-bit weights alone {fmt(weights16)} "
-      f"= {weights16 / 80e9:.1f} x an 80 GB GPU")
-print(f"\n{'recipe':16} {'params':>9} {'grads':>9} {'optimizer':>10} {'total':>9}  80-GB GPUs for the state")
+      f"= {weights16 / H100_BYTES:.1f} x an H100's {fmt(H100_BYTES)}")
+print(f"\n{'recipe':16} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}  H100s for the state")
 for name in estimate.RECIPES:
     st = estimate.model_state_bytes(P3, name)
-    print(f"{name:16} {fmt(st['params']):>9} {fmt(st['grads']):>9} {fmt(st['optimizer']):>10} "
-          f"{fmt(st['total']):>9}  {st['total'] / 80e9:5.1f}")
+    print(f"{name:16} {fmt(st['params']):>10} {fmt(st['grads']):>10} {fmt(st['optimizer']):>10} "
+          f"{fmt(st['total']):>10}  {st['total'] / H100_BYTES:5.1f}")
 z3 = estimate.model_state_bytes(P3, "bf16_mixed", zero_stage=3, dp=64)["total"]
-assert z3 < 80e9 < estimate.model_state_bytes(P3, "bf16_mixed", zero_stage=3, dp=32)["total"]
-print(f"\nZeRO-3 over 64 GPUs: {fmt(z3)} of state per GPU (over 32 GPUs it would not fit)")
+assert z3 < H100_BYTES < estimate.model_state_bytes(P3, "bf16_mixed", zero_stage=3, dp=32)["total"]
+print(f"\nZeRO-3 over 64 GPUs: {fmt(z3)} of state per GPU, fits an H100 (over 32 GPUs it would not)")
 
 # %% [markdown]
 # **Compute.** The 6·P·D rule for 300 billion training tokens gives
-# $6 \times 175\cdot10^9 \times 300\cdot10^9 = 3.15\cdot10^{23}$ FLOPs. An A100 peaks at 312 TFLOP/s
-# in bf16; real training reaches 30-55 % of peak (the **model FLOPs utilisation**, MFU), so even
-# the peak figure is optimistic.
+# $6 \times 175\cdot10^9 \times 300\cdot10^9 = 3.15\cdot10^{23}$ FLOPs. An A100 (the GPU GPT-3's
+# generation trained on) peaks at 312 TFLOP/s in bf16; real training reaches 30-55 % of peak
+# (the **model FLOPs utilisation**, MFU), so even the peak figure is optimistic.
 
 # %%
 total = estimate.training_flops(175e9, 300e9)
@@ -399,7 +522,17 @@ n4w = estimate.gpus_needed(total, 28 * 86400, A100_BF16, 0.4)
 assert estimate.training_time(total, n4w, A100_BF16, 0.4) <= 28 * 86400
 print(f"four weeks at 40% MFU need {n4w} A100s")
 
+# 6PD leaves out the attention term; the calculator below counts it (flops_per_token).
+exact = estimate.flops_per_token(estimate.GPT3_175B) * 300e9
+days_6pd, days_exact = (estimate.training_time(f, 1024, A100_BF16, 0.4) / 86400 for f in (total, exact))
+print(f"1024 A100s: {days_6pd:.1f} days by 6PD ({total:.3g} FLOPs), {days_exact:.1f} days with attention "
+      f"counted ({exact:.3g} FLOPs, {exact / total - 1:+.1%})")
+assert days_6pd < days_exact
+
 # %% [markdown]
+# The two day counts differ only by the attention FLOPs that 6PD leaves out (and by 174.6e9
+# exact parameters against the rounded 175e9): the calculator of section 6 uses the exact count.
+#
 # So training at this scale needs **both** kinds of splitting: the state and activations must be
 # spread so each GPU holds a slice (ZeRO, tensor, pipeline and expert parallelism, recomputation,
 # offload), and the work must be spread over about a thousand GPUs (data parallelism on top).
@@ -471,11 +604,41 @@ show_interactive(lambda: calculator.calculator_view(), lambda: calculator.Memory
 # ## What to remember
 #
 # * Parameters: $12d^2$ per GPT layer; count them exactly, tied weights once.
-# * Model state: 16 bytes/param with AdamW in fp32 *or* mixed precision (20 with fp32 gradient
-#   accumulation); ZeRO divides it by the number of data-parallel ranks, stage by stage.
+# * Model state: 16 bytes/param with AdamW in fp32, in bf16 with fp32 master weights
+#   (2 + 2 + 12) and under `torch.autocast` (4 + 4 + 8); 20 with fp32 gradient accumulation.
+#   ZeRO divides it by the number of data-parallel ranks, stage by stage.
+# * bf16 keeps 8 significant bits: updates below $2^{-8}$ of a weight are lost, hence fp32
+#   master weights.
 # * Activations: $sbh(34 + 5as/h)$ per layer in 16 bits; fused attention and recomputation remove
 #   most of it, at the price of recomputed FLOPs.
 # * Compute: $6PD$ FLOPs (plus attention); divide by GPUs × peak × MFU for the time.
 #
-# Next: test yourself in `exercises/ex01_memory_math.ipynb`, then the following notebooks build
-# the parallel strategies that make the numbers of section 6 real.
+# ## Self-check
+#
+# 1. A 7-billion-parameter model is trained with AdamW in bf16 with fp32 master weights on 8
+#    data-parallel GPUs. How many GiB of model state does each GPU hold under ZeRO-0, 1, 2, 3?
+# 2. Why does switching from fp32 to `torch.autocast(dtype=torch.bfloat16)` not reduce the
+#    model state, and what does it reduce?
+# 3. A bf16 weight equals 3.0. Which of the updates 0.02, 0.01, 0.005 change it?
+# 4. Doubling the sequence length with naive attention: by what factor do the softmax
+#    activations grow? The MLP activations?
+# 5. How many days does a 70-billion-parameter model trained on 15·10¹² tokens take on
+#    4,096 GPUs of 989 TFLOP/s bf16 peak at 40 % MFU (6·P·D)?
+#
+# <details><summary>Answers</summary>
+#
+# 1. $7\cdot10^9 \times$ (16, 4 + 12/8, 2 + 14/8, 16/8) bytes = 104.3, 35.9, 24.4, 13.0 GiB.
+# 2. Autocast keeps the parameters, gradients and optimizer moments in fp32 (4 + 4 + 8 bytes per
+#    parameter); it runs the matmuls on bf16 copies and saves bf16 activations, so it reduces
+#    compute time and activation memory.
+# 3. Between 2 and 4 the bf16 spacing is $2^{-6} = 0.015625$; an update is kept only if it is
+#    more than half of that, 0.0078: 0.02 and 0.01 change the weight (to 3.015625), 0.005 does
+#    not.
+# 4. The softmax output is $a s^2 b$: 4×. The MLP activations are linear in $s$: 2×.
+# 5. $6 \times 70\cdot10^9 \times 15\cdot10^{12} = 6.3\cdot10^{24}$ FLOPs, divided by
+#    $4096 \times 989\cdot10^{12} \times 0.4$ FLOP/s = 3.9·10⁶ s ≈ 45 days.
+# </details>
+#
+# Next: exercise 01 (`exercises/ex01_memory_math.ipynb`) asks you to plan a real training
+# layout with these formulas; then the following notebooks build the parallel strategies that
+# make the numbers of section 6 real.
