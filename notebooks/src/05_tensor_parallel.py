@@ -1,0 +1,540 @@
+# %% [markdown]
+# # 05 · Tensor parallelism (Megatron) and sequence parallelism
+#
+# Data parallelism (notebook 03) copies the whole model onto every rank. When one layer's
+# weights, gradients, optimizer state and activations no longer fit on one GPU, or a step
+# takes too long even at batch size 1 per GPU, we must split **inside** the layers:
+# **tensor parallelism** (TP) gives each of `tp` ranks a slice of every weight matrix, and the
+# ranks exchange activations in the middle of each layer (Shoeybi et al. 2019, "Megatron-LM").
+# **Sequence parallelism** (SP) then splits the rest of the layer, the LayerNorms and dropouts,
+# along the sequence (Korthikanti et al. 2022).
+#
+# By the end of this notebook you can:
+#
+# 1. say what each rank computes when a weight is split by columns or by rows, and when the
+#    partial results must be summed;
+# 2. explain Megatron's two operators `f` and `g`, and why a transformer MLP needs exactly one
+#    all-reduce in forward and one in backward;
+# 3. split attention by heads, including the fused QKV weight, and split the vocabulary of
+#    the embedding and of the loss without ever gathering the logits;
+# 4. show that a tensor-parallel GPT trains exactly like the single-process one, and count
+#    its collectives against the formulas;
+# 5. measure what sequence parallelism saves, and why TP stays inside one node;
+# 6. run the same model through PyTorch's DTensor `parallelize_module` and compare.
+#
+# The code lives in `course_lib/parallel/tp/` (layers, loss, `apply_tensor_parallel`, the
+# DTensor version); the differentiable collectives in `course_lib/comm/autograd.py`.
+
+# %%
+%matplotlib inline
+import contextlib
+from unittest import mock
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib import CommTracer, plot_gantt, run_on_ranks
+from course_lib.comm.costmodel import CLUSTERS
+from course_lib.data import CharDataset, get_batch
+from course_lib.estimate import GPT3_175B, activation_bytes, per_gpu_memory
+from course_lib.model import GPT, GPTConfig
+from course_lib.observe.memory import SavedActivations, model_state_bytes
+from course_lib.parallel.tp import (ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel,
+                                    check_tensor_parallel, full_logits, gather_full_state_dict, qkv_rows)
+from course_lib.parallel.tp.costs import layer_communication, step_communication
+from course_lib.parallel.tp.dtensor import apply_dtensor_tensor_parallel
+from course_lib.parallel.tp.figures import (compute_vs_comm, layer_view, layer_widget, plot_split_matmul,
+                                            valid_tp)
+from course_lib.parallel.tp.training import run_tensor_parallel
+from course_lib.train import TrainConfig, flat_params, train_reference
+from course_lib.units import fmt_bytes
+from course_lib.widgets import show_interactive
+
+torch.manual_seed(0)
+DATA = CharDataset("train")
+CONFIG = GPTConfig.tiny(DATA.vocab_size)  # 2 layers, 4 heads, d_model 64, d_ff 256
+TRAIN = TrainConfig(steps=5, batch_size=8, eval_every=10**9, eval_batches=1, progress=False)
+RANKS = dict(backend="gloo", timeout_s=120)  # CPU ranks, even on a GPU machine
+print(f"course GPT: {GPT(CONFIG).num_params():,} parameters, vocabulary of {CONFIG.vocab_size} symbols")
+
+# %% [markdown]
+# ## 1. The matrix picture: split by columns, split by rows
+#
+# A linear layer computes $Y = XA$ ($X$: tokens x inputs, $A$: inputs x outputs; `nn.Linear`
+# stores $W = A^\top$). There are two ways to cut $A$ between ranks:
+#
+# * **by columns**, $A = [A_0 \mid A_1]$: rank $r$ computes $Y_r = X A_r$, a slice of the
+#   output's columns. Every rank needs all of $X$, and nothing has to be summed: the output
+#   simply stays split.
+# * **by rows**, $A = \begin{bmatrix}A_0\\A_1\end{bmatrix}$: rank $r$ holds only the matching
+#   columns $X_r$ of the input and computes $X_r A_r$, a full-size **partial sum**; the output
+#   is $Y = X_0A_0 + X_1A_1$, so the ranks must add their results (an all-reduce).
+
+# %%
+fig = plt.figure(figsize=(10, 3.4))
+plot_split_matmul(fig, tp=2)
+plt.show()
+
+# %%
+X, A = torch.randn(4, 6), torch.randn(6, 8)
+Y = X @ A
+by_columns = torch.cat([X @ A[:, :4], X @ A[:, 4:]], dim=1)  # rank 0 | rank 1, side by side
+by_rows = X[:, :3] @ A[:3] + X[:, 3:] @ A[3:]                 # rank 0 + rank 1, summed
+assert torch.allclose(by_columns, Y, atol=1e-6) and torch.allclose(by_rows, Y, atol=1e-6)
+print("column split: concatenate the slices;  row split: add the partial sums;  both give X @ A")
+
+# %% [markdown]
+# ## 2. f and g, and why the MLP needs one all-reduce, not two
+#
+# The MLP is $Z = \mathrm{GELU}(XA)\,B$. Split $A$ by **columns**: each rank computes
+# $\mathrm{GELU}(XA_r)$ on its own, because GELU acts on each element and rank $r$ holds whole
+# columns. That output is split by columns, exactly the way a **row**-split $B$ wants its input.
+# So rank $r$ computes $\mathrm{GELU}(XA_r)B_r$ and the only communication is the sum at the end.
+# Splitting $A$ by rows instead would leave partial sums *before* the GELU, and
+# $\mathrm{GELU}(a) + \mathrm{GELU}(b) \neq \mathrm{GELU}(a + b)$: a second all-reduce would be
+# needed in the middle.
+
+# %%
+a, b = torch.tensor(1.0), torch.tensor(-2.0)
+print(f"GELU(a) + GELU(b) = {(F.gelu(a) + F.gelu(b)).item():.4f}   GELU(a + b) = {F.gelu(a + b).item():.4f}")
+
+# %% [markdown]
+# Megatron writes the communication as two conjugate operators around each such region:
+#
+# | operator | forward | backward | where |
+# |---|---|---|---|
+# | **f** (`copy_to_group`) | identity: every rank already holds $X$ | all-reduce of $\partial L/\partial X$ | entering the region (before the column-split layer) |
+# | **g** (`reduce_from_group`) | all-reduce of the partial sums | identity | leaving it (after the row-split layer) |
+#
+# Why f's backward sums: $X$ fed every rank's columns, so its gradient is the sum of every
+# rank's contribution, $\partial L/\partial X = \sum_r \partial L/\partial Y_r \, A_r^\top$. Why g's
+# backward is the identity: $Z = \sum_r Z_r$, so $\partial L/\partial Z_r = \partial L/\partial Z$,
+# which every rank already holds. Each is the other's transpose.
+#
+# **Predict.** A column-split `fc` followed by a row-split `proj` on 2 ranks: how many
+# all-reduces in forward, how many in backward, and how big is each?
+#
+# <details><summary>Answer</summary>
+#
+# One each: g after `proj` in forward, f before `fc` in backward, each of the whole
+# activation $X$ (here 2 x 4 tokens x 8 features = 64 floats = 256 bytes). The GELU in between costs nothing.
+# </details>
+
+# %%
+def mlp_on_ranks():
+    torch.manual_seed(0)  # the same full layers and input on every rank
+    fc, proj = nn.Linear(8, 32), nn.Linear(32, 8)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    reference = proj(F.gelu(fc(x)))
+    reference.sum().backward()
+    col, row = ColumnParallelLinear.from_linear(fc), RowParallelLinear.from_linear(proj)
+    xr = x.detach().requires_grad_(True)
+    with CommTracer() as forward:
+        out = row(F.gelu(col(xr)))
+    with CommTracer() as backward:
+        out.sum().backward()
+    assert torch.allclose(out, reference, atol=1e-6) and torch.allclose(xr.grad, x.grad, atol=1e-6)
+    return (tuple(col.weight.shape), tuple(row.weight.shape), forward.summary(), backward.summary())
+
+for rank, (cw, rw, fwd, bwd) in enumerate(run_on_ranks(mlp_on_ranks, world_size=2, **RANKS)):
+    print(f"rank {rank}: fc weight {cw}, proj weight {rw}; forward {fwd}; backward {bwd}")
+    assert fwd["all_reduce"]["calls"] == bwd["all_reduce"]["calls"] == 1
+
+# %% [markdown]
+# Each rank holds half of `fc`'s output rows (16 of 32) and half of `proj`'s input columns; the
+# output and the input gradient equal the single-process ones.
+#
+# ## 3. Attention, split by heads
+#
+# Attention is the same pattern: heads are independent, so rank $r$ takes $a/tp$ whole heads.
+# `qkv` is column-split (rank $r$ computes Q, K and V of its heads), attention runs per head
+# with no communication, and `proj` is row-split (its input columns are the heads' outputs),
+# followed by g. One all-reduce forward, one backward, for the whole attention block.
+#
+# The course GPT computes Q, K and V with **one fused** `qkv` weight whose rows are
+# `[Q (d rows) | K (d rows) | V (d rows)]`. A contiguous third of those rows would give rank 0
+# all of Q and part of K: wrong. Each rank must take the rows of its heads from each of the
+# three parts (`qkv_rows`). With d = 8, 2 heads of 4 features, 2 ranks:
+
+# %%
+for rank, rows in enumerate(qkv_rows(8, 2).tolist()):
+    print(f"rank {rank}: Q rows {rows[0:4]}  K rows {rows[4:8]}  V rows {rows[8:12]}")
+
+# %% [markdown]
+# **Predict.** If we split the fused `qkv` rows into contiguous halves instead, would the
+# loss of the tensor-parallel model still match the single-process one?
+#
+# <details><summary>Answer</summary>
+#
+# No. Rank 0 would compute "queries" from Q rows and "keys" from other Q rows, and the shapes
+# still fit, so nothing crashes: only the numbers are wrong. The comparison below catches it.
+# </details>
+
+# %%
+def loss_vs_single_process(contiguous_qkv=False):
+    x, y = get_batch(DATA, 4, torch.Generator().manual_seed(0))
+    single = GPT(CONFIG, seed=0)(x, y)[1].item()
+    wrong = contextlib.nullcontext()
+    if contiguous_qkv:
+        from course_lib.parallel.tp import apply as tp_apply
+        wrong = mock.patch.object(tp_apply, "qkv_rows", lambda d, tp: torch.arange(3 * d).view(tp, -1))
+    with wrong:
+        model = apply_tensor_parallel(GPT(CONFIG, seed=0), None)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith(("blocks.0.", "tok_emb", "head"))}
+    return single, model(x, y)[1].item(), shapes
+
+res = run_on_ranks(loss_vs_single_process, world_size=2, **RANKS)
+for name, shape in res[0][2].items():
+    print(f"{name:<24} rank 0 holds {shape}")
+single, tp_loss, _ = res[0]
+bad = run_on_ranks(loss_vs_single_process, True, world_size=2, **RANKS)[0][1]
+print(f"loss: single process {single:.4f}, heads split {tp_loss:.4f}, contiguous qkv split {bad:.4f}")
+assert abs(tp_loss - single) < 1e-5 and abs(bad - single) > 1e-3
+
+# %% [markdown]
+# Per rank: `qkv` 96 = 3 x 64 / 2 rows, `attn.proj` 32 input columns, `fc` 128 of 256 rows,
+# `mlp.proj` 128 input columns; LayerNorms and the row-parallel biases stay whole (a bias is
+# added once, after the sum). The embedding has 49 rows per rank: the next section explains why.
+#
+# ## 4. The vocabulary: a parallel embedding and a loss that never gathers the logits
+#
+# The embedding table ($V \times d$) and the output head ($d \times V$, here the same tied matrix)
+# are split by **vocabulary rows**: rank $r$ holds tokens $[rV'/tp, (r+1)V'/tp)$. The course's
+# 97-symbol vocabulary is not divisible by 2 or 4, so it is **padded** to $V' = 98$ (or 100)
+# with rows of zeros, as Megatron pads to a multiple of its `tp`.
+#
+# * **Embedding:** a rank looks up the tokens it owns and writes zeros for the others; g sums
+#   the ranks' outputs, and exactly one rank contributed each token's row.
+# * **Head:** column-parallel (f first); rank $r$ gets the logits of its vocabulary slice, $z_{i,V_r}$.
+# * **Loss:** $\ell_i = \log\sum_j e^{z_{ij}} - z_{i,y_i}$ needs every column, but only three numbers
+#   per token from each rank: its maximum $m_i$ (all-reduce MAX, for stability), its
+#   $\sum_{j\in V_r} e^{z_{ij}-m_i}$ (all-reduce SUM) and the target logit if it owns $y_i$
+#   (all-reduce SUM). Padded columns are set to $-\infty$, so $e^{-\infty} = 0$ changes nothing.
+#   Sums go through g, so autograd hands each rank the gradient of its own slice,
+#   $(\mathrm{softmax}_{ij} - [j = y_i])/N$.
+#
+# Gathering the logits instead would move $N \cdot V$ numbers per rank; the three all-reduces move
+# $3N$. For Llama 3's 128,256-token vocabulary that is 42,752 times fewer.
+
+# %%
+def vocabulary_parallel():
+    x, y = get_batch(DATA, 4, torch.Generator().manual_seed(0))
+    logits_ref, loss_ref = GPT(CONFIG, seed=0)(x, y)
+    model = apply_tensor_parallel(GPT(CONFIG, seed=0), None)
+    local_logits, _ = model(x)
+    with CommTracer() as tracer:
+        loss = model.loss_fn(local_logits, y)
+    gathered = full_logits(model, local_logits)  # only to compare with the single process
+    return (tuple(local_logits.shape), loss.item() - loss_ref.item(),
+            (gathered - logits_ref).abs().max().item(), tracer.summary()["all_reduce"])
+
+gather_bytes = 4 * CONFIG.block_size * 98 * 4  # every rank receiving the (4, 64, 98) fp32 logits
+for rank, (shape, dloss, dlogits, ar) in enumerate(run_on_ranks(vocabulary_parallel, world_size=2, **RANKS)):
+    print(f"rank {rank}: local logits {shape}; the loss: {ar['calls']} all-reduces of {ar['bytes_sent']:,} bytes "
+          f"in all (an all-gather of the logits: {gather_bytes:,} bytes)")
+    assert abs(dloss) < 1e-5 and dlogits < 1e-5 and ar["calls"] == 3
+
+# %% [markdown]
+# ## 5. The whole model trains like the single process
+#
+# `apply_tensor_parallel(model, group, sequence_parallel=False)` swaps the modules of a plain
+# `GPT` in place (same weights on every rank; each keeps its shards) and returns it.
+# `model(idx, targets)` still returns `(logits, loss)`: the logits are this rank's vocabulary
+# slice, the loss is the single-process loss on every rank, and after `backward()` each shard's
+# gradient is the matching slice of the single-process gradient. So a plain AdamW on each rank
+# trains the same model; only gradient clipping needs the global norm, a sum of squares over
+# every shard (`clip_grad_norm_`). `gather_full_state_dict` puts the shards back together.
+#
+# We train 5 steps at tp = 2, without and with sequence parallelism (section 7), and the same
+# model through PyTorch's DTensor (section 10), next to the single-process run:
+
+# %%
+reference = train_reference(CONFIG, TRAIN)
+runs = {"tp=2": run_tensor_parallel(2, CONFIG, TRAIN, **RANKS),
+        "tp=2 + SP": run_tensor_parallel(2, CONFIG, TRAIN, sequence_parallel=True, **RANKS),
+        "tp=2 DTensor": run_tensor_parallel(2, CONFIG, TRAIN, impl="dtensor", **RANKS)}
+print(f"{'':<14}" + "".join(f"{'step ' + str(s + 1):>9}" for s in range(TRAIN.steps)))
+print(f"{'1 process':<14}" + "".join(f"{v:>9.3f}" for v in reference.train_losses))
+for name, per_rank in runs.items():
+    print(f"{name:<14}" + "".join(f"{v:>9.3f}" for v in per_rank[0].train_losses))
+    for out in per_rank:  # every rank, every step: the single-process loss
+        assert max(abs(a - b) for a, b in zip(out.train_losses, reference.train_losses)) < 1e-5
+for name in ("tp=2", "tp=2 + SP"):  # the gathered parameters after 5 AdamW steps
+    assert torch.allclose(runs[name][0].final_params, flat_params(reference.model), atol=3e-4)
+print("losses equal on every rank and to the single process; gathered parameters equal too")
+
+# %% [markdown]
+# ## 6. Communication, counted
+#
+# Per layer and per forward pass, plain TP runs **2 all-reduces** of the whole activation,
+# $b \cdot s \cdot h$ elements (g after `attn.proj` and after `mlp.proj`), and 2 more in backward
+# (f before `qkv` and `fc`). Outside the layers: g after the embedding, f before the head, and
+# the loss's 3 all-reduces of $b\cdot s$ numbers. `step_communication` writes this down as
+# formulas; the tracer counts what the ranks really sent:
+
+# %%
+def traced_step(sequence_parallel):
+    x, y = get_batch(DATA, 8, torch.Generator().manual_seed(0))
+    model = apply_tensor_parallel(GPT(CONFIG, seed=0), None, sequence_parallel)
+    with CommTracer() as forward:
+        loss = model(x, y)[1]
+    with CommTracer() as backward:
+        loss.backward()
+    return forward.summary(), backward.summary()
+
+B, S, L = 8, CONFIG.block_size, CONFIG.n_layer
+for sp in (False, True):
+    fwd, bwd = run_on_ranks(traced_step, sp, world_size=2, **RANKS)[0]
+    want = step_communication(CONFIG, B, S, 2, sp)
+    assert fwd == want["forward"] and bwd == want["backward"]
+    print(f"sequence_parallel={sp}:  (calls, bytes sent by rank 0; equal to the formula)")
+    for phase, summary in (("forward", fwd), ("backward", bwd)):
+        print(f"   {phase:<9}" + "   ".join(f"{op} {s['calls']} x, {fmt_bytes(s['bytes_sent'])}"
+                                           for op, s in summary.items()))
+
+# %% [markdown]
+# With 2 layers, forward: $2 \cdot 2 + 1 = 5$ all-reduces of $8 \cdot 64 \cdot 64 \cdot 4$ bytes = 128 KiB
+# each, plus the loss's 3 small ones. With sequence parallelism each all-reduce becomes an
+# all-gather (entering the region) and a reduce-scatter (leaving it); the backward has a few
+# more all-gathers (section 7) and small all-reduces for the LayerNorm weights, which each
+# rank now applies to only its part of the sequence.
+#
+# **Predict.** Does replacing an all-reduce by an all-gather plus a reduce-scatter put more or
+# fewer bytes on each rank's link?
+#
+# <details><summary>Answer</summary>
+#
+# The same. A ring all-reduce *is* a reduce-scatter followed by an all-gather (notebook 02):
+# $2\frac{N-1}{N}M$ bytes against $\frac{N-1}{N}M + \frac{N-1}{N}M$.
+# </details>
+
+# %%
+for tp in (2, 4, 8):
+    plain, seq = (layer_communication(1, 2048, 12288, tp, sp, dtype_bytes=2) for sp in (False, True))
+    assert plain["ring_bytes_forward"] == seq["ring_bytes_forward"]
+    print(f"GPT-3 layer, b=1, s=2048, bf16, tp={tp}: {fmt_bytes(plain['message_bytes'])} per activation, "
+          f"forward {fmt_bytes(plain['ring_bytes_forward'])} per rank on the ring, with or without SP")
+
+# %% [markdown]
+# ## 7. Sequence parallelism: what it saves
+#
+# Plain TP splits the attention and MLP activations by `tp` but **not** what lies between the
+# regions: the LayerNorm inputs, the residual stream, dropout masks. Every rank holds all of
+# them, the same on every rank. Korthikanti et al. (2022) split those along the **sequence**:
+# each rank keeps $s/tp$ tokens of them. Entering a region becomes an all-gather along the
+# sequence, leaving it a reduce-scatter. The column-parallel layer keeps only its sequence
+# shard of the input for backward and gathers it again there, so that the gathered copy is not
+# stored: that is the formula's assumption and the extra backward all-gathers counted above.
+#
+# **Predict.** At tp = 2 on the course GPT, which per-layer activation terms shrink with SP?
+#
+# <details><summary>Answer</summary>
+#
+# Everything that was replicated: the LayerNorm inputs and statistics, the `qkv` and `fc`
+# inputs. The Q/K/V, the attention scores, the `proj` inputs and the MLP hidden were already
+# split by TP. Notebook 01's `activation_bytes` has both versions; below, measured per layer
+# with `SavedActivations` (2 layers minus 1 layer) at tp = 2 and 4.
+# </details>
+
+# %%
+def memory_on_ranks(sequence_parallel):
+    out = {}
+    for n_layer in (1, 2):
+        model = apply_tensor_parallel(GPT(GPTConfig.tiny(DATA.vocab_size, n_layer=n_layer), seed=0), None,
+                                      sequence_parallel)
+        x, y = get_batch(DATA, 8, torch.Generator().manual_seed(0))
+        with SavedActivations(model) as saved:
+            model(x, y)
+        out[n_layer] = (saved.bytes, model_state_bytes(model)["params"])
+    return out
+
+print(f"{'':<10}{'activations per layer (measured = formula)':>44}{'parameters per rank':>22}")
+for tp in (2, 4):
+    per_layer = {}
+    for sp in (False, True):
+        res = run_on_ranks(memory_on_ranks, sp, world_size=tp, **RANKS)[0]
+        per_layer[sp] = res[2][0] - res[1][0]
+        assert per_layer[sp] == activation_bytes(CONFIG, 8, tp=tp, sequence_parallel=sp)["per_layer"]
+    formula = per_gpu_memory(CONFIG, 8, recipe="fp32", tp=tp)["params"]
+    print(f"tp={tp:<6}{fmt_bytes(per_layer[False]):>22} -> {fmt_bytes(per_layer[True])} with SP"
+          f"{fmt_bytes(res[2][1]):>18} (formula {fmt_bytes(formula)})")
+
+# %% [markdown]
+# The measured parameters are a little above notebook 01's formula, which divides everything
+# inside a layer by `tp`: the course keeps the two row-parallel biases whole (`d` numbers each,
+# added after the sum) and pads the vocabulary (98 or 100 rows instead of 97).
+#
+# ## 8. One TP step on a timeline
+#
+# A one-layer model, one training step on 2 ranks: compute spans (forward, backward, optimizer)
+# with every collective drawn on top of them. The all-reduces sit **inside** the forward and
+# backward: each layer waits for its sum before it can go on, so unlike DDP's gradient buckets
+# (notebook 03) there is nothing to overlap them with in this simple schedule.
+
+# %% tags=["nbval-ignore-output"]
+one_layer = GPTConfig.tiny(DATA.vocab_size, n_layer=1)
+steps = run_tensor_parallel(2, one_layer, TrainConfig(steps=2, batch_size=8, progress=False), record_timeline=True,
+                            **RANKS)
+last_step = []
+for out in steps:  # keep the second step (the first one warms up): what starts after step 1's optimizer
+    first_step_end = min(e[2] for e in out.timeline_events if e[0] == "optimizer")
+    last_step.append([e for e in out.timeline_events if e[1] >= first_step_end])
+comm = sum(e[2] - e[1] for e in last_step[0] if e[3] == "comm")
+total = max(e[2] for e in last_step[0]) - min(e[1] for e in last_step[0])
+assert any(e[3] == "comm" for e in last_step[0])
+plot_gantt(last_step, title=f"one TP step, 1 layer, 2 CPU ranks: collectives {comm / total:.0%} of the step")
+plt.show()
+
+# %% [markdown]
+# ## 9. Why TP stays inside a node
+#
+# Every layer does $24\,b s h^2$ matmul FLOPs in forward (with $d_{ff} = 4h$), split over `tp`
+# GPUs, and sends 2 all-reduces of $b s h$ elements. Compute grows like $h^2$, communication like
+# $h$, so the ratio grows like $h$; but the all-reduce's bandwidth term barely shrinks with `tp`
+# ($2\frac{tp-1}{tp}$) while the compute per GPU falls as $1/tp$. The link decides: NVLink 4
+# gives each H100 450 GB/s each way, an NDR InfiniBand port 50 GB/s (notebook 02's
+# `CLUSTERS`). With the α-β model and the H100's 989 TFLOP/s dense bf16 peak:
+
+# %%
+dims = [1024, 2048, 4096, 8192, 12288, 16384, 25600]
+fig, ax = plt.subplots(figsize=(7, 3.6))
+for name in ("H100 NVLink 4 (intra-node)", "NDR InfiniBand 400 Gb/s (inter-node)"):
+    ratio = [c / m for c, m in (compute_vs_comm(h, 8, CLUSTERS[name]) for h in dims)]
+    ax.plot(dims, ratio, "o-", label=name)
+ax.axhline(1, color="gray", linestyle="--", linewidth=1)
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("hidden size h")
+ax.set_ylabel("compute time / all-reduce time")
+ax.set_title("one layer's forward at tp=8, b=1, s=2048, bf16")
+ax.legend(fontsize=8)
+plt.show()
+nv = compute_vs_comm(12288, 8, CLUSTERS["H100 NVLink 4 (intra-node)"])
+ib = compute_vs_comm(12288, 8, CLUSTERS["NDR InfiniBand 400 Gb/s (inter-node)"])
+print(f"GPT-3 (h=12288), tp=8: compute {nv[0] * 1e3:.2f} ms, all-reduces {nv[1] * 1e3:.2f} ms on NVLink, "
+      f"{ib[1] * 1e3:.2f} ms on InfiniBand")
+assert nv[0] > nv[1] and ib[0] < ib[1]
+
+# %% [markdown]
+# Inside a node, at GPT-3's width the compute takes about twice as long as the all-reduces (and
+# could partly hide them); across nodes the all-reduces take four times longer than the compute.
+# That is why Megatron keeps `tp` ≤ 8, the GPUs of one NVLink domain, and uses pipeline and data
+# parallelism (notebooks 06, 09) across nodes (Narayanan et al. 2021).
+#
+# ## 10. Explore: one layer on one rank
+#
+# Pick `tp` (only the values that divide GPT-3's 96 heads and its MLP width) and sequence
+# parallelism: the per-rank weight shapes, one layer's weights (bf16) and saved activations
+# (b = 1, s = 2048, fused attention), and the bytes each rank sends per layer.
+
+# %%
+show_interactive(lambda: layer_view(GPT3_175B, 8, False), lambda: layer_widget(GPT3_175B, 8, False))
+
+# %% [markdown]
+# ## 11. The same model through DTensor
+#
+# PyTorch's `torch.distributed.tensor.parallel.parallelize_module` applies a **plan**,
+# `{submodule name: style}`, to a plain model: `ColwiseParallel` is our column split,
+# `RowwiseParallel` the row split with g, `SequenceParallel` a LayerNorm on a sequence shard,
+# `PrepareModuleInput(Shard(1) -> Replicate())` the all-gather entering a region. The weights
+# become DTensors, and DTensor decides the collectives from the layouts. The course's
+# `apply_dtensor_tensor_parallel` builds such a plan for every block (the fused `qkv` rows
+# permuted first, so that a contiguous split takes whole heads: DTensor cannot know about
+# heads). Section 5 already showed it trains to the same losses. Its collectives run below the
+# `torch.distributed` Python functions, so the tracer does not see them;
+# `torch.distributed.tensor.debug.CommDebugMode` counts them:
+
+# %%
+def dtensor_forward_counts(sequence_parallel):
+    from torch.distributed.tensor.debug import CommDebugMode
+    x, y = get_batch(DATA, 8, torch.Generator().manual_seed(0))
+    model = apply_dtensor_tensor_parallel(GPT(CONFIG, seed=0), None, sequence_parallel)
+    with CommDebugMode() as mode:
+        model(x, y)
+    return {getattr(op, "__name__", str(op)).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+
+for sp in (False, True):
+    counts = run_on_ranks(dtensor_forward_counts, sp, world_size=2, **RANKS)[0]
+    print(f"DTensor, sequence_parallel={sp}: forward {counts}")
+    per_layer = layer_communication(8, S, CONFIG.d_model, 2, sp)["forward"]
+    if sp:  # one more all-gather: the sequence is gathered before ln_f
+        assert counts == {"all_gather_into_tensor": L * per_layer["all_gather"] + 1,
+                          "reduce_scatter_tensor": L * per_layer["reduce_scatter"]}
+    else:
+        assert counts == {"all_reduce": L * per_layer["all_reduce"]}
+
+# %% [markdown]
+# The same per-layer counts as the course layers: 2 all-reduces, or 2 all-gathers and 2
+# reduce-scatters. (Here the embeddings and head stay replicated; DTensor's vocabulary-parallel
+# loss, `loss_parallel`, needs the logits as a DTensor.) DTensor wins on generality: one plan
+# style works for any module, and the layouts compose with FSDP2 on a 2-D mesh. The course layers
+# win on transparency: every collective is a line you can read, and the tracer sees it.
+#
+# ## 12. Bad input
+#
+# Layouts that cannot work are refused in the notebook process, before any rank starts:
+
+# %%
+for call in (lambda: run_tensor_parallel(3, CONFIG, TRAIN),
+             lambda: run_tensor_parallel(8, GPTConfig.tiny(DATA.vocab_size, n_head=8, d_ff=100), TRAIN),
+             lambda: run_tensor_parallel(4, GPTConfig.tiny(DATA.vocab_size, block_size=30), TRAIN,
+                                         sequence_parallel=True),
+             lambda: check_tensor_parallel(CONFIG, 0)):
+    try:
+        call()
+    except ValueError as err:
+        print("ValueError:", err)
+
+# %% [markdown]
+# and on the ranks, a model parallelised twice, or a sequence SP cannot split:
+
+# %%
+def misuse():
+    model = apply_tensor_parallel(GPT(CONFIG), None, sequence_parallel=True)
+    for call in (lambda: apply_tensor_parallel(model, None), lambda: model(torch.zeros(2, 31, dtype=torch.long))):
+        try:
+            call()
+        except ValueError as err:
+            print("ValueError:", err)
+
+_ = run_on_ranks(misuse, world_size=2, **RANKS)
+
+# %% [markdown]
+# ## What to remember
+#
+# * Column split: each rank an output slice, no sum. Row split: each rank a partial sum, an
+#   all-reduce. Column then row = one all-reduce (g) forward and one (f) backward per block.
+# * Attention splits by whole heads (mind the fused QKV rows); the vocabulary splits the
+#   embedding, the head and the loss, which needs 3 numbers per token from each rank, never the logits.
+# * TP is exact: same loss on every rank, gradients are slices of the single-process ones.
+# * Sequence parallelism turns each all-reduce into an all-gather + reduce-scatter (same bytes)
+#   and divides the rest of the activations by `tp`.
+# * TP communicates inside every layer, on the critical path: keep it within NVLink.
+#
+# ## Self-check
+#
+# 1. Why must the MLP's first matrix be split by columns and not by rows?
+# 2. In backward, which operator all-reduces, f or g, and why?
+# 3. A model has 40 heads. Which `tp` values can split its attention?
+# 4. The vocabulary-parallel loss all-reduces the maximum without a gradient. Why is that allowed?
+# 5. With sequence parallelism, why do the LayerNorm weights need an all-reduce of their
+#    gradients, when they did not without it?
+#
+# <details><summary>Answers</summary>
+#
+# 1. GELU is applied element by element: with column slices each rank applies it to complete
+#    values; with row slices the values are partial sums, and GELU of a partial sum is not a
+#    part of GELU of the sum, so an all-reduce would be needed before it.
+# 2. f: its input was used by every rank's columns, so its gradient is the sum of every rank's
+#    contribution. g's forward summed, so its backward hands the same gradient to every rank.
+# 3. The divisors of 40 (that also divide d_model and the MLP width): 1, 2, 4, 5, 8, 10, 20, 40.
+# 4. Subtracting any constant $m_i$ leaves $\log\sum_j e^{z_{ij}} - z_{i,y_i}$ unchanged, so the loss
+#    does not depend on it and neither does its gradient; $m_i$ only keeps the exponentials finite.
+# 5. Each rank applies them to only $s/tp$ tokens, so each holds part of the gradient: the sum
+#    over ranks is the single-process gradient. Without SP every rank saw all tokens.
+#
+# Next: write f, g and the column- and row-parallel layers yourself in
+# `exercises/ex05_tensor_parallel.ipynb`.
