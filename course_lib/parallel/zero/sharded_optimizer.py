@@ -167,9 +167,13 @@ class ShardedOptimizer:
                 if self.stage == 0:
                     dist.all_reduce(flat, group=self.group)
                     s.grad_shard = flat
+                    for p, g in zip(s.params, s.unit.views(flat)):
+                        p.grad = g  # the mean gradient, in place of the local one
                 else:
                     s.grad_shard = torch.empty(s.unit.shard_numel, dtype=flat.dtype, device=flat.device)
                     reduce_scatter_single(s.grad_shard, flat, group=self.group)
+                    for p in s.params:
+                        p.grad = None  # consumed: from here on the rank holds only its shard's mean
             elif self.stage == 2:
                 s.finish_pending()
         self._reduced = True

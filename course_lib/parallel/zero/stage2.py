@@ -34,10 +34,12 @@ class GradientBuckets:
 
     peak_grad_bytes: the most gradient bytes this rank held at any hook since the last reset
     (per-parameter gradients alive + buckets in flight + shards), read from the tensors.
+    max_in_flight: launching a bucket waits for the oldest ones beyond this many, so at most
+    that many flat buckets (and their reduce-scatter outputs) are alive at once.
     """
 
-    def __init__(self, optimizer, timeline=None):
-        self.opt, self.timeline = optimizer, timeline
+    def __init__(self, optimizer, timeline=None, max_in_flight: int = 2):
+        self.opt, self.timeline, self.max_in_flight = optimizer, timeline, max_in_flight
         self.shards = optimizer.shards
         self.world_size = optimizer.world_size
         self._ready = [0] * len(self.shards)
@@ -68,6 +70,16 @@ class GradientBuckets:
         self._pending[index] = (work, out, flat, time.perf_counter())
         self._next += 1
         self._note_memory()
+        while len(self._pending) > self.max_in_flight:  # bound the flat buckets alive at once
+            self._complete(min(self._pending))
+
+    def _complete(self, index: int) -> None:
+        work, out, _flat, started = self._pending.pop(index)
+        work.wait()
+        if self.timeline is not None:
+            self.timeline.add(f"rs{index}", started, time.perf_counter(), "comm")
+        s = self.shards[index]
+        s.grad_shard = out if s.grad_shard is None else s.grad_shard.add_(out)
 
     def finish(self) -> None:
         """Launch the buckets not launched yet, wait for all, add each result to its grad_shard."""
@@ -75,13 +87,8 @@ class GradientBuckets:
             return
         while self._next < len(self.shards):
             self._launch(self._next)
-        for index, (work, out, _flat, started) in sorted(self._pending.items()):
-            work.wait()
-            if self.timeline is not None:
-                self.timeline.add(f"rs{index}", started, time.perf_counter(), "comm")
-            s = self.shards[index]
-            s.grad_shard = out if s.grad_shard is None else s.grad_shard.add_(out)
-        self._pending.clear()
+        while self._pending:
+            self._complete(min(self._pending))
         self._ready = [0] * len(self.shards)
         self._next, self._active = 0, False
         self._note_memory()
