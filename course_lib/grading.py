@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 
 import cloudpickle
@@ -42,7 +43,87 @@ def load_student(exercise: str):
     spec.loader.exec_module(module)
     # Ranks cannot import a module loaded from a file path: send its functions by value.
     cloudpickle.register_pickle_by_value(module)
+    show_failures_briefly()
     return module
+
+
+# ---------------------------------------------------------------- how a failing check looks
+# A learner who runs a check on an unfinished stub should read one clear message, not a wall
+# of tracebacks (a check that runs on 4 ranks would otherwise print 4 remote tracebacks plus
+# the pool's own frames). In IPython, load_student registers a handler for the three ways a
+# check fails; the cell still ends in an error (Run All stops there, nbval fails), with a
+# short traceback that names the exception, the message and where in student.py it came from.
+# `%tb` still prints the full traceback.
+
+RED, BOLD, RESET = "\x1b[31m", "\x1b[1m", "\x1b[0m"
+_STUDENT_FRAME = re.compile(r'File "([^"]*(?:student\.py|exercises/solutions/[^"]*))", line (\d+), in (\S+)')
+
+
+def _where(frames: list[tuple[str, int, str]]) -> str | None:
+    """'student.py, line 33, in ring_reduce_scatter' for the deepest frame in the learner's file."""
+    if not frames:
+        return None
+    path, line, fn = frames[-1]
+    try:
+        path = str(pathlib.Path(path).resolve().relative_to(EXERCISES_DIR.resolve().parent))
+    except ValueError:
+        pass
+    return f"{path}, line {line}, in {fn}"
+
+
+def failure_lines(error: BaseException, tb=None) -> list[str]:
+    """The short report of a failed check (see above): a headline and where it happened."""
+    from course_lib.runtime.pool import RankError, RankTimeout
+
+    if isinstance(error, CheckFailed):
+        return [f"{RED}{BOLD}✗ check failed{RESET}{RED}: {error}{RESET}",
+                "Compare got with expected, fix student.py, then restart the kernel and run all."]
+    if isinstance(error, RankTimeout):
+        return [f"{RED}{BOLD}✗ RankTimeout{RESET}{RED}: {error}{RESET}",
+                "A rank waited for a message nobody sent (or sent to the wrong peer): check who sends and "
+                "who receives at every step."]
+    if isinstance(error, RankError):
+        rank, text = next(iter(error.failures.items()))
+        last = [l for l in text.strip().splitlines() if l.strip()][-1] if text.strip() else "the rank died"
+        others = len(error.failures) - 1
+        head = f"{RED}{BOLD}✗ {last.split(':')[0]}{RESET}{RED} on rank {rank}"
+        head += f" (and {others} other rank{'s' if others > 1 else ''})" if others else ""
+        lines = [head + f": {last.partition(':')[2].strip() or last}{RESET}"]
+        where = _where([(p, int(n), f) for p, n, f in _STUDENT_FRAME.findall(text)])
+    else:
+        import traceback
+
+        frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(tb)] if tb is not None else []
+        lines = [f"{RED}{BOLD}✗ {type(error).__name__}{RESET}{RED}: {error}{RESET}"]
+        where = _where([f for f in frames if _STUDENT_FRAME.search(f'File "{f[0]}", line {f[1]}, in {f[2]}')])
+    if where:
+        lines.append(f"  raised in {where}")
+    if "NotImplementedError" in lines[0]:
+        lines.append("This function is still a stub: write it, then restart the kernel and run all.")
+    lines.append("(%tb prints the full traceback)")
+    return lines
+
+
+def _ipython_handler(shell, etype, value, tb, tb_offset=None):
+    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # for %tb
+    stb = failure_lines(value, tb)
+    shell._showtraceback(etype, value, stb)
+    return stb
+
+
+def show_failures_briefly() -> bool:
+    """Register the short failure display in the running IPython kernel (False outside IPython)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover
+        return False
+    shell = get_ipython()
+    if shell is None:
+        return False
+    from course_lib.runtime.pool import RankError, RankTimeout
+
+    shell.set_custom_exc((CheckFailed, NotImplementedError, RankError, RankTimeout), _ipython_handler)
+    return True
 
 
 class CheckFailed(AssertionError):
