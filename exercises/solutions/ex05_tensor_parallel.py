@@ -1,0 +1,87 @@
+"""Reference solution for exercise 05 (kept apart from the learner's stubs)."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _all_reduce(t, group):
+    t = t.contiguous().clone()  # never sum into a tensor autograd may still need
+    dist.all_reduce(t, group=group)
+    return t
+
+
+class CopyToGroup(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromGroup(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def f(x, group=None):
+    return CopyToGroup.apply(x, group)
+
+
+def g(x, group=None):
+    return ReduceFromGroup.apply(x, group)
+
+
+def qkv_rows_for_rank(d_model: int, n_head: int, tp: int, rank: int) -> list[int]:
+    """Rows of the fused qkv weight [Q | K | V] (d_model rows each) that rank `rank` keeps:
+    the rows of its n_head/tp whole heads in Q, then in K, then in V."""
+    local = d_model // tp
+    mine = list(range(rank * local, (rank + 1) * local))
+    return [part * d_model + i for part in range(3) for i in mine]
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's output features of `full` (rows: which ones; default a contiguous 1/tp)."""
+
+    def __init__(self, full: nn.Linear, group=None, rows=None):
+        super().__init__()
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        if rows is None:
+            local = full.out_features // tp
+            rows = list(range(rank * local, (rank + 1) * local))
+        rows = torch.as_tensor(rows)
+        self.weight = nn.Parameter(full.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(full.bias.detach()[rows].clone()) if full.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(f(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's input features of `full` (a contiguous 1/tp); the bias whole, added once."""
+
+    def __init__(self, full: nn.Linear, group=None):
+        super().__init__()
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        local = full.in_features // tp
+        self.weight = nn.Parameter(full.weight.detach()[:, rank * local:(rank + 1) * local].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x):
+        y = g(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
