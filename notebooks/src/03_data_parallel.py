@@ -9,20 +9,22 @@
 # exactly what one process would on the full batch, only `N` times faster on `N` devices.
 #
 # The one new cost is communication: every step, every rank must exchange a gradient as big
-# as the model. This notebook builds DP from scratch in `course_lib/parallel/data_parallel.py`
-# (read it: about 300 lines), proves it correct, and then makes that communication cheap:
+# as the model. This notebook builds DP from scratch in `course_lib/parallel/dp/ddp.py`
+# (read it: under 300 lines), proves it correct, makes that communication cheap, and then asks
+# what the bigger global batch does to training.
 #
-# 1. why averaging gradients over shards equals training on the concatenated batch;
-# 2. the data side: giving every rank its own shard, without overlap;
-# 3. **naive DP**: one all-reduce per parameter after backward, and what it costs;
-# 4. **DDP**: gradient buckets, all-reduces launched from autograd hooks *during* backward,
-#    and the corner cases (frozen, unused and tied parameters, gradient accumulation);
-# 5. the proof: equal to the single-process reference and to PyTorch's
-#    `DistributedDataParallel`, on 2 and 4 ranks, with and without accumulation;
-# 6. the overlap made visible on a per-rank timeline, a bucket-size sweep, and step time
-#    against the number of ranks;
-# 7. **gradient compression**: low-precision all-reduce and top-k with error feedback;
-# 8. what happens with bad input.
+# **After this notebook you can**
+#
+# * prove that averaging the gradients of equal shards gives the gradient of the whole batch,
+#   and shard a dataset over ranks without overlap;
+# * count the calls and bytes of naive DP and of bucketed DDP, and predict them with
+#   $2\frac{N-1}{N}S$ per rank for a ring;
+# * explain and implement DDP's buckets, hooks, in-order launches, small first bucket and
+#   `no_sync`, and read the overlap of communication with backward on a timeline;
+# * choose a bucket size by measuring, and say what a 2-core machine can and cannot show;
+# * compute what bf16 and top-k compression save, and when error feedback helps;
+# * scale the learning rate with the global batch (linear, square root, warm-up) and estimate
+#   the critical batch size from gradient noise (McCandlish et al. 2018).
 
 # %%
 %matplotlib inline
@@ -42,6 +44,9 @@ from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import (DDP, LowPrecisionHook, TopKHook, assign_buckets, check_replicas,
                                  naive_all_reduce_gradients, run_data_parallel)
 from course_lib.parallel.dp.compression import topk_count
+from course_lib.parallel.dp.ddp import FIRST_BUCKET_MB
+from course_lib.parallel.dp.large_batch import (gradient_noise_scale, micro_batch_gradients, scale_lr,
+                                                train_at_token_budget)
 from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig, smooth, train_reference
 
@@ -58,8 +63,7 @@ RANKS = dict(backend="gloo", check_collectives=False)
 # Every run below passes `**RANKS`: CPU ranks, and `check_collectives=False`. The check
 # (notebook 00) adds a small blocking all-gather before each collective, which is what you
 # want while writing new rank code, but it would distort the timings of sections 7-9, and one
-# setting for the whole notebook means one pool of ranks per world size instead of two. The
-# code run here is covered by `tests/test_data_parallel.py` with the checks on.
+# setting for the whole notebook means one pool of ranks per world size instead of two.
 
 # %% [markdown]
 # ## 1. Why the average gradient is the big-batch gradient
@@ -79,12 +83,14 @@ RANKS = dict(backend="gloo", check_collectives=False)
 # $\theta'$. DP is not an approximation: it is the single-process algorithm, computed by `N`
 # processes (up to float rounding, since sums are added in another order).
 #
-# Two architectures have been used for the averaging (source article 001): a **parameter
-# server** (every worker sends its gradient to a central process, which adds them and sends
-# the result back: its links carry `(N-1)·S` bytes) and **all-reduce** among the workers. With
-# a ring all-reduce (notebook 02) every rank sends only $2\frac{N-1}{N}S$ bytes for a gradient
-# of $S$ bytes, nearly independent of `N`; that is what PyTorch, Horovod and NCCL do, and what
-# we use here.
+# Two architectures have been used for the averaging (Li et al. 2014 for the parameter
+# server; notebook 02 for both): a **parameter server** (every worker sends its gradient to a
+# central process, which adds them and sends the result back: that one process receives and
+# sends $N S$ bytes per step, so its link is the bottleneck; sharding the server over the $N$
+# workers brings every worker's traffic down to $2\frac{N-1}{N}S$) and **all-reduce** among the
+# workers. With a ring all-reduce (Patarasuk & Yuan 2009; notebook 02) every rank sends only
+# $2\frac{N-1}{N}S$ bytes for a gradient of $S$ bytes, nearly independent of `N`; that is what
+# PyTorch, Horovod and NCCL do, and what we use here.
 #
 # ## 2. The data side: one shard per rank
 #
@@ -170,6 +176,14 @@ print(inspect.getsource(naive_all_reduce_gradients))
 # Does it reproduce the single-process run? Train 5 steps on 2 ranks and compare with
 # `train_reference` on the same global batches. Each rank returns its own per-step losses
 # (its shard's mean); their average is the global batch loss.
+#
+# **Predict first.** Bit-for-bit equal, equal up to rounding, or only statistically similar?
+#
+# <details><summary>Answer</summary>
+#
+# Equal up to float rounding: the same sums are added in another order (per shard, then over
+# ranks). The losses agree to about 1e-7; the parameters to a few 1e-6 after AdamW.
+# </details>
 
 # %% tags=["nbval-ignore-output"]
 TRAIN = TrainConfig(steps=5, batch_size=8, eval_every=10**6, eval_batches=1, progress=False)
@@ -201,9 +215,17 @@ print(compare(naive, "naive DP, 2 ranks"))
 #
 # ## 4. What naive DP costs: calls and bytes
 #
-# The tracer sees each rank's collective calls. Per step, naive DP makes **one call per
-# parameter tensor** (a tied weight — the GPT's `head.weight` *is* `tok_emb.weight` — is one
-# `Parameter`, reduced once), and hands the backend the whole gradient, $S = 4P$ bytes.
+# The tracer sees each rank's collective calls.
+#
+# **Predict first.** For one step of naive DP on the course GPT: how many all-reduce calls per
+# rank, and how many bytes in total?
+#
+# <details><summary>Answer</summary>
+#
+# One call per parameter tensor (a tied weight — the GPT's `head.weight` *is*
+# `tok_emb.weight` — is one `Parameter`, reduced once), handing the backend the whole
+# gradient, $S = 4P$ bytes.
+# </details>
 
 # %%
 def traced_step(config, cfg, strategy, **kw):
@@ -237,8 +259,11 @@ print(f"\n{n_tensors} parameter tensors -> {n_tensors} all-reduce calls; {4 * N_
 # 1. **Construction.** Check that every rank's parameters have the same names and shapes
 #    (`check_replicas`), then **broadcast** rank 0's values so all replicas start equal.
 # 2. **Buckets.** Walk the trainable parameters in *reverse* registration order (roughly the
-#    order backward produces their gradients) and pack them into buckets of at most
-#    `bucket_cap_mb`. Frozen parameters (`requires_grad=False`) are left out: nothing to send.
+#    order backward produces their gradients) and fill buckets: a bucket is closed as soon as
+#    it holds `bucket_cap_mb` (MiB; PyTorch's rule, so a bucket overshoots by at most its last
+#    parameter). The **first** bucket has a smaller cap, `first_bucket_cap_mb` = 1 MiB as in
+#    PyTorch (section 8 shows why). Frozen parameters (`requires_grad=False`) are left out:
+#    nothing to send.
 # 3. **Hooks.** `p.register_post_accumulate_grad_hook(hook)` (PyTorch ≥ 2.1) calls `hook(p)`
 #    the moment `p.grad` is complete. The hook counts the bucket's ready gradients; when the
 #    bucket is full, it copies them into one flat tensor, divides by `N` and starts
@@ -278,38 +303,44 @@ print(f"\n{n_tensors} parameter tensors -> {n_tensors} all-reduce calls; {4 * N_
 # ```
 #
 # Which parameters share a bucket? Here is the layout for the model we will time below
-# (4 layers, `d_model` 128: 3.1 MB of gradients), in the order backward reaches them:
+# (4 layers, `d_model` 128: 3.1 MiB of gradients), in the order backward reaches them:
 
 # %%
 TIMING = GPTConfig.tiny(DATA.vocab_size, d_model=128, n_layer=4)
 timing_params = list(GPT(TIMING).named_parameters())
 
-def draw_buckets(ax, cap_mb, named=timing_params):
-    """One bar per parameter in backward order (width = its MB), coloured by bucket."""
+def draw_buckets(ax, cap_mb, named=timing_params, first_cap_mb=FIRST_BUCKET_MB):
+    """One bar per parameter in backward order (width = its MiB), coloured by bucket, as DDP
+    lays them out (the first bucket capped at min(first_cap_mb, cap_mb))."""
     sizes = [p.numel() * 4 for _, p in named]
-    buckets = assign_buckets(sizes, cap_mb * 2**20)
+    buckets = assign_buckets(sizes, cap_mb * 2**20, min(first_cap_mb, cap_mb) * 2**20)
     x = 0.0
     for b, idx in enumerate(buckets):
         for i in idx:
             ax.barh(0, sizes[i] / 2**20, left=x, color=plt.cm.tab10(b % 10), edgecolor="white", linewidth=0.3)
             x += sizes[i] / 2**20
     ax.set_yticks([])
-    ax.set_xlabel("MB of gradient, in the order backward produces it (ln_f ... tok_emb)")
+    ax.set_xlabel("MiB of gradient, in the order backward produces it (ln_f ... tok_emb)")
     ax.set_title(f"bucket_cap_mb={cap_mb:g}: {len(buckets)} buckets for {len(sizes)} tensors", fontsize=9)
     return buckets
 
 fig, axes = plt.subplots(2, 1, figsize=(9, 2.6))
-layout = {cap: draw_buckets(ax, cap) for ax, cap in zip(axes, (0.25, 1.0))}
+layout = {cap: draw_buckets(ax, cap) for ax, cap in zip(axes, (0.25, 25))}
 fig.tight_layout()
 plt.show()
 for cap, buckets in layout.items():
-    print(f"cap {cap:>4} MB:", [[timing_params[i][0] for i in b][:2] + (["..."] if len(b) > 2 else []) for b in buckets[:3]], "...")
+    print(f"cap {cap:>4} MiB, {len(buckets)} buckets:",
+          [[timing_params[i][0] for i in b][:2] + (["..."] if len(b) > 2 else []) for b in buckets[:3]])
 
 # %% [markdown]
 # **Try it.** In a live kernel, the slider below redraws the layout for any bucket size
 # (the static figure above shows two settings). Note the last bucket: the token embedding is
-# the largest tensor *and* the last gradient to be ready (it is used first in forward and
-# again, tied, by the head), so it can never overlap with compute.
+# the last gradient to be ready (it is used first in forward and again, tied, by the head),
+# so it can never overlap with compute. Is it also the largest tensor? Only when its
+# $V \times d$ exceeds the largest weight matrix, the MLP's $d \times 4d$, that is when the
+# vocabulary is larger than $4d$. Here $V = 97 < 4 \cdot 128$: the MLP matrices are
+# larger. For GPT-2 (V = 50,257, d = 768) it is the largest by far, and in real models the
+# last bucket, holding it, is a big one that leaves only when backward ends.
 
 # %% tags=["nbval-ignore-output"]
 from course_lib.parallel.dp import bucketviz
@@ -385,19 +416,30 @@ print("\n".join(rows))
 # round differently: `1e-6`-level differences, the same size as between either and the
 # reference.
 #
-# The tests (`tests/test_data_parallel.py`) also run with clipping off and compare the raw
-# averaged gradients: with clipping *and* AdamW — both blind to the gradient's scale — a DDP
-# that forgot to divide by `N` would still pass a parameter comparison. They also cover
-# frozen parameters (never bucketed, never changed) and a parameter used on one rank only
-# (its bucket still reduced, in order, on both).
+# A parameter comparison alone can hide a bug: with clipping *and* AdamW — both blind to the
+# gradient's scale — a DDP that forgot to divide by `N` would still produce the right
+# parameters. To catch it, turn clipping off and compare the raw averaged gradients
+# (exercise 03 does). The other corner cases deserve the same care: frozen parameters (never
+# bucketed, never changed) and a parameter used on one rank only (its bucket still reduced,
+# in order, on both ranks).
 #
 # ## 7. Seeing the overlap
 #
-# Now the model from section 5 on 2 ranks, with 1 MB buckets (4 of them). Each rank records a
+# Now the model from section 5 on 2 ranks, with 1 MiB buckets. Each rank records a
 # timeline: forward, backward and optimizer on one lane, and on a second lane each bucket's
 # all-reduce **from the moment this rank launched it until the backend reported it done**
 # (that includes waiting for the other rank to launch the same bucket). "finish" (grey) is the
 # end of backward, where the remaining buckets are launched and all of them waited for.
+#
+# **Predict first.** With `overlap=True`, how many of the buckets are launched before
+# backward has finished? And with `overlap=False`?
+#
+# <details><summary>Answer</summary>
+#
+# With overlap, all of them: each leaves from the hook of its last gradient, and the last
+# bucket's last gradient (the embedding's) is still produced inside backward. Without
+# overlap, none: everything is launched by `finish`, after backward.
+# </details>
 
 # %%
 TIMING_TRAIN = TrainConfig(steps=3, batch_size=16, progress=False)
@@ -430,7 +472,8 @@ for overlap, per_rank in timelines.items():  # the claim, independent of timing:
 fig, axes = plt.subplots(2, 1, figsize=(10, 5.2), sharex=True)
 for ax, overlap in zip(axes, (True, False)):
     rows, labels = lanes(timelines[overlap])
-    plot_gantt(rows, ax=ax, title=f"overlap={overlap}: one training step on 2 ranks (bucket_cap_mb=1, 4 buckets)")
+    n_comm = sum(e[3] == "comm" for e in rows[1])
+    plot_gantt(rows, ax=ax, title=f"overlap={overlap}: one training step on 2 ranks (bucket_cap_mb=1, {n_comm} buckets)")
     ax.set_yticks(range(len(labels)), labels)
     ax.set_xlabel("")
 axes[1].set_xlabel("time (s) from the step's first forward")
@@ -459,46 +502,95 @@ plt.show()
 #
 # ## 8. How big should a bucket be?
 #
-# Small buckets start earlier (more overlap) but each call pays the latency $\alpha$; one
-# huge bucket pays $\alpha$ once but cannot leave before backward has finished. On a GPU
-# cluster the best size is a compromise; PyTorch's default is 25 MB (with a small first bucket
-# of 1 MB, so that communication starts early). A sweep on this machine (a shared box:
-# timings vary with load):
+# Small buckets start earlier (more overlap) but each call pays the latency $\alpha$ of the
+# α-β model ($T = \alpha + S/\beta$ per call, $\beta$ a bandwidth); one huge bucket pays
+# $\alpha$ once but cannot leave before backward has finished. On a GPU cluster the best size
+# is a compromise; PyTorch's default is 25 MiB.
+#
+# **The small first bucket.** A model whose gradients all fit in one 25 MiB bucket gets no
+# overlap at all: that bucket is complete only when the last gradient (the embedding's) is,
+# at the very end of backward. PyTorch therefore closes its *first* bucket at 1 MiB
+# (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`): the gradients backward produces first
+# leave at once, while the rest of backward runs. Our DDP does the same
+# (`first_bucket_cap_mb=1`). How many bytes can leave before the last gradient is ready,
+# for the model timed here and for the 12 MiB model of `benchmarks/bench_data_parallel.py`:
+
+# %%
+def early_bytes(config, cap_mb, first_mb):
+    """Bytes in buckets other than the last: they can leave before backward's last gradient."""
+    sizes = [p.numel() * 4 for p in GPT(config).parameters()]
+    first = None if first_mb is None else min(first_mb, cap_mb) * 2**20
+    buckets = assign_buckets(sizes, cap_mb * 2**20, first)
+    return len(buckets), sum(sizes) - sum(sizes[i] for i in buckets[-1]), sum(sizes)
+
+BENCH = GPTConfig.tiny(DATA.vocab_size, d_model=256, n_layer=4, n_head=8)
+for name, config in (("timed model, d_model 128", TIMING), ("benchmark model, d_model 256", BENCH)):
+    for first in (None, FIRST_BUCKET_MB):
+        n, early, total = early_bytes(config, 25, first)
+        print(f"{name} ({total / 2**20:.1f} MiB), 25 MiB buckets, first bucket "
+              f"{'= the cap' if first is None else f'{first:g} MiB'}: {n} bucket(s), "
+              f"{early / 2**20:.2f} MiB can leave during backward")
+assert early_bytes(BENCH, 25, None)[1] == 0 and early_bytes(BENCH, 25, FIRST_BUCKET_MB)[1] >= 2**20
+
+# %% [markdown]
+# On the benchmark model the first bucket is one 1 MiB matrix of the last block, so only a
+# twelfth of the gradient can overlap; in models with hundreds of MiB of gradients there are
+# many 25 MiB buckets and the first one mostly matters for latency. On this machine the gain is
+# small either way (communication shares the two cores with backward, section 7);
+# `benchmarks/bench_data_parallel.py` measures our DDP against PyTorch's, with and without the
+# small first bucket, in interleaved rounds with their spread.
+#
+# Now a sweep of the bucket size on the timed model (a shared box: timings vary with load).
+#
+# **Predict first.** Which will be slowest: naive, tiny buckets (0.05 MiB), or one big bucket?
+# Which fastest?
+#
+# <details><summary>Answer</summary>
+#
+# Naive is the slowest on every run we made: one call, and one Python round trip, per tensor.
+# Among the bucket sizes the winner changes from run to run on this shared 2-core machine:
+# per-call overhead favours few buckets, overlap favours several, and the load of other
+# processes moves the balance. That is the point: measure on the hardware you train on.
+# </details>
 
 # %% tags=["nbval-ignore-output"]
 SWEEP_TRAIN = TrainConfig(steps=6, batch_size=16, progress=False)
-caps = [0.05, 0.25, 1.0, 4.0]
+caps = [0.05, 0.25, 1.0, 25]
 
 def sweep(config, cfg):
     out = {"naive": train_data_parallel(config, cfg, "naive").step_seconds[2:]}
     for cap in caps:
         out[cap] = train_data_parallel(config, cfg, "ddp", bucket_cap_mb=cap).step_seconds[2:]
+    out["25, one bucket"] = train_data_parallel(config, cfg, "ddp", bucket_cap_mb=25,
+                                                first_bucket_cap_mb=None).step_seconds[2:]
     return out
 
 t0 = time.perf_counter()
 res = run_on_ranks(sweep, TIMING, SWEEP_TRAIN, world_size=2, **RANKS, timeout_s=120)
 step_ms = {k: 1e3 * sorted(max(a, b) for a, b in zip(res[0][k], res[1][k]))[len(res[0][k]) // 2] for k in res[0]}
-n_b = {cap: len(assign_buckets([p.numel() * 4 for _, p in timing_params], cap * 2**20)) for cap in caps}
+n_b = {cap: early_bytes(TIMING, cap, FIRST_BUCKET_MB)[0] for cap in caps}
 for k, ms in step_ms.items():
-    what = f"naive ({len(timing_params)} calls)" if k == "naive" else f"DDP {k:>5} MB ({n_b[k]:>2} buckets)"
-    print(f"{what:<28} {ms:7.1f} ms/step")
+    what = (f"naive ({len(timing_params)} calls)" if k == "naive" else f"DDP 25 MiB, no small first bucket (1)"
+            if k == "25, one bucket" else f"DDP {k:>5} MiB ({n_b[k]:>2} buckets)")
+    print(f"{what:<38} {ms:7.1f} ms/step")
+fastest = min((k for k in step_ms if k != "naive"), key=step_ms.get)
+fastest_name = "25 MiB in one bucket" if fastest == "25, one bucket" else f"{fastest} MiB buckets"
+print(f"fastest here: {fastest_name}; naive takes {step_ms['naive'] / step_ms[fastest]:.2f}x as long")
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.plot(caps, [step_ms[c] for c in caps], "o-", label="DDP, overlap")
 ax.axhline(step_ms["naive"], color="grey", ls="--", label="naive")
 ax.set_xscale("log"); ax.set_xlabel("bucket_cap_mb"); ax.set_ylabel("ms per step (median)")
-ax.set_title(f"2 ranks, 3.1 MB of gradients (load average {os.getloadavg()[0]:.1f})", fontsize=9)
+ax.set_title(f"2 ranks, 3.1 MiB of gradients (load average {os.getloadavg()[0]:.1f})", fontsize=9)
 ax.legend()
 plt.show()
 
 # %% [markdown]
-# What to expect on this machine: naive is clearly the slowest (one call, and one Python
-# round trip, per tensor), and *fewer, larger* buckets tend to win, up to one single bucket:
-# per-call overhead on CPU gloo is large, and overlap buys little when the reduction runs on
-# the same two cores as backward (previous section). On GPUs the balance shifts toward smaller
-# buckets, because there overlap really hides communication. The lesson is the method, not
-# the number: measure the sweep on the hardware you train on.
-# `benchmarks/bench_data_parallel.py` measures our DDP against PyTorch's and against naive
-# on 4 ranks with a bigger model.
+# Read the printout, not a rule: on CPU gloo the per-call overhead is large and overlap buys
+# little when the reduction runs on the same two cores as backward (previous section), so
+# few, mid-sized buckets often do well here, but the ranking among bucket sizes changes with
+# the load. On GPUs the balance shifts toward smaller buckets, because there overlap really
+# hides communication. The lesson is the method, not the number: measure the sweep on the
+# hardware you train on.
 #
 # ## 9. Step time against the number of ranks
 #
@@ -508,6 +600,16 @@ plt.show()
 # so throughput would grow almost `N`-fold. Here the "devices" are CPU cores, and this
 # machine has **2**. To make a rank behave like one device, each rank computes with one
 # thread (`torch.set_num_threads(1)`).
+#
+# **Predict first.** Going from 1 to 2 to 4 ranks on this 2-core machine, what happens to the
+# tokens per second?
+#
+# <details><summary>Answer</summary>
+#
+# From 1 to 2 it rises (each rank has a core), though less than 2x. From 2 to 4 it cannot
+# rise: four ranks share two cores, so it stays about level or drops, by as much as the extra
+# communication and process switching cost.
+# </details>
 
 # %% tags=["nbval-ignore-output"]
 def one_thread_per_rank(*args, **kwargs):
@@ -525,6 +627,9 @@ for n in (1, 2, 4):
     per_step = sorted(max(r.step_seconds[s] for r in res) for s in range(2, cfg.steps))
     scaling[n] = per_step[len(per_step) // 2]
     print(f"{n} rank(s): {scaling[n] * 1e3:7.1f} ms/step, {8 * n * TIMING.block_size / scaling[n]:8,.0f} tokens/s")
+for a, b in ((1, 2), (2, 4)):
+    change = (b * scaling[a]) / (a * scaling[b]) - 1  # tokens/s at b ranks vs at a ranks
+    print(f"{a} -> {b} ranks: throughput {change:+.0%}")
 print(f"(load average {os.getloadavg()[0]:.1f}: other processes share these cores too)")
 fig, ax = plt.subplots(1, 2, figsize=(9, 3))
 ax[0].bar([str(n) for n in scaling], [1e3 * t for t in scaling.values()])
@@ -540,8 +645,10 @@ plt.show()
 # grows only by the communication and synchronisation cost, and the throughput rises toward
 # 2x (less than that here: the gloo threads need CPU time too, and a step waits for the slower
 # rank). From 2 to 4 ranks there are no more cores: four ranks share two, each step does
-# twice the work on the same silicon and takes about twice as long, and throughput stays flat.
-# (Other processes running on the machine blur all of this; the load average is printed.)
+# twice the work on the same silicon and takes at least twice as long, so throughput cannot
+# grow; the printed change (often a loss of a few to ten or twenty percent) is what four
+# processes' extra communication and switching cost. (Other processes running on the machine
+# blur all of this; the load average is printed.)
 # What these runs show is that DP is correct at every `N` and what its communication costs
 # on top of compute; real speed-up needs one device per rank: run
 # `torchrun --nproc-per-node=N` on a multi-GPU machine for that.
@@ -549,11 +656,12 @@ plt.show()
 # ## 10. Gradient compression
 #
 # When the network is the bottleneck, send fewer bytes. Two classic ways, both written as
-# DDP **comm hooks** in `course_lib/parallel/compression.py` (a hook receives a bucket's flat
+# DDP **comm hooks** in `course_lib/parallel/dp/compression.py` (a hook receives a bucket's flat
 # gradient, already divided by `N`, and returns a handle whose `wait()` gives the average):
 #
 # * **Low precision** (`LowPrecisionHook(torch.bfloat16)`): cast to bf16, all-reduce, cast
-#   back. Half the bytes; each value keeps 8 significant bits (relative error ≤ $2^{-9}$).
+#   back. Half the bytes; each value keeps 8 significant bits (spacing $2^{-7}$ at 1.0, so
+#   rounding to nearest errs by at most $2^{-8}$ relative).
 # * **Top-k sparsification** (`TopKHook(ratio)`): each rank sends only its $k$ largest-magnitude
 #   entries, as (value, index) pairs. The ranks pick *different* entries, so the sparse
 #   vectors cannot be all-reduced: each rank **all-gathers** everyone's pairs and adds them
@@ -563,7 +671,17 @@ plt.show()
 #   $c = g + e$, send $\text{top}_k(c)$, $e \leftarrow c - \text{top}_k(c)$, and added to the
 #   next step's gradient. Every component is applied eventually, only late.
 #
-# First the bytes, from the tracer, for one step on 2 ranks (one bucket):
+# First the bytes, from the tracer, for one step on 2 ranks (one bucket).
+#
+# **Predict first.** Per rank, what fraction of the fp32 bytes does bf16 send? And top-1% on
+# 2 ranks, counting what is sent and what is received?
+#
+# <details><summary>Answer</summary>
+#
+# bf16: exactly half. Top-1%: each kept entry costs a 4-byte value and a 4-byte index, so 2%
+# of the fp32 bytes are sent; the all-gather then *receives* every rank's pairs, $N$ times
+# that (4% on 2 ranks).
+# </details>
 
 # %%
 def traced_hooks(config, cfg):
@@ -646,7 +764,156 @@ for name, value in tail.items():
 #   compressors for Adam therefore treat the optimizer specially (e.g. 1-bit Adam freezes the
 #   second moment after a warm-up with full precision). Measure before you compress.
 #
-# ## 11. Bad input
+# ## 11. Large-batch training
+#
+# Data parallelism multiplies the batch: with $N$ ranks of $b$ sequences each and $A$
+# accumulation micro-batches, every step trains on a global batch of $B = N A b$. Adding
+# ranks at a fixed per-rank batch makes $B$ grow, and a training run is planned around a
+# budget of tokens (of compute), so a larger $B$ means proportionally *fewer* optimizer steps.
+# Does the loss at the end of the budget survive that? Three ideas decide it:
+#
+# * **Learning-rate scaling.** A bigger batch gives a less noisy gradient, so each step can be
+#   longer. The **linear rule** multiplies the learning rate by $B/B_0$ (Goyal et al. 2017,
+#   for SGD: $k$ small steps ≈ one step $k$ times as long); the **square-root rule** by
+#   $\sqrt{B/B_0}$ (Krizhevsky 2014; Hoffer et al. 2017), which is what fits Adam-type
+#   optimizers (Malladi et al. 2022).
+# * **Warm-up.** A large learning rate applied to random initial weights diverges; ramping it
+#   up linearly over the first steps lets the model reach a region where it is safe (Goyal et
+#   al. 2017).
+# * **The critical batch size.** Beyond some batch size, averaging more examples barely
+#   improves the gradient: the steps cannot get longer and the extra tokens are wasted
+#   (McCandlish et al. 2018, below).
+#
+# Since $N$-rank DP with equal shards computes exactly the single-process steps on the global
+# batch (section 6), these experiments need no communication: each of 2 ranks trains half of
+# the configurations on its own, one thread each. Every run gets the same budget of 1,024
+# sequences (65,536 tokens); the base is batch 4 with learning rate $10^{-3}$ (the best of
+# $10^{-3}$, $3\cdot10^{-3}$, $10^{-2}$ for batch 4 on this budget), so batch 16 gets 64 steps and batch 64
+# only 16. Warm-up, where used, is 4 steps.
+#
+# **Predict first.** At batch 64, rank these: no scaling, linear, square root, each with and
+# without warm-up. Will the best of them match batch 4's loss?
+#
+# <details><summary>Answer</summary>
+#
+# No scaling is clearly bad (16 steps of a size tuned for batch 4). Linear scaling without
+# warm-up starts with a 16-fold learning rate on random weights and loses much of its gain;
+# with warm-up it does well. Square root (the Adam rule) with warm-up is best here. But none
+# matches batch 4: on this model batch 64 is beyond the critical batch size, so part of the
+# budget is wasted whatever the schedule.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+BUDGET, BASE_B, BASE_LR, WARMUP = 1024 * CONFIG.block_size, 4, 1e-3, 4
+BATCH_RUNS = ([(4, "none", 0)] + [(16, rule, 0) for rule in ("none", "linear", "sqrt")]
+              + [(64, rule, w) for rule in ("none", "linear", "sqrt") for w in (0, WARMUP) if rule != "none" or not w])
+
+def budget_runs(config, runs):
+    """Rank code: this rank's share of the runs, each trained alone on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mine = runs[dist.get_rank()::dist.get_world_size()]
+        return {run: train_at_token_budget(config, run[0], BUDGET, BASE_LR, BASE_B, rule=run[1], warmup_steps=run[2])
+                for run in mine}
+    finally:
+        torch.set_num_threads(threads)
+
+t0 = time.perf_counter()
+lb = {run: res for part in run_on_ranks(budget_runs, CONFIG, BATCH_RUNS, world_size=2, **RANKS, timeout_s=120)
+      for run, res in part.items()}
+final = {run: res.val_losses[-1][1] for run, res in lb.items()}
+print(f"{'batch':>5} {'steps':>5} {'lr rule':>8} {'lr':>8} {'warm-up':>7}  val loss after {BUDGET:,} tokens")
+for (b, rule, w) in BATCH_RUNS:
+    print(f"{b:>5} {len(lb[(b, rule, w)].train_losses):>5} {rule:>8} {scale_lr(BASE_LR, BASE_B, b, rule):>8.1e} "
+          f"{w:>7}  {final[(b, rule, w)]:.3f}")
+print(f"({time.perf_counter() - t0:.1f} s on 2 ranks)")
+best16 = min(final[(16, r, 0)] for r in ("linear", "sqrt"))
+best64 = min(v for (b, _, _), v in final.items() if b == 64)
+assert best16 < final[(16, "none", 0)] - 0.05 and best16 < final[(4, "none", 0)] + 0.15  # scaling recovers batch 16
+assert best64 < final[(64, "none", 0)] - 0.2  # scaling matters at batch 64...
+assert final[(64, "linear", 0)] > final[(64, "linear", WARMUP)] + 0.2  # ...and linear needs warm-up
+assert best64 > final[(4, "none", 0)] + 0.2  # but batch 64 is past the critical batch: tokens wasted
+
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+for rule, w, style in (("none", 0, "o--"), ("linear", 0, "s:"), ("sqrt", 0, "^:"), ("linear", WARMUP, "s-"),
+                       ("sqrt", WARMUP, "^-")):
+    bs = [b for b in (4, 16, 64) if (b, rule, w) in final or b == 4]
+    ax.plot(bs, [final.get((b, rule, w), final[(4, "none", 0)]) for b in bs], style,
+            label=f"{rule}{' + warm-up' if w else ''}")
+ax.set_xscale("log", base=2); ax.set_xticks([4, 16, 64], ["4", "16", "64"])
+ax.set_xlabel("global batch (sequences)"); ax.set_ylabel(f"val loss after {BUDGET:,} tokens")
+ax.set_title("same token budget, bigger batches: fewer, larger steps", fontsize=9)
+ax.legend(title="lr scaling", fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Read the table with the ideas above. Without scaling, every larger batch ends higher: the
+# same step size, fewer steps. Scaling the learning rate recovers most of the loss at batch
+# 16. At batch 64, linear scaling needs its warm-up, and even the best schedule stays clearly
+# above batch 4: the extra examples per step no longer buy a proportionally longer step.
+# (Which rule wins by a few hundredths at batch 16 varies with the details; the asserts hold
+# on any run.)
+#
+# ### 11.1 The gradient-noise scale
+#
+# McCandlish et al. (2018, "An Empirical Model of Large-Batch Training") make "critical" precise.
+# Let $G$ be the true gradient and $\Sigma$ the covariance of one example's gradient; a batch
+# of $B$ examples gives a gradient $G_B$ with $\mathbb{E}\,|G_B|^2 = |G|^2 + \operatorname{tr}(\Sigma)/B$.
+# Noise and signal are equal at the **simple noise scale**
+#
+# $$B_\text{simple} = \frac{\operatorname{tr}(\Sigma)}{|G|^2}.$$
+#
+# It predicts the trade-off between steps $S$ and examples $E$ needed to reach a given loss,
+# $S = S_\min (1 + B_\text{noise}/B)$ and $E = E_\min (1 + B/B_\text{noise})$: well below
+# $B_\text{noise}$, doubling the batch halves the steps at no cost in examples; well above it,
+# it wastes examples. The critical batch size is about $B_\text{simple}$.
+#
+# We estimate it from $k$ gradients $g_1, \dots, g_k$ of independent micro-batches of $b$
+# sequences at the same weights (`gradient_noise_scale`): the sample variance gives
+# $\operatorname{tr}(\Sigma) \approx b \sum_i |g_i - \bar g|^2/(k-1)$, and
+# $|G|^2 \approx |\bar g|^2 - \operatorname{tr}(\Sigma)/(k b)$ removes the noise left in the mean.
+# Data-parallel training gets the same estimate for free: every rank holds its local gradient
+# (batch $B/N$) before the all-reduce and the global one (batch $B$) after it, and two batch
+# sizes are enough (`noise_scale_from_two_batches`, McCandlish et al.'s Appendix A).
+#
+# **Predict first.** Is $B_\text{simple}$ larger for the freshly initialised model or for the
+# model at the end of the batch-4 run?
+#
+# <details><summary>Answer</summary>
+#
+# After training, by about an order of magnitude: as the loss falls the true gradient $|G|$
+# shrinks much faster than the per-example noise. The critical batch size grows during training,
+# which is why large runs ramp their batch size up (GPT-3 did).
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+def noise_scale_at(params, k=16, b=4):
+    model = GPT(CONFIG)
+    if params is not None:
+        torch.nn.utils.vector_to_parameters(params, model.parameters())
+    return gradient_noise_scale(micro_batch_gradients(model, DATA, b, k, torch.Generator().manual_seed(0)), b)
+
+at_init, trained = noise_scale_at(None), noise_scale_at(lb[(4, "none", 0)].final_params)
+for name, est in (("at initialisation", at_init), ("after the batch-4 run", trained)):
+    print(f"{name:<22} |G|^2 = {est.grad_sq:.3g}, tr(Sigma) = {est.trace_cov:.3g}: "
+          f"B_simple = {est.b_simple:.1f} sequences = {est.b_simple * CONFIG.block_size:,.0f} tokens")
+for b in (4, 16, 64):  # McCandlish et al.: examples needed E = E_min (1 + B / B_noise), with B_noise ~ B_simple
+    print(f"batch {b:>2} = {b / trained.b_simple:4.2f} x B_simple: about {1 + b / trained.b_simple:.1f} x "
+          f"the minimal number of training examples")
+assert at_init.b_simple < 5 and trained.b_simple > 3 * at_init.b_simple
+assert 8 < trained.b_simple < 32
+
+# %% [markdown]
+# This matches the table. Batch 4 is well below the trained model's noise scale, batch 16 is
+# close to it (it needs about twice the minimal examples, and with a scaled learning rate it
+# lost a little), and batch 64 is several times above it: a large part of its tokens are
+# wasted, and no schedule gave them back. (These are rough estimates from 16 micro-batches on
+# a tiny model; the method, not the number, carries over: measure $B_\text{simple}$ during
+# your run, and grow the global batch, and with it the data-parallel degree, while it stays
+# below.)
+#
+# ## 12. Bad input
 #
 # Arguments are checked in the notebook process, before any rank starts:
 
@@ -700,7 +967,44 @@ for line in run_on_ranks(bad_replicas, world_size=2, **RANKS)[0]:
 # * DDP = buckets (fewer, larger calls) + hooks (launch while backward runs) + in-order
 #   launches + a finish that waits; `no_sync` for accumulation; frozen parameters skipped,
 #   unused ones reduced as zeros, tied ones once.
+# * A small first bucket (1 MiB) lets communication start while backward runs even when the
+#   whole gradient would fit in one bucket.
 # * Compression trades accuracy for bytes: bf16 is nearly free, top-k needs `k/n ≪ 1/N` to pay
 #   at all, and error feedback is designed for SGD-like updates.
+# * More ranks mean a bigger global batch and fewer steps per token. Scale the learning rate
+#   (linear for SGD, square root for Adam) with a warm-up, and keep the batch below the
+#   critical batch size, estimated by the gradient-noise scale $B_\text{simple}$.
+#
+# ## Self-check
+#
+# 1. 8 ranks, 16 sequences each, mean loss per rank. You average the gradients with a SUM
+#    all-reduce and forget to divide by 8. With AdamW and clipping at 1.0, would a comparison of
+#    parameters with the single-process run notice? What would?
+# 2. A model has 300 MiB of fp32 gradients. How many bytes does each of 64 ranks send per step
+#    with a ring all-reduce? With 25 MiB buckets, how many all-reduce calls?
+# 3. Why must every rank launch its buckets in the same order, and what does DDP do about a
+#    parameter that got no gradient on one rank?
+# 4. Why can the bucket holding the tied embedding never overlap with backward?
+# 5. You go from 8 to 64 data-parallel ranks at a fixed per-rank batch and a fixed token budget,
+#    with AdamW. What do you change in the learning-rate schedule, and what would tell you that
+#    the new global batch is too large?
+#
+# <details><summary>Answers</summary>
+#
+# 1. Hardly: AdamW divides by the gradient's running magnitude and clipping rescales, both
+#    blind to a constant factor of 8 (only weight decay and `eps` would differ slightly).
+#    Comparing the raw averaged gradients with clipping off shows the factor at once.
+# 2. $2\cdot\frac{63}{64}\cdot 300$ MiB ≈ 591 MiB per rank; 13 calls (a 1 MiB first bucket,
+#    then 25 MiB buckets: 1 + ⌈299/25⌉; one fewer if the parameter sizes let the buckets
+#    overshoot into one another).
+# 3. Collectives are matched by the order they are issued, not by name: a different order adds
+#    unrelated tensors or hangs. A parameter with no gradient joins its bucket as zeros, so that
+#    every rank makes the same calls.
+# 4. Its gradient is complete only after the embedding's own backward, the last operation of
+#    backward (the head's use adds earlier, but the hook fires once, when both have been added).
+# 5. Multiply the learning rate by about $\sqrt{8} \approx 2.8$ (square root for Adam) and add
+#    or lengthen the warm-up. The global batch is too large when it exceeds the measured
+#    noise scale $B_\text{simple}$: then the loss per token gets worse, whatever the schedule.
+# </details>
 #
 # Next: write the bucketed, overlapped DDP yourself in `exercises/ex03_ddp.ipynb`.
