@@ -9,10 +9,15 @@
 #    `course_lib.run_on_ranks`, rank `r` contributes `values[r]`, and it returns every rank's result
 #    in rank order.
 #
+# **Re-read in notebook 00:** section 1 (ranks, `run_on_ranks`, results in rank order) and
+# section 2 (all-reduce and what `CommTracer` counts).
+#
+# **Before you write code,** answer on paper: with 3 ranks contributing 1.0, -2.0 and 0.25,
+# what does each rank return, and how many collective calls does each rank make?
+#
 # **How grading works.** Each check cell below prints `PASS  ...` when your code is right and
-# raises `CheckFailed` (or your own error) when it is not. The outputs stored in this notebook are
-# what correct code prints; `make test` (nbval) re-runs the notebook and compares. Edit
-# `student.py`, then *Kernel → Restart and run all*.
+# raises `CheckFailed` (or your own error) when it is not. The outputs stored in this notebook
+# are what correct code prints. Edit `student.py`, then *Kernel → Restart and run all*.
 
 # %%
 import torch

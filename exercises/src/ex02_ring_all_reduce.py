@@ -10,6 +10,9 @@
 #
 # Chunks are `torch.tensor_split(tensor.view(-1), N)`; the stub's docstrings give the rules.
 # Draw the 4-rank ring of notebook 02 on paper first: which chunk does rank r send at step k?
+# Which chunk arrives, and where must it go? **Re-read in notebook 02:** section 3 (the ring,
+# its schedule table and step-by-step picture, and why sizes that N does not divide need
+# care).
 #
 # **How grading works.** Each check runs your functions on real ranks and compares them with
 # `torch.distributed`'s built-ins, on several world sizes (including an odd one) and tensor
@@ -140,6 +143,21 @@ for name, factor, formula in (("ring_reduce_scatter", 1, "(N-1)/N·S"), ("ring_a
     check_equal(f"{name}: only point-to-point calls", all(set(r[name][2]) <= P2P_OPS for r in results), True)
 
 # %% [markdown]
-# All checks pass? Compare your code with `course_lib/comm/collectives.py`, which puts the schedule in one
-# function (`ring_send_chunk`) so a picture and a test can share it, and notice that both use
-# `isend`/`irecv` so that each step's send and receive overlap.
+# All checks pass? Three questions to test your understanding (answers below):
+#
+# 1. Your reduce-scatter and all-gather use the same rule for which chunk to send. Write it as
+#    one formula in the rank r and a step counter k running over both phases.
+# 2. What would happen if every rank did a blocking `dist.send` to its right neighbour before
+#    its `dist.recv`?
+# 3. On 8 ranks, how many bytes does each rank send for a 1 MiB tensor, and in how many
+#    sequential steps?
+#
+# <details><summary>Answers</summary>
+#
+# 1. At step k = 0 … 2N-3 rank r sends chunk (r − k − 1) mod N; steps 0 … N-2 add what
+#    arrives, steps N-1 … 2N-3 overwrite with it (notebook 02's schedule table).
+# 2. Every rank would wait in its send for a receiver that is itself waiting to send: a
+#    deadlock for messages too large for the transport to buffer. Sending and receiving at
+#    once (`isend` + `irecv`, then wait on both) avoids it.
+# 3. 2·7/8 MiB = 1.75 MiB, in 2·7 = 14 steps.
+# </details>

@@ -7,18 +7,20 @@
 # happen decides whether adding GPUs speeds training up or just adds waiting.
 #
 # In this notebook we build the collectives ourselves, from nothing but point-to-point
-# `send`/`recv`, in `course_lib/comm/collectives.py` (read it: every algorithm is a few lines):
+# `send`/`recv` (in `course_lib/comm/collectives.py` and `trees.py`: every algorithm is a few
+# lines), and check every one against the `torch.distributed` built-in on real ranks.
 #
-# 1. the **parameter server**: everyone sends to one rank, it adds, it sends back;
-# 2. the **ring all-reduce** (a reduce-scatter, then an all-gather), stepped through chunk by chunk;
-# 3. **recursive doubling** (a tree-shaped all-reduce), for any number of ranks;
-# 4. **bytes per rank** measured with the tracer, asserted against the formulas, and plotted
-#    against `N`: the picture that explains why rings won;
-# 5. the **α-β cost model**, fitted to ping-pong measured on this machine, checked against
-#    the real collectives, then used to predict a real GPU cluster;
-# 6. when a parameter server, a ring or a tree wins.
+# **After this notebook you can**
 #
-# Every implementation is checked against the `torch.distributed` built-in on real ranks.
+# * state what all-reduce, reduce-scatter, all-gather and all-to-all leave on each rank, and
+#   why all-reduce = reduce-scatter + all-gather;
+# * trace a ring all-reduce step by step and derive its $\frac{2(N-1)}{N}S$ bytes per rank;
+# * compare the parameter server (single and sharded), the ring, recursive doubling and
+#   Rabenseifner's halving-doubling by messages and bytes, and check the counts with a tracer;
+# * fit the α-β model $T(S) = \alpha + S/\beta$ to measurements, and use it to predict a
+#   collective's time on a real cluster;
+# * decide from α, β, $N$ and $S$ whether a tree or a ring is faster, and explain why NCCL
+#   uses both.
 
 # %%
 %matplotlib inline
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from course_lib import CommTracer, format_summary, merge_summaries, run_on_ranks
 from course_lib import comm
 from course_lib.comm import costmodel, ringviz
+from course_lib.units import fmt_bytes
 
 torch.manual_seed(0)
 NUMEL = 840  # = lcm(1..8): every world size used below divides it, so byte counts are exact
@@ -57,11 +60,20 @@ NUMEL = 840  # = lcm(1..8): every world size used below divides it, so byte coun
 # ## 2. The parameter server
 #
 # The most obvious all-reduce: pick one rank (the *server*), have every other rank send it
-# its tensor, add them up there, send the sum back. It is the data-parallel recipe of the
-# cluster-architecture article (workers send gradients to a master node, which averages them
-# and sends the result back), and the design the source articles contrast with all-reduce.
-# `comm.ps_all_reduce` does exactly that. Let us run it on 4 ranks, check it against `dist.all_reduce`, and count
-# its bytes.
+# its tensor, add them up there, send the sum back. It is how early distributed training
+# averaged gradients (the *parameter server* of DistBelief, Dean et al. 2012, and Li et al.
+# 2014): workers push gradients to a server, which averages them and sends back the result.
+# `comm.ps_all_reduce` does exactly that. Let us run it on 4 ranks, check it against
+# `dist.all_reduce`, and count its bytes.
+#
+# *Predict first:* each rank holds $S$ = 3,360 bytes (840 float32). How many bytes does the
+# server send and receive, and how many does each worker?
+#
+# <details><summary>Answer</summary>
+#
+# The server receives 3 tensors and sends 3: $(N-1)S$ = 10,080 bytes each way. Each worker
+# sends its $S$ and receives the sum, $S$.
+# </details>
 
 # %%
 def traced_all_reduce(algorithm, numel=NUMEL):
@@ -91,9 +103,9 @@ print(f"\nS = {S:,} bytes. Server (rank 0): {sent[0]:,} B sent, {recv[0]:,} B re
 
 # %% [markdown]
 # The result is right, and the cost is lopsided: rank 0 moves **(N-1)·S** in each direction
-# while the workers move S. With 64 workers and a 1 GB gradient, the server has to receive
-# 63 GB and send 63 GB every step, all through its one network port, while the other ports
-# idle. Adding workers makes the server's job longer: the parameter server does not scale.
+# while the workers move S. With 64 workers and a 1 GiB gradient, the server has to receive
+# 63 GiB and send 63 GiB every step, all through its one network port, while the other ports
+# idle. Adding workers makes the server's job longer: a single parameter server does not scale.
 #
 # (It also adds the N-1 tensors one after the other in rank order, so its result does not
 # depend on who arrives first: every rank ends with bit-identical values. All algorithms here
@@ -111,6 +123,11 @@ print(f"\nS = {S:,} bytes. Server (rank 0): {sent[0]:,} B sent, {recv[0]:,} B re
 #   complete sum of chunk r.
 # * **All-gather phase, N-1 steps.** The completed chunks travel around the ring once more,
 #   this time overwriting, until every rank has every summed chunk.
+#
+# This schedule is *bandwidth-optimal*: Patarasuk & Yuan (2009, "Bandwidth optimal all-reduce
+# algorithms for clusters of workstations") proved no all-reduce can send fewer bytes per
+# rank, and gave this ring for MPI; Baidu (Gibiansky 2017) and Horovod (Sergeev & Del Balso
+# 2018) later made it the standard way to average gradients in deep learning.
 #
 # Which chunk moves when is one line, `comm.ring_send_chunk(rank, step, N)`: at step k rank r
 # sends chunk $(r - k - 1) \bmod N$, in both phases, and receives whatever its left neighbour
@@ -165,7 +182,7 @@ for n in (4, 5):
 
 # %%
 def check_dtypes(sizes=(3, 11, 40)):
-    """Rank code: ring/tree/ps vs dist.all_reduce for several dtypes and sizes."""
+    """Rank code: every course all-reduce vs dist.all_reduce for several dtypes and sizes."""
     n, rows = dist.get_world_size(), []
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
         for numel in sizes:
@@ -185,7 +202,7 @@ results = run_on_ranks(check_dtypes, world_size=5)
 assert all(ok for rows in results for *_, ok in rows)
 print("N=5; sizes 3 (< N), 11 (N does not divide it), 40:")
 for dtype in ("float32", "float64", "bfloat16", "int64"):
-    print(f"  {dtype:<9} ring, tree, ps == dist.all_reduce on every rank: "
+    print(f"  {dtype:<9} {', '.join(comm.ALL_REDUCE_ALGORITHMS)} == dist.all_reduce on every rank: "
           f"{all(ok for rows in results for d, _, _, ok in rows if d == dtype)}")
 
 # %% [markdown]
@@ -197,7 +214,18 @@ for dtype in ("float32", "float64", "bfloat16", "int64"):
 #   \qquad \text{reduce-scatter, all-gather: } \frac{N-1}{N}\,S \text{ each}$$
 #
 # Every rank sends the same amount, every link is busy at every step, and the amount per
-# rank *tends to 2S, whatever N is*. The tracer must agree to the byte:
+# rank *tends to 2S, whatever N is*.
+#
+# *Predict first:* for $S$ = 3,360 bytes, how many bytes does each rank send in a ring
+# all-reduce on 4 ranks? On 5?
+#
+# <details><summary>Answer</summary>
+#
+# $\frac{2 \cdot 3}{4} S = 1.5\,S$ = 5,040 bytes on 4 ranks; $\frac{2 \cdot 4}{5} S = 1.6\,S$
+# = 5,376 bytes on 5 (each half, reduce-scatter and all-gather, sends half of that).
+# </details>
+#
+# The tracer must agree to the byte:
 
 # %%
 def traced_halves(numel=NUMEL):
@@ -245,11 +273,63 @@ assert sent == [comm.theory_bytes_sent("tree", S, 6, rank=r) for r in range(6)]
 assert sent == [3 * S, 3 * S, 2 * S, 2 * S, S, S]  # log2(4) = 2 rounds, + S for the fold-in partners
 
 # %% [markdown]
+# ### Rabenseifner: the ring's bytes in log N rounds
+#
+# Recursive doubling pays for its few rounds with full-size messages. **Rabenseifner's
+# algorithm** (Rabenseifner 2004; Thakur, Rabenseifner & Gropp 2005) keeps the rounds and
+# shrinks the messages, by doing what the ring does, reduce-scatter then all-gather, with
+# butterfly partners:
+#
+# * **reduce-scatter by recursive halving**: in round 1, rank r and r ⊕ N/2 each keep one half
+#   of the tensor, send the other half to the partner and add what arrives ($S/2$); in round 2
+#   partners at distance N/4 split that half ($S/4$); after $\log_2 N$ rounds rank r holds the
+#   complete sum of chunk r;
+# * **all-gather by recursive doubling**: the same partners in reverse order swap what they
+#   hold ($S/N$, then $2S/N$, ...) until everyone has everything.
+#
+# Bytes per rank: $2(S/2 + S/4 + \dots + S/N) = \frac{2(N-1)}{N}S$, the ring's, in
+# $2\log_2 N$ messages instead of $2(N-1)$. On 8 ranks (one call, 8 ranks reused later):
+
+# %%
+def halving_doubling_messages(numel=NUMEL):
+    """Rank code: the size of every message Rabenseifner's all-reduce sends, in order."""
+    x = torch.randn(numel)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    with CommTracer() as tracer:
+        comm.rabenseifner_all_reduce(x)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+    return [record.bytes_sent for record in tracer.records if record.op == "isend"]
+
+messages = run_on_ranks(halving_doubling_messages, world_size=8)
+print(f"N=8, S = {S:,} B; rank 0 sends {len(messages[0])} messages: {messages[0]} B")
+assert all(sum(m) == comm.theory_bytes_sent("rabenseifner", S, 8) == comm.theory_bytes_sent("ring", S, 8)
+           for m in messages)
+assert messages[0] == [S // 2, S // 4, S // 8, S // 8, S // 4, S // 2]
+print(f"total per rank {sum(messages[0]):,} B = 2(N-1)/N·S, the ring's bytes, in 2·log2(8) = 6 messages "
+      f"(the ring needs 2(N-1) = 14)")
+
+# %% [markdown]
 # ## 5. Why rings won: bytes per rank against N
 #
-# Now run all three all-reduces on every world size from 2 to 8, trace them, assert every
-# rank's bytes equal the formula, and plot the busiest rank's traffic (dots: measured here;
-# lines: the formulas, extended to 64 ranks).
+# Now run every all-reduce of this notebook on every world size from 2 to 8, trace them,
+# assert every rank's bytes equal the formula, and plot the busiest rank's traffic (dots:
+# measured here; lines: the formulas, extended to 64 ranks). The list includes one more
+# design, the **sharded parameter server**: every rank is also the server of $1/N$ of the
+# tensor, so workers push each server its chunk, and pull the summed chunks back.
+#
+# *Predict first:* as $N$ grows from 2 to 64, how does the busiest rank's traffic grow for
+# the single parameter server, recursive doubling, the ring, Rabenseifner and the sharded
+# parameter server?
+#
+# <details><summary>Answer</summary>
+#
+# Single server: linearly, $(N-1)S$. Recursive doubling: with $\log_2 N$, $S$ per round.
+# The other three stay below $2S$ whatever $N$: each moves $\frac{2(N-1)}{N}S$ per rank
+# (plus one $S$ on the ranks that fold in a partner when $N$ is not a power of two, for
+# Rabenseifner). A sharded parameter server's push is a reduce-scatter and its pull an
+# all-gather: it moves exactly the ring's bytes.
+# </details>
 
 # %%
 def traffic(numel=NUMEL):
@@ -263,18 +343,21 @@ for n in (4, 5, 6, 2, 3, 7, 8):  # the ranks of 4, 5 and 6 are still running: re
         assert [r[name] for r in per_rank] == [comm.theory_bytes_sent(name, S, n, rank=r) for r in range(n)], (n, name)
         measured[name, n] = max(r[name] for r in per_rank)
 print("busiest rank's bytes sent, in units of S (measured = formula on every rank):")
-print("  N  " + "".join(f"{name:>8}" for name in comm.ALL_REDUCE_ALGORITHMS))
+print("  N  " + "".join(f"{name:>13}" for name in comm.ALL_REDUCE_ALGORITHMS))
 for n in range(2, 9):
-    print(f"{n:>3}  " + "".join(f"{measured[name, n] / S:>8.3f}" for name in comm.ALL_REDUCE_ALGORITHMS))
+    print(f"{n:>3}  " + "".join(f"{measured[name, n] / S:>13.3f}" for name in comm.ALL_REDUCE_ALGORITHMS))
 
 # %%
 ns = list(range(2, 65))
 fig, ax = plt.subplots(figsize=(7, 4))
 styles = {"ring": ("tab:blue", "ring: 2(N-1)/N·S"), "tree": ("tab:green", "recursive doubling: ⌊log2 N⌋·S (+S)"),
-          "ps": ("tab:red", "parameter server: (N-1)·S at the server")}
+          "rabenseifner": ("tab:purple", "Rabenseifner: 2(p-1)/p·S (+S)"),
+          "ps": ("tab:red", "parameter server: (N-1)·S at the server"),
+          "sharded_ps": ("tab:orange", "sharded parameter server: 2(N-1)/N·S")}
 for name, (color, label) in styles.items():
-    ax.plot(ns, [comm.theory_bytes_sent(name, 1, n) for n in ns], color=color, label=label)
-    ax.plot(range(2, 9), [measured[name, n] / S for n in range(2, 9)], "o", color=color)
+    dashed = "--" if name in ("rabenseifner", "sharded_ps") else "-"  # they share the ring's line
+    ax.plot(ns, [comm.theory_bytes_sent(name, 1, n) for n in ns], dashed, color=color, label=label)
+    ax.plot(range(2, 9), [measured[name, n] / S for n in range(2, 9)], "o", color=color, markersize=4)
 ax.set_yscale("log")
 ax.set_xlabel("ranks N")
 ax.set_ylabel("bytes sent by the busiest rank / S")
@@ -285,12 +368,13 @@ plt.show()
 
 # %% [markdown]
 # The ring line flattens at 2: a ring of 1,000 GPUs moves barely more bytes per GPU than a
-# ring of 4. The parameter server's line climbs linearly, and recursive doubling's climbs
-# with log N. Since large gradients are limited by bandwidth, not latency, this flat line is
-# the reason Baidu's 2017 ring all-reduce, then Horovod (2018) and NCCL, replaced parameter
-# servers for synchronous data-parallel training. (Ring all-reduce is *bandwidth-optimal*:
-# any all-reduce must send at least $\frac{N-1}{N}S$ out of each rank for the reduction and
-# as much again for the distribution.)
+# ring of 4. The single parameter server's line climbs linearly, and recursive doubling's
+# climbs with log N. No all-reduce can do better than the flat line: every rank must send
+# out at least $\frac{N-1}{N}S$ for the reduction (all but its own share of the sum is
+# computed elsewhere) and receive as much again for the distribution (Patarasuk & Yuan 2009).
+# Large gradients are limited by bandwidth, not latency, so this is why the ring (Baidu
+# 2017, Horovod 2018, NCCL) replaced the single parameter server for synchronous
+# data-parallel training, and why a parameter server, when used, is sharded.
 
 # %% [markdown]
 # ## 6. Other patterns: all-to-all
@@ -320,44 +404,65 @@ for rank, (got, nbytes) in enumerate(run_on_ranks(all_to_all_demo, world_size=4)
 # ## 7. The α-β cost model
 #
 # Bytes are half the story; the other half is how many messages wait for each other. The
-# classic model: one message of S bytes takes
+# classic model (Hockney 1994): one message of S bytes takes
 #
-# $$t(S) = \alpha + S\,\beta$$
+# $$T(S) = \alpha + \frac{S}{\beta}$$
 #
 # where **α** is the latency (the fixed cost of a message: software, wake-ups, the wire) and
-# **β** the inverse bandwidth (seconds per byte). A collective is a schedule of messages, so
-# its time is (messages one after another)·α + (bytes through the busiest link)·β:
+# **β** the bandwidth (bytes per second). A collective is a schedule of messages, so its time
+# is (messages one after another)·α + (bytes through the busiest link)/β:
 #
 # | algorithm | predicted time |
 # |---|---|
-# | ring all-reduce | $2(N-1)\,\alpha + \frac{2(N-1)}{N} S\beta$ |
-# | reduce-scatter, all-gather | $(N-1)\,\alpha + \frac{N-1}{N} S\beta$ |
-# | recursive doubling | $L(\alpha + S\beta)$, $L = \log_2 p + 2[N \ne p]$ |
-# | parameter server | $2(N-1)(\alpha + S\beta)$: N-1 receives, then N-1 sends, through one link |
+# | ring all-reduce | $2(N-1)\,\alpha + \frac{2(N-1)}{N} \frac{S}{\beta}$ |
+# | reduce-scatter, all-gather | $(N-1)\,\alpha + \frac{N-1}{N} \frac{S}{\beta}$ |
+# | recursive doubling | $L(\alpha + \frac{S}{\beta})$, $L = \log_2 p + 2[N \ne p]$ |
+# | Rabenseifner (N a power of two) | $2\log_2 N\,\alpha + \frac{2(N-1)}{N} \frac{S}{\beta}$ |
+# | parameter server | $2(N-1)(\alpha + \frac{S}{\beta})$: N-1 receives, then N-1 sends, through one link |
+# | sharded parameter server | $2(N-1)\,\alpha + \frac{2(N-1)}{N} \frac{S}{\beta}$, the ring's |
 #
 # (`course_lib.comm.costmodel.cost_terms`; the adds themselves are left out, on GPUs they hide
 # under the transfers.) First we measure α and β on this machine with a **ping-pong**: two
 # ranks bounce a message of each size back and forth, and half the fastest round trip is
-# $t(S)$. Emulated ranks share this machine's few CPU cores, so we let every pair of ranks
+# $T(S)$. Emulated ranks share this machine's few CPU cores, so we let every pair of ranks
 # ping-pong at the same time (`all_pairs=True`): the link is measured under the load a
-# collective puts on it. Then a least-squares fit (weighted by 1/t, so small messages pin α
-# and large ones pin β).
+# collective puts on it. Each size is timed in 5 passes over all sizes, 3 round trips each,
+# so a burst of load elsewhere on the machine slows one pass of every size instead of every
+# try of one size. Then a least-squares fit (weighted by 1/T, so small messages pin α and
+# large ones pin β).
+#
+# *Predict first:* is α on this machine closer to 1 µs (a GPU interconnect) or to 100 µs?
+# And β: closer to 1 GB/s or 100 GB/s?
+#
+# <details><summary>Answer</summary>
+#
+# α is tens of microseconds or more: each message goes through the operating system's
+# loopback network stack and wakes up another process, often on a busy core. β is around a
+# few GB/s: bytes are copied by the CPU through kernel buffers. An NVLink step costs a few
+# µs at hundreds of GB/s.
+# </details>
 
 # %% tags=["nbval-ignore-output"]
 SIZES_PP = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
-one_way = run_on_ranks(costmodel.ping_pong, SIZES_PP, all_pairs=True, world_size=4, check_collectives=False)[0]
+one_way = run_on_ranks(costmodel.ping_pong, SIZES_PP, rounds=5, iters=3, all_pairs=True, world_size=4,
+                      check_collectives=False)[0]
 link = costmodel.fit_alpha_beta(SIZES_PP, one_way, name="this machine (gloo, loopback)")
-print(f"fitted: alpha = {link.alpha * 1e6:.0f} us per message, beta = 1/({link.bandwidth / 1e9:.2f} GB/s)")
+print(f"fitted: alpha = {link.alpha * 1e6:.0f} us per message, beta = {link.beta / 1e9:.2f} GB/s")
+off = []
 for size, t in zip(SIZES_PP, one_way):
-    print(f"  {size:>9,} B: measured {t * 1e6:9.1f} us, model {link.message_time(size) * 1e6:9.1f} us")
+    ratio = t / link.message_time(size)
+    off += [size] if not 0.5 < ratio < 2 else []
+    print(f"  {fmt_bytes(size):>10}: measured {t * 1e6:9.1f} us, model {link.message_time(size) * 1e6:9.1f} us"
+          f"  (x{ratio:.2f})")
+print("sizes more than 2x off the fit:", [fmt_bytes(s) for s in off] or "none")
 
 # %%
 assert link.alpha >= 0 and link.beta > 0  # fit_alpha_beta raises if the data make no sense
 fig, ax = plt.subplots(figsize=(6, 3.5))
 xs = [2**k for k in range(3, 25)]
 ax.loglog(SIZES_PP, [t * 1e6 for t in one_way], "o", label="ping-pong (one way)")
-ax.loglog(xs, [link.message_time(x) * 1e6 for x in xs], "-", label="fit α + Sβ")
-ax.axvline(link.alpha / link.beta, color="grey", ls=":", label="S = α/β: latency = transfer")
+ax.loglog(xs, [link.message_time(x) * 1e6 for x in xs], "-", label="fit α + S/β")
+ax.axvline(link.alpha * link.beta, color="grey", ls=":", label="S = αβ: latency = transfer")
 ax.set_xlabel("message size S (bytes)")
 ax.set_ylabel("time (µs)")
 ax.legend()
@@ -365,36 +470,44 @@ ax.grid(alpha=0.3, which="both")
 plt.show()
 
 # %% [markdown]
-# Below $S = \alpha/\beta$ (the dotted line) a message costs about α whatever its size:
+# Below $S = \alpha\beta$ (the dotted line) a message costs about α whatever its size:
 # that is the **latency-bound** regime. Above it, time grows with S: **bandwidth-bound**.
 #
-# Now time the three all-reduces (and gloo's own, for reference) on 4 ranks from 4 KB to
-# 16 MB, and put the model's predictions next to them.
+# The points do not sit exactly on the line, and on a shared machine one size can land far
+# off it in one run and on it in the next (the cell above lists any size more than 2× off).
+# A point far *above* the line is a size whose every try was slowed by something else
+# running; a straight line through all sizes is still the best summary of the link.
+#
+# Now time the all-reduces (and gloo's own, for reference) on 4 ranks from 4 KiB to
+# 16 MiB, and put the model's predictions next to them. (On 4 ranks Rabenseifner and the
+# sharded parameter server are left out of the timing: their byte counts are checked above.)
 
 # %% tags=["nbval-ignore-output"]
 SIZES = [1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
-ALGOS = {**comm.ALL_REDUCE_ALGORITHMS, "gloo built-in": lambda t: dist.all_reduce(t)}
+TIMED = ("ring", "tree", "ps")
+ALGOS = {**{name: comm.ALL_REDUCE_ALGORITHMS[name] for name in TIMED}, "gloo built-in": lambda t: dist.all_reduce(t)}
 
 def time_all(sizes):
     return {(name, s): costmodel.time_collective(fn, s, iters=5) for s in sizes for name, fn in ALGOS.items()}
 
 timed = run_on_ranks(time_all, SIZES, world_size=4, check_collectives=False)[0]
-print(f"{'size':>10}" + "".join(f"{name:>22}" for name in comm.ALL_REDUCE_ALGORITHMS) + f"{'gloo built-in':>15}")
+print(f"{'size':>10}" + "".join(f"{name:>22}" for name in TIMED) + f"{'gloo built-in':>15}")
 for s in SIZES:
     cells = "".join(f"{timed[name, s] * 1e3:9.2f} ms (x{timed[name, s] / costmodel.predict_time(name, s, 4, link):5.1f})"
-                    for name in comm.ALL_REDUCE_ALGORITHMS)
-    print(f"{s:>10,}" + cells + f"{timed['gloo built-in', s] * 1e3:12.2f} ms")
+                    for name in TIMED)
+    print(f"{fmt_bytes(s):>10}" + cells + f"{timed['gloo built-in', s] * 1e3:12.2f} ms")
 print("(x = measured / predicted)")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
 grid = [2**k for k in range(10, 25)]
-for name, (color, _) in styles.items():
+for name in TIMED:
+    color = styles[name][0]
     ax.loglog(grid, [costmodel.predict_time(name, s, 4, link) * 1e3 for s in grid], "-", color=color,
               label=f"{name}: model")
     ax.loglog(SIZES, [timed[name, s] * 1e3 for s in SIZES], "o", color=color, label=f"{name}: measured")
 ax.loglog(SIZES, [timed["gloo built-in", s] * 1e3 for s in SIZES], "k^", label="gloo built-in")
-ax.axvline(4 * link.alpha / link.beta, color="tab:blue", ls=":", label="ring: α terms = β terms")
+ax.axvline(4 * link.alpha * link.beta, color="tab:blue", ls=":", label="ring: α terms = S/β terms")
 ax.set_xlabel("tensor size S (bytes)")
 ax.set_ylabel("time per all-reduce (ms)")
 ax.set_title("4 ranks on this machine: α-β model (lines) vs measurement (markers)")
@@ -402,8 +515,8 @@ ax.legend(fontsize=7, ncol=2)
 ax.grid(alpha=0.3, which="both")
 plt.show()
 # Loose sanity only (timings on a shared machine are noisy): every algorithm takes longer on
-# 16 MB than on 4 KB, and at 16 MB the model is within about an order of magnitude.
-for name in comm.ALL_REDUCE_ALGORITHMS:
+# 16 MiB than on 4 KiB, and at 16 MiB the model is within about an order of magnitude.
+for name in TIMED:
     assert timed[name, SIZES[-1]] > timed[name, SIZES[0]], name
 ratio = timed["ring", SIZES[-1]] / costmodel.predict_time("ring", SIZES[-1], 4, link)
 assert 0.1 < ratio < 30, ratio
@@ -414,7 +527,7 @@ assert 0.1 < ratio < 30, ratio
 #
 # * **The shape is right.** Every algorithm costs a roughly constant time for small tensors
 #   (latency-bound) and a time growing with S for large ones (bandwidth-bound). For the ring
-#   the two terms are equal at $S^* = N\alpha/\beta$ (dotted line): below it, cutting steps
+#   the two terms are equal at $S^* = N\alpha\beta$ (dotted line): below it, cutting steps
 #   pays (tree); above it, cutting bytes per link pays (ring).
 # * **Latency-bound regime (left): measured above the model, usually the ring worst.** The
 #   ring makes 6 steps here, each waiting for the previous one, and each step needs four
@@ -434,9 +547,9 @@ assert 0.1 < ratio < 30, ratio
 total = {name: sum(comm.theory_bytes_sent(name, S, 4, rank=r) for r in range(4)) / S
          for name in comm.ALL_REDUCE_ALGORITHMS}
 busiest = {name: comm.theory_bytes_sent(name, S, 4) / S for name in comm.ALL_REDUCE_ALGORITHMS}
-print("N=4, in units of S:        " + "".join(f"{name:>7}" for name in total))
-print("bytes sent by busiest rank " + "".join(f"{busiest[n]:>7.1f}" for n in total) + "   <- decides on a cluster")
-print("bytes sent by all ranks    " + "".join(f"{total[n]:>7.1f}" for n in total) + "   <- decides on one shared machine")
+print("N=4, in units of S:        " + "".join(f"{name:>13}" for name in total))
+print("bytes sent by busiest rank " + "".join(f"{busiest[n]:>13.1f}" for n in total) + "   <- decides on a cluster")
+print("bytes sent by all ranks    " + "".join(f"{total[n]:>13.1f}" for n in total) + "   <- decides on one shared machine")
 assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 
 # %% [markdown]
@@ -445,23 +558,35 @@ assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 # Plug in published link figures (sources in `costmodel.CLUSTERS`'s comments): NVLink 3 on
 # an A100 gives 600 GB/s in total, 300 GB/s each way; an HDR InfiniBand port carries
 # 200 Gb/s = 25 GB/s each way; a collective step costs a few microseconds (NCCL's own tuning
-# model charges 0.4–6.6 µs per ring step, by link and protocol). Take the gradient of a GPT-2-small
-# sized model (124 M parameters, fp32: 496 MB):
+# model charges 0.4–6.6 µs per ring step, by link and protocol). Bandwidths are the vendors'
+# decimal GB/s (10⁹ bytes/s). Take the gradient of a GPT-2-small sized model (124 M
+# parameters, fp32):
+#
+# *Predict first:* on 64 nodes over InfiniBand, roughly how much faster than a single
+# parameter server is the ring for this gradient: 2×, 10× or 60×?
+#
+# <details><summary>Answer</summary>
+#
+# About 60×: both are bandwidth-bound here, and the server's link carries $2(N-1)S$ = 126 S
+# against the ring's $\frac{2(N-1)}{N}S \approx 2S$: a ratio of $N = 64$, less a little for the
+# ring's extra latency.
+# </details>
 
 # %%
 GRAD = 124_000_000 * 4
+print(f"gradient: {fmt_bytes(GRAD)}")
 for cluster, n in (("A100 NVLink 3 (intra-node)", 8), ("HDR InfiniBand 200 Gb/s (inter-node)", 64)):
     net = costmodel.CLUSTERS[cluster]
-    times = {name: costmodel.predict_time(name, GRAD, n, net) for name in ("ring", "tree", "ps")}
+    times = {name: costmodel.predict_time(name, GRAD, n, net) for name in ("ring", "rabenseifner", "tree", "ps")}
     print(f"{cluster}, N={n}: " + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in times.items())
           + f"  -> ring is {times['ps'] / times['ring']:.0f}x faster than the parameter server")
     assert costmodel.regime("ring", GRAD, n, net) == "bandwidth-bound"
-    assert times["ring"] < times["tree"] < times["ps"]
+    assert times["rabenseifner"] <= times["ring"] < times["tree"] < times["ps"]
 
 ib = costmodel.CLUSTERS["HDR InfiniBand 200 Gb/s (inter-node)"]
 for n in (8, 64, 1024):
     s_star = costmodel.crossover_bytes("tree", "ring", n, ib)
-    print(f"HDR IB, N={n:>4}: recursive doubling beats the ring below {s_star / 1e3:,.0f} KB, the ring wins above")
+    print(f"HDR IB, N={n:>4}: recursive doubling beats the ring below {fmt_bytes(s_star)}, the ring wins above")
     assert costmodel.predict_time("tree", s_star / 2, n, ib) < costmodel.predict_time("ring", s_star / 2, n, ib)
 
 # %%
@@ -469,13 +594,14 @@ fig, axes = plt.subplots(1, 2, figsize=(11, 4))
 sizes = [2.0**k for k in range(6, 33)]
 for ax, (cluster, n) in zip(axes, (("A100 NVLink 3 (intra-node)", 8), ("HDR InfiniBand 200 Gb/s (inter-node)", 64))):
     net = costmodel.CLUSTERS[cluster]
-    for name, (color, _) in styles.items():
-        ax.loglog(sizes, [costmodel.predict_time(name, s, n, net) for s in sizes], color=color, label=name)
+    for name in ("ring", "tree", "rabenseifner", "ps"):  # the sharded PS would sit on the ring's line
+        color, dashed = styles[name][0], "--" if name == "rabenseifner" else "-"
+        ax.loglog(sizes, [costmodel.predict_time(name, s, n, net) for s in sizes], dashed, color=color, label=name)
     s_star = costmodel.crossover_bytes("tree", "ring", n, net)
     ax.axvspan(sizes[0], s_star, color="tab:green", alpha=0.08)
     # x in data coordinates, y as a fraction of the axes: labels stay clear of the curves
-    ax.annotate("latency-bound:\ntree wins", (sizes[1], 0.55), xycoords=("data", "axes fraction"), fontsize=8)
-    ax.annotate("bandwidth-bound:\nring wins", (s_star * 2, 0.04), xycoords=("data", "axes fraction"), fontsize=8)
+    ax.annotate("latency-bound:\ntree beats ring", (sizes[1], 0.55), xycoords=("data", "axes fraction"), fontsize=8)
+    ax.annotate("bandwidth-bound:\nring beats tree", (s_star * 2, 0.04), xycoords=("data", "axes fraction"), fontsize=8)
     ax.axvline(GRAD, color="grey", ls="--", lw=0.8)
     ax.annotate("GPT-2 small\ngradient", (GRAD * 1.2, 0.25), xycoords=("data", "axes fraction"), fontsize=7,
                 color="grey")
@@ -490,39 +616,81 @@ plt.show()
 # %% [markdown]
 # ## 9. Parameter server, ring or tree: when each wins
 #
-# The source articles set the parameter server (traditional, everything goes through one
-# node) against all-reduce (every node takes an equal part, no single bottleneck), and list
-# Horovod among the data-parallel frameworks: Horovod is what made the ring the default. The
-# byte counts and the model above make the comparison precise:
+# In the figures, recursive doubling wins the shaded latency-bound region against the ring,
+# and Rabenseifner (dashed) is as fast as the ring for large tensors and far faster for small
+# ones. The byte counts and the model make the comparison precise:
 #
-# * **Ring** (Horovod, NCCL, PyTorch DDP): wins for **large tensors**, the bandwidth-bound
-#   regime where gradients live. Per-rank traffic 2(N-1)/N·S is flat in N and optimal. Its
-#   weakness is 2(N-1) sequential steps: latency grows linearly with N, and one slow link
-#   slows the whole ring.
-# * **Tree / recursive doubling** (MPI for small messages; NCCL's double binary trees across
-#   nodes): wins for **small tensors or very many ranks**, the latency-bound regime, with
-#   only ~log2 N steps. Full-size messages make it lose once bandwidth dominates.
-# * **Parameter server**: in *synchronous* training with one server it never wins: same
-#   number of steps as the ring and (N-1)·S through one link. It earns its place elsewhere:
-#   *asynchronous* SGD (workers push and pull at their own pace, stragglers do not stall
-#   anyone), *sparse* updates (a worker sends only the embedding rows it touched), and
-#   heterogeneous or elastic clusters where workers come and go. A PS **sharded** across N
-#   servers (each owns 1/N of the parameters) moves the same (N-1)/N·S per rank as a
-#   reduce-scatter plus all-gather: the bottleneck was the single server, not the idea.
+# * **Ring** (Patarasuk & Yuan 2009; Horovod, NCCL, PyTorch DDP): wins for **large tensors**,
+#   the bandwidth-bound regime where gradients live. Per-rank traffic 2(N-1)/N·S is flat in N
+#   and optimal. Its weakness is 2(N-1) sequential steps: latency grows linearly with N, and
+#   one slow link slows the whole ring.
+# * **Recursive doubling** (MPI libraries use it for small messages): only $\log_2 N$ steps,
+#   but each carries the whole tensor. With $L = \log_2 N$ ($N$ a power of two) it beats the
+#   ring when $L\alpha + LS/\beta < 2(N-1)\alpha + \frac{2(N-1)}{N}S/\beta$, that is below
 #
-# Real libraries switch between algorithms by size and topology (NCCL picks ring or tree
-# per call from a cost model like ours), and use rings *within* a node over NVLink and trees
-# or rings of nodes *across* InfiniBand.
+#   $$S^* = \frac{(2(N-1) - L)\,\alpha\beta}{L - 2(N-1)/N},$$
+#
+#   which grows with $N$ and with $\alpha\beta$: many ranks and slow-to-start links favour it.
+# * **Rabenseifner** (recursive halving, then doubling): the ring's bytes in $2\log_2 N$ steps,
+#   so in the α-β model it is never slower than the ring. Real rings still win often, because
+#   the model gives every pair of ranks its own full-speed link: halving and doubling talk to
+#   partners N/2, N/4, … ranks away, whose traffic shares links on a real network, while a
+#   ring only ever uses neighbour links, which every topology has.
+# * **NCCL's trees** are neither of these. Since version 2.4 NCCL can run an all-reduce over
+#   **double binary trees** (Sanders, Speck & Träff 2009): two binary trees over the ranks,
+#   built so that a rank that is an inner node in one tree is a leaf in the other. Each tree
+#   reduces half of the data towards its root and broadcasts the result back down, in many
+#   small pipelined chunks, so every rank sends and receives about as much as in a ring while
+#   the latency grows with $\log_2 N$ instead of $N$. NCCL estimates each algorithm's time
+#   per call with a model like ours (latency plus bytes over bandwidth, per algorithm and
+#   protocol) and takes the fastest: trees across many nodes at small and medium sizes,
+#   rings for large tensors.
+# * **Parameter server**: in *synchronous* training a single server never wins: the same
+#   number of steps as the ring and (N-1)·S through one link. A **sharded** parameter server
+#   fixes that: with a server shard on each of the N ranks, every worker pushes each shard
+#   its 1/N of the gradient and pulls the summed piece back, $\frac{2(N-1)}{N}S$ per worker,
+#   the ring's traffic (measured in section 5): push is a reduce-scatter, pull an all-gather.
+#   Parameter servers earn their place in *asynchronous* SGD (workers push and pull at their
+#   own pace, stragglers do not stall anyone), *sparse* updates (a worker sends only the
+#   embedding rows it touched), and elastic clusters where workers come and go.
 
-# %% [markdown]
 # ## Summary
 #
 # * All-reduce = reduce-scatter + all-gather; every collective is a schedule of send/recv.
-# * Bytes per rank, traced and asserted: ring 2(N-1)/N·S, reduce-scatter and all-gather
-#   (N-1)/N·S each, parameter server (N-1)·S through the server, recursive doubling log2 N·S.
-# * The α-β model: time = (sequential messages)·α + (bytes on the busiest link)·β. Small
+# * Bytes per rank, traced and asserted: ring, Rabenseifner and sharded parameter server
+#   2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S each, single parameter server (N-1)·S
+#   through the server, recursive doubling log2 N·S.
+# * The α-β model: T = (sequential messages)·α + (bytes on the busiest link)/β. Small
 #   tensors are latency-bound (fewer steps win: tree), large ones bandwidth-bound (fewer
 #   bytes per link win: ring).
-# * Next: **exercise 02** (`exercises/ex02_ring_all_reduce.ipynb`): write the ring yourself.
-#   Then notebook 03 uses all-reduce for data parallelism, and later notebooks use
-#   reduce-scatter/all-gather (ZeRO, FSDP) and all-to-all (experts).
+#
+# ## Self-check
+#
+# 1. 16 ranks all-reduce a 1 GiB gradient with a ring. How many bytes does each rank send,
+#    and how many sequential messages are on the critical path?
+# 2. Why does a ring all-reduce of a tensor smaller than N elements still work, and which
+#    ranks send nothing in some steps?
+# 3. α = 5 µs, β = 25 GB/s, N = 64. Below which size does recursive doubling beat the ring?
+# 4. A sharded parameter server and a ring move the same bytes. Name one thing the parameter
+#    server design can do that a ring cannot.
+# 5. In the α-β model Rabenseifner is never slower than the ring. Give one reason NCCL still
+#    uses rings.
+#
+# <details><summary>Answers</summary>
+#
+# 1. $\frac{2 \cdot 15}{16}$ GiB = 1.875 GiB, in $2 \cdot 15 = 30$ sequential steps.
+# 2. Chunks follow `tensor_split`: the first chunks hold one element each and the rest are
+#    empty; a rank whose chunk for that step is empty sends nothing (and its neighbour expects
+#    nothing).
+# 3. $L = 6$: $S^* = (126 - 6) \cdot 5\,\mu s \cdot 25\cdot10^9\,\text{B/s} / (6 - 126/64)$
+#    ≈ 3.7·10⁶ bytes, about 3.5 MiB (section 8 prints it).
+# 4. Asynchronous updates (workers do not wait for each other), sparse pushes of only the
+#    rows a worker touched, workers joining and leaving.
+# 5. The model gives every pair of ranks its own full-speed link; halving-doubling sends to
+#    distant ranks whose messages share links on a real network, while a ring uses only
+#    neighbour links.
+# </details>
+#
+# **Next: exercise 02** (`exercises/ex02_ring_all_reduce.ipynb`): write the ring yourself.
+# Then notebook 03 uses all-reduce for data parallelism, and later notebooks use
+# reduce-scatter/all-gather (ZeRO, FSDP) and all-to-all (experts).
