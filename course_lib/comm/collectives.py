@@ -115,7 +115,7 @@ def ring_all_gather(tensor: torch.Tensor, group=None, on_step=None) -> torch.Ten
 def ring_all_reduce(tensor: torch.Tensor, group=None, on_step=None) -> torch.Tensor:
     """Sum `tensor` over ranks in place: ring reduce-scatter, then ring all-gather.
 
-    Time ~ 2(N-1) * alpha + 2(N-1)/N * S * beta: the bandwidth term is almost independent
+    Time ~ 2(N-1) * alpha + 2(N-1)/N * S / beta: the bandwidth term is almost independent
     of N, which is why rings scale. Each chunk is summed in one fixed order on one rank and
     then copied, so every rank ends with bit-identical values. Returns `tensor`.
     """
@@ -131,7 +131,7 @@ def ps_all_reduce(tensor: torch.Tensor, group=None, server: int = 0) -> torch.Te
     N-1 tensors (in rank order, so the result is deterministic) and sends the sum back.
 
     The server receives and sends (N-1) * S bytes while workers send and receive only S:
-    its link is the bottleneck, time ~ 2(N-1) * (alpha + S * beta). Returns `tensor`.
+    its link is the bottleneck, time ~ 2(N-1) * (alpha + S / beta). Returns `tensor`.
     """
     flat = flat_view(tensor)
     rank, n = rank_and_size(group)
