@@ -248,3 +248,33 @@ def test_real_timeline_follows_the_schedule_and_activation_memory_follows_in_fli
         # ZB-H1: at most p - r whole graphs plus p - 1 deferred W's (inputs and output gradients
         # of the Linears): bounded, independent of m, and well below GPipe's m graphs.
         assert peaks[("zero_bubble", 16)] == peaks[("zero_bubble", 8)] < 8 * one_mb
+
+
+# ---------------------------------------------------------------- the instructor path
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_pipeline_demo_under_torchrun_with_gloo():
+    import os
+    import re
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "course_lib.demos.pipeline", "--schedule", "1f1b", "--microbatches", "4", "--steps", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = re.findall(r"step (\d): pipeline loss (\S+)  single process (\S+)", proc.stdout)
+    assert [s[0] for s in steps] == ["1", "2"], proc.stdout
+    for _, ours, ref in steps:
+        assert abs(float(ours) - float(ref)) < 1e-5
+    assert "bubble formula 0.200" in proc.stdout
+
+
+def test_pipeline_demo_rejects_bad_arguments_before_joining_the_group():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.pipeline", "--microbatches", "3"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode != 0 and "batch size 8 must be divisible by n_microbatches=3" in proc.stderr
