@@ -19,9 +19,11 @@ def build_buckets(sizes_bytes: list[int], bucket_cap_bytes: int) -> list[list[in
     """Group parameter indices into buckets.
 
     Walk the indices from len(sizes_bytes) - 1 down to 0. Add each index to the current
-    bucket; but if the current bucket is not empty and adding this parameter would make its
-    total size exceed bucket_cap_bytes, close the bucket first and start a new one.
-    Example: sizes [4, 4, 4, 4] with cap 8 -> [[3, 2], [1, 0]].
+    bucket; as soon as the current bucket holds at least bucket_cap_bytes, close it and start
+    a new one (PyTorch's rule: a bucket overshoots the cap by at most its last parameter). A
+    last, unfilled bucket is kept.
+    Examples: sizes [4, 4, 4, 4] with cap 8 -> [[3, 2], [1, 0]];
+              sizes [4, 100, 4, 4] with cap 10 -> [[3, 2, 1], [0]].
     """
     raise NotImplementedError("exercise 03: write build_buckets")
 
@@ -38,7 +40,8 @@ class SimpleDDP(nn.Module):
         # TODO 2: self.buckets = list of lists of Parameters, from build_buckets over the
         #         parameters with requires_grad (sizes in bytes; cap = bucket_cap_mb * 2**20).
         # TODO 3: bookkeeping: which bucket each parameter is in, how many gradients of each
-        #         bucket are ready, and the all-reduces in flight.
+        #         bucket are ready, the index of the next bucket to launch (buckets are
+        #         launched in index order on every rank), and the all-reduces in flight.
         # TODO 4: p.register_post_accumulate_grad_hook(self._on_grad_ready) for each parameter.
         raise NotImplementedError("exercise 03: write SimpleDDP.__init__")
 
@@ -46,8 +49,9 @@ class SimpleDDP(nn.Module):
         return self.module(*args, **kwargs)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        """Called by autograd once param.grad is complete. Count it; when its bucket is full,
-        flatten the bucket's gradients into one tensor, divide by the world size and start
+        """Called by autograd once param.grad is complete. Count it; then launch every full
+        bucket whose predecessors have all been launched, in index order: flatten the bucket's
+        gradients into one tensor, divide by the world size and start
         dist.all_reduce(flat, group=self.group, async_op=True). Keep (work, flat)."""
         raise NotImplementedError("exercise 03: write SimpleDDP._on_grad_ready")
 

@@ -9,11 +9,11 @@ def build_buckets(sizes_bytes: list[int], bucket_cap_bytes: int) -> list[list[in
     """Indices of the parameters in each bucket, walking from the last parameter to the first."""
     buckets, current, size = [], [], 0
     for i in reversed(range(len(sizes_bytes))):
-        if current and size + sizes_bytes[i] > bucket_cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
         current.append(i)
         size += sizes_bytes[i]
+        if size >= bucket_cap_bytes:  # full: close it (it may overshoot by this parameter)
+            buckets.append(current)
+            current, size = [], 0
     if current:
         buckets.append(current)
     return buckets
@@ -36,6 +36,7 @@ class SimpleDDP(nn.Module):
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.ready = [0] * len(self.buckets)
         self.pending = {}  # bucket index -> (work, flat)
+        self.next = 0  # buckets are launched in index order, the same order on every rank
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -43,19 +44,18 @@ class SimpleDDP(nn.Module):
         return self.module(*args, **kwargs)
 
     def _on_grad_ready(self, param):
-        b = self.bucket_of[param]
-        self.ready[b] += 1
-        if self.ready[b] == len(self.buckets[b]):
-            self._launch(b)
+        self.ready[self.bucket_of[param]] += 1
+        while self.next < len(self.buckets) and self.ready[self.next] == len(self.buckets[self.next]):
+            self._launch(self.next)
 
     def _launch(self, b):
         flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[b]]).div_(self.world_size)
         self.pending[b] = (dist.all_reduce(flat, group=self.group, async_op=True), flat)
+        self.next = b + 1
 
     def finish_gradient_synchronization(self):
-        for b in range(len(self.buckets)):
-            if b not in self.pending:
-                self._launch(b)
+        while self.next < len(self.buckets):
+            self._launch(self.next)
         for b, (work, flat) in sorted(self.pending.items()):
             work.wait()
             offset = 0
@@ -64,3 +64,4 @@ class SimpleDDP(nn.Module):
                 offset += p.numel()
         self.pending.clear()
         self.ready = [0] * len(self.buckets)
+        self.next = 0

@@ -6,7 +6,7 @@
 #
 # 1. `build_buckets(sizes_bytes, bucket_cap_bytes)`: group parameter indices into buckets,
 #    walking from the **last** parameter to the first (backward produces gradients roughly in
-#    that order), closing a bucket when the next parameter would push it past the cap.
+#    that order), closing a bucket as soon as it holds at least the cap (PyTorch's rule).
 # 2. `SimpleDDP(module, bucket_cap_mb, group)`:
 #    * `__init__` copies rank 0's parameters to every rank, builds the buckets and registers a
 #      `register_post_accumulate_grad_hook` on every trainable parameter;
@@ -16,8 +16,23 @@
 #      step) waits for every bucket and writes the averaged gradients back into `p.grad`.
 #
 # You may assume every trainable parameter gets a gradient in every step (no unused
-# parameters) and no gradient accumulation; the course's `course_lib.parallel.DDP` handles
-# those too, once you are done compare your code with it.
+# parameters) and no gradient accumulation; notebook 03 §5 shows how a full DDP handles
+# both. Re-read §5 (buckets, hooks, in-order launches, `finish`) before you start, and §1 for
+# why the average of the shards' gradients is the right one.
+#
+# **Think first.** Your hook fires once per parameter, in the order autograd finishes them.
+# Can two ranks see their buckets become full in different orders? What would happen if each
+# rank launched its buckets in the order they became full?
+#
+# <details><summary>Answer</summary>
+#
+# For identical graphs autograd finishes the gradients in the same order on every rank, but
+# as soon as the ranks' graphs differ (a parameter unused on one rank, data-dependent control
+# flow), buckets fill in different orders, or not at all. Async collectives are matched by the
+# order in which they are issued, so rank 0's bucket 3 would be added to rank 1's bucket 2:
+# wrong sums, or a hang when the sizes differ. Launch buckets strictly in index order: a full
+# bucket waits until all earlier ones have been launched.
+# </details>
 #
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
 # `CheckFailed` (or your own error) when it is not. Your model is trained for a few steps on 2
@@ -43,7 +58,7 @@ CONFIG = GPTConfig.tiny(CharDataset("train").vocab_size)
 # No clipping: AdamW and clipping both ignore the gradient's scale, so a DDP that forgets to
 # divide by N would still produce the right parameters. Comparing raw gradients catches it.
 TRAIN = TrainConfig(steps=4, batch_size=8, grad_clip=0.0, progress=False)
-CAP_MB = 0.05  # small buckets: the tiny GPT's 0.4 MB of gradients make about 9 of them
+CAP_MB = 0.05  # MiB: small buckets, so the tiny GPT's 0.42 MiB of gradients make several
 
 # %% [markdown]
 # ## Check 1: `build_buckets`
@@ -51,10 +66,11 @@ CAP_MB = 0.05  # small buckets: the tiny GPT's 0.4 MB of gradients make about 9 
 
 # %%
 check_equal("4 equal sizes, cap 8", student.build_buckets([4, 4, 4, 4], 8), [[3, 2], [1, 0]])
-check_equal("one oversized parameter", student.build_buckets([4, 100, 4, 4], 10), [[3, 2], [1], [0]])
+check_equal("a bucket closes once it holds the cap", student.build_buckets([4, 100, 4, 4], 10), [[3, 2, 1], [0]])
+check_equal("exactly at the cap", student.build_buckets([2, 8, 2, 8], 10), [[3, 2], [1, 0]])
 check_equal("everything fits", student.build_buckets([1, 2, 3], 10**9), [[2, 1, 0]])
 sizes = [p.numel() * 4 for p in GPT(CONFIG).parameters()]
-check_equal("the course GPT, cap 0.05 MB", student.build_buckets(sizes, CAP_MB * 2**20),
+check_equal("the course GPT, cap 0.05 MiB", student.build_buckets(sizes, CAP_MB * 2**20),
             assign_buckets(sizes, CAP_MB * 2**20))
 
 # %% [markdown]
@@ -112,6 +128,6 @@ for r in run_on_ranks(one_step, CONFIG, world_size=2, backend="gloo", timeout_s=
     check_equal("every bucket launched while backward was running", r["during_backward"], n_buckets)
 
 # %% [markdown]
-# All checks passed? Then you have written the heart of PyTorch's DDP. Compare your code with
-# `course_lib/parallel/data_parallel.py`: what does it add for parameters that get no gradient
-# in a step, and why must buckets then be launched in index order on every rank?
+# All checks passed? Then you have written the heart of PyTorch's DDP. Two questions to take
+# back to notebook 03: what must a DDP do for a parameter that gets no gradient on one rank in
+# some step (§5, step 5), and why does PyTorch give its *first* bucket a smaller cap (§8)?
