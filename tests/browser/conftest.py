@@ -1,0 +1,57 @@
+"""Fixtures of the browser test (`make test-browser`): one JupyterLab and one Chromium per session.
+
+The test needs Chromium and playwright, so a plain `pytest tests` (make test) does not collect
+it: `make test-browser` sets COURSE_BROWSER_TEST=1. Screenshots go to COURSE_BROWSER_ARTIFACTS
+(default build/browser-artifacts/), which CI keeps.
+"""
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+if not os.environ.get("COURSE_BROWSER_TEST"):
+    collect_ignore_glob = ["test_*.py"]
+sys.path.insert(0, str(HERE))
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> pathlib.Path:
+    path = pathlib.Path(os.environ.get("COURSE_BROWSER_ARTIFACTS", REPO / "build" / "browser-artifacts"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def lab():
+    import lab as L
+
+    L.install_signal_handlers()
+    L.find_chromium()  # a clear message before anything starts
+    try:
+        with L.Lab(REPO) as server:
+            yield server
+    finally:
+        L.stop_all()
+
+
+@pytest.fixture(scope="session")
+def browser(lab):
+    import lab as L
+
+    with L.Browser() as b:
+        yield b
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh tab that records console errors and uncaught page errors."""
+    p = browser.new_page()
+    p.console_errors = []
+    p.on("console", lambda m: p.console_errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    p.on("pageerror", lambda e: p.console_errors.append(f"pageerror: {e}"))
+    yield p
+    p.close()

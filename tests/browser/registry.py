@@ -1,0 +1,33 @@
+"""Every widget of the course, for the browser test. Registering a notebook's widget is one line.
+
+Key: the notebook's file name without `.ipynb` (under notebooks/). Value: in the order the
+notebook shows them, one zero-argument function per `show_interactive` call that builds the
+same widget the notebook builds (same arguments). The test drives the real widget in the
+browser and this copy in-process, and requires the browser to show what the copy computes.
+Optionally `(make, ["control", ...])` limits which controls are moved (default: all), and
+TYPED gives the text to type into a Text control.
+
+A notebook whose outputs contain a widget but which is missing here fails the test.
+"""
+
+from course_lib.comm import ringviz
+from course_lib.data import VOCAB_SIZE
+from course_lib.estimate import calculator
+from course_lib.model import GPTConfig
+from course_lib.parallel.dp import bucketviz
+from course_lib.parallel.tp.figures import layer_widget
+from course_lib.techniques import checkpoint_viz
+
+WIDGETS = {
+    "01_memory_and_flops": [(lambda: calculator.MemoryCalculator(),
+                             ["tokens", "preset", "gpu", "n_head", "tp", "pp", "n_experts", "ep", "zero_stage",
+                              "offload"])],
+    "02_collectives": [lambda: ringviz.ring_widget(4)],
+    "03_data_parallel": [lambda: bucketviz.bucket_widget(GPTConfig.tiny(VOCAB_SIZE, d_model=128, n_layer=4))],
+    "04_memory_techniques": [lambda: checkpoint_viz.checkpoint_widget(L=16, a_over_b=1)],
+    "05_tensor_parallel": [lambda: layer_widget(calculator.E.GPT3_175B, 8, False)],
+}
+
+# Text controls: what the keyboard types, then what the mouse-and-keyboard pass types
+# ("3OOB" is a typo: the chart must grey out rather than keep a stale one).
+TYPED = {"tokens": ["15T", "3OOB"]}

@@ -1,0 +1,30 @@
+"""The exercise notebooks as a learner meets them: running a check on an untouched stub shows
+one clear failure message (what is missing and where), not a wall of tracebacks."""
+
+import re
+
+import pytest
+
+import drive
+from conftest import REPO
+
+EXERCISES = sorted(p.stem for p in (REPO / "exercises").glob("ex*.ipynb"))
+MAX_LINES = 8
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_a_stub_fails_with_a_clear_message(name, lab, page, artifacts):
+    drive.open_notebook(page, lab, f"exercises/{name}.ipynb", n_static=0)
+    drive.run_all(page, 180)
+    errors = drive.error_outputs(page)
+    assert errors, "Run All with the stubs raised nothing: the checks cannot fail"
+    first = page.locator(f'.jp-Notebook [data-mime-type="{drive.ERROR_MIME}"]').first
+    first.scroll_into_view_if_needed()
+    first.screenshot(path=artifacts / f"{name}_stub_failure.png")
+    lines = [l for l in errors[0].splitlines() if l.strip()]
+    assert len(errors) == 1, f"{len(errors)} error outputs: Run All should stop at the first failing check"
+    assert "Traceback" not in errors[0] and len(lines) <= MAX_LINES, f"a traceback wall:\n{errors[0][:3000]}"
+    assert re.match(r"✗ (NotImplementedError|check failed|RankTimeout)", lines[0]), lines[0]
+    if "NotImplementedError" in lines[0]:
+        assert re.search(rf"exercises/{name}/student\.py, line \d+, in \w+", errors[0]), errors[0]
+    assert not page.console_errors, "browser console errors:\n" + "\n".join(page.console_errors)
