@@ -291,3 +291,20 @@ def test_rank_error_names_the_rule():
     with pytest.raises(RankError, match="already tensor parallel"):
         run_on_ranks(lambda: apply_tensor_parallel(apply_tensor_parallel(GPT(config()), None), None),
                      world_size=2, timeout_s=60)
+
+
+def test_widget_offers_only_valid_tp_and_starts_at_its_static_figure():
+    from course_lib.estimate import GPT3_175B
+    from course_lib.parallel.tp.figures import layer_view, layer_widget, valid_tp
+
+    assert valid_tp(GPT3_175B) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]
+    assert valid_tp(config()) == [1, 2, 4]
+    widget = layer_widget(GPT3_175B, 8, False)
+    assert list(widget.controls["tp"].options) == valid_tp(GPT3_175B)
+    static = layer_view(GPT3_175B, 8, False)
+    assert (widget.first_view.png, widget.first_view.caption) == (static.png, static.caption)
+    assert "qkv 4608x12288" in static.caption and "2 all-reduce of 48.0 MiB" in static.caption
+    assert "2 all-gather, 2 reduce-scatter" in layer_view(GPT3_175B, 8, True).caption
+    assert not layer_view(GPT3_175B, 5, False).valid  # 5 does not divide 96 heads
+    with pytest.raises(ValueError, match="tp=5 must be one of"):
+        layer_widget(GPT3_175B, 5)
