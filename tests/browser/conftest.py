@@ -39,7 +39,7 @@ def lab():
 
 
 @pytest.fixture(scope="session")
-def browser(lab):
+def browser():
     import lab as L
 
     with L.Browser() as b:
