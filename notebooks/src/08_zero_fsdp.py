@@ -1,0 +1,479 @@
+# %% [markdown]
+# # 08 · ZeRO stages 1, 2 and 3, FSDP and offload
+#
+# Notebook 01 counted what training holds per parameter: with bf16 weights and AdamW, **16
+# bytes** (2 for the bf16 weight, 2 for its gradient, 12 for the optimizer's fp32 master copy
+# and its two moments m and v). Notebook 03's data parallelism then put a **complete copy** of
+# those 16 bytes per parameter on every rank. With N ranks, N - 1 of the N copies are
+# redundant: every rank keeps the same Adam moments and runs the same update.
+#
+# ZeRO, the *Zero Redundancy Optimizer* (Rajbhandari et al. 2020), removes that redundancy in
+# three stages. Each rank keeps only its 1/N **shard** of
+#
+# * stage 1: the optimizer state (12 of the 16 bytes),
+# * stage 2: also the gradients,
+# * stage 3: also the parameters (PyTorch calls this *Fully Sharded Data Parallel*, FSDP),
+#
+# and it still computes exactly what one process would: this notebook proves it on real ranks,
+# measures the memory of each stage against notebook 01's formula, and counts what each stage
+# sends. The code lives in `course_lib/parallel/zero/` (files of under 300 lines each).
+#
+# **After this notebook you can**
+#
+# * compute the model state per GPU under each stage (the ZeRO paper's 7.5B-parameter table)
+#   and check it against memory measured on ranks;
+# * explain the flat, padded buffer and its shard bounds, and why only element-wise optimizers
+#   (SGD, the Adam family) can be sharded this way;
+# * explain why stages 1 and 2 send no more bytes than DDP and stage 3 sends 1.5 times as much,
+#   and verify it with the tracer;
+# * read FSDP's gather/free timeline and say what prefetching overlaps and what memory peaks;
+# * decide when ZeRO-Offload's PCIe transfers and host-side step become the bottleneck;
+# * choose between ZeRO-3, tensor and pipeline parallelism for a memory budget, and map the
+#   course's options to DeepSpeed's config keys and PyTorch's FSDP2.
+
+# %%
+%matplotlib inline
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+from course_lib import RankError, run_on_ranks
+from course_lib.data import CharDataset
+from course_lib.estimate import LLAMA3_8B, model_state_bytes
+from course_lib.model import GPT, GPTConfig
+from course_lib.parallel.zero import (FlatUnit, apply_zero, expected_state_bytes, measure_zero_step,
+                                      offload_bytes_per_step, ring_bytes, train_single, train_zero)
+from course_lib.parallel.zero import viz
+from course_lib.parallel.zero.native import train_native
+from course_lib.train import TrainConfig
+from course_lib.units import GB, GiB, fmt_bytes
+
+torch.manual_seed(0)
+V = CharDataset("train").vocab_size
+# Three layers and an awkward MLP width (127): the parameter count is odd and not a multiple of
+# 4, so the shards below need padding, as real ones usually do.
+CONFIG = GPTConfig.tiny(V, n_layer=3, d_ff=127, block_size=32)
+N_PARAMS = GPT(CONFIG).num_params()
+N = 4  # data-parallel ranks
+TRAIN = TrainConfig(steps=3, batch_size=12, grad_clip=1.0, progress=False)
+# One pool of ranks per world size: every run skips the per-collective check (notebook 00),
+# because torch's FSDP2 and DDP, run in section 7, issue their collectives from C++ where
+# the check cannot see them.
+RANKS = dict(backend="gloo", check_collectives=False, timeout_s=180)
+print(f"course GPT: {N_PARAMS:,} parameters; {N_PARAMS} = {N} x {N_PARAMS // N} + {N_PARAMS % N}")
+
+# %% [markdown]
+# ## 1. Where the 16 bytes live, and the ZeRO paper's table
+#
+# Write $\Psi$ for the number of parameters, $K$ for the optimizer's bytes per parameter (12
+# for fp32 master + m + v) and $N$ for the data-parallel degree. Per GPU (Rajbhandari et al.
+# 2020, Figure 1):
+#
+# | | params | grads | optimizer | total (bytes) |
+# |---|---|---|---|---|
+# | DDP (stage 0) | $2\Psi$ | $2\Psi$ | $K\Psi$ | $(4 + K)\Psi$ |
+# | stage 1 ($P_{os}$) | $2\Psi$ | $2\Psi$ | $K\Psi/N$ | $4\Psi + K\Psi/N$ |
+# | stage 2 ($P_{os+g}$) | $2\Psi$ | $2\Psi/N$ | $K\Psi/N$ | $2\Psi + (2+K)\Psi/N$ |
+# | stage 3 ($P_{os+g+p}$) | $2\Psi/N$ | $2\Psi/N$ | $K\Psi/N$ | $(4+K)\Psi/N$ |
+#
+# The paper's example is a 7.5-billion-parameter model on 64 GPUs: 120 GB, 31.4 GB, 16.6 GB
+# and 1.9 GB. Notebook 01's estimator (`course_lib.estimate.model_state_bytes`, which rounds
+# each shard up to $\lceil \Psi/N \rceil$) gives the same numbers:
+
+# %%
+paper = viz.paper_table(7_500_000_000, 64)
+print(f"{'stage':>5} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10} {'(GiB)':>9}")
+for stage, t in paper.items():
+    print(f"{stage:>5} " + " ".join(f"{t[k] / GB:>8.2f}GB" for k in ("params", "grads", "optimizer", "total"))
+          + f" {t['total'] / GiB:>8.2f}")
+assert [round(t["total"] / GB, 1) for t in paper.values()] == [120.0, 31.4, 16.6, 1.9]
+
+# %% [markdown]
+# Stage 1 already cuts the footprint by 3.8x, because the optimizer state is 12 of the 16
+# bytes; stage 3 divides everything by N. Activations are not model state and are not sharded
+# by ZeRO (notebook 04's checkpointing and notebook 05's tensor parallelism handle them).
+#
+# ## 2. The flat buffer and its shards
+#
+# ZeRO does not shard each tensor separately: it lays a group of parameters end to end in one
+# **flat buffer**, pads it with zeros to a multiple of N and gives rank r the slice
+# $[rS, (r+1)S)$ with $S = \lceil P/N \rceil$. Equal slices are what the collectives need:
+# `reduce_scatter` and `all_gather` move one S-element piece per rank. A tensor may straddle a
+# boundary (below, the 2x3 matrix is split between ranks 0 and 1):
+
+# %%
+demo = [torch.nn.Parameter(torch.arange(1.0, 7.0).view(2, 3)), torch.nn.Parameter(torch.tensor([7.0, 8.0]))]
+for r in range(3):
+    unit = FlatUnit(demo, world_size=3, rank=r)
+    flat = unit.flatten([p.detach() for p in demo])
+    print(f"rank {r}: owns [{unit.start}, {unit.stop}) = {unit.shard(flat).tolist()}")
+print(unit)
+
+# %% [markdown]
+# **Why this is exact only for element-wise optimizers.** Adam's m, v and update of element i
+# depend only on element i's gradient history, so updating a slice that cuts a matrix
+# anywhere gives the same numbers as updating the whole matrix. The padding has zero value and
+# zero gradient, so it stays zero. An optimizer that preconditions whole rows or matrices
+# (Shampoo, Adafactor's factored moments, Muon's orthogonalisation) would see a different
+# matrix on every rank, so `apply_zero` rejects it:
+
+# %%
+def try_lbfgs():
+    apply_zero(GPT(CONFIG), 1, torch.optim.LBFGS, lr=1.0)
+
+try:
+    run_on_ranks(try_lbfgs, world_size=2, **RANKS)
+except RankError as err:
+    print(str(err).strip().splitlines()[-1])
+
+# %% [markdown]
+# ## 3. Every stage trains exactly as one process
+#
+# `apply_zero(model, stage, torch.optim.AdamW, lr=...)` changes the model in place and returns
+# it with its optimizer; each rank then runs the usual `loss.backward(); optimizer.step()` on
+# its own quarter of every batch. One step of stage 1 on rank r, for the flat buffer of all
+# parameters:
+#
+# $$g = \text{flatten}(\nabla L_r)/N,\quad g_r = \text{reduce\_scatter}(g)_r,\quad
+# w_r \leftarrow \text{AdamW}(w_r, g_r),\quad w = \text{all\_gather}(w_r).$$
+#
+# Stage 2 reduce-scatters during backward, bucket by bucket (section 5); stage 3 also gathers
+# the weights before each block runs (section 6). **Predict:** the single process trains on
+# the whole batch of 12; each of the 4 ranks sees 3 sequences. Should the ZeRO runs' losses
+# equal the single process's exactly, to about 1e-6, or only roughly?
+#
+# <details><summary>Answer</summary>
+#
+# To float rounding (about 1e-6 here): the mean of the four ranks' gradients is the gradient
+# of the whole batch (notebook 03), and every stage applies the same AdamW update to the same
+# numbers, only cut into shards. The sums are added in another order, hence not bit for bit.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+def every_stage(config, cfg):
+    return {stage: train_zero(config, cfg, stage, bucket_cap_mb=0.05) for stage in range(4)}
+
+reference = train_single(CONFIG, TRAIN)
+runs = run_on_ranks(every_stage, CONFIG, TRAIN, world_size=N, **RANKS)
+print("step  single process   " + "   ".join(f"stage {s}" for s in range(4)))
+for i, ref in enumerate(reference.train_losses):
+    means = [sum(r[s].train_losses[i] for r in runs) / N for s in range(4)]
+    print(f"{i + 1:>4} {ref:>15.6f} " + " ".join(f"{m:>9.6f}" for m in means))
+for s in range(4):
+    assert max(abs(sum(r[s].train_losses[i] for r in runs) / N - ref)
+               for i, ref in enumerate(reference.train_losses)) < 1e-5
+    assert torch.allclose(runs[0][s].final_params, reference.final_params, atol=1e-4)
+    assert torch.allclose(runs[0][s].final_grads, reference.final_grads, rtol=1e-3, atol=1e-5)
+print("every stage: parameters and gradients equal the single process's after", TRAIN.steps, "steps")
+
+# %% [markdown]
+# The parameters agree to about 1e-5 and the gradients too. Comparing gradients matters: Adam
+# divides by $\sqrt{v}$, so a gradient wrongly averaged twice (divided by $N^2$) gives almost
+# the same parameters; the gradient check catches it.
+#
+# ## 4. Measured memory against the formula
+#
+# Now the point of it all. `measure_zero_step` trains two steps and reads every tensor the rank
+# holds: the gradients right after backward (where they peak), the parameters and optimizer
+# state after the step. Notebook 01's formula is applied to each flat unit the stage shards (one
+# unit for stages 0-1, one per bucket in stage 2, one per block plus the rest in stage 3: each is
+# padded on its own, so the shards add up to a few elements more than $\lceil\Psi/N\rceil$).
+#
+# **Predict:** with fp32 (4 + 4 + 8 bytes) on 4 ranks, what fraction of stage 0's model state
+# does each stage keep?
+#
+# <details><summary>Answer</summary>
+#
+# Stage 1: $(4 + 4 + 8/4)/16 = 62.5\,\%$; stage 2: $(4 + 12/4)/16 = 43.75\,\%$; stage 3:
+# $1/4 = 25\,\%$ (plus a few padding elements).
+# </details>
+
+# %%
+def measure_all(config, cfg):
+    out = {(s, "fp32"): measure_zero_step(config, cfg, s, bucket_cap_mb=0.05) for s in range(4)}
+    out.update({(s, "bf16_mixed"): measure_zero_step(config, cfg, s, compute_dtype=torch.bfloat16)
+                for s in range(4)})
+    out[(2, "offload")] = measure_zero_step(config, cfg, 2, offload=True, compute_dtype=torch.bfloat16)
+    return out
+
+measured = run_on_ranks(measure_all, CONFIG, TRAIN, world_size=N, **RANKS)
+
+def held(m):
+    return {"params": m["after_step"]["params"], "grads": m["after_backward"]["grads"],
+            "optimizer": m["after_step"]["optimizer"] + m["after_step"]["host"]}
+
+mine = {s: held(measured[0][(s, "fp32")]) for s in range(4)}
+formula = {s: expected_state_bytes(measured[0][(s, "fp32")]["unit_sizes"], "fp32", s, N) for s in range(4)}
+print(f"fp32, N = {N}, rank 0 (bytes)      params      grads  optimizer      total   % of stage 0")
+for s in range(4):
+    total = sum(mine[s].values())
+    print(f"stage {s}  measured  {mine[s]['params']:>12,} {mine[s]['grads']:>10,} {mine[s]['optimizer']:>10,} "
+          f"{total:>10,}   {100 * total / sum(mine[0].values()):5.1f} %")
+    print(f"         formula   {formula[s]['params']:>12,} {formula[s]['grads']:>10,} {formula[s]['optimizer']:>10,}"
+          f" {formula[s]['total']:>10,}")
+    assert all(mine[s][k] == formula[s][k] for k in ("params", "grads", "optimizer"))
+    assert all(held(m[(s, "fp32")]) == mine[s] for m in measured)  # every rank the same
+assert formula[1] == model_state_bytes(N_PARAMS, "fp32", 1, N)  # one unit: exactly notebook 01's call
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+viz.plot_memory_by_stage(axes[0], mine, formula)
+axes[0].set_title(f"fp32 AdamW, {N} ranks: bars measured, ticks formula", fontsize=10)
+bf16 = {s: held(measured[0][(s, "bf16_mixed")]) for s in range(4)}
+bf16_formula = {s: expected_state_bytes(measured[0][(s, "bf16_mixed")]["unit_sizes"], "bf16_mixed", s, N)
+                for s in range(4)}
+viz.plot_memory_by_stage(axes[1], bf16, bf16_formula)
+axes[1].set_title("bf16 weights, fp32 master + m + v", fontsize=10)
+plt.tight_layout()
+plt.show()
+for s in range(3):
+    assert bf16[s] == {k: bf16_formula[s][k] for k in ("params", "grads", "optimizer")}
+assert sum(bf16[3].values()) == bf16_formula[3]["total"]
+
+# %% [markdown]
+# One bar differs in its split, not its height: in bf16 stage 3 the shards that
+# `model.parameters()` returns *are* the fp32 master weights (as in FSDP2), so they count as
+# parameters (4 bytes) rather than optimizer state, and their gradients arrive in fp32: 4 + 4
+# + 8 bytes per shard element instead of the formula's 2 + 2 + 12, still 16 in all. The bf16
+# copies exist only while a block is gathered (section 6).
+#
+# ## 5. Stage 2: reduce-scatter while backward runs
+#
+# Stage 1 keeps every gradient until backward ends, then reduce-scatters. Stage 2 cuts the
+# parameters into buckets in backward order; a hook on each parameter counts the gradients
+# produced, and when a bucket is complete it is flattened, its per-parameter gradients are
+# dropped, and its reduce-scatter starts while backward goes on (as DDP's buckets did in
+# notebook 03, with reduce-scatter instead of all-reduce). So the rank never holds the whole
+# gradient:
+
+# %%
+s1, s2 = measured[0][(1, "fp32")], measured[0][(2, "fp32")]
+print(f"stage 1: gradients after backward {fmt_bytes(s1['after_backward']['grads'])} (all of them)")
+print(f"stage 2: {len(s2['unit_sizes'])} buckets; after backward {fmt_bytes(s2['after_backward']['grads'])} "
+      f"(the shards); at most {fmt_bytes(s2['peak_grad_bytes'])} at any moment of backward")
+assert s2["peak_grad_bytes"] < s1["after_backward"]["grads"]
+
+# %% [markdown]
+# ## 6. Stage 3 (FSDP): gather, compute, free
+#
+# In stage 3 a rank keeps only the shards of the parameters. The model is cut into **units**:
+# each block, plus a root unit for the embeddings, final norm and head. Hooks around each block:
+#
+# 1. **before its forward**: all-gather the block's full weights (and start gathering the
+#    *next* block: that **prefetch** overlaps with this block's compute);
+# 2. **after its forward**: free them (the storage is resized to zero);
+# 3. **before its backward**: all-gather them again (and prefetch the previous block);
+# 4. **when its gradients are complete**: reduce-scatter them into the shard's gradient and free.
+#
+# The root is gathered once and kept until the end of backward, as FSDP2 does for its root.
+# **Predict:** with 3 blocks and prefetching, how many units are gathered at once at most?
+#
+# <details><summary>Answer</summary>
+#
+# Three: the root, the block computing and the block being prefetched, never all four units.
+# Without prefetching it would be two, at the price of waiting for every gather.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+stage3 = [m[(3, "fp32")] for m in measured]
+persistent = [m["after_step"]["params"] for m in stage3]
+fig, ax = plt.subplots(figsize=(10, 3.4))
+viz.plot_gathered_over_time(ax, [m["gathered_trace"] for m in stage3], persistent)
+ax.set_title("stage 3, one step: shards (flat line) + gathered units, per rank", fontsize=10)
+plt.show()
+
+# %%
+trace = stage3[0]["gathered_trace"]
+print("events on rank 0:", ", ".join(e for _, e, _ in trace))
+root, *blocks = stage3[0]["unit_padded"]
+assert stage3[0]["peak_gathered"] == 4 * (root + 2 * max(blocks)) and trace[-1][2] == 0
+print(f"peak gathered {fmt_bytes(stage3[0]['peak_gathered'])} = root + 2 blocks; "
+      f"everything freed at the end of the step")
+
+# %% [markdown]
+# ## 7. What each stage sends, and the same runs with PyTorch's own
+#
+# An all-reduce is a reduce-scatter followed by an all-gather; on a ring each half moves
+# $\frac{N-1}{N}\Psi$ elements per rank. ZeRO 1 and 2 keep the first half for the gradients and
+# replace the second by an all-gather of the *parameters*, so they cost what DDP costs. Stage 3
+# gathers every weight twice (forward and backward) and reduce-scatters once: three halves,
+# $1.5\times$ DDP (Rajbhandari et al. 2020, section 7). Here the root is gathered once, so a
+# little less.
+#
+# The tracer records each collective's logical payload; `ring_bytes` turns it into what a ring
+# sends per rank. (gloo's reduce-scatter is really an all-reduce followed by a slice, twice the
+# data; NCCL's is a true ring. We count the algorithm, not gloo's shortcut.)
+#
+# **Predict** the ratio of stage 3's bytes to DDP's for this model: the root is about a tenth
+# of the parameters.
+
+# %%
+def traced(config):
+    cfg = TrainConfig(steps=1, batch_size=12, grad_clip=0.0, progress=False)
+    return {s: train_zero(config, cfg, s, trace=True, bucket_cap_mb=0.05).comm_summary for s in range(4)}
+
+comm = run_on_ranks(traced, CONFIG, world_size=N, **RANKS)[0]
+ddp = ring_bytes(comm[0], N)
+for s in range(4):
+    calls = ", ".join(f"{op} x{v['calls']}" for op, v in comm[s].items())
+    print(f"stage {s}: {ring_bytes(comm[s], N):>10,.0f} bytes on the ring = {ring_bytes(comm[s], N) / ddp:.3f} x DDP"
+          f"   ({calls})")
+assert abs(ring_bytes(comm[1], N) / ddp - 1) < 1e-3 and abs(ring_bytes(comm[2], N) / ddp - 1) < 1e-3
+assert 1.4 < ring_bytes(comm[3], N) / ddp < 1.5
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Blocks cost 3 halves and the root 2: $(3 \cdot 0.9 + 2 \cdot 0.1)/2 \approx 1.45$. The
+# stage 1 and 2 ratios differ from 1 only by the padding elements.
+# </details>
+#
+# **PyTorch's versions.** `torch.distributed.optim.ZeroRedundancyOptimizer` is stage 1 under
+# torch's DDP; `torch.distributed.fsdp.fully_shard` (FSDP2) is stage 3. Same model, same data,
+# 2 ranks: the course's stage 1 and stage 3 end with the same parameters and gradients. FSDP2's
+# collectives run below the Python API, so `CommDebugMode` counts them: the same calls as ours.
+
+# %% tags=["nbval-ignore-output"]
+def ours_and_torch(config, cfg):
+    return {"course stage 1": train_zero(config, cfg, 1), "ZeroRedundancyOptimizer": train_native(config, cfg, "zero_redundancy"),
+            "course stage 3": train_zero(config, cfg, 3, trace=True), "FSDP2": train_native(config, cfg, "fsdp2", trace=True)}
+
+both = run_on_ranks(ours_and_torch, CONFIG, TRAIN, world_size=2, **RANKS)[0]
+for ours, theirs in (("course stage 1", "ZeroRedundancyOptimizer"), ("course stage 3", "FSDP2")):
+    diff = (both[ours].final_params - both[theirs].final_params).abs().max().item()
+    print(f"{ours} vs {theirs}: largest parameter difference {diff:.1e}")
+    assert diff < 1e-4 and torch.allclose(both[ours].final_grads, both[theirs].final_grads, rtol=1e-3, atol=1e-5)
+print("course stage 3 per step:", {op: v["calls"] // TRAIN.steps for op, v in both["course stage 3"].comm_summary.items()})
+print("FSDP2 per step:         ", {op: v["calls"] // TRAIN.steps for op, v in both["FSDP2"].comm_summary.items()})
+
+# %% [markdown]
+# (The all-reduce is gradient clipping's global norm, one scalar; FSDP2's DTensor computes it too.)
+# `ZeroRedundancyOptimizer` gives each rank whole parameters (greedily, by size) instead of a
+# flat slice, and broadcasts them after the step on top of DDP's all-reduce: $1.5\times$ DDP's
+# bytes where ZeRO's reduce-scatter + all-gather costs $1\times$.
+#
+# ## 8. Offload: the optimizer on the host
+#
+# ZeRO-Offload (Ren et al. 2021) keeps the fp32 master weights and Adam's moments in CPU
+# memory and runs the step there. Per step and rank, the gradient shard goes down the PCIe link
+# and the updated bf16 weight shard comes back: $2S$ bytes each way. On these CPU ranks host
+# and device are the same memory, so nothing really moves; the library counts what would cross
+# the link (on a GPU the tensors really move):
+
+# %%
+off = measured[0][(2, "offload")]
+print(f"per step: {off['offload']['to_host']:,} bytes to the host, {off['offload']['to_device']:,} back; "
+      f"optimizer state on the device {off['after_step']['optimizer']:,} bytes, on the host "
+      f"{off['after_step']['host']:,}")
+assert off["offload"] == offload_bytes_per_step(N_PARAMS, N)
+
+# %% [markdown]
+# Whether that is affordable is arithmetic. One GPU (the paper's main case: a 10B model on a
+# single GPU), 10B parameters: $2 \times 20$ GB cross a PCIe 4 x16 link (32 GB/s each way) per
+# step, and the CPU's Adam reads and writes about 28 bytes per parameter at, say, 100 GB/s of
+# host memory bandwidth. The GPU's forward and backward take $6\Psi$ FLOPs per token (989
+# TFLOP/s bf16 at 40 % MFU on an H100):
+
+# %%
+tokens = [2**k for k in range(10, 19)]
+fig, ax = plt.subplots(figsize=(7, 3.4))
+times = viz.plot_offload_time(ax, 10_000_000_000, 1, tokens)
+ax.set_title("10B parameters on one GPU with ZeRO-Offload", fontsize=10)
+plt.show()
+crossing = next(t for t, c in zip(tokens, times["compute"]) if c > times["host step"][0])
+print(f"PCIe {times['pcie'][0]:.2f} s, host Adam {times['host step'][0]:.2f} s per step; compute passes the "
+      f"host step from {crossing:,} tokens per GPU per step")
+
+# %% [markdown]
+# Below the crossing printed above the GPU waits for the host, and here the CPU's Adam, not
+# the PCIe link, is the slower part. ZeRO-Offload answers with a vectorised CPU Adam and a *one-step
+# delayed* update that overlaps the host step with the next forward/backward; with N GPUs each
+# moves and updates only its 1/N shard, so both costs fall by N.
+#
+# ## 9. ZeRO against tensor and pipeline parallelism
+#
+# The same 8 GPUs can hold Llama-3 8B three ways. Memory per GPU from notebook 01's estimator
+# (8 sequences of 4,096 tokens per step, bf16 + AdamW, no recomputation), bytes each GPU sends
+# per step from the formulas of this notebook and notebooks 05 and 06:
+
+# %%
+print(f"{'layout':<20}{'model state':>13}{'activations':>13}{'total':>11}{'sent/step':>12}")
+for row in viz.layout_comparison(LLAMA3_8B, gpus=8, seq=4096, sequences=8):
+    print(f"{row['layout']:<20}{fmt_bytes(row['model_state']):>13}{fmt_bytes(row['activations']):>13}"
+          f"{fmt_bytes(row['total']):>11}{fmt_bytes(row['sent_per_step']):>12}")
+
+# %% [markdown]
+# ZeRO-3 and tensor parallelism shrink the model state alike; the difference is *what* they
+# send and *when*. ZeRO-3 moves weights, a fixed $3\Psi$ per step whatever the batch, and the
+# gathers can run ahead of compute (prefetch), so it tolerates slower links (it is the default
+# across nodes). Tensor parallelism moves activations, growing with the batch, in blocking
+# all-reduces inside every layer, so it needs NVLink-class bandwidth and stays within a node.
+# Pipeline parallelism sends the least but idles in its bubbles (notebook 06). Real runs
+# combine them (notebook 09): TP inside a node, pipeline stages across, ZeRO/FSDP over the
+# data-parallel replicas.
+#
+# ## 10. The same knobs in DeepSpeed and PyTorch FSDP2
+#
+# | course (`apply_zero`) | DeepSpeed `zero_optimization` | PyTorch FSDP2 |
+# |---|---|---|
+# | `stage=1/2/3` | `"stage": 1/2/3` | stage 3 = `fully_shard(module)`; stage 2 ≈ `reshard_after_forward=False` |
+# | flat unit per block | `stage3_param_persistence_threshold`, `stage3_max_live_parameters` | one `fully_shard` call per block = one unit |
+# | `bucket_cap_mb` (stage 2) | `reduce_bucket_size`, `overlap_comm`, `contiguous_gradients` | one reduce-scatter per unit |
+# | `prefetch=True` | `stage3_prefetch_bucket_size` | implicit (next unit in forward/backward order) |
+# | `compute_dtype=torch.bfloat16` | `"bf16": {"enabled": true}` | `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)` |
+# | `offload=True` | `offload_optimizer: {"device": "cpu"}` (and `offload_param` for stage 3) | `offload_policy=CPUOffloadPolicy()` |
+# | root kept gathered | `stage3_param_persistence_threshold` keeps small tensors whole | root: `reshard_after_forward=False` by default |
+#
+# **HSDP** (hybrid sharding) shards within a node and replicates across nodes: FSDP2 takes a
+# 2-D mesh, `fully_shard(model, mesh=init_device_mesh("cuda", (nodes, 8), mesh_dim_names=("replicate",
+# "shard")))`. The gathers then stay on NVLink, and across nodes only the gradients are
+# all-reduced, as in DDP, at the price of N/8 times the shard memory. DeepSpeed's ZeRO++
+# (Wang et al. 2023) does the same with `zero_hpz_partition_size` plus quantised gathers.
+#
+# ## 11. Try it: model, dp and stage
+#
+# The widget computes per-GPU model state for each stage (bf16 + fp32 AdamW) and what each GPU
+# sends per step. Find the smallest dp at which Llama-3 70B fits an 80 GB H100 under stage 1,
+# 2 and 3 (before activations).
+
+# %% tags=["nbval-ignore-output"]
+from course_lib.widgets import show_interactive
+
+show_interactive(lambda: viz.zero_view(), lambda: viz.zero_widget())
+
+# %% [markdown]
+# ## What to remember
+#
+# * ZeRO shards what data parallelism replicates: stage 1 the optimizer state, stage 2 the
+#   gradients, stage 3 (FSDP) the parameters; per GPU $(4+K)\Psi$, $4\Psi + K\Psi/N$,
+#   $2\Psi + (2+K)\Psi/N$, $(4+K)\Psi/N$ bytes in bf16 with $K = 12$.
+# * Shards are slices of a flat, padded buffer; exact for element-wise optimizers only.
+# * Stages 1-2 cost DDP's bytes (reduce-scatter + all-gather = all-reduce); stage 3 costs
+#   1.5x, in exchange for dividing everything by N; prefetching hides the gathers.
+# * Offload trades GPU memory for $2S$ bytes each way over PCIe and a host-side Adam; it pays
+#   when the batch per GPU is large enough to hide them.
+#
+# ## Self-check
+#
+# 1. A 13B-parameter model, bf16 + fp32 AdamW, 16 GPUs. Model state per GPU under stages 0-3?
+# 2. Why does stage 2 need hooks during backward, while stage 1 can wait until backward ends?
+# 3. With ZeRO-3 on 8 ranks, how many bytes does each rank send per step for a 1B-parameter
+#    bf16 model, on a ring? And with DDP?
+# 4. A student shards Adafactor's factored second moment (a row vector and a column vector per
+#    matrix) with the flat buffer. What goes wrong?
+# 5. Your stage 3 run's memory grows by one block per layer during forward. Which hook is
+#    missing?
+#
+# <details><summary>Answers</summary>
+#
+# 1. $13\cdot10^9\times(16,\ 4 + 12/16,\ 2 + 14/16,\ 16/16)$ bytes = 193.7, 57.5, 34.8, 12.1 GiB.
+# 2. Stage 2's point is never to hold all gradients: each bucket must leave (and its gradients
+#    be freed) as soon as backward has produced it, so the rank must act during backward.
+#    Stage 1 keeps them all anyway, so one reduce-scatter after backward is enough.
+# 3. $3 \cdot \frac{7}{8} \cdot 2 \cdot 10^9 = 5.25$ GB for ZeRO-3; $2 \cdot \frac78 \cdot 2\cdot 10^9 = 3.5$ GB for DDP.
+# 4. The factored moments of a matrix are row and column means of its squared gradient: a flat
+#    slice holds part of a matrix, so each rank would compute means over a different piece and
+#    the update would differ from the single-process one (apply_zero rejects it).
+# 5. The free after forward (the forward post-hook): each block stays gathered until its
+#    backward, so the full model piles up, as in section 6's trace but without the drops.
+# </details>
