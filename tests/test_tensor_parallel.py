@@ -308,3 +308,33 @@ def test_widget_offers_only_valid_tp_and_starts_at_its_static_figure():
     assert not layer_view(GPT3_175B, 5, False).valid  # 5 does not divide 96 heads
     with pytest.raises(ValueError, match="tp=5 must be one of"):
         layer_widget(GPT3_175B, 5)
+
+
+def _on_a_mesh():
+    from course_lib import make_mesh
+
+    mesh = make_mesh(dp=2, tp=2)
+    errors = []
+    for sp in (False, True):
+        errors.append(_one_step_on(mesh["tp"], sp))
+    return errors
+
+
+def _one_step_on(group, sp):
+    cfg = config()
+    x, y = get_batch(CharDataset("train", cfg.block_size), 4, torch.Generator().manual_seed(0))
+    ref = GPT(cfg, seed=0)
+    ref_loss = ref(x, y)[1]
+    ref_loss.backward()
+    model = apply_tensor_parallel(GPT(cfg, seed=0), group, sp)
+    loss = model(x, y)[1]
+    loss.backward()
+    grads = gather_full_gradients(model)
+    return max([abs(loss.item() - ref_loss.item())] + [(grads[n] - p.grad).abs().max().item()
+                                                        for n, p in ref.named_parameters()])
+
+
+def test_tp_groups_of_a_2d_mesh():
+    """dp=2 x tp=2 on 4 ranks: each tp group (a DeviceMesh dim, not the world) is exact."""
+    for errors in run_on_ranks(_on_a_mesh, world_size=4, timeout_s=60):
+        assert max(errors) < 1e-5, errors

@@ -152,7 +152,7 @@ for r, res in enumerate(run_on_ranks(gpt_check, world_size=2, **RANKS)):
 
 # %% [markdown]
 # All checks passed? Then you have written Megatron's tensor parallelism for the transformer
-# block. Two questions to think about (notebook 05, sections 4 and 7 discuss them):
+# block. Two questions to think about (notebook 05, sections 2 and 7 discuss them):
 #
 # * Your `proj` bias is whole on every rank and added after g. What would go wrong if each
 #   rank added it *before* g?

@@ -240,6 +240,17 @@ for rank, (shape, dloss, dlogits, ar) in enumerate(run_on_ranks(vocabulary_paral
 # %% [markdown]
 # ## 5. The whole model trains like the single process
 #
+# Put together, one transformer layer on one rank (`[...]` = this rank's slice):
+#
+# ```
+#          replicated                  tensor-parallel region                    replicated
+# x ── ln1 ── f ── qkv [a/tp heads] ── attention per head ── attn.proj [rows] ── g ── + x
+#   ── ln2 ── f ── fc [d_ff/tp cols] ── GELU ─────────────── mlp.proj [rows] ─── g ── + ...
+#
+# with sequence parallelism (x holds s/tp tokens; f -> all-gather, g -> reduce-scatter):
+# x_shard ── ln1 ── all-gather(seq) ── ... ── attn.proj ── reduce-scatter(seq) ── + x_shard ...
+# ```
+#
 # `apply_tensor_parallel(model, group, sequence_parallel=False)` swaps the modules of a plain
 # `GPT` in place (same weights on every rank; each keeps its shards) and returns it.
 # `model(idx, targets)` still returns `(logits, loss)`: the logits are this rank's vocabulary
@@ -249,7 +260,7 @@ for rank, (shape, dloss, dlogits, ar) in enumerate(run_on_ranks(vocabulary_paral
 # every shard (`clip_grad_norm_`). `gather_full_state_dict` puts the shards back together.
 #
 # We train 5 steps at tp = 2, without and with sequence parallelism (section 7), and the same
-# model through PyTorch's DTensor (section 10), next to the single-process run:
+# model through PyTorch's DTensor (section 11), next to the single-process run:
 
 # %%
 reference = train_reference(CONFIG, TRAIN)
@@ -420,7 +431,7 @@ assert nv[0] > nv[1] and ib[0] < ib[1]
 
 # %% [markdown]
 # Inside a node, at GPT-3's width the compute takes about twice as long as the all-reduces (and
-# could partly hide them); across nodes the all-reduces take four times longer than the compute.
+# could partly hide them); across nodes the all-reduces take about four times longer than the compute.
 # That is why Megatron keeps `tp` ≤ 8, the GPUs of one NVLink domain, and uses pipeline and data
 # parallelism (notebooks 06, 09) across nodes (Narayanan et al. 2021).
 #
