@@ -63,10 +63,10 @@ def last_step(events: list[tuple], n_actions: int) -> list[tuple]:
 
 
 def time_schedules(model_config, runs, micro_batch: int = 2, action_seconds: dict | None = None,
-                   seed: int = 0, group=None) -> list[dict]:
-    """Rank code: for each (schedule, m, v) in runs, one warm-up step and one timed step of
-    run_schedule on a fresh stage; returns per run {"events": this rank's Timeline events of
-    the timed step, "peak_bytes": its peak saved-activation bytes, "loss": the mean loss}.
+                   seed: int = 0, group=None, repeats: int = 2) -> list[dict]:
+    """Rank code: for each (schedule, m, v) in runs, one warm-up step and `repeats` timed steps
+    of run_schedule; returns per run {"events": this rank's Timeline events of each timed
+    step, "peak_bytes": its peak saved-activation bytes, "loss": the mean loss}.
     The batch is m * micro_batch sequences (fixed micro-batch size, so memory compares)."""
     import torch
 
@@ -84,30 +84,35 @@ def time_schedules(model_config, runs, micro_batch: int = 2, action_seconds: dic
         gen = torch.Generator().manual_seed(seed)
         idx = torch.randint(0, model_config.vocab_size, (m * micro_batch, model_config.block_size + 1), generator=gen)
         x, y = idx[:, :-1].to(dev), idx[:, 1:].to(dev)
-        for timed in (False, True):
-            tl = Timeline() if timed else None
+        timed = []
+        for k in range(repeats + 1):
+            tl = Timeline() if k else None
             loss = run_schedule(stage, x, y, schedule, m, timeline=tl, action_seconds=action_seconds)
             stage.zero_grad(set_to_none=True)
-        out.append({"events": tl.events, "peak_bytes": stage.last_peak_activation_bytes, "loss": loss})
+            if k:
+                timed.append(tl.events)
+        out.append({"events": timed, "peak_bytes": stage.last_peak_activation_bytes, "loss": loss})
     return out
 
 
 def measure_schedules(world_size: int, model_config, runs, micro_batch: int = 2,
-                      action_seconds: dict | None = None, timeout_s: float = 120) -> list[dict]:
+                      action_seconds: dict | None = None, timeout_s: float = 120, repeats: int = 2) -> list[dict]:
     """Parent side: validate every run, time them all on `world_size` ranks in one call, and
     return per run {"schedule", "p", "m", "v", "events" (per rank), "peak_bytes" (per rank),
-    "bubble" (measured), "formula", "loss"}."""
+    "bubble" (measured), "formula", "loss"}. Of the `repeats` timed steps the one with the
+    smallest bubble is kept: on a shared machine the others were disturbed more."""
     from course_lib.parallel.pp.training import check_pipeline
     from course_lib.runtime import run_on_ranks
 
     runs = [tuple(r) + (1,) * (3 - len(r)) for r in runs]
     for schedule, m, v in runs:
         check_pipeline(model_config, world_size, schedule, m, m * micro_batch, v)
-    per_rank = run_on_ranks(time_schedules, model_config, runs, micro_batch, action_seconds,
+    per_rank = run_on_ranks(time_schedules, model_config, runs, micro_batch, action_seconds, 0, None, repeats,
                             world_size=world_size, timeout_s=timeout_s)
     out = []
     for i, (schedule, m, v) in enumerate(runs):
-        events = [per_rank[r][i]["events"] for r in range(world_size)]
+        steps = [[per_rank[r][i]["events"][k] for r in range(world_size)] for k in range(repeats)]
+        events = min(steps, key=measured_bubble)
         out.append({"schedule": schedule, "p": world_size, "m": m, "v": v, "events": events,
                     "peak_bytes": [per_rank[r][i]["peak_bytes"] for r in range(world_size)],
                     "bubble": measured_bubble(events), "formula": formula_for(schedule, world_size, m, v),

@@ -1,0 +1,396 @@
+# %% [markdown]
+# # 06 · Pipeline parallelism and its bubbles
+#
+# Data parallelism (notebook 03) copies the whole model to every rank. When the model does not
+# fit on one device, the simplest cut is by **depth**: the first layers on one device, the
+# next ones on the next, and the activations passed along. This is **pipeline parallelism**
+# (PP). Its only communication is a point-to-point message of one activation (forward) or one
+# gradient (backward) between neighbouring stages, which is why it is the axis that crosses
+# the slow links between machines. Its cost is idle time: the **bubble**.
+#
+# Everything below runs real stages on real ranks (gloo processes) with real `send`/`recv`,
+# and every schedule is first written down as **data** (the ordered list of actions each rank
+# runs) so we can draw it before running it. The code is in `course_lib/parallel/pp/`.
+#
+# **After this notebook you can**
+#
+# * cut a GPT into pipeline stages (blocks split as evenly as possible, embedding on the first
+#   stage, head on the last, tied embeddings summed between them) and prove the pipelined
+#   training equals the single-process training;
+# * derive the bubble $\frac{p-1}{m+p-1}$ of GPipe and 1F1B, and $\frac{p-1}{vm+p-1}$ of the
+#   interleaved schedule, and hold them against the bubble measured on real ranks;
+# * explain why 1F1B bounds activation memory by $p$ micro-batches while GPipe's grows with $m$,
+#   and measure both;
+# * say what interleaving costs (more messages) and how splitting the backward into B and W
+#   (zero bubble) fills the bubble;
+# * write a schedule as per-rank action lists and check it for missing actions and deadlocks;
+# * place PP in a 3D layout and estimate its communication with the α-β model.
+
+# %%
+%matplotlib inline
+import matplotlib.pyplot as plt
+import torch
+
+from course_lib import plot_gantt
+from course_lib.comm.costmodel import CLUSTERS
+from course_lib.data import CharDataset
+from course_lib.model import GPT, GPTConfig
+from course_lib.parallel.pp import (Action, Schedule, ScheduleError, check_schedule, in_flight, make_schedule,
+                                    run_pipeline, split_blocks, stage_tensors)
+from course_lib.parallel.pp.bubble import formula_for, measure_schedules, measured_bubble
+from course_lib.parallel.pp.native import run_native
+from course_lib.parallel.pp.viz import messages_per_step, plot_schedule
+from course_lib.train import TrainConfig, train_reference
+
+DATA = CharDataset("train")
+# 8 blocks so that 4 ranks x 2 chunks each get one; small enough for a laptop.
+CONFIG = GPTConfig.tiny(DATA.vocab_size, n_layer=8, d_model=32, n_head=2, block_size=16)
+print(f"GPT with {CONFIG.n_layer} blocks, {GPT(CONFIG).num_params():,} parameters")
+# A tiny model computes in microseconds, and 4 ranks share this machine's cores. So that the
+# charts show the schedule and not the operating system, every F, B and W of a micro-batch
+# also waits PAD seconds, as if the model were large.
+PAD = {"F": 0.02, "B": 0.02, "W": 0.02}
+
+
+def side_by_side(run, title):
+    """The schedule's own chart (data) above the chart of the real run on ranks."""
+    sched = make_schedule(run["schedule"], run["p"], run["m"], run["v"])
+    fig, axes = plt.subplots(2, 1, figsize=(10, 1.1 * run["p"] + 2.6))
+    plot_schedule(sched, axes[0], title=f"{title}: the schedule (data)")
+    plot_gantt(run["events"], ax=axes[1], title=f"{title}: the real run on {run['p']} ranks "
+               f"(measured bubble {run['bubble']:.2f}, formula {run['formula']:.2f})", label_min_width=0.03)
+    fig.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# ## 1. Naive model parallelism: one device busy at a time
+#
+# Cut the 8 blocks into $p = 4$ **stages** of 2 blocks, one per rank. Stage 0 also embeds the
+# tokens; stage 3 also holds the final norm, the head and the loss. Every stage runs the same
+# GPT forward, with `nn.Identity` in place of the parts it does not own. When the block count
+# does not divide, the first `n % S` stages take one block more (the last already carries
+# the head and the loss):
+
+# %%
+for n_layer, stages in ((8, 4), (5, 2), (9, 4)):
+    print(f"{n_layer} blocks on {stages} stages:", [list(r) for r in split_blocks(n_layer, stages)])
+
+# %% [markdown]
+# Feed the whole batch through: rank 0 computes its forward and sends the activation to rank 1,
+# which computes while rank 0 waits; the loss's gradient then travels back the same way.
+# As a schedule this is every rank's list `F0 B0`, i.e. GPipe with one micro-batch:
+
+# %%
+print(make_schedule("gpipe", 4, 1).table())
+
+# %% [markdown]
+# **Predict.** With $p = 4$ stages of equal cost, what fraction of the time is each device idle?
+#
+# <details><summary>Answer</summary>
+#
+# Each rank works $t_F + t_B$ of a step that lasts $4(t_F + t_B)$: idle $\frac{p-1}{p} = 75\%$.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+RUNS4 = measure_schedules(4, CONFIG, [("gpipe", 1), ("gpipe", 8), ("1f1b", 8), ("interleaved_1f1b", 8, 2),
+                                      ("zero_bubble", 8), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4),
+                                      ("gpipe", 2), ("gpipe", 4)], action_seconds=PAD)
+BY = {(r["schedule"], r["m"]): r for r in RUNS4}
+side_by_side(BY[("gpipe", 1)], "naive model parallel")
+assert abs(BY[("gpipe", 1)]["bubble"] - 0.75) < 0.1
+
+# %% [markdown]
+# The grey gaps are the **bubble**; red bars are the receives, which include the waiting.
+# Splitting the model made it *fit*, but only one device works at a time.
+#
+# ## 2. GPipe: micro-batches, and the bubble formula
+#
+# GPipe (Huang et al. 2019) cuts the batch into $m$ **micro-batches**: while stage 1 works on
+# micro-batch 0, stage 0 already computes micro-batch 1. Every rank runs all forwards, then
+# all backwards. The gradients of the micro-batch losses $L_j / m$ add up to the gradient of
+# the batch's mean loss, so the result is exactly gradient accumulation (notebook 04).
+#
+# **The bubble.** Let a stage take $t_F$ and $t_B$ per micro-batch. The first micro-batch
+# reaches the last stage after $(p-1)t_F$; the last gradient leaves stage 0 only $(p-1)t_B$
+# after the last stage's final backward. Each rank is busy $m(t_F+t_B)$ in a step of
+# $(m+p-1)(t_F+t_B)$, so
+#
+# $$\text{bubble} = \frac{(p-1)(t_F+t_B)}{(m+p-1)(t_F+t_B)} = \frac{p-1}{m+p-1}.$$
+#
+# **Predict.** $p = 4$, $m = 8$: the bubble?
+#
+# <details><summary>Answer</summary>
+#
+# $3/11 \approx 0.27$. It falls with $m$: $m \ge 4p$ brings it under 16%.
+# </details>
+
+# %%
+print(make_schedule("gpipe", 4, 8).table())
+print(f"formula: {formula_for('gpipe', 4, 8):.3f}")
+
+# %% tags=["nbval-ignore-output"]
+side_by_side(BY[("gpipe", 8)], "GPipe, m = 8")
+assert abs(BY[("gpipe", 8)]["bubble"] - formula_for("gpipe", 4, 8)) < 0.1
+
+# %% [markdown]
+# ## 3. Is it still the same training?
+#
+# The schedule changes *when* things are computed, never *what*. Every schedule below trains
+# 3 AdamW steps on 4 ranks from the same seed and batches as the single-process GPT: the
+# losses and every parameter (gathered from the stages by name) must agree up to float
+# rounding. The model has tied input/output embeddings: stage 0 and stage 3 each hold a copy
+# and sum their two halves of its gradient after the backward, as Megatron does.
+
+# %%
+TC = TrainConfig(steps=3, batch_size=8, grad_clip=1.0, eval_every=10**6, eval_batches=1, progress=False)
+ref = train_reference(CONFIG, TC)
+ref_params = dict(ref.model.named_parameters())
+for schedule, m, v in (("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 4, 2), ("zero_bubble", 4, 1)):
+    results = run_pipeline(4, CONFIG, TC, schedule, m, v)
+    params = stage_tensors(results)
+    worst = max((params[k] - ref_params[k].detach()).abs().max().item() for k in ref_params)
+    loss_gap = max(abs(a - b) for a, b in zip(results[0].train_losses, ref.train_losses))
+    assert worst < 2e-5 and loss_gap < 1e-5
+    print(f"{schedule:>17}: all {len(params)} parameters within 2e-5 of the single process, "
+          f"losses within 1e-5 over {TC.steps} steps")
+
+# %% [markdown]
+# ## 4. The bubble, measured against the formula
+#
+# **Predict.** For $p = 2$, how many micro-batches does it take to bring the bubble under 10%?
+# And for $p = 4$?
+#
+# <details><summary>Answer</summary>
+#
+# $\frac{p-1}{m+p-1} < 0.1 \iff m > 9(p-1)$: $m \ge 10$ for $p = 2$, $m \ge 28$ for $p = 4$.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+RUNS2 = measure_schedules(2, CONFIG, [("1f1b", m) for m in (1, 2, 4, 8)], action_seconds=PAD)
+ms = [1, 2, 4, 8]
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+for p, runs, color in ((2, RUNS2, "tab:blue"), (4, [BY[("1f1b", m)] for m in ms], "tab:orange")):
+    ax.plot(ms, [formula_for("1f1b", p, m) for m in ms], "-", color=color, label=f"(p-1)/(m+p-1), p={p}")
+    ax.plot(ms, [r["bubble"] for r in runs], "o", color=color, label=f"measured, p={p}")
+    for r in runs:
+        assert abs(r["bubble"] - r["formula"]) < 0.12, (p, r["m"], r["bubble"])
+ax.set_xscale("log", base=2)
+ax.set_xlabel("micro-batches m")
+ax.set_ylabel("bubble (idle fraction)")
+ax.set_title("1F1B on real ranks: measured bubble vs formula")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# The measured points sit slightly *above* the formula: the formula counts only the schedule's
+# idle time, while a real rank also spends time receiving, sending and in Python between
+# actions, which the chart counts as idle too. A real model makes these relatively smaller.
+#
+# ## 5. 1F1B: the same bubble, bounded memory
+#
+# GPipe keeps the activations of **all** $m$ micro-batches until their backwards start, so its
+# activation memory grows with $m$, exactly the lever that shrinks the bubble. **1F1B**
+# (PipeDream-Flush; Narayanan et al. 2019, 2021) starts each micro-batch's backward as early as
+# possible: rank $r$ runs $p-r-1$ warm-up forwards, then alternates one forward and one
+# backward, then drains. A micro-batch's activations are freed by its backward, so rank $r$
+# never holds more than $p - r$ of them, whatever $m$. The bubble is unchanged: the same
+# fill and drain.
+
+# %%
+print(make_schedule("1f1b", 4, 8).table())
+for name in ("gpipe", "1f1b"):
+    print(f"{name:>5}: micro-batches in flight per rank, m = 8: {in_flight(make_schedule(name, 4, 8))}")
+
+# %% tags=["nbval-ignore-output"]
+side_by_side(BY[("1f1b", 8)], "1F1B, m = 8")
+
+# %% [markdown]
+# **Predict.** Rank 0, micro-batches of 2 sequences: GPipe with $m = 8$ against 1F1B with $m = 8$:
+# how many times more activation memory does GPipe hold?
+#
+# <details><summary>Answer</summary>
+#
+# Rank 0 holds $m = 8$ micro-batches under GPipe and $p = 4$ under 1F1B: twice as much.
+# </details>
+#
+# The runs above also measured each rank's peak of saved activations (the tensors autograd
+# keeps for backward, counted through saved-tensor hooks):
+
+# %%
+one = BY[("gpipe", 1)]["peak_bytes"]  # one micro-batch's activations on each stage
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+for name, color in (("gpipe", "tab:blue"), ("1f1b", "tab:orange")):
+    peaks = [BY[(name, m)]["peak_bytes"][0] / 2**10 for m in (1, 2, 4, 8)]
+    ax.plot([1, 2, 4, 8], peaks, "o-", color=color, label=f"{name}, rank 0")
+    for m in (1, 2, 4, 8):
+        assert BY[(name, m)]["peak_bytes"] == [k * b for k, b in zip(in_flight(make_schedule(name, 4, m)), one)]
+ax.set_xscale("log", base=2)
+ax.set_xlabel("micro-batches m (2 sequences each)")
+ax.set_ylabel("peak saved activations (KiB)")
+ax.set_title("GPipe grows with m; 1F1B stops at p micro-batches")
+ax.legend()
+plt.show()
+for key in (("gpipe", 8), ("1f1b", 8), ("interleaved_1f1b", 8), ("zero_bubble", 8)):
+    print(f"{key[0]:>17}, m = 8: peak per rank (KiB)", [round(b / 2**10) for b in BY[key]["peak_bytes"]])
+
+# %% [markdown]
+# Under GPipe and 1F1B every measured peak equals (micro-batches in flight, from the schedule's
+# data) × (one micro-batch's activations on that stage), for every rank and every $m$ (the cell
+# asserts it). The last stage's micro-batch is larger: it also keeps the logits for the loss.
+#
+# ## 6. Interleaving: a smaller bubble for more messages
+#
+# Megatron's **interleaved 1F1B** (Narayanan et al. 2021) gives each rank $v$ non-adjacent
+# chunks: with $p = 4$, $v = 2$, rank 0 holds stages 0 and 4, rank 1 stages 1 and 5, and so on.
+# A chunk's work is $1/v$ of a stage's, so the fill and drain shrink to $(p-1)/v$ stage-times:
+#
+# $$\text{bubble} = \frac{p-1}{vm + p-1}.$$
+#
+# The price: a micro-batch now crosses $pv - 1$ stage boundaries instead of $p - 1$, so there
+# are about $v$ times as many messages, and each rank holds more chunks in flight. Megatron
+# needs $m$ to be a multiple of $p$ (micro-batches enter the chunks in rounds of $p$).
+
+# %%
+print(make_schedule("interleaved_1f1b", 4, 8, 2).table())
+for v in (1, 2, 4):
+    print(f"v = {v}: bubble {formula_for('interleaved_1f1b', 4, 8, v):.3f}, {messages_per_step(4, 8, v)} messages per step")
+try:
+    make_schedule("interleaved_1f1b", 4, 6, 2)
+except ValueError as err:
+    print("refused:", err)
+
+# %% tags=["nbval-ignore-output"]
+run = BY[("interleaved_1f1b", 8)]
+side_by_side(run, "interleaved 1F1B, m = 8, v = 2")
+sends = sum(1 for events in run["events"] for e in events if e[0].startswith("send"))
+assert sends == messages_per_step(4, 8, 2)
+print(f"send events in the real run: {sends} = 2 m (pv - 1)")
+assert run["bubble"] < BY[("1f1b", 8)]["bubble"] + 0.05
+
+# %% [markdown]
+# ## 7. Zero bubble: split the backward
+#
+# A layer's backward computes two things: the gradient of its **input** (B), which the previous
+# stage is waiting for, and the gradient of its **weights** (W), which nobody waits for until
+# the optimizer step. Qi et al. (2023) split them: B goes back up the pipeline at once, and the
+# W's are deferred into the time 1F1B leaves idle. Their ZB-H1 schedule keeps 1F1B's number of
+# micro-batches waiting for B; with $t_F = t_B = t_W$ the fill-and-drain costs $(p-1)t_B$
+# instead of $(p-1)(t_F + t_B + t_W)$: a third of 1F1B's bubble,
+# $\frac{p-1}{3m+p-1}$ for $m \ge p$. Here every `nn.Linear` computes only $dY\,W$ in B and
+# stashes $(X, dY)$; W adds $dY^\top X$ to the weight's gradient.
+
+# %%
+print(make_schedule("zero_bubble", 4, 8).table())
+print(f"formula: {formula_for('zero_bubble', 4, 8):.3f} (1F1B: {formula_for('1f1b', 4, 8):.3f})")
+
+# %% tags=["nbval-ignore-output"]
+side_by_side(BY[("zero_bubble", 8)], "zero bubble (ZB-H1), m = 8")
+assert BY[("zero_bubble", 8)]["bubble"] < BY[("1f1b", 8)]["bubble"]
+
+# %% [markdown]
+# The W's hold each Linear's input and output gradient until they run, so the first ranks
+# hold somewhat more than under 1F1B (the peaks printed in section 5), still bounded in $m$.
+#
+# ## 8. The same stages in PyTorch
+#
+# `torch.distributed.pipelining` ships the same schedules. Wrapping our stage chunks in its
+# `PipelineStage` and driving them with `ScheduleGPipe`, `Schedule1F1B` and
+# `ScheduleInterleaved1F1B` trains to the same losses:
+
+# %%
+for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+    ours = run_pipeline(4, CONFIG, TC, schedule, 4, v)
+    theirs = run_native(4, CONFIG, TC, schedule, 4, v)
+    gap = max(abs(a - b) for a, b in zip(ours[0].train_losses, theirs[0].train_losses))
+    assert gap < 1e-5
+    print(f"{schedule:>17}: torch.distributed.pipelining's losses within 1e-5 of ours over {TC.steps} steps")
+
+# %% [markdown]
+# ## 9. Explore the schedules
+#
+# Pick the schedule, the number of ranks $p$, micro-batches $m$ and chunks $v$. The chart is the
+# schedule's data with unit times; the caption gives its bubble, the micro-batches in flight
+# per rank (the activation memory) and the messages per step.
+
+# %%
+from course_lib.parallel.pp.viz import schedule_view, schedule_widget
+from course_lib.widgets import show_interactive
+
+show_interactive(lambda: schedule_view("interleaved_1f1b", 4, 8, 2), lambda: schedule_widget("interleaved_1f1b", 4, 8, 2))
+
+# %% [markdown]
+# ## 10. Writing a schedule yourself, and what can go wrong
+#
+# A schedule is just lists. Rank 0 below insists on its first backward before the forwards
+# that the last stage needs, while rank 1 waits for micro-batch 1 first: a real run would
+# hang forever. The checker simulates the lists and names the wait instead:
+
+# %%
+bad = Schedule("mine", 2, 2, 1, [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+                                 [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]])
+try:
+    check_schedule(bad)
+except ScheduleError as err:
+    print(err)
+
+# %% [markdown]
+# `run_pipeline` and `run_schedule` check every schedule this way, and every other rule (blocks
+# ≥ stages × chunks, a batch that divides into the micro-batches, interleaved's multiple of
+# $p$) before any rank starts to wait.
+#
+# ## 11. Where pipelining sits in 3D parallelism
+#
+# Tensor parallelism (notebook 05) all-reduces activations inside every layer; data
+# parallelism all-reduces the gradients once per step; pipelining sends one activation per
+# micro-batch per stage boundary, point to point. So the usual layout (Narayanan et al. 2021)
+# puts TP inside a node (NVLink), PP across nodes, DP outermost. With the α-β model
+# (notebook 02), the message of a GPT-3-sized stage boundary (hidden 12288, 2048 tokens,
+# one sequence per micro-batch, bf16) against the compute it must hide behind:
+
+# %%
+d, T, b, layers, p = 12288, 2048, 1, 96, 8
+message = b * T * d * 2  # bf16 activation of one micro-batch
+layer_params = 12 * d * d
+stage_flops = 2 * layer_params * (layers // p) * b * T  # forward of one micro-batch on one stage
+for name, link in CLUSTERS.items():
+    print(f"{name:>38}: one {message / 2**20:.0f} MiB message {link.message_time(message) * 1e3:6.2f} ms")
+print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s: {stage_flops / 400e12 * 1e3:.0f} ms")
+
+# %% [markdown]
+# Even over InfiniBand a stage boundary costs about a millisecond against a forward of
+# hundreds of milliseconds, so PP tolerates slow links. What it cannot tolerate is few
+# micro-batches: the bubble $\frac{p-1}{m+p-1}$ is why large runs use $m \gg p$, which the
+# global batch (and DP's share of it) must allow.
+#
+# ## What to remember
+#
+# * PP cuts the model by depth; stages exchange one activation/gradient per micro-batch,
+#   point to point. Tied embeddings need one extra exchange between the first and last stage.
+# * Bubble $\frac{p-1}{m+p-1}$ for GPipe and 1F1B; $\frac{p-1}{vm+p-1}$ interleaved (for $v$
+#   times the messages); zero bubble (B/W split) fills most of it with deferred W's.
+# * GPipe holds $m$ micro-batches of activations, 1F1B at most $p - r$ on rank $r$.
+# * A schedule is data: per-rank lists of F, B, W. It runs without deadlock exactly when each
+#   rank can run its list in order under the dependencies F(j,s-1) → F(j,s), B(j,s+1) → B(j,s).
+#
+# ## Self-check
+#
+# 1. $p = 8$, $m = 8$: what is the bubble of 1F1B? Of interleaved with $v = 4$?
+# 2. Why does raising $m$ at a fixed global batch eventually stop helping?
+# 3. Rank 2 of 4 runs 1F1B with $m = 16$. How many micro-batches' activations does it hold at most?
+# 4. In the zero-bubble schedule, why can W wait but B cannot?
+# 5. You forget to sum the tied embedding's gradient between the first and last stage. What
+#    happens to the two copies after one optimizer step?
+#
+# <details><summary>Answers</summary>
+#
+# 1. $7/15 \approx 0.47$; interleaved $7/39 \approx 0.18$.
+# 2. Smaller micro-batches make each F and B less efficient on a GPU and add per-message
+#    latency, while the bubble gains shrink like $1/m$.
+# 3. $p - r = 2$.
+# 4. The previous stage needs B's input gradient to continue; W's result is needed only by the
+#    optimizer at the end of the step.
+# 5. Each copy is updated with only its own half of the gradient: they drift apart, and
+#    neither equals the single-process model.
+# </details>
+#
+# Next: write the 1F1B generator yourself in `exercises/ex06_pipeline_schedule.ipynb`.
