@@ -86,10 +86,11 @@ _ = run_on_ranks(greet, world_size=4)  # ...but the output still comes in rank o
 #
 # <details><summary>Answer</summary>
 #
-# More than ten times on most machines: the first call starts 4 Python processes that import
-# PyTorch and meet at the rendezvous, which takes a good fraction of a second, while a later
-# call only pickles a function to ranks already waiting, a few milliseconds. Your exact
-# numbers depend on the machine and its load.
+# Many times slower: the first call starts 4 Python processes that import PyTorch and meet at
+# the rendezvous (the course keeps PyTorch pre-imported in a parent process, so this takes
+# about a tenth of a second rather than several seconds), while a later call only pickles a
+# function to ranks already waiting, a few milliseconds. Your exact numbers depend on the
+# machine and its load.
 # </details>
 
 # %% tags=["nbval-ignore-output"]
