@@ -116,6 +116,12 @@ def test_rabenseifner_is_never_slower_than_the_ring_in_the_model(n):
         assert gap == pytest.approx((2 * (n - 1) - 2 * math.log2(n)) * IB.alpha)
 
 
+def test_rabenseifner_fold_in_costs_bandwidth_when_n_is_not_a_power_of_two():
+    # N = 6: two ranks hand their whole tensor in and get it back, 2S more on the critical path
+    assert cm.predict_time("rabenseifner", 1 << 30, 6, IB) > cm.predict_time("ring", 1 << 30, 6, IB)
+    assert cm.predict_time("rabenseifner", 8, 6, IB) < cm.predict_time("ring", 8, 6, IB)
+
+
 def test_sharded_ps_moves_ring_traffic_single_ps_does_not():
     s = 1 << 20
     for n in (4, 64):

@@ -23,9 +23,9 @@ through the busiest link, sequentially) / beta:
 the alpha terms dominate (latency-bound), so fewer steps win. Large S: the S/beta terms
 dominate (bandwidth-bound), so fewer bytes per link win. Recursive doubling beats the ring
 below crossover_bytes("tree", "ring", N, link) = (2(N-1) - L) alpha beta / (L - 2(N-1)/N), for
-N a power of two; Rabenseifner has the ring's bandwidth term with logarithmic latency, so in
-this model it is never slower than the ring (real networks are not this model: see
-course_lib.comm.trees).
+N a power of two; for such N Rabenseifner has the ring's bandwidth term with logarithmic
+latency, so in this model it is never slower than the ring (real networks are not this
+model: see course_lib.comm.trees).
 
 `ping_pong` measures T(S) between pairs of ranks, `fit_alpha_beta` fits alpha and beta by
 least squares, `predict_time` applies the table, `CLUSTERS` holds published link figures.

@@ -16,7 +16,9 @@ When N is not a power of two, ranks p..N-1 first hand their tensor to rank r - p
 it), sit out, and get the result back at the end: two more messages of S bytes on the
 critical path.
 
-Under the alpha-beta model Rabenseifner is never slower than the ring. Rings are used anyway
+Under the alpha-beta model, for N a power of two, Rabenseifner is never slower than the ring
+(for other N its fold-in adds 2S to the busiest rank's bytes, so large tensors favour the
+ring). Rings are used anyway
 because the model assumes every pair of ranks has its own full-speed link: halving and
 doubling talk to partners N/2, N/4, ... ranks away, which on real topologies share links,
 while a ring only ever uses neighbour links that any topology has.
