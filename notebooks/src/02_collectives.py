@@ -631,8 +631,9 @@ plt.show()
 #   $$S^* = \frac{(2(N-1) - L)\,\alpha\beta}{L - 2(N-1)/N},$$
 #
 #   which grows with $N$ and with $\alpha\beta$: many ranks and slow-to-start links favour it.
-# * **Rabenseifner** (recursive halving, then doubling): the ring's bytes in $2\log_2 N$ steps,
-#   so in the α-β model it is never slower than the ring. Real rings still win often, because
+# * **Rabenseifner** (recursive halving, then doubling): the ring's bytes in $2\log_2 N$ steps
+#   when $N$ is a power of two, so in the α-β model it is then never slower than the ring
+#   (for other $N$ the fold-in adds $2S$ to a rank's traffic). Real rings still win often, because
 #   the model gives every pair of ranks its own full-speed link: halving and doubling talk to
 #   partners N/2, N/4, … ranks away, whose traffic shares links on a real network, while a
 #   ring only ever uses neighbour links, which every topology has.
@@ -673,8 +674,8 @@ plt.show()
 # 3. α = 5 µs, β = 25 GB/s, N = 64. Below which size does recursive doubling beat the ring?
 # 4. A sharded parameter server and a ring move the same bytes. Name one thing the parameter
 #    server design can do that a ring cannot.
-# 5. In the α-β model Rabenseifner is never slower than the ring. Give one reason NCCL still
-#    uses rings.
+# 5. In the α-β model, for N a power of two, Rabenseifner is never slower than the ring. Give
+#    one reason NCCL still uses rings.
 #
 # <details><summary>Answers</summary>
 #
