@@ -45,7 +45,7 @@ RANKS = dict(backend="gloo", timeout_s=60)
 
 # %%
 def f_and_g():
-    r, n = dist.get_rank(), dist.get_world_size()
+    r = dist.get_rank()
     x = torch.full((3,), float(r + 1), requires_grad=True)
     y = student.f(x)
     (y * (r + 1)).sum().backward()

@@ -32,7 +32,6 @@ from unittest import mock
 
 import matplotlib.pyplot as plt
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -43,11 +42,10 @@ from course_lib.estimate import GPT3_175B, activation_bytes, per_gpu_memory
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.memory import SavedActivations, model_state_bytes
 from course_lib.parallel.tp import (ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel,
-                                    check_tensor_parallel, full_logits, gather_full_state_dict, qkv_rows)
+                                    check_tensor_parallel, full_logits, qkv_rows)
 from course_lib.parallel.tp.costs import layer_communication, step_communication
 from course_lib.parallel.tp.dtensor import apply_dtensor_tensor_parallel
-from course_lib.parallel.tp.figures import (compute_vs_comm, layer_view, layer_widget, plot_split_matmul,
-                                            valid_tp)
+from course_lib.parallel.tp.figures import compute_vs_comm, layer_view, layer_widget, plot_split_matmul
 from course_lib.parallel.tp.training import run_tensor_parallel
 from course_lib.train import TrainConfig, flat_params, train_reference
 from course_lib.units import fmt_bytes

@@ -88,7 +88,7 @@ def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = Fals
         raise ValueError("the model is already tensor parallel: apply_tensor_parallel takes a plain GPT")
     if not isinstance(model, GPT):
         raise ValueError(f"model={type(model).__name__} must be a course_lib.model.GPT")
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    tp = dist.get_world_size(group)
     cfg, sp = model.config, bool(sequence_parallel)
     check_tensor_parallel(cfg, tp, sp)
 
