@@ -51,9 +51,9 @@ def apply_dtensor_tensor_parallel(model: nn.Module, group_or_mesh=None, sequence
     mesh = _as_mesh(group_or_mesh)
     tp, cfg = mesh.size(), model.config
     check_tensor_parallel(cfg, tp, sequence_parallel)
-    perm = qkv_rows(cfg.d_model, tp).flatten()
     for block in model.blocks:
         qkv = block.attn.qkv
+        perm = qkv_rows(cfg.d_model, tp).flatten().to(qkv.weight.device)
         with torch.no_grad():  # whole heads per rank: rank r's contiguous chunk is [Q_r K_r V_r]
             qkv.weight.copy_(qkv.weight[perm])
             if qkv.bias is not None:

@@ -53,6 +53,7 @@ def _check_sequence(x: torch.Tensor, tp: int, sequence_parallel: bool, dim: int 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, dim: int):
     """dst = src.index_select(dim, index), with zeros where index is past src (vocabulary padding)."""
+    index = index.to(src.device)  # the tables live on the CPU; the weights may be on a GPU
     valid = index < src.shape[dim]
     with torch.no_grad():
         dst.zero_()
