@@ -10,6 +10,7 @@
     costs.py       the communication per layer and per step, as formulas
     training.py    the reference training loop, tensor parallel (course layers or DTensor)
     dtensor.py     the same model through torch's DTensor parallelize_module, for comparison
+    figures.py     notebook 05's figures and its tp / sequence-parallel widget
 """
 
 from course_lib.parallel.tp.apply import (
