@@ -15,22 +15,37 @@ Ratios are against the baseline measured in the same run. Nothing here asserts o
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 
 import torch
 
-from course_lib.techniques.activation_checkpointing import checkpointed_forward
-from course_lib.observe.memory import SavedActivations
-from course_lib.model import GPT, GPTConfig
-from course_lib.train import TrainConfig, make_optimizer
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from summary import record  # noqa: E402  (benchmarks/ is not a package)
 
-CFG = GPTConfig(vocab_size=96, block_size=128, n_layer=8, n_head=4, d_model=128)
+from course_lib.data import CharDataset  # noqa: E402
+from course_lib.model import GPT, GPTConfig  # noqa: E402
+from course_lib.observe.memory import SavedActivations  # noqa: E402
+from course_lib.techniques.activation_checkpointing import checkpointed_forward  # noqa: E402
+from course_lib.train import TrainConfig, make_optimizer  # noqa: E402
+
+CFG = GPTConfig(vocab_size=CharDataset("train").vocab_size, block_size=128, n_layer=8, n_head=4, d_model=128)
 BATCH, SEQ = 8, 128
 
 
 def fmt_mb(n: int) -> str:
-    return f"{n / 1e6:7.2f} MB"
+    return f"{n / 2**20:7.2f} MiB"
+
+
+def paired(times: dict, name: str, base: str) -> tuple[float, tuple[float, float]]:
+    """Median and interquartile range of the per-repetition ratios name / base."""
+    ratios = [a / b for a, b in zip(times[name], times[base])]
+    if len(ratios) < 2:
+        return ratios[0], (ratios[0], ratios[0])
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[1], (q[0], q[2])
 
 
 def make_batch():
@@ -42,6 +57,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.threads < 1:
         raise ValueError(f"--reps={args.reps} and --threads={args.threads} must be >= 1")
@@ -85,9 +101,9 @@ def main(argv=None) -> None:
     med = {name: statistics.median(v) for name, v in times.items()}
 
     print("activation checkpointing (forward + backward)")
-    print(f"{'':6} {'saved after fwd':>15} {'backward peak':>14} {'memory saved':>13} {'peak ratio':>10} {'time':>9} {'time ratio':>10}")
+    print(f"{'':6} {'saved after fwd':>16} {'backward peak':>15} {'memory saved':>14} {'peak ratio':>10} {'time':>9} {'time ratio':>10}")
     for name in fwds:
-        print(f"{name:6} {fmt_mb(saved[name]):>15} {fmt_mb(peak[name]):>14} {fmt_mb(peak['none'] - peak[name]):>13} "
+        print(f"{name:6} {fmt_mb(saved[name]):>16} {fmt_mb(peak[name]):>15} {fmt_mb(peak['none'] - peak[name]):>14} "
               f"{peak[name] / peak['none']:10.3f} {med[name] * 1e3:7.1f}ms {med[name] / med['none']:10.2f}")
 
     # ---- bf16 autocast vs fp32, full training step
@@ -118,6 +134,15 @@ def main(argv=None) -> None:
     print(f"fp32           {m32 * 1e3:7.1f} ms   saved {fmt_mb(s32.bytes)}")
     print(f"bf16 autocast  {m16 * 1e3:7.1f} ms   saved {fmt_mb(s16.bytes)}   "
           f"time ratio {m16 / m32:.2f}x, memory ratio {s16.bytes / s32.bytes:.2f}x")
+    if not args.no_record:
+        ratio, spread = paired(times, "k=1", "none")
+        record("bench_memory", "checkpoint every block: step time / plain", ratio, target=None, spread=spread,
+               note="about 4/3 expected for large layers")
+        record("bench_memory", "checkpoint every block: backward peak / plain", peak["k=1"] / peak["none"], target=0.5)
+        ratio, spread = paired(t, "bf16 autocast", "fp32")
+        record("bench_memory", "bf16 autocast: step time / fp32 (CPU)", ratio, target=None, spread=spread,
+               note="depends on the CPU's bf16 support")
+        record("bench_memory", "bf16 autocast: saved activations / fp32", s16.bytes / s32.bytes, target=0.75)
 
 
 if __name__ == "__main__":
