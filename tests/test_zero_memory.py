@@ -202,3 +202,33 @@ def test_zero_demo_runs_from_a_notebook_too():
     assert out[0]["reference"] == pytest.approx(ref) and out[1]["reference"] is None
     assert out[0]["losses"] == pytest.approx(ref, abs=1e-5)
     assert all(o["measured"] == {k: o["formula"].get(k, 0) for k in o["measured"]} for o in out)
+
+
+# ------------------------------------------------------------------ notebook 08's formulas and widget (no ranks)
+def test_paper_table_traffic_and_offload_formulas():
+    from course_lib.parallel.zero import pcie_seconds
+    from course_lib.parallel.zero.viz import paper_table, traffic_per_step
+    from course_lib.units import GB
+
+    table = paper_table(7_500_000_000, 64)  # Rajbhandari et al. 2020, Figure 1: 120, 31.4, 16.6, 1.88 GB
+    assert [round(t["total"] / GB, 2) for t in table.values()] == [120.0, 31.41, 16.64, 1.88]
+    assert traffic_per_step(10**9, 8, 3) == pytest.approx(1.5 * traffic_per_step(10**9, 8, 2)) == 5.25e9
+    assert offload_bytes_per_step(10, 4) == {"to_host": 6, "to_device": 6}
+    assert pcie_seconds(64e9, 32e9, bandwidth=32e9) == 2.0 and pcie_seconds(64e9, 32e9, 32e9, duplex=False) == 3.0
+    with pytest.raises(ValueError, match="stage=4 must be one of"):
+        traffic_per_step(10, 2, 4)
+    with pytest.raises(ValueError, match="bandwidth=0 must be > 0"):
+        pcie_seconds(1, 1, bandwidth=0)
+
+
+def test_widget_first_state_is_the_static_figure_and_only_valid_choices_exist():
+    from course_lib.parallel.zero.viz import DP_CHOICES, MODELS, zero_view, zero_widget
+
+    widget = zero_widget()
+    static = zero_view()
+    assert (widget.first_view.png, widget.first_view.caption) == (static.png, static.caption)
+    assert "stage 3, dp = 64: 1.7 GiB per GPU" in static.caption
+    assert list(widget.controls["dp"].options) == list(DP_CHOICES)
+    assert list(widget.controls["model"].options) == list(MODELS)
+    widget.controls["stage"].value = 0
+    assert "does not fit" in widget.current.caption and widget.current.size == static.size
