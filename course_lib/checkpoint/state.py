@@ -70,11 +70,12 @@ class LoadInfo:
     extra: dict
 
 
-def training_state_pieces(model, optimizer, layout: str = "replicated", for_load: bool = False):
+def training_state_pieces(model, optimizer, layout: str = "replicated", for_load: bool = False,
+                          with_state: bool = True):
     """(layout object, pieces) of the model and the optimizer state on this rank."""
     lay = describe_layout(model, optimizer, layout)
     params = model_pieces(lay.load_slots if for_load else lay.save_slots)
-    return lay, params + (state_pieces(lay) if optimizer is not None else [])
+    return lay, params + (state_pieces(lay) if optimizer is not None and with_state else [])
 
 
 def _objects(step, data_generator, extra):
@@ -100,14 +101,16 @@ def save_training_state(path, step: int, model, optimizer, layout: str = "replic
 
 
 def load_training_state(path, model, optimizer, layout: str = "replicated", data_generator=None,
-                        group=None, restore_rng_state: bool = True) -> LoadInfo:
+                        group=None, restore_rng_state: bool = True, restore_optimizer_state: bool = True) -> LoadInfo:
     """Load a checkpoint saved at any layout and world size into this rank's (model, optimizer,
-    data generator, RNG). Not collective: each rank reads only the files its boxes overlap."""
+    data generator, RNG). Not collective: each rank reads only the files its boxes overlap.
+    data_generator None, restore_*=False: leave that part as it is (to see what it costs)."""
     reader = CheckpointReader(path)
     lay = describe_layout(model, optimizer, layout)
-    if optimizer is not None:
+    with_state = optimizer is not None and restore_optimizer_state
+    if with_state:
         materialize_state(lay, reader.tensors)
-    _, pieces = training_state_pieces(model, optimizer, layout, for_load=True)
+    _, pieces = training_state_pieces(model, optimizer, layout, for_load=True, with_state=with_state)
     reader.fill(pieces)
     if data_generator is not None:
         data_generator.set_state(reader.object("data/generator"))

@@ -42,6 +42,7 @@ from course_lib.runtime.device import rank_device
 from course_lib.train import TrainResult, flat_params, make_optimizer, train_step
 
 TRAINING_LAYOUTS = ("replicated", "zero")
+FORGETTABLE = ("optimizer", "data", "rng")
 EVENTS = "events.jsonl"
 
 
@@ -64,6 +65,7 @@ def check_checkpoint_run(train_cfg, world_size, checkpoint_every, layout="zero",
 
 
 def log_event(checkpoint_dir, **event) -> None:
+    pathlib.Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
     with open(pathlib.Path(checkpoint_dir) / EVENTS, "a") as f:
         f.write(json.dumps(event) + "\n")
 
@@ -103,8 +105,10 @@ def _final_params(model, optimizer, layout, zero_stage):
 def train_with_checkpoints(model_config, train_cfg, checkpoint_dir, checkpoint_every: int, layout: str = "zero",
                            zero_stage: int = 1, resume: bool = True, kill_rank: int | None = None,
                            kill_at_step: int | None = None, async_save: bool = False, keep: int = 0,
-                           group=None) -> TrainResult:
-    """Rank code: see the module docstring. keep > 0 deletes all but the newest `keep` checkpoints."""
+                           log_steps: bool = False, forget: tuple = (), group=None) -> TrainResult:
+    """Rank code: see the module docstring. keep > 0 deletes all but the newest `keep` checkpoints;
+    log_steps adds every step's loss to events.jsonl; forget (a subset of FORGETTABLE) resumes
+    without that part of the state, to see the run diverge."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     check_checkpoint_run(train_cfg, n, checkpoint_every, layout, zero_stage, kill_rank, kill_at_step)
     root = pathlib.Path(checkpoint_dir)
@@ -116,7 +120,11 @@ def train_with_checkpoints(model_config, train_cfg, checkpoint_dir, checkpoint_e
     losses, first = [], 1
     latest = latest_checkpoint(root) if resume else None
     if latest is not None:
-        info = load_training_state(latest, model, optimizer, layout, gen, group)
+        if any(f not in FORGETTABLE for f in forget):
+            raise ValueError(f"forget={forget!r} must list items of {FORGETTABLE}")
+        info = load_training_state(latest, model, optimizer, layout, None if "data" in forget else gen, group,
+                                   restore_rng_state="rng" not in forget,
+                                   restore_optimizer_state="optimizer" not in forget)
         losses, first = list(info.extra["losses"]), info.step + 1
         if rank == 0:
             log_event(root, event="resume", step=info.step, world_size=n, saved_world_size=info.saved_world_size,
@@ -141,6 +149,8 @@ def train_with_checkpoints(model_config, train_cfg, checkpoint_dir, checkpoint_e
         mean = torch.tensor([loss / n], dtype=torch.float64, device=dev)
         dist.all_reduce(mean, group=group)  # the global loss, the same at any world size
         losses.append(mean.item())
+        if log_steps and rank == 0:
+            log_event(root, event="step", step=step, loss=losses[-1], world_size=n)
         result.step_seconds.append(time.perf_counter() - start)
         if checkpoint_every and step % checkpoint_every == 0:
             path = checkpoint_path(root, step)
