@@ -9,6 +9,7 @@
     memory.py             bytes a rank holds, measured, beside notebook 01's formula
     training.py           train_zero / run_zero (rank-side loop on train_step), train_single, measure_zero_step
     native.py             the same runs with torch's ZeroRedundancyOptimizer and FSDP2 fully_shard
+    viz.py                notebook 08's figures and widget (the paper's table, memory by stage, offload time)
 """
 
 from course_lib.parallel.zero.apply import STAGES, apply_zero, check_zero_args

@@ -78,6 +78,9 @@ class ShardedOptimizer:
         loss.backward(); opt.step(); opt.zero_grad()
 
     Each param group becomes one flat unit; the parameters are re-pointed into its flat buffer.
+    Gradient clipping must see the global norm of the MEAN gradient, which only exists as shards:
+    use `clip_grad_norm_` (train_step(..., clip_grad_norm=optimizer.clip_grad_norm_)), not
+    torch.nn.utils.clip_grad_norm_ on the model, whose .grad are this rank's local gradients.
     `apply_zero` builds the same engine for stages 0 (no sharding), 2 (stage2.py) and 3 (stage3.py).
     """
 
