@@ -13,7 +13,8 @@ import base64
 import re
 import time
 
-ERROR_MIME = "application/vnd.jupyter.error"
+# JupyterLab renders an error output like a stderr stream: tell them apart by their text.
+ERROR_TEXT = re.compile(r"Traceback \(most recent call last\)|^\s*(✗ |\w+(Error|Exception|Timeout|Interrupt)\b)")
 REPRS = re.compile(r"\b(VBox|HBox|interactive|IntSlider|FloatLogSlider|MemoryCalculator|LiveFigure)\(|"
                    r"Error displaying widget|Loading widget")
 
@@ -37,12 +38,14 @@ READ_STATIC = """(root) => {
 
 def open_notebook(page, lab, path: str, n_static: int, timeout_s: float = 90) -> None:
     """Open `path` as a reader of a fresh clone would, and wait until its outputs are rendered."""
-    page.goto(lab.url(path), timeout=timeout_s * 1000)
+    page.goto(lab.url(path), timeout=timeout_s * 1000)  # a fresh workspace: this notebook's tab only
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=timeout_s * 1000)
     if n_static:
         page.wait_for_function(f"document.querySelectorAll('.course-static img').length >= {n_static}",
                                timeout=timeout_s * 1000)
     page.wait_for_function("document.querySelector('.jp-Notebook .jp-CodeCell')", timeout=timeout_s * 1000)
+    # the kernel has started and answered: the status bar reads "Python 3 (ipykernel) | Idle"
+    page.get_by_text(re.compile(r"\| Idle$")).first.wait_for(timeout=timeout_s * 1000)
 
 
 def output_text(page) -> str:
@@ -51,8 +54,17 @@ def output_text(page) -> str:
 
 
 def error_outputs(page) -> list[str]:
-    return page.evaluate(f"Array.from(document.querySelectorAll('.jp-Notebook [data-mime-type=\"{ERROR_MIME}\"]'))"
-                         ".map(e => e.innerText)")
+    """Texts of the error outputs (tracebacks, or the course's one-line check failures)."""
+    texts = page.evaluate("Array.from(document.querySelectorAll("
+                          "'.jp-Notebook [data-mime-type=\"application/vnd.jupyter.stderr\"]'))"
+                          ".map(e => e.innerText)")
+    return [t for t in texts if ERROR_TEXT.search(t)]
+
+
+def unexecuted_cells(page) -> int:
+    """Code cells without an execution count after Run All (an error aborts the ones after it)."""
+    return page.evaluate("Array.from(document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt'))"
+                         ".filter(e => !/\\[\\d+\\]/.test(e.textContent)).length")
 
 
 def queued_cells(page) -> int:
@@ -66,11 +78,9 @@ def run_all(page, timeout_s: float) -> float:
     page.locator(".jp-NotebookPanel .jp-Notebook").first.click(position={"x": 5, "y": 5})
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.locator('li[data-command="runmenu:run-all"]').click()
-    try:  # the prompts turn to [*] as soon as the cells are queued
-        page.wait_for_function("Array.from(document.querySelectorAll('.jp-Notebook .jp-InputPrompt'))"
-                               ".some(e => e.textContent.includes('[*]'))", timeout=10_000)
-    except Exception:
-        pass
+    # the prompts turn to [*] as soon as the cells are queued
+    page.wait_for_function("Array.from(document.querySelectorAll('.jp-Notebook .jp-InputPrompt'))"
+                           ".some(e => e.textContent.includes('[*]'))", timeout=20_000)
     deadline = start + timeout_s
     while queued_cells(page):
         if time.monotonic() > deadline:

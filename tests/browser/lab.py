@@ -131,8 +131,10 @@ class Lab:
         self.port = free_port()
         self.proc = None
 
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}/lab/tree/{path}?token={self.token}"
+    def url(self, path: str, workspace: str | None = None) -> str:
+        """A fresh named workspace per page: nothing of an earlier page (open tabs) is restored."""
+        workspace = workspace or secrets.token_hex(4)
+        return f"http://127.0.0.1:{self.port}/lab/workspaces/{workspace}/tree/{path}?token={self.token}"
 
     def api(self, path: str, method: str = "GET", timeout_s: float = 10):
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/{path}", method=method,

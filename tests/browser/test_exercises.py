@@ -18,7 +18,8 @@ def test_a_stub_fails_with_a_clear_message(name, lab, page, artifacts):
     drive.run_all(page, 180)
     errors = drive.error_outputs(page)
     assert errors, "Run All with the stubs raised nothing: the checks cannot fail"
-    first = page.locator(f'.jp-Notebook [data-mime-type="{drive.ERROR_MIME}"]').first
+    first = page.locator('.jp-Notebook [data-mime-type="application/vnd.jupyter.stderr"]',
+                         has_text=errors[0].splitlines()[0]).first
     first.scroll_into_view_if_needed()
     first.screenshot(path=artifacts / f"{name}_stub_failure.png")
     lines = [l for l in errors[0].splitlines() if l.strip()]

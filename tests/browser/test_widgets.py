@@ -78,6 +78,7 @@ def test_widgets_in_the_browser(name, lab, page, artifacts):
     print(f"{name}: Run All took {seconds:.1f} s")
     errors = drive.error_outputs(page)
     assert not errors, f"error output after Run All: {errors[0][:2000]}"
+    assert drive.unexecuted_cells(page) == 0, "cells left unexecuted after Run All (an error stopped the run?)"
     page.wait_for_function(f"document.querySelectorAll('.course-live img.course-figure').length >= {len(entries)}",
                            timeout=60_000)
     lives = page.locator(".course-live").all()
