@@ -1,0 +1,151 @@
+"""Checkpoint save and load: time and bytes against the size of the training state (2 gloo ranks, ZeRO-1).
+
+    .venv/bin/python benchmarks/bench_checkpoint.py [--reps 3] [--sizes 64 128 256]
+
+For GPTs of growing width, on 2 ranks (every rank owns half of the flat parameters and of
+Adam's moments), side by side in one run:
+
+    course sync save      stage (exchange boxes, copy to host) + write + metadata + rename
+    course async save     what training waits for: the copy to host (the write runs behind)
+    course load           the same world size, and resharded onto 1 rank
+    DCP save / load       torch.distributed.checkpoint with the same pieces
+    torch.save baseline   one process writing the whole state to one file (no sharding)
+
+and the bytes on disk against the state's bytes (parameters + exp_avg + exp_avg_sq, fp32).
+Each time is the median over repetitions taken round-robin. Ratios go to benchmarks/summary.py.
+Nothing here asserts on speed: on a shared 2-core machine the numbers are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from summary import record  # noqa: E402  (benchmarks/ is not a package)
+
+from course_lib import run_on_ranks  # noqa: E402
+from course_lib.data import CharDataset  # noqa: E402
+from course_lib.model import GPTConfig  # noqa: E402
+from course_lib.train import TrainConfig  # noqa: E402
+from course_lib.units import fmt_bytes  # noqa: E402
+
+
+def measure(config, root, reps):
+    """Rank code: the timings of every variant, `reps` rounds, round-robin."""
+    import torch.distributed as dist
+
+    from course_lib.checkpoint import AsyncCheckpointer, load_training_state, save_training_state
+    from course_lib.checkpoint.dcp import load_with_dcp, save_with_dcp
+    from course_lib.checkpoint.state import training_state_pieces
+    from course_lib.checkpoint.training import _build
+    from course_lib.model import GPT
+
+    rank = dist.get_rank()
+    cfg = TrainConfig(steps=1, batch_size=8, progress=False)
+    model = GPT(config, seed=0)
+    opt = _build(model, cfg, "zero", 1, None)[0]
+    x = torch.randint(0, config.vocab_size, (2, config.block_size))
+    model(x, x)[1].backward()
+    opt.step()  # Adam's state exists
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    times = {k: [] for k in ("sync", "async_block", "async_total", "load", "dcp_save", "dcp_load", "torch_save")}
+    root = pathlib.Path(root)
+    saver = AsyncCheckpointer()
+
+    def timed(key, fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times[key].append(time.perf_counter() - t0)
+
+    for r in range(reps):
+        timed("sync", lambda: save_training_state(root / f"s{r}", 1, model, opt, "zero"))
+        t0 = time.perf_counter()
+        times["async_block"].append(save_training_state(root / f"a{r}", 1, model, opt, "zero", saver=saver))
+        saver.wait()
+        times["async_total"].append(time.perf_counter() - t0)
+        timed("load", lambda: load_training_state(root / f"s{r}", model, opt, "zero"))
+        pieces = training_state_pieces(model, opt, "zero")[1]
+        timed("dcp_save", lambda: save_with_dcp(root / f"d{r}", pieces))
+        load_pieces = training_state_pieces(model, opt, "zero", for_load=True)[1]
+        timed("dcp_load", lambda: load_with_dcp(root / f"d{r}", load_pieces))
+        if rank == 0:  # the baseline: one process, one file, the whole (gathered) state
+            full = {"model": model.state_dict(), "optimizer": opt.full_state_dict()}
+        else:
+            opt.full_state_dict()  # collective
+        timed("torch_save", lambda: torch.save(full, root / f"t{r}.pt") if rank == 0 else None)
+    disk = {k: sum(f.stat().st_size for f in (root / f"{k}0").iterdir()) for k in ("s", "d")}
+    disk["t"] = (root / "t0.pt").stat().st_size if rank == 0 else 0
+    return {"times": times, "state_bytes": state_bytes, "disk": disk}
+
+
+def load_on_one_rank(config, path, reps):
+    from course_lib.checkpoint import load_training_state
+    from course_lib.checkpoint.training import _build
+    from course_lib.model import GPT
+
+    model = GPT(config, seed=1)
+    opt = _build(model, TrainConfig(steps=1, batch_size=8), "zero", 1, None)[0]
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        load_training_state(path, model, opt, "zero")
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
+    args = p.parse_args(argv)
+    vocab = CharDataset("train", 64).vocab_size
+    print(f"{'d_model':>7} {'state':>10} {'on disk':>10} {'sync save':>10} {'async wait':>10} {'load':>8} "
+          f"{'load@1':>8} {'DCP save':>9} {'DCP load':>9} {'torch.save':>10}")
+    last = None
+    for d in args.sizes:
+        config = GPTConfig(vocab_size=vocab, block_size=64, n_layer=4, n_head=4, d_model=d)
+        root = tempfile.mkdtemp(prefix="bench_ckpt_")
+        try:
+            res = run_on_ranks(measure, config, root, args.reps, world_size=2, timeout_s=600,
+                               check_collectives=False)  # DCP's own collectives; the check adds gathers
+            one = run_on_ranks(load_on_one_rank, config, str(pathlib.Path(root) / "s0"), args.reps, world_size=1,
+                               timeout_s=600)[0]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        t = {k: med(v) for k, v in res[0]["times"].items()}
+        state, disk = res[0]["state_bytes"], res[0]["disk"]
+        print(f"{d:>7} {fmt_bytes(state):>10} {fmt_bytes(disk['s']):>10} {t['sync'] * 1e3:>8.1f}ms "
+              f"{t['async_block'] * 1e3:>8.1f}ms {t['load'] * 1e3:>6.1f}ms {med(one) * 1e3:>6.1f}ms "
+              f"{t['dcp_save'] * 1e3:>7.1f}ms {t['dcp_load'] * 1e3:>7.1f}ms {t['torch_save'] * 1e3:>8.1f}ms")
+        last = (d, t, state, disk, one)
+    d, t, state, disk, one = last
+    ratios = {
+        f"async wait / sync save (d={d})": (t["async_block"] / t["sync"], 0.5),
+        f"course sync save / torch.save one file (d={d})": (t["sync"] / t["torch_save"], 2.0),
+        f"DCP save / course sync save (d={d})": (t["dcp_save"] / t["sync"], None),
+        f"load resharded to 1 rank / load at 2 (d={d})": (med(one) / t["load"], None),
+        f"bytes on disk / state bytes (d={d})": (disk["s"] / state, 1.05),
+        f"DCP bytes / course bytes (d={d})": (disk["d"] / disk["s"], None),
+    }
+    print()
+    for what, (ratio, target) in ratios.items():
+        print(f"{what:<52} {ratio:6.3f}" + (f"   target <= {target:g}" if target else ""))
+        record("bench_checkpoint", what, ratio, target=target)
+
+
+if __name__ == "__main__":
+    main()
