@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from course_lib.parallel.pp.schedules import Schedule, check_schedule, make_schedule
 
 CATEGORY = {"F": "forward", "B": "backward", "W": "weight-grad"}
+PREFETCH = 2  # receives are posted this many actions ahead
 
 
 class _LinearInputGradOnly(torch.autograd.Function):
@@ -138,17 +139,40 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
             t = t.detach().contiguous()
             pending_sends.append((dist.isend(t, stage.global_rank_of_stage(s_to), group=stage.group, tag=tg), t))
 
+    # The receives each action needs, in order: (source stage, tag). They are posted as irecv
+    # PREFETCH actions ahead, so a message can land while this rank still computes (the sender
+    # need not wait for us to ask); the action then only waits for what has not arrived yet.
+    acts = sched.actions[stage.rank]
+    needs = []
+    for act in acts:
+        s_act = stage.stage_of(act.chunk)
+        src = (s_act - 1 if act.kind == "F" and s_act > 0 else s_act + 1 if act.kind == "B" and s_act < last else None)
+        remote = src is not None and stage.global_rank_of_stage(src) != dist.get_rank()
+        needs.append((src, tag(0, act.microbatch, s_act) if act.kind == "F" else tag(1, act.microbatch, s_act + 1))
+                     if remote else None)
+    posted, next_post = {}, 0
+
+    def post_until(i):
+        nonlocal next_post
+        while next_post < min(i + PREFETCH + 1, len(acts)):
+            if needs[next_post] is not None:
+                src, tg = needs[next_post]
+                buf = torch.empty(mb, T, d_model, dtype=dtype, device=idx.device)
+                posted[tg] = (dist.irecv(buf, stage.global_rank_of_stage(src), group=stage.group, tag=tg), buf)
+            next_post += 1
+
     def recv(s_from, tg, label):
         if tg in local:
             return local.pop(tg)
-        buf = torch.empty(mb, T, d_model, dtype=dtype, device=idx.device)
+        work, buf = posted.pop(tg)
         with span(label, "comm"):
-            dist.recv(buf, stage.global_rank_of_stage(s_from), group=stage.group, tag=tg)
+            work.wait()
         return buf
 
     split = _deferred_weight_grads(stage, current) if sched.split_backward else contextlib.nullcontext()
     with split:
-        for act in sched.actions[stage.rank]:
+        for i, act in enumerate(acts):
+            post_until(i)
             j, c = act.microbatch, act.chunk
             s, name = stage.stage_of(c), str(act)
             if act.kind == "F":

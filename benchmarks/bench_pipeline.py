@@ -1,0 +1,135 @@
+"""Pipeline step time: every course schedule against the course's GPipe, and the course's
+1F1B against torch.distributed.pipelining's Schedule1F1B on the same stages, in one run.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--world-size 4] [--microbatches 8] [--rounds 5]
+
+p = 4 gloo ranks train the course GPT (d_model 128, 8 blocks, 2 per stage) with m = 8
+micro-batches per step. Method as bench_data_parallel: a step's time is the slowest rank's,
+a run's time the median of its steps after WARMUP; one round runs every variant once on the
+same warm ranks in an order rotated per round; ratios are paired per round and reported as
+median and interquartile spread.
+
+What to expect. "course 1F1B / torch 1F1B" near 1 (target <= 1.2) means our runner costs what
+torch's does. The schedule ratios against GPipe depend on the machine: with ranks that own
+their device, 1F1B's step equals GPipe's (same bubble), interleaved and zero bubble are
+shorter; when 4 ranks share 2 cores, a waiting rank hands its core to another one, so the
+bubble costs less time than the formula says and the ratios sit closer to 1. --action-ms adds
+a fixed time per F, B, W (the notebook's way to show schedules on a crowded CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from summary import record  # noqa: E402  (benchmarks/ is not a package)
+
+from course_lib import run_on_ranks  # noqa: E402
+from course_lib.data import CharDataset  # noqa: E402
+from course_lib.model import GPT, GPTConfig  # noqa: E402
+from course_lib.parallel.pp.native import train_native  # noqa: E402
+from course_lib.parallel.pp.training import check_pipeline, train_pipeline  # noqa: E402
+from course_lib.train import TrainConfig  # noqa: E402
+
+WARMUP = 1
+TARGET_TORCH = 1.2  # course 1F1B / torch 1F1B
+RUNS = {  # name -> (implementation, schedule, virtual stages)
+    "course GPipe": ("course", "gpipe", 1),
+    "course 1F1B": ("course", "1f1b", 1),
+    "course interleaved 1F1B (v=2)": ("course", "interleaved_1f1b", 2),
+    "course zero bubble (ZB-H1)": ("course", "zero_bubble", 1),
+    "torch 1F1B": ("torch", "1f1b", 1),
+}
+RATIOS = {  # label -> (numerator, denominator, target, better)
+    "course 1F1B / torch 1F1B": ("course 1F1B", "torch 1F1B", TARGET_TORCH, "lower"),
+    "course 1F1B / course GPipe": ("course 1F1B", "course GPipe", None, "lower"),
+    "course interleaved (v=2) / course GPipe": ("course interleaved 1F1B (v=2)", "course GPipe", None, "lower"),
+    "course zero bubble / course GPipe": ("course zero bubble (ZB-H1)", "course GPipe", None, "lower"),
+}
+
+
+def one_round(config, cfg, m, order, action_seconds):
+    """Rank code: train with every variant of `order` in turn; step seconds per variant."""
+    out = {}
+    for name in order:
+        impl, schedule, v = RUNS[name]
+        if impl == "torch":
+            out[name] = train_native(config, cfg, schedule, m, v).step_seconds
+        else:
+            out[name] = train_pipeline(config, cfg, schedule, m, v, action_seconds=action_seconds).step_seconds
+    return out
+
+
+def quartiles(values):
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return q[0], q[1], q[2]
+
+
+def verdict(lo, mid, hi, target, better):
+    if target is None:
+        return ""
+    if lo <= target <= hi:
+        return "inconclusive (target inside the spread)"
+    return "met" if (mid <= target if better == "lower" else mid >= target) else "MISSED"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--action-ms", type=float, default=0.0)
+    parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    args = parser.parse_args(argv)
+    if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or args.action_ms < 0:
+        parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --world-size >= 2, --action-ms >= 0")
+    config = GPTConfig.tiny(CharDataset("train").vocab_size, d_model=128, n_layer=2 * args.world_size, n_head=4)
+    m = args.microbatches
+    cfg = TrainConfig(steps=args.steps, batch_size=m * args.micro_batch, progress=False)
+    try:
+        for _, schedule, v in RUNS.values():
+            check_pipeline(config, args.world_size, schedule, m, cfg.batch_size, v)
+    except ValueError as err:
+        parser.error(str(err))
+    pad = {k: args.action_ms / 1e3 for k in "FBW"} if args.action_ms else None
+    print(f"{args.world_size} gloo ranks on {os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f}), "
+          f"torch {torch.__version__}; GPT d_model={config.d_model} n_layer={config.n_layer}: "
+          f"{GPT(config).num_params() / 1e6:.2f}M params; m={m} micro-batches of {args.micro_batch} x "
+          f"{config.block_size} tokens; {args.rounds} rounds" + (f"; {args.action_ms:g} ms per action" if pad else ""))
+    names = list(RUNS)
+    # check_collectives off: torch's schedules pair their own send/recv (and it would distort timings).
+    kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False)
+    run_on_ranks(one_round, config, TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False), m, names, pad,
+                 **kw)  # warm the ranks
+    per_round = []
+    start = time.perf_counter()
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        res = run_on_ranks(one_round, config, cfg, m, order, pad, **kw)
+        per_round.append({name: statistics.median(max(rank[name][s] for rank in res) for s in range(WARMUP, cfg.steps))
+                          for name in names})
+    print(f"\n{'variant':<34}{'median step (ms)':>18}{'quartiles (ms)':>20}")
+    for name in names:
+        lo, mid, hi = quartiles([r[name] for r in per_round])
+        print(f"{name:<34}{mid * 1e3:>18.1f}{f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>20}")
+    print("\nratios, paired per round (median, interquartile spread):")
+    for label, (num, den, target, better) in RATIOS.items():
+        lo, mid, hi = quartiles([r[num] / r[den] for r in per_round])
+        goal = "" if target is None else f"target <= {target:g}"
+        print(f"  {label:<42} {mid:6.3f}x  ({lo:.3f}-{hi:.3f})  {goal:<14} {verdict(lo, mid, hi, target, better)}")
+        if not args.no_record:
+            record("bench_pipeline", label, mid, target=target, better=better, spread=(lo, hi))
+    print(f"\n{time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
