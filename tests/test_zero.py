@@ -76,6 +76,9 @@ VARIANTS = {  # name -> (stage, optimizer_class, kwargs for train_zero)
     "stage2_offload": (2, torch.optim.AdamW, {"offload": True}),
     "stage3_offload": (3, torch.optim.AdamW, {"offload": True}),
     "stage2_sgd": (2, torch.optim.SGD, {}),
+    "stage1_accum": (1, torch.optim.AdamW, {"accum_steps": 2}),  # two backwards per step
+    "stage2_accum": (2, torch.optim.AdamW, {"accum_steps": 2, "bucket_cap_mb": 0.05}),
+    "stage3_accum": (3, torch.optim.AdamW, {"accum_steps": 2}),
     "stage3_sgd": (3, torch.optim.SGD, {}),
 }
 
@@ -89,6 +92,7 @@ def _run_variants(config, cfg, names):
 def test_every_stage_and_offload_equal_single_process_fp32(config, world_size):
     cfg = train_cfg()
     names = list(VARIANTS) if world_size == 3 else ["stage1", "stage2", "stage3", "stage2_sgd"]
+    names += ["stage3_accum"] if world_size == 2 else []  # 4 ranks: 3 sequences each, not divisible by 2
     refs = {opt: train_single(config, cfg, opt) for opt in (torch.optim.AdamW, torch.optim.SGD)}
     per_rank = run_on_ranks(_run_variants, config, cfg, names, world_size=world_size, timeout_s=120)
     for name in names:

@@ -52,10 +52,12 @@ def _check_batch(train_cfg, world_size):
 
 def train_zero(model_config, train_cfg, stage: int, optimizer_class=torch.optim.AdamW, optimizer_kwargs=None,
                offload: bool = False, compute_dtype=None, group=None, trace: bool = False,
-               record_timeline: bool = False, **zero_kwargs) -> TrainResult:
+               record_timeline: bool = False, accum_steps: int = 1, **zero_kwargs) -> TrainResult:
     """Rank code. Returns a TrainResult: this rank's losses, the gathered fp32 parameters
     (final_params, the single-process order of model.parameters()) and mean gradients
-    (final_grads), comm_summary of the training steps with trace, timeline_events."""
+    (final_grads), comm_summary of the training steps with trace, timeline_events.
+    accum_steps > 1 cuts each rank's share into micro-batches (every backward communicates:
+    stage 2 and 3 add each micro-batch's reduced shard to the last)."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     _check_batch(train_cfg, n)
     dev = rank_device()
@@ -72,8 +74,8 @@ def train_zero(model_config, train_cfg, stage: int, optimizer_class=torch.optim.
     with tracer:
         for x, y in _batches(train_cfg, dataset, rank, n, dev):
             start = time.perf_counter()
-            loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=optimizer.clip_grad_norm_,
-                              timeline=timeline)
+            loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, accum_steps=accum_steps,
+                              clip_grad_norm=optimizer.clip_grad_norm_, timeline=timeline)
             result.train_losses.append(loss)
             result.step_seconds.append(time.perf_counter() - start)
     result.seconds = time.perf_counter() - start_all
