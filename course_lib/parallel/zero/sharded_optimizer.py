@@ -78,6 +78,8 @@ class ShardedOptimizer:
         loss.backward(); opt.step(); opt.zero_grad()
 
     Each param group becomes one flat unit; the parameters are re-pointed into its flat buffer.
+    The parameters must already be equal on every rank (same seed, or broadcast them first, as
+    apply_zero does): each rank only ever updates its own shard and gathers the others'.
     Gradient clipping must see the global norm of the MEAN gradient, which only exists as shards:
     use `clip_grad_norm_` (train_step(..., clip_grad_norm=optimizer.clip_grad_norm_)), not
     torch.nn.utils.clip_grad_norm_ on the model, whose .grad are this rank's local gradients.
