@@ -71,6 +71,10 @@ def assert_equal_to_reference(results, config, cfg, atol=2e-6, param_atol=1e-5):
         assert res.train_losses == pytest.approx(losses, abs=1e-5), f"rank {r} losses"
     got_p, got_g = stage_tensors(results, "final_params"), stage_tensors(results, "final_grads")
     assert sorted(got_p) == sorted(params), "the stages together must hold every parameter once"
+    for res in results:  # the last stage's copy of a tied matrix must stay equal to the reference too
+        mine = stage_tensors([res], "final_params")
+        if "tok_emb.weight" in mine:
+            torch.testing.assert_close(mine["tok_emb.weight"], params["tok_emb.weight"], rtol=1e-4, atol=param_atol)
     for name in params:
         torch.testing.assert_close(got_g[name], grads[name], rtol=1e-4, atol=atol, msg=lambda m: f"grad {name}: {m}")
         # Adam divides by sqrt(v): on a near-zero gradient element rounding moves the parameter by
