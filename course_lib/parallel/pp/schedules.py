@@ -128,10 +128,11 @@ def zero_bubble(p: int, m: int) -> Schedule:
     unit times for F, B and W. Whenever rank r is free it runs, in order of preference:
       a ready B;
       a forward, if fewer than p - r micro-batches wait for their B (1F1B's in-flight count)
-        and fewer than 2p - 1 - r wait for their W (so at most p - 1 W's are deferred; a W keeps
-        only the layers' inputs and output gradients, less than the graph B frees);
+        and fewer than 2p - 1 - r wait for their W (the deferred W's are bounded whatever m is;
+        a W keeps only the Linears' inputs and output gradients, less than the graph B frees);
       a deferred W, which fills time 1F1B leaves idle.
-    With t_F = t_B = t_W the bubble is (p-1)/(3m+p-1), a third of 1F1B's (p-1)(t_F+t_B+t_W)."""
+    With t_F = t_B = t_W and m >= p the bubble is (p-1)/(3m+p-1): the fill and drain cost
+    (p-1) t_B instead of 1F1B's (p-1)(t_F+t_B+t_W), a third."""
     _check_counts(p, m)
     done: dict[tuple, int] = {}  # (kind, j, rank) -> end time
     acts: list[list[Action]] = [[] for _ in range(p)]
