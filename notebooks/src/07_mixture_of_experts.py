@@ -1,0 +1,621 @@
+# %% [markdown]
+# # 07 · Mixture of experts and expert parallelism
+#
+# A dense transformer spends the same work on every token: every weight of every MLP
+# multiplies every token. A **mixture-of-experts** (MoE) layer replaces one MLP by `E`
+# independent MLPs, the *experts*, and a small **router** that sends each token to only `k` of
+# them (Shazeer et al. 2017). The model holds `E` times the MLP parameters, yet each token
+# still runs through `k` MLPs: parameters grow, FLOPs per token do not. GShard (Lepikhin et
+# al. 2021), Switch Transformer (Fedus et al. 2022) and Mixtral (Jiang et al. 2024) trained
+# this way, and most of today's largest open models are MoEs.
+#
+# The catch is distribution. `E` experts per layer do not fit beside everything else on one
+# GPU, so **expert parallelism** (EP) places different experts on different ranks, and the
+# tokens travel to their experts and back: two **all-to-alls** per layer. By the end of this
+# notebook you can:
+#
+# 1. compute an MoE's total and active parameters and its FLOPs per token, and check them
+#    against the model;
+# 2. follow a token through the router: softmax, top-k choice, renormalised gate weights;
+# 3. show on a real training run how the load collapses onto a few experts without the
+#    load-balancing loss, and how the loss prevents it;
+# 4. predict how many tokens a capacity factor drops, from the load alone;
+# 5. run expert parallelism on 4 ranks, draw its two all-to-alls, account for every byte,
+#    and prove it equal to the single-process model, also combined with data parallelism;
+# 6. explain why an expert's gradient is divided by the EP degree, and why all-to-all
+#    traffic grows with `top_k`.
+
+# %%
+%matplotlib inline
+import math
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib import CommTracer, plot_gantt, run_on_ranks
+from course_lib.data import CharDataset, get_batch
+from course_lib.estimate import LlamaLikeConfig, MoEConfig, flops_per_token, param_count, per_gpu_memory
+from course_lib.model import GPT, GPTConfig
+from course_lib.model.moe import moe_layers, route, routing_stats
+from course_lib.parallel.ep import (apply_expert_parallel, run_expert_parallel, traffic_matrix,
+                                    train_expert_parallel, train_moe_reference)
+from course_lib.train import TrainConfig, make_optimizer, train_step
+from course_lib.units import fmt_bytes
+from course_lib.widgets import LiveFigure, render, show_interactive
+
+torch.manual_seed(0)
+torch.set_num_threads(1)  # the models here are tiny: one thread is faster than two, and leaves a core to the ranks
+T = 64
+DATA = CharDataset("train", T)
+DENSE = GPTConfig.tiny(DATA.vocab_size)  # the course GPT: 2 layers, d_model 64
+MOE = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=2)
+WORLD = 4  # every multi-rank run below uses the same 4 CPU ranks
+print(f"dense course GPT: {GPT(DENSE).num_params():,} parameters; "
+      f"with 8 experts per layer, top-2: {GPT(MOE).num_params():,}")
+
+# %% [markdown]
+# ## 1. Why experts: total and active parameters
+#
+# In an MoE block the MLP becomes `E` expert MLPs of the same shape plus a router, a
+# `d × E` matrix. Notebook 01's formulas count both ways:
+#
+# * **total** parameters: `E` experts per layer (what must be stored, with its gradients and
+#   optimizer state);
+# * **active** parameters: the `k` experts one token passes through (what it costs in FLOPs:
+#   about `6 · active` per token for training).
+#
+# **Predict first.** The course GPT with 8 experts, top-2: how many times the dense model's
+# parameters, and how many times its training FLOPs per token?
+#
+# <details><summary>Answer</summary>
+#
+# The MLP is 2/3 of each block's weights and the embeddings are a large share of this small
+# model, so 8 experts multiply the total by about 5, not 8; top-2 runs two MLPs per token
+# instead of one, so the FLOPs grow by well under 2× (the attention and the head are
+# unchanged). The table below has the exact numbers.
+# </details>
+
+# %%
+moe_est = MoEConfig(DENSE, 8, 2)
+assert GPT(MOE).num_params() == param_count(moe_est)  # the model's tensors = the formula
+rows = [("dense course GPT", param_count(DENSE), param_count(DENSE), flops_per_token(DENSE)),
+        ("8 experts, top-2", param_count(moe_est), param_count(moe_est, active=True), flops_per_token(moe_est))]
+mixtral_dense = LlamaLikeConfig(vocab_size=32000, n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336)
+mixtral = MoEConfig(mixtral_dense, 8, 2)
+rows += [("Mistral-7B-like dense", param_count(mixtral_dense), param_count(mixtral_dense),
+          flops_per_token(mixtral_dense, seq=4096)),
+         ("Mixtral 8x7B (8 experts, top-2)", param_count(mixtral), param_count(mixtral, active=True),
+          flops_per_token(mixtral, seq=4096))]
+print(f"{'model':<34}{'total params':>16}{'active params':>16}{'train FLOPs/token':>20}")
+for name, total, active, flops in rows:
+    print(f"{name:<34}{total:>16,}{active:>16,}{flops:>20.3g}")
+assert round(param_count(mixtral) / 1e9, 1) == 46.7 and round(param_count(mixtral, active=True) / 1e9, 1) == 12.9
+print(f"\ncourse GPT: x{param_count(moe_est) / param_count(DENSE):.2f} parameters, "
+      f"x{flops_per_token(moe_est) / flops_per_token(DENSE):.2f} FLOPs per token")
+print(f"Mixtral:    x{param_count(mixtral) / param_count(mixtral_dense):.2f} parameters, "
+      f"x{flops_per_token(mixtral, seq=4096) / flops_per_token(mixtral_dense, seq=4096):.2f} FLOPs per token")
+
+# %% [markdown]
+# Mixtral's published sizes are 46.7 B total and 12.9 B active parameters (Jiang et al.
+# 2024): the formula reproduces both (the assert). It stores the weights of a 47 B model and
+# computes like a 13 B one. Notebook 01's calculator takes `n_experts`, `top_k` and `ep` for the
+# memory side of the same trade: the experts' weights, gradients and Adam state are what EP
+# divides.
+#
+# ## 2. The router
+#
+# For `N` tokens `x_n` (rows of `d`), the router computes logits `z = x W_r` (`N × E`),
+# probabilities `p = softmax(z)`, and each token's `k` largest probabilities. The **gate
+# weights** are those probabilities renormalised over the chosen `k`, and the layer's output
+# is the gated sum of the chosen experts' outputs:
+#
+# $$y_n = \sum_{j=1}^{k} g_{nj}\,\mathrm{expert}_{e_{nj}}(x_n), \qquad
+# g_{nj} = \frac{p_{n,e_{nj}}}{\sum_{j'} p_{n,e_{nj'}}}.$$
+#
+# The router learns through the gates (the choice itself, an argmax, has no gradient). With
+# `k = 1` the renormalised gate would always be 1, so top-1 keeps the raw probability, as
+# Switch does. Here are the first tokens of a real batch through a fresh router
+# (`course_lib.model.moe.route`; the router runs in fp32 whatever the model's precision):
+
+# %% tags=["nbval-ignore-output"]
+model = GPT(MOE, seed=0)
+layer = model.blocks[0].mlp
+x, _ = get_batch(DATA, 1, torch.Generator().manual_seed(0))
+with torch.no_grad():
+    h = model.blocks[0].ln2(model.tok_emb(x) + model.pos_emb(torch.arange(T)))[0]  # what layer 0's MLP would see
+    probs = F.softmax(layer.router(h).float(), dim=-1)
+r = route(probs, top_k=2, capacity=None)
+print("token  text  top-2 experts  probabilities   gates")
+for n in range(5):
+    mine = (r.token == n).nonzero().squeeze(1)
+    experts, gates = r.expert[mine].tolist(), r.gate[mine].tolist()
+    print(f"{n:>5}  {DATA.tokenizer.decode([int(x[0, n])])!r:>5}  {str(experts):>13}  "
+          f"{str([round(probs[n, e].item(), 3) for e in experts]):>14}  {[round(g, 3) for g in gates]}")
+    assert abs(sum(gates) - 1) < 1e-6
+print(f"\nrows per expert (the sorted order every expert receives its block in): {r.counts}")
+
+# %% [markdown]
+# A fresh router gives every expert about `1/E = 0.125` probability; it is the training that
+# makes it decisive. `route` also returns the assignments **sorted by expert**: expert 0's rows
+# first, then expert 1's, and so on. That one permutation is how the layer batches each
+# expert's tokens into a single matmul here, and in section 5 how it sends them to the expert's
+# rank.
+#
+# ## 3. Load balance: why it collapses without the auxiliary loss
+#
+# Training has a rich-get-richer loop: an expert that receives more tokens gets more gradient,
+# improves faster, and the router learns to send it even more. Left alone, a few experts take
+# most tokens and the others starve; parameters that receive no tokens are wasted, and under
+# expert parallelism the rank holding the popular expert does all the work. Switch's
+# **load-balancing loss** (Fedus et al. 2022) pushes back:
+#
+# $$L_\text{bal} = E \sum_{e=1}^{E} f_e P_e, \qquad f_e = \frac{\text{assignments to } e}{kN},
+# \quad P_e = \frac{1}{N}\sum_n p_{n,e}.$$
+#
+# `f_e` is a count (no gradient) and `P_e` is differentiable; both are `1/E` under perfect
+# balance, where `L_bal = 1`. The gradient lowers the probability of the experts that are over
+# their share. The **router z-loss** (Zoph et al. 2022), the mean of
+# $(\log\sum_e e^{z_{n,e}})^2$, keeps the logits small so the fp32 softmax stays well
+# conditioned. The model's loss is cross-entropy + `aux_loss_coef · ΣL_bal` +
+# `z_loss_coef · ΣL_z`, summed over layers (0.01 and 0.001 by default).
+#
+# **Predict first.** Train the 8-expert, top-1 model for 40 steps twice, once with
+# `aux_loss_coef = 0` (and no z-loss), once with the default 0.01. What share of layer 0's
+# tokens goes to its busiest expert at the end (perfect balance: 1/8 = 12.5 %)?
+#
+# <details><summary>Answer</summary>
+#
+# Without the loss, one expert ends up with most of the tokens and most experts get none;
+# with it, the tokens stay spread over the experts, the busiest with about twice its fair
+# share. The plot below is from the real runs.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+def train_with_load_log(aux, steps=40, top_k=1):
+    cfg = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=top_k, aux_loss_coef=aux,
+                         z_loss_coef=0.001 if aux else 0.0)
+    m = GPT(cfg, seed=0)
+    opt = make_optimizer(m, TrainConfig(lr=1e-3))
+    gen = torch.Generator().manual_seed(0)
+    loads, losses = [], []
+    for _ in range(steps):
+        xb, yb = get_batch(DATA, 8, gen)
+        losses.append(train_step(m, opt, xb, yb, 1.0))
+        loads.append(routing_stats(m)[0].routed)  # layer 0: tokens each expert was chosen for
+    return m, torch.stack(loads).float(), losses
+
+runs = {aux: train_with_load_log(aux) for aux in (0.0, 0.01)}
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.2), sharey=True)
+for ax, (aux, (_, loads, losses)) in zip(axes, runs.items()):
+    share = loads / loads.sum(1, keepdim=True)
+    ax.stackplot(range(1, len(share) + 1), share.T.numpy(), labels=[f"expert {e}" for e in range(8)])
+    ax.set_title(f"aux_loss_coef = {aux}: busiest expert {share[-10:].mean(0).max():.0%} over the last 10 steps",
+                 fontsize=10)
+    ax.set_xlabel("training step")
+axes[0].set_ylabel("share of layer 0's tokens")
+axes[1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+plt.tight_layout()
+plt.show()
+final = {aux: (loads[-10:].mean(0) / loads[-10:].mean(0).sum()) for aux, (_, loads, _) in runs.items()}
+for aux, s in final.items():
+    print(f"aux_loss_coef={aux}: busiest expert {s.max():.1%}, experts under 2% of the tokens: {int((s < 0.02).sum())}, "
+          f"final loss {runs[aux][2][-1]:.3f}")
+assert final[0.0].max() > 2 * final[0.01].max()  # the claim: without the loss the load piles up
+
+# %% [markdown]
+# The collapse is the router's own doing: nothing in the language-model loss asks for
+# balance. The balancing loss does not make the language model worse here (the two final
+# losses are close; the second includes the small auxiliary terms), and it keeps every
+# expert's parameters in use.
+#
+# ## 4. Capacity and dropped tokens
+#
+# Real systems give each expert a fixed buffer, its **capacity**: with `N` tokens per batch,
+#
+# $$C = \left\lceil \text{capacity\_factor} \cdot \frac{kN}{E} \right\rceil .$$
+#
+# `kN/E` is the fair share; a capacity factor of 1.25 leaves 25 % slack. Fixed buffers give
+# fixed shapes (what compilers and GPU kernels like) and bound the worst-case work and memory
+# of the busiest expert. Assignments queue in order, every first choice before any second
+# choice (GShard); once an expert holds `C`, the rest of its queue is **dropped**: their term is
+# missing from `y_n`, and the token continues through the residual connection unchanged. So
+# the drops follow from the load alone:
+#
+# $$\text{dropped}_e = \max(0,\ \text{routed}_e - C).$$
+#
+# **Predict first.** At capacity factor 1.0, do the two models of section 3 drop tokens?
+# Which drops more?
+#
+# <details><summary>Answer</summary>
+#
+# Both do. Even a well balanced router is balanced only on average: at factor 1.0 every expert
+# that is one token over its fair share drops the excess. The collapsed model drops far more,
+# since its busiest expert is many times over. The curves below are measured by running the
+# layer with each capacity factor; the asserts check them against the formula.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+factors = [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0]
+xb, _ = get_batch(DATA, 8, torch.Generator().manual_seed(99))  # a batch neither run trained on
+fig, ax = plt.subplots(figsize=(6.5, 3.2))
+curves = {}
+for aux, (m, _, _) in runs.items():
+    layer0, fractions = m.blocks[0].mlp, []
+    for cf in factors:
+        layer0.capacity_factor = cf
+        with torch.no_grad():
+            m(xb)
+        stats = routing_stats(m)[0]
+        assert torch.equal(stats.dropped, (stats.routed - stats.capacity).clamp(min=0))  # the formula
+        fractions.append(stats.drop_fraction)
+    layer0.capacity_factor = None
+    ax.plot(factors, fractions, "o-", label=f"aux_loss_coef = {aux}")
+    curves[aux] = fractions
+    print(f"aux_loss_coef={aux}: dropped at factor 1.0: {fractions[2]:.1%}, at 1.25: {fractions[3]:.1%}, "
+          f"at 2.0: {fractions[5]:.1%}")
+ax.set_xlabel("capacity factor")
+ax.set_ylabel("dropped fraction of assignments")
+ax.set_title("Dropped tokens against capacity (layer 0, one batch of 512 tokens)", fontsize=10)
+ax.legend()
+plt.show()
+assert all(b < a for a, b in zip(curves[0.0], curves[0.01]))  # the balanced router drops less at every factor
+
+# %% [markdown]
+# Balance and capacity work together: the better the balance, the smaller the factor that
+# keeps nearly every token (Switch and GShard train at 1.0 to 1.25, with small drop rates),
+# while a collapsed router would need a factor near `E` to keep all its tokens, which is no
+# limit at all. Our 40-step router is far from that well balanced. Without a capacity (`capacity_factor =
+# None`, the default here), nothing is dropped, and the busiest expert decides the step time.
+#
+# ## 5. Expert parallelism: two all-to-alls
+#
+# With `ep` ranks, rank `s` keeps experts `s·E/ep … (s+1)·E/ep − 1` of every layer and the
+# dense parts (attention, norms, router, embeddings) whole; each rank feeds its own tokens.
+# `course_lib.parallel.ep.apply_expert_parallel(model, group)` does it in place. One MoE layer
+# on rank `r`:
+#
+# 1. **route** its own tokens (its own capacity, counted per sending rank as GShard and Switch
+#    do) and sort the assignments by expert; since experts are numbered rank by rank, the
+#    sorted rows are already grouped by destination:
+#    `[ to rank 0 | to rank 1 | … ]`;
+# 2. **exchange counts**: one small all-to-all of `E` integers, so every rank knows how many
+#    rows it will receive from each rank for each of its experts;
+# 3. **dispatch**: `all_to_all_single` with uneven splits, only the routed rows move;
+# 4. each local expert runs once on its rows from all ranks;
+# 5. **combine**: the all-to-all back with the splits swapped; rank `r` scales the returning
+#    rows by their gates and adds them into its tokens.
+#
+# Backward runs the two row all-to-alls in reverse (the gradient of a routing is the routing
+# back), so a layer costs 4 all-to-alls of rows per step, plus the count exchange.
+#
+# Here is one layer on 4 ranks, 8 experts (2 per rank), top-2, on real batches:
+
+# %% tags=["nbval-ignore-output"]
+def one_traced_step(cfg):
+    m = apply_expert_parallel(GPT(cfg, seed=0))
+    data = CharDataset("train", T)  # each rank reads its own batch (the text is cached per process)
+    xb, yb = get_batch(data, 2, torch.Generator().manual_seed(dist.get_rank()))
+    with CommTracer() as tracer:
+        m(xb, yb)[1].backward()
+    rows = [(r.bytes_sent, r.bytes_recv) for r in tracer.records if r.op == "all_to_all_single" and r.dtype == "float32"]
+    return [s.kept for s in routing_stats(m)], rows, tracer.summary(), sum(p.numel() for p in m.parameters())
+
+EP_CFG = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=2, capacity_factor=1.25)
+traced = run_on_ranks(one_traced_step, EP_CFG, world_size=WORLD)
+kept0 = [t[0][0] for t in traced]  # layer 0: rows each rank sends to each of the 8 experts
+print("layer 0, rows sent to each expert (experts 2s, 2s+1 live on rank s):")
+for r, k in enumerate(kept0):
+    print(f"  rank {r}: {k.tolist()}  -> to ranks {k.view(WORLD, -1).sum(1).tolist()}")
+matrix = traffic_matrix(kept0, EP_CFG.d_model)
+for r, (_, rows, _, _) in enumerate(traced):
+    assert rows[0] == (int(matrix[r].sum()), int(matrix[:, r].sum()))  # the tracer's dispatch bytes
+
+# %% [markdown]
+# The assert checks the tracer's bytes for rank `r`'s dispatch against the routing: it sends
+# (rows to rank `s`) × `d_model` × 4 bytes to each `s`, and receives the column of the same
+# matrix. Drawn as a rank × rank matrix (the combine is its transpose):
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots(figsize=(4.6, 3.8))
+im = ax.imshow(matrix.numpy() / 1024, cmap="Blues")
+for i in range(WORLD):
+    for j in range(WORLD):
+        dark = matrix[i, j] > 0.6 * matrix.max()
+        ax.text(j, i, f"{matrix[i, j].item() / 1024:.1f}", ha="center", va="center", fontsize=9,
+                color="white" if dark else "black")
+ax.set_xticks(range(WORLD), [f"rank {j}" for j in range(WORLD)])
+ax.set_yticks(range(WORLD), [f"rank {i}" for i in range(WORLD)])
+ax.set_xlabel("to (owner of the experts)")
+ax.set_ylabel("from (owner of the tokens)")
+ax.set_title("Dispatch all-to-all of layer 0 (KiB)", fontsize=10)
+plt.colorbar(im, ax=ax, label="KiB")
+plt.show()
+off_rank = int(matrix.sum() - matrix.diagonal().sum())
+print(f"layer 0 dispatch: {fmt_bytes(int(matrix.sum()))} in the buffers, of which {fmt_bytes(off_rank)} "
+      f"leave their rank (the diagonal stays local)")
+
+# %% [markdown]
+# **Predict first.** How many `all_to_all_single` calls does each rank make in that forward +
+# backward of the 2-layer model, and how many bytes does rank 0 send in them?
+#
+# <details><summary>Answer</summary>
+#
+# 5 per layer, 10 in all: per layer, the count exchange (`E` int64 = 64 bytes), dispatch and
+# combine in forward, and their two transposes in backward. If rank 0 sends `M` rows and
+# receives `R` rows in a layer, it sends `M·d·4` (dispatch) + `R·d·4` (combine) in forward and
+# `R·d·4` + `M·d·4` in backward: `64 + 2(M + R)·d·4` bytes per layer.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+kept = [t[0] for t in traced]
+for r in range(WORLD):
+    summary = traced[r][2]["all_to_all_single"]
+    expected = 0
+    for lay in range(EP_CFG.n_layer):
+        M = int(kept[r][lay].sum())
+        R = sum(int(kept[s][lay].view(WORLD, -1)[r].sum()) for s in range(WORLD))
+        expected += EP_CFG.n_experts * 8 + 2 * (M + R) * EP_CFG.d_model * 4
+    assert summary == {"calls": 10, "bytes_sent": expected, "bytes_recv": expected}
+    print(f"rank {r}: {summary['calls']} all-to-alls, {summary['bytes_sent']:,} bytes sent = formula")
+
+# %% [markdown]
+# ### The same step, drawn per rank
+#
+# One training step on the 4 ranks, from the ranks' own timelines: forward, backward and
+# optimizer spans, and every collective in red: in forward, three all-to-alls per layer (counts,
+# dispatch, combine), in backward two per layer, then the all-reduces of `reduce_gradients` and
+# of the gradient clipping before the optimizer. Each all-to-all is a synchronisation point: a
+# rank that arrives early waits there for the slowest one, which is most of the red on these
+# shared CPU cores. `benchmarks/bench_expert_parallel.py` measures the all-to-all's share of
+# the step.
+
+# %% tags=["nbval-ignore-output"]
+one_step = TrainConfig(steps=2, batch_size=8, progress=False)
+timed = run_on_ranks(train_expert_parallel, EP_CFG, one_step, record_timeline=True, world_size=WORLD)
+last = [[e for e in r.timeline_events if e[1] >= max(ev[1] for ev in r.timeline_events if ev[0] == "forward")]
+        for r in timed]  # the second step
+fig, ax = plt.subplots(figsize=(11, 2.6))
+plot_gantt(last, ax=ax, title="One expert-parallel step on 4 ranks (red: collectives)")
+plt.show()
+n_a2a = [sum(e[0] == "all_to_all_single" for e in r) for r in last]
+assert n_a2a == [10] * WORLD, n_a2a  # 5 per layer: counts, dispatch, combine, and the two backward
+print("all-to-alls per rank in the step:", n_a2a)
+
+# %% [markdown]
+# ### Proof: equal to the single-process model
+#
+# Each rank routes its own share of the batch, with its own capacity and auxiliary loss, so
+# the single-process reference runs the same model on the 4 shares one after the other and
+# averages the 4 losses (`train_moe_reference`). After backward, `reduce_gradients(model,
+# group)` must leave every rank with the gradient of that mean:
+#
+# * a dense weight has a copy on every rank and each copy got only its rank's gradient:
+#   all-reduce and divide by `ep`;
+# * an expert lives on one rank, and the backward all-to-alls already brought it the gradient
+#   rows of **every** rank's tokens, so its gradient is $\sum_r \partial L_r/\partial e$:
+#   divide by `ep`, no communication.
+#
+# **Predict first.** Forget the division for the experts. What goes wrong?
+#
+# <details><summary>Answer</summary>
+#
+# The expert gradients come out `ep` times too large: the gradient of the *sum* of the
+# ranks' losses rather than their mean. With gradient clipping that also shrinks every other
+# gradient; with plain SGD it multiplies the experts' learning rate by `ep`. The test suite
+# checks that this breaks the equality below.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+TC = TrainConfig(steps=3, batch_size=8, lr=1e-2, progress=False)
+
+def compare(per_rank, ref, label):
+    steps = range(len(ref.train_losses))
+    losses = [sum(r.train_losses[s] for r in per_rank) / len(per_rank) for s in steps]
+    d_loss = max(abs(a - b) for a, b in zip(losses, ref.train_losses))
+    d_param = max((r.final_params - ref.final_params).abs().max().item() for r in per_rank)
+    d_grad = max((r.final_grads - ref.final_grads).abs().max().item() for r in per_rank)
+    assert d_loss < 1e-5 and d_grad < 1e-5 and d_param < 1e-4, (label, d_loss, d_grad, d_param)
+    return f"{label:<34} max|Δloss| {d_loss:.1e}  max|Δgrad| {d_grad:.1e}  max|Δθ| {d_param:.1e}"
+
+ref4 = train_moe_reference(EP_CFG, TC, shares=WORLD)
+print(compare(run_expert_parallel(WORLD, EP_CFG, TC), ref4, "EP, ep=4, top-2, factor 1.25"))
+top1 = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=1)
+print(compare(run_expert_parallel(WORLD, top1, TC), train_moe_reference(top1, TC, WORLD), "EP, ep=4, top-1, no capacity"))
+
+# %% [markdown]
+# Equal up to float rounding. `final_params` is the whole model on every rank (each layer's
+# experts all-gathered after training), in the single-process model's order.
+#
+# ## 6. Where EP sits beside DP and TP
+#
+# | axis | what each rank holds | what it exchanges | per step |
+# |---|---|---|---|
+# | DP (notebook 03) | the whole model, its share of the batch | gradients: all-reduce of `4P` bytes | once |
+# | TP (notebook 05) | a slice of every matrix | activations: all-reduce per block | per layer |
+# | EP | `E/ep` experts, the dense parts whole, its share of the batch | routed token rows: all-to-all | per MoE layer |
+#
+# EP is a data-parallel axis for the dense parts (each rank reads different data) and a
+# model-parallel axis for the experts. A real run combines them on one mesh: for example
+# `ep × dp`, where the ep ranks of a group split the experts and the dp groups replicate
+# that arrangement. Gradients: `reduce_gradients` over the ep group, then the all-reduce of
+# data parallelism over the dp group. On 4 ranks, `dp = 2, ep = 2`:
+
+# %% tags=["nbval-ignore-output"]
+print(compare(run_expert_parallel(WORLD, EP_CFG, TC, dp=2), ref4, "EP x DP, ep=2 x dp=2"))
+
+# %% [markdown]
+# Memory is the reason for EP. Per rank, the expert weights (and their gradients and Adam
+# state) shrink by `ep`; the dense parts do not. Notebook 01's `per_gpu_memory(config, ep=…)`
+# counts the parameters on each GPU; it equals what the ranks above hold:
+
+# %%
+for r, t in enumerate(traced):
+    assert t[3] == per_gpu_memory(MoEConfig(DENSE, 8, 2), ep=WORLD, recipe="fp32")["params_on_gpu"]
+print(f"course MoE, ep=4: {traced[0][3]:,} parameters per rank of {param_count(MoEConfig(DENSE, 8, 2)):,} "
+      f"(formula and measurement agree)")
+state = {}
+for dp, ep in ((8, 1), (1, 8)):  # 8 GPUs either way
+    mem = per_gpu_memory(mixtral, batch=1, seq=4096, recipe="bf16_mixed", zero_stage=1, dp=dp, ep=ep)
+    state[ep] = mem['params'] + mem['grads'] + mem['optimizer']
+    print(f"Mixtral 8x7B on {mem['n_gpus']} GPUs, bf16 mixed, ZeRO-1, dp={dp} ep={ep}: "
+          f"{mem['params_on_gpu'] / 1e9:.1f} B parameters and "
+          f"{fmt_bytes(mem['params'] + mem['grads'] + mem['optimizer'])} of model state per GPU")
+print("(an H100 has 80 GB = 74.5 GiB)")
+assert round(state[1] / state[8], 1) == 2.6  # the ratio quoted below
+
+# %% [markdown]
+# Split 8 ways by experts, Mixtral's model state shrinks by about 2.6× here, but the dense
+# parts (attention, embeddings) stay whole on every GPU: what is left needs another axis, ZeRO
+# over data-parallel ranks (notebook 08) or tensor parallelism (notebook 05).
+
+# %% [markdown]
+# ## 7. Why all-to-all traffic grows with top-k
+#
+# Every assignment, not every token, travels. Without drops a rank with `N` tokens sends
+# `kN` rows of `d` elements in the dispatch, the same in the combine, and both again in
+# backward: `4kNd·b` bytes per layer and step, of which a fraction `(ep − 1)/ep` leaves the
+# rank when routing is uniform. Doubling `k` doubles the traffic (and the expert FLOPs);
+# this is one reason most MoEs use `k = 1` or `2`.
+#
+# **Predict first.** 4 ranks, 2 sequences of 64 tokens each, `d_model = 64`, no capacity
+# limit. How many bytes does one rank's layer-0 dispatch hold for `k = 1, 2, 4`?
+#
+# <details><summary>Answer</summary>
+#
+# `k · 128 · 64 · 4` = 32 KiB, 64 KiB and 128 KiB, whatever the routing: without drops every
+# assignment is sent (to the rank itself included).
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+for k in (1, 2, 4):
+    cfg_k = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=k)
+    per_rank = run_on_ranks(one_traced_step, cfg_k, world_size=WORLD)
+    sent = [pr[1][0][0] for pr in per_rank]  # layer 0's dispatch, bytes in the buffer
+    assert sent == [k * 128 * 64 * 4] * WORLD
+    off = [int(pr[0][0].sum() - pr[0][0].view(WORLD, -1)[r].sum()) * 64 * 4 for r, pr in enumerate(per_rank)]
+    print(f"top_k={k}: dispatch {fmt_bytes(sent[0])} per rank, leaving the rank: "
+          f"{', '.join(fmt_bytes(o) for o in off)}")
+
+# %% [markdown]
+# ## 8. Try it: experts, top-k and capacity on a real batch
+#
+# The figure routes one real batch of 512 tokens through layer 0 of a fresh MoE GPT and shows
+# each expert's load: kept (blue) and dropped (red), with the capacity as a line.
+
+# %% tags=["nbval-ignore-output"]
+VIEW_BATCH, _ = get_batch(DATA, 8, torch.Generator().manual_seed(7))
+
+def draw_load(fig, n_experts, top_k, capacity_factor):
+    if top_k > n_experts:
+        raise ValueError(f"top_k={top_k} must be <= n_experts={n_experts}")
+    cf = None if capacity_factor == 0 else capacity_factor
+    m = GPT(GPTConfig.tiny(DATA.vocab_size, n_experts=n_experts, top_k=top_k, capacity_factor=cf), seed=0)
+    with torch.no_grad():
+        m(VIEW_BATCH)
+    s = routing_stats(m)[0]
+    ax = fig.add_subplot(1, 1, 1)
+    ax.bar(range(n_experts), s.kept.numpy(), color="tab:blue", label="kept")
+    ax.bar(range(n_experts), s.dropped.numpy(), bottom=s.kept.numpy(), color="tab:red", label="dropped")
+    if s.capacity is not None:
+        ax.axhline(s.capacity, color="k", ls="--", lw=1, label=f"capacity C = {s.capacity}")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("assignments (layer 0)")
+    ax.set_xticks(range(n_experts))
+    ax.set_ylim(0, 512 * top_k / n_experts * 2.6)
+    ax.legend(loc="upper center", ncol=3, fontsize=8)
+    fig.subplots_adjust(bottom=0.16, top=0.95)
+    cap = "no capacity limit" if cf is None else f"capacity factor {cf:g}"
+    return (f"{n_experts} experts, top-{top_k}, {cap}: {int(s.routed.sum())} assignments, "
+            f"{int(s.dropped.sum())} dropped ({s.drop_fraction:.1%})")
+
+FIRST = dict(n_experts=8, top_k=2, capacity_factor=1.0)
+
+def make_widget():
+    import ipywidgets as W
+    controls = {"n_experts": W.Dropdown(options=[2, 4, 8, 16], value=8, description="experts"),
+                "top_k": W.Dropdown(options=[1, 2, 4], value=2, description="top_k"),
+                "capacity_factor": W.SelectionSlider(options=[0, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], value=1.0,
+                                                     description="capacity (0 = none)")}
+    return LiveFigure(controls, draw_load, figsize=(6.5, 3.2))
+
+show_interactive(lambda: render(draw_load, (6.5, 3.2), **FIRST), make_widget)
+
+# %% [markdown]
+# Things to try: top-1 against top-2 at the same capacity factor (the capacity scales with
+# `k` too); 16 experts (fewer tokens each, so random imbalance weighs more); capacity 0, that
+# is no limit.
+#
+# ## 9. Bad input
+#
+# Checked in the notebook process, before any rank starts:
+
+# %%
+for call in (lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=2, top_k=3),
+             lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=8, capacity_factor=0),
+             lambda: run_expert_parallel(3, EP_CFG, TC),
+             lambda: run_expert_parallel(WORLD, DENSE, TC)):
+    try:
+        call()
+    except ValueError as err:
+        print("ValueError:", err)
+
+# %% [markdown]
+# ## 10. Modern practice
+#
+# * **Fine-grained and shared experts** (DeepSeekMoE, Dai et al. 2024): many small experts
+#   (an MLP split into `m` narrower ones, with `k` scaled by `m`) give the router more
+#   combinations at the same FLOPs, and one or two **shared experts** that every token passes
+#   through hold the common knowledge, so the routed experts can specialise.
+# * **Balancing without an auxiliary loss** (DeepSeek-V3, 2024): a per-expert bias added to the
+#   router's scores for the top-k choice only, nudged after each step toward balance, so the
+#   language-model gradient is not mixed with a balancing one.
+# * **Expert-choice routing** (Zhou et al. 2022): experts pick their top-C tokens instead of
+#   tokens picking experts; perfect balance by construction, but a token may get no expert.
+# * **Dropless MoE** (MegaBlocks, Gale et al. 2023): block-sparse kernels run experts of
+#   uneven sizes, so no capacity is needed; the all-to-all with uneven splits used here is the
+#   communication side of the same idea.
+#
+# Instructors: `torchrun --nproc-per-node=4 -m course_lib.demos.expert_parallel --n-experts 8`
+# runs section 5's proof on real GPUs (NCCL) or CPU processes.
+#
+# ## What to remember
+#
+# * An MoE layer: router → top-k → gated sum of `k` expert MLPs. Total parameters grow with
+#   `E`, FLOPs per token with `k` (active parameters).
+# * Routing collapses without a balancing force; Switch's loss `E Σ f_e P_e` (= 1 when
+#   balanced) is the classic one, the z-loss keeps logits small.
+# * Capacity `C = ⌈factor · kN/E⌉` bounds each expert's work; the excess is dropped and rides
+#   the residual; drops = `Σ max(0, routed_e − C)`.
+# * EP = experts split over ranks + tokens routed to them: count exchange, dispatch, local
+#   experts, combine; 4 row all-to-alls per layer and step, bytes ∝ `k`.
+# * Dense gradients: all-reduce / ep. Expert gradients: / ep only (their backward already
+#   summed every rank's tokens).
+#
+# ## Self-check
+#
+# 1. An MoE has 64 experts per layer, top-2, and its MLP is 2/3 of each block. Roughly how
+#    many times the dense model's parameters does it store, and compute per token?
+# 2. With `E = 4`, `k = 1`, `N = 100` tokens and capacity factor 1.2, the router sends
+#    60, 20, 15, 5 tokens to experts 0-3. How many are dropped?
+# 3. Why is `f_e` in the balancing loss treated as a constant, and what would go wrong if it
+#    were differentiated?
+# 4. In an `ep = 8` run, rank 3 receives no tokens for its expert in one step. What is that
+#    expert's gradient after `reduce_gradients`, and does AdamW still change its weights?
+# 5. You double `top_k` from 1 to 2 at a fixed capacity factor. What happens to the
+#    all-to-all bytes, to the expert FLOPs, and to the capacity `C`?
+#
+# <details><summary>Answers</summary>
+#
+# 1. About 64× the MLP parameters, so roughly (1/3 + 64 · 2/3) ≈ 43× the block parameters;
+#    per token only 2 experts run: about (1/3 + 2 · 2/3) ≈ 1.7× the block FLOPs.
+# 2. `C = ⌈1.2 · 100 / 4⌉ = 30`: expert 0 drops 60 − 30 = 30; the others are under 30. 30 dropped.
+# 3. `f_e` comes from an argmax (a count), which has no useful gradient; the differentiable
+#    part is `P_e`, through which the loss lowers the probability of over-loaded experts.
+# 4. Zero (its expert ran on zero rows, so the gradient is a zero tensor, then divided by 8).
+#    AdamW still moves it: the momentum of earlier steps and the weight decay.
+# 5. Twice the bytes (every assignment travels) and twice the expert FLOPs; `C` doubles too,
+#    since it is proportional to `kN/E`.
+#
+# Next: write the dispatch and combine yourself in `exercises/ex07_expert_dispatch.ipynb`.
