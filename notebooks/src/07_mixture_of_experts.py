@@ -35,12 +35,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import CommTracer, plot_gantt, run_on_ranks
-from course_lib.data import CharDataset, get_batch
+from course_lib.data import CharDataset, collate, get_batch, sample_indices
 from course_lib.estimate import LlamaLikeConfig, MoEConfig, flops_per_token, param_count, per_gpu_memory
 from course_lib.model import GPT, GPTConfig
 from course_lib.model.moe import moe_layers, route, routing_stats
-from course_lib.parallel.ep import (apply_expert_parallel, run_expert_parallel, traffic_matrix,
-                                    train_expert_parallel, train_moe_reference)
+from course_lib.parallel.ep import (apply_expert_parallel, full_flat, reduce_gradients, run_expert_parallel,
+                                    traffic_matrix, train_expert_parallel, train_moe_reference)
 from course_lib.train import TrainConfig, make_optimizer, train_step
 from course_lib.units import fmt_bytes
 from course_lib.widgets import LiveFigure, render, show_interactive
@@ -403,8 +403,8 @@ print("all-to-alls per rank in the step:", n_a2a)
 #
 # The expert gradients come out `ep` times too large: the gradient of the *sum* of the
 # ranks' losses rather than their mean. With gradient clipping that also shrinks every other
-# gradient; with plain SGD it multiplies the experts' learning rate by `ep`. The test suite
-# checks that this breaks the equality below.
+# gradient; with plain SGD it multiplies the experts' learning rate by `ep`. The cell after
+# the proof measures it.
 # </details>
 
 # %% tags=["nbval-ignore-output"]
@@ -427,6 +427,32 @@ print(compare(run_expert_parallel(WORLD, top1, TC), train_moe_reference(top1, TC
 # %% [markdown]
 # Equal up to float rounding. `final_params` is the whole model on every rank (each layer's
 # experts all-gathered after training), in the single-process model's order.
+#
+# And the division by `ep` for the experts: one backward on the 4 ranks, gradients gathered
+# in the single-process order before and after `reduce_gradients`, against the reference's
+# gradient (no clipping, so the raw gradients are compared):
+
+# %% tags=["nbval-ignore-output"]
+def gradients_before_and_after_reduce(cfg, batch_size):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = apply_expert_parallel(GPT(cfg, seed=0))
+    data = CharDataset("train", T)
+    idx = sample_indices(len(data), batch_size, torch.Generator().manual_seed(0))  # the reference's batch
+    share = batch_size // n
+    xb, yb = collate(data, idx[rank * share:(rank + 1) * share])
+    model(xb, yb)[1].backward()
+    before = full_flat(model, grads=True)
+    reduce_gradients(model)
+    return before, full_flat(model, grads=True)
+
+no_clip = TrainConfig(steps=1, batch_size=8, grad_clip=0.0, progress=False)
+ref_grad = train_moe_reference(EP_CFG, no_clip, shares=WORLD).final_grads
+before, after = run_on_ranks(gradients_before_and_after_reduce, EP_CFG, 8, world_size=WORLD)[0]
+is_expert = torch.cat([torch.full((p.numel(),), ".experts." in name) for name, p in GPT(EP_CFG).named_parameters()])
+ratio = before[is_expert].norm() / ref_grad[is_expert].norm()
+print(f"expert gradients before the division: {ratio:.4f} x the reference's (ep = {WORLD})")
+print(f"after reduce_gradients: max |difference| to the reference {(after - ref_grad).abs().max():.1e}")
+assert abs(ratio - WORLD) < 1e-3 and torch.allclose(after, ref_grad, atol=1e-6)
 #
 # ## 6. Where EP sits beside DP and TP
 #
