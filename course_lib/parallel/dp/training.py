@@ -2,7 +2,7 @@
 
 Every rank draws the reference's global batch indices with the same seeded generator, keeps
 its contiguous 1/N share and cuts it into micro-batches; the gradients are averaged by one of
-the strategies of data_parallel.py (or torch's DistributedDataParallel), so the parameters
+the strategies of ddp.py (or torch's DistributedDataParallel), so the parameters
 after each step equal the single-process reference trained on the whole batch.
 """
 
