@@ -70,9 +70,10 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
     else:
         wrapped = model
 
-        def sync_gradients():  # one all-reduce per parameter, after backward
+        def naive_sync():  # one all-reduce per parameter, after backward
             with timeline.span("all-reduce", "comm") if timeline is not None else contextlib.nullcontext():
                 naive_all_reduce_gradients(model, group)
+        sync_gradients = naive_sync
     if hasattr(wrapped, "finish_gradient_synchronization"):
         sync_gradients = wrapped.finish_gradient_synchronization  # ours: a no-op, it ran during backward
     optimizer = make_optimizer(model, train_cfg)
