@@ -10,6 +10,7 @@ TYPED gives the text to type into a Text control.
 A notebook whose outputs contain a widget but which is missing here fails the test.
 """
 
+from course_lib.checkpoint import viz as checkpoint_interval_viz
 from course_lib.comm import ringviz
 from course_lib.data import VOCAB_SIZE
 from course_lib.estimate import calculator
@@ -28,6 +29,7 @@ WIDGETS = {
     "04_memory_techniques": [lambda: checkpoint_viz.checkpoint_widget(L=16, a_over_b=1)],
     "05_tensor_parallel": [lambda: layer_widget(calculator.E.GPT3_175B, 8, False)],
     "08_zero_fsdp": [lambda: zero_viz.zero_widget()],
+    "11_checkpoints_elastic": [lambda: checkpoint_interval_viz.interval_widget(30.0, 16384)],
 }
 
 # Text controls: what the keyboard types, then what the mouse-and-keyboard pass types
