@@ -3,13 +3,12 @@ named, atomic directories, argument checks, and the checkpoint-interval formulas
 
 import json
 import math
-import pathlib
 import shutil
 
 import pytest
 import torch
 
-from course_lib.checkpoint import (Box, CheckpointError, CheckpointReader, checkpoint_path, complete_checkpoints,
+from course_lib.checkpoint import (Box, CheckpointError, checkpoint_path, complete_checkpoints,
                                    flat_range_boxes, index_runs, latest_checkpoint, load_training_state, prune,
                                    save_training_state, whole)
 from course_lib.checkpoint.atomic import prepare_staging, staging_path
@@ -114,7 +113,7 @@ def test_forgetting_the_optimizer_state_changes_the_run(small, tmp_path):
     config, cfg = small
     model, opt, gen, _ = _trained(config, cfg, 2)
     path = save_training_state(tmp_path / "c", 2, model, opt, "replicated", gen)
-    ref = train_step(model, opt, *get_batch(CharDataset("train", 16), 4, gen), 1.0)
+    train_step(model, opt, *get_batch(CharDataset("train", 16), 4, gen), 1.0)
     fresh, gen2 = GPT(config, seed=1), torch.Generator()
     load_training_state(path, fresh, None, "replicated", gen2)
     train_step(fresh, make_optimizer(fresh, cfg), *get_batch(CharDataset("train", 16), 4, gen2), 1.0)

@@ -14,7 +14,7 @@ from course_lib.checkpoint import CheckpointReader, checkpoint_path, load_traini
 from course_lib.checkpoint.training import read_events, train_with_checkpoints
 from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT, GPTConfig
-from course_lib.train import TrainConfig, flat_params, make_optimizer, train_step
+from course_lib.train import TrainConfig, make_optimizer, train_step
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 

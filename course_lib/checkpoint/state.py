@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.checkpoint.format import _world, save_sharded, stage
+from course_lib.checkpoint.format import _world, save_sharded
 from course_lib.checkpoint.layouts import describe_layout, materialize_state, model_pieces, state_pieces
 from course_lib.checkpoint.reader import CheckpointReader
 
@@ -123,4 +123,4 @@ def load_training_state(path, model, optimizer, layout: str = "replicated", data
 
 
 __all__ = ["capture_rng", "restore_rng", "save_training_state", "load_training_state", "LoadInfo",
-           "training_state_pieces", "stage"]
+           "training_state_pieces"]

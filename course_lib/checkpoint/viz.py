@@ -3,7 +3,7 @@ widget (expected waste against the interval, Young/Daly's optimum marked).
 
     draw_flat_reshard(ax, numel, old_world, new_world)   which old shard feeds which new one
     draw_boxes(ax, shape, boxes_by_rank, title)           boxes of a 2-D tensor, one colour per rank
-    interval_view(save_s)  /  interval_widget(save_s)     static figure / live version (same first state)
+    interval_view(save_s, n_gpus) / interval_widget(...)  static figure / live version (same first state)
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from course_lib.parallel.zero.flat import shard_bounds
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 GPU_COUNTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+SAVE_STOPS = (0.1, 1.0, 10.0, 30.0, 60.0, 300.0, 600.0)  # seconds of stalled training per save
 FIGSIZE = (7.5, 3.6)
 
 
@@ -87,23 +88,27 @@ def _draw_interval(fig, save_s: float, n_gpus: int, per_gpu_mtbf_h: float) -> st
             f"τ* = {best / 60:.1f} min, {100 * waste:.2f}% of the run wasted")
 
 
-def interval_view(save_options: dict, save_label: str | None = None, n_gpus: int = 16384):
-    """save_options: {label: save stall in seconds} (e.g. measured sync / async, at-scale examples)."""
+def interval_view(save_s: float = 30.0, n_gpus: int = 16384):
+    """The static figure: waste against the interval for a save stall of save_s seconds on n_gpus."""
     from course_lib.widgets import render
 
-    label = save_label or next(iter(save_options))
-    return render(_draw_interval, FIGSIZE, save_s=save_options[label], n_gpus=n_gpus,
-                  per_gpu_mtbf_h=llama3_per_gpu_mtbf_hours())
+    _check_stop(save_s)
+    return render(_draw_interval, FIGSIZE, save_s=save_s, n_gpus=n_gpus, per_gpu_mtbf_h=llama3_per_gpu_mtbf_hours())
 
 
-def interval_widget(save_options: dict, save_label: str | None = None, n_gpus: int = 16384):
+def interval_widget(save_s: float = 30.0, n_gpus: int = 16384):
+    """Sliders over GPU_COUNTS and SAVE_STOPS above the same figure (first state = interval_view)."""
     import ipywidgets as W
 
     from course_lib.widgets import LiveFigure
 
-    label = save_label or next(iter(save_options))
+    _check_stop(save_s)
     gpus = W.SelectionSlider(options=[(f"{g:,}", g) for g in GPU_COUNTS], value=n_gpus, description="GPUs")
-    save = W.Dropdown(options=[(k, v) for k, v in save_options.items()], value=save_options[label],
-                      description="save stall δ")
+    save = W.SelectionSlider(options=[(f"{d:g} s", d) for d in SAVE_STOPS], value=save_s, description="save stall δ")
     return LiveFigure({"n_gpus": gpus, "save_s": save}, _draw_interval, FIGSIZE,
                       fixed={"per_gpu_mtbf_h": llama3_per_gpu_mtbf_hours()})
+
+
+def _check_stop(save_s):
+    if save_s not in SAVE_STOPS:
+        raise ValueError(f"save_s={save_s!r} must be one of the slider's stops {SAVE_STOPS}")
