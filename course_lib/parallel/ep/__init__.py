@@ -5,6 +5,7 @@
                   clip_grad_norm, full_flat (the whole model's parameters, experts gathered)
     training.py   train_expert_parallel (rank side, ep x dp mesh), run_expert_parallel (parent),
                   train_moe_reference (the single process it equals)
+    figures.py    notebook 07's widget: experts, top_k, capacity factor -> load and drops
 """
 
 from course_lib.parallel.ep.apply import (ExpertParallelExperts, apply_expert_parallel, check_expert_parallel,
