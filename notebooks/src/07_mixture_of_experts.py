@@ -43,7 +43,7 @@ from course_lib.parallel.ep import (apply_expert_parallel, full_flat, reduce_gra
                                     traffic_matrix, train_expert_parallel, train_moe_reference)
 from course_lib.train import TrainConfig, make_optimizer, train_step
 from course_lib.units import fmt_bytes
-from course_lib.widgets import LiveFigure, render, show_interactive
+from course_lib.widgets import show_interactive
 
 torch.manual_seed(0)
 torch.set_num_threads(1)  # the models here are tiny: one thread is faster than two, and leaves a core to the ranks
@@ -531,42 +531,9 @@ for k in (1, 2, 4):
 # each expert's load: kept (blue) and dropped (red), with the capacity as a line.
 
 # %% tags=["nbval-ignore-output"]
-VIEW_BATCH, _ = get_batch(DATA, 8, torch.Generator().manual_seed(7))
+from course_lib.parallel.ep.figures import load_view, load_widget
 
-def draw_load(fig, n_experts, top_k, capacity_factor):
-    if top_k > n_experts:
-        raise ValueError(f"top_k={top_k} must be <= n_experts={n_experts}")
-    cf = None if capacity_factor == 0 else capacity_factor
-    m = GPT(GPTConfig.tiny(DATA.vocab_size, n_experts=n_experts, top_k=top_k, capacity_factor=cf), seed=0)
-    with torch.no_grad():
-        m(VIEW_BATCH)
-    s = routing_stats(m)[0]
-    ax = fig.add_subplot(1, 1, 1)
-    ax.bar(range(n_experts), s.kept.numpy(), color="tab:blue", label="kept")
-    ax.bar(range(n_experts), s.dropped.numpy(), bottom=s.kept.numpy(), color="tab:red", label="dropped")
-    if s.capacity is not None:
-        ax.axhline(s.capacity, color="k", ls="--", lw=1, label=f"capacity C = {s.capacity}")
-    ax.set_xlabel("expert")
-    ax.set_ylabel("assignments (layer 0)")
-    ax.set_xticks(range(n_experts))
-    ax.set_ylim(0, 512 * top_k / n_experts * 2.6)
-    ax.legend(loc="upper center", ncol=3, fontsize=8)
-    fig.subplots_adjust(bottom=0.16, top=0.95)
-    cap = "no capacity limit" if cf is None else f"capacity factor {cf:g}"
-    return (f"{n_experts} experts, top-{top_k}, {cap}: {int(s.routed.sum())} assignments, "
-            f"{int(s.dropped.sum())} dropped ({s.drop_fraction:.1%})")
-
-FIRST = dict(n_experts=8, top_k=2, capacity_factor=1.0)
-
-def make_widget():
-    import ipywidgets as W
-    controls = {"n_experts": W.Dropdown(options=[2, 4, 8, 16], value=8, description="experts"),
-                "top_k": W.Dropdown(options=[1, 2, 4], value=2, description="top_k"),
-                "capacity_factor": W.SelectionSlider(options=[0, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], value=1.0,
-                                                     description="capacity (0 = none)")}
-    return LiveFigure(controls, draw_load, figsize=(6.5, 3.2))
-
-show_interactive(lambda: render(draw_load, (6.5, 3.2), **FIRST), make_widget)
+show_interactive(load_view, load_widget)
 
 # %% [markdown]
 # Things to try: top-1 against top-2 at the same capacity factor (the capacity scales with
