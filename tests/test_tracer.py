@@ -165,8 +165,8 @@ def _layer_order():
 
 
 def test_patching_composes_layers_in_order_and_sees_nested_calls_once():
-    """The checks (installed when the rank started) stay outermost, so neither the spies nor
-    the tracer see their fingerprint exchange; a call torch makes inside a call is not seen."""
+    """Layers run in order; nobody sees the checks' fingerprint exchange (it calls torch's own
+    function); a call torch makes inside a call is not seen again."""
     for seen, traced, restored in run_on_ranks(_layer_order, world_size=2):
         gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
         assert seen == [("outer", "all_reduce"), ("inner", "all_reduce"), ("outer", gather), ("inner", gather)]

@@ -6,8 +6,10 @@ and bytes). Each registers a *layer*; this module composes the active layers aro
 function and installs the composition in both namespaces (`torch.distributed.<op>` for user
 code, `distributed_c10d.<op>` for torch's own helpers):
 
-    dist.all_reduce(t)  ->  checks.around  ->  tracer.around  ->  the real all_reduce
-                            (outermost: registered first)
+    dist.all_reduce(t)  ->  tracer.around  ->  checks.around  ->  the real all_reduce
+
+The tracer is outermost so that its time span covers everything the call costs the rank,
+including the wait for late peers, which the checks' fingerprint exchange absorbs.
 
 A layer is an object with `ops` (the names it wants to see) and
 `around(op, args, call) -> result`, where `args` are the call's bound arguments (defaults
@@ -98,10 +100,10 @@ def _reinstall() -> None:
         setattr(dist, op, fn)
 
 
-def add_layer(layer) -> None:
-    """Activate `layer` innermost (closest to the real function). Idempotent."""
+def add_layer(layer, outermost: bool = False) -> None:
+    """Activate `layer` innermost (closest to the real function), or outermost. Idempotent."""
     if layer not in _layers:
-        _layers.append(layer)
+        _layers.insert(0, layer) if outermost else _layers.append(layer)
         _reinstall()
 
 

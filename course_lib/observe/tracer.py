@@ -160,7 +160,7 @@ class CommTracer:
 
     def __enter__(self):
         if not _active:
-            patching.add_layer(_TRACE_LAYER)
+            patching.add_layer(_TRACE_LAYER, outermost=True)  # its span includes waiting for peers
         _active.append(self)
         return self
 
