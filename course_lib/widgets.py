@@ -148,7 +148,9 @@ class LiveFigure(_W.VBox if _W else object):
         self.first_view = self.redraw()
         for name, c in self.controls.items():
             c.observe(lambda change, name=name: self._changed(name), names="value")
-        panel = _W.VBox(list(self.controls.values()), layout=_W.Layout(width=controls_width if beside else None))
+        panel = _W.VBox(list(self.controls.values()),
+                        layout=_W.Layout(width=controls_width, min_width=controls_width, flex="0 0 auto")
+                        if beside else _W.Layout())
         figure = _W.VBox([self.image, self.caption])
         super().__init__([_W.HBox([panel, figure])] if beside else [panel, figure])
         self.add_class(CSS_LIVE)

@@ -146,8 +146,9 @@ class MemoryCalculator(LiveFigure):
             "offload": W.Checkbox(value=values["offload"], description="offload optimizer to CPU"),
         }
         for c in controls.values():
+            c.layout.width = "430px"
             if isinstance(c, W.ToggleButtons):
-                c.style.button_width = "72px"
+                c.style.button_width = "74px"
         super().__init__(controls, _draw, FIGSIZE, beside=True, controls_width="440px")
         self.summary = self.caption  # the summary lines under the chart
 
@@ -171,6 +172,7 @@ class MemoryCalculator(LiveFigure):
         for dep, options in valid_options(values).items():  # n_head before tp, whose options depend on it
             keep = values[dep] if values[dep] in options else _nearest(options, values[dep])
             c = self.controls[dep]
-            if list(c.options) != options:
-                c.options = options
-            c.value = values[dep] = keep
+            with c.hold_sync():  # options and value reach the page in one message: no stale index echoes back
+                if list(c.options) != options:
+                    c.options = options
+                c.value = values[dep] = keep

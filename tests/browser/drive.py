@@ -73,18 +73,19 @@ def queued_cells(page) -> int:
 
 
 def run_all(page, timeout_s: float) -> float:
-    """Run > Run All Cells; wait (bounded) until no cell is queued or running. Returns seconds."""
+    """Edit > Clear Outputs of All Cells, then Run > Run All Cells; wait (bounded) until no cell is
+    queued and either every code cell has run or an error stopped the run. Returns seconds."""
     start = time.monotonic()
     page.locator(".jp-NotebookPanel .jp-Notebook").first.click(position={"x": 5, "y": 5})
+    page.get_by_role("menuitem", name="Edit", exact=True).click()
+    page.get_by_role("menuitem", name="Clear Outputs of All Cells").click()
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.locator('li[data-command="runmenu:run-all"]').click()
-    # the prompts turn to [*] as soon as the cells are queued
-    page.wait_for_function("Array.from(document.querySelectorAll('.jp-Notebook .jp-InputPrompt'))"
-                           ".some(e => e.textContent.includes('[*]'))", timeout=20_000)
     deadline = start + timeout_s
-    while queued_cells(page):
+    while queued_cells(page) or (unexecuted_cells(page) and not error_outputs(page)):
         if time.monotonic() > deadline:
-            raise AssertionError(f"Run All did not finish within {timeout_s:g} s ({queued_cells(page)} cells still queued)")
+            raise AssertionError(f"Run All did not finish within {timeout_s:g} s "
+                                 f"({queued_cells(page)} cells queued, {unexecuted_cells(page)} not run)")
         time.sleep(0.5)
     return time.monotonic() - start
 
@@ -136,6 +137,8 @@ def move(page, root, name: str, control, how: str, typed: dict | None = None):
     import ipywidgets as W
 
     box = root.locator(f".course-control-{name}").first
+    if hasattr(control, "options") and len(control.options) < 2:
+        raise LookupError(f"{name!r} has a single valid value now: nothing to move")
     if isinstance(control, (W.IntSlider, W.SelectionSlider)):
         i, values = _index(control)
         handle = box.locator(".noUi-handle").first
@@ -157,9 +160,11 @@ def move(page, root, name: str, control, how: str, typed: dict | None = None):
         i, values = _index(control)
         select = box.locator("select").first
         j = i + 1 if i + 1 < len(values) else i - 1
-        if how == "keyboard":
-            select.focus()
+        if how == "keyboard":  # in JupyterLab a bare arrow key on a closed list moves the cell
+            select.focus()      # selection instead: open the list, move, choose, as a reader does
+            page.keyboard.press("Space")
             page.keyboard.press("ArrowDown" if j > i else "ArrowUp")
+            page.keyboard.press("Enter")
         else:
             select.select_option(index=len(values) - 1 if j > i else 0)  # what a click in the list does
             j = len(values) - 1 if j > i else 0

@@ -93,9 +93,15 @@ def test_widgets_in_the_browser(name, lab, page, artifacts):
         #    the in-process copy computes for the same value (and so must have changed).
         step = 2
         for control_name in controls or list(shadow.controls):
+            moved = 0
             for how in ("keyboard", "mouse"):
                 before = (base64.b64encode(shadow.current.png).decode(), shadow.current.caption)
-                value = drive.move(page, root, control_name, shadow.controls[control_name], how, TYPED)
+                try:
+                    value = drive.move(page, root, control_name, shadow.controls[control_name], how, TYPED)
+                except LookupError as why:  # e.g. tp when the heads leave one valid degree
+                    print(f"{name}: {control_name} by {how}: skipped ({why})")
+                    continue
+                moved += 1
                 shadow.controls[control_name].value = value
                 expected = shadow.current
                 seen = drive.wait_for_view(root, expected)
@@ -106,5 +112,6 @@ def test_widgets_in_the_browser(name, lab, page, artifacts):
                     f"expected {expected.caption!r}")
                 if (base64.b64encode(expected.png).decode(), expected.caption) == before:
                     pytest.fail(f"{control_name} moved by {how} to {value!r} but the expected state did not change")
+            assert moved, f"{control_name} could be moved neither by keyboard nor by mouse"
     assert not drive.error_outputs(page)
     assert not page.console_errors, "browser console errors:\n" + "\n".join(page.console_errors)
