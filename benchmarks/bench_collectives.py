@@ -84,12 +84,12 @@ def main(argv=None):
     for mb, times in results.items():
         course, gloo = statistics.median(times["course"]), statistics.median(times["gloo"])
         predicted = costmodel.predict_time("ring", mb * 2**20, n, link)
-        print(f"{mb:>5g} MB {course * 1e3:>9.2f} ms {gloo * 1e3:>11.2f} ms {gloo / course:>11.2f}x   "
+        print(f"{mb:>4g} MiB {course * 1e3:>9.2f} ms {gloo * 1e3:>11.2f} ms {gloo / course:>11.2f}x   "
               f"{predicted * 1e3:>9.2f} ms {(predicted - course) / course * 100:>+11.0f}%")
     print("speed ratio = gloo time / course time (>= 1: the course ring is at least as fast)")
-    print(f"model: alpha = {link.alpha * 1e6:.0f} us, beta = 1/({link.bandwidth / 1e9:.2f} GB/s), fitted to a "
+    print(f"model: alpha = {link.alpha * 1e6:.0f} us, beta = {link.beta / 1e9:.2f} GB/s, fitted to a "
           f"ping-pong of every rank pair at once in this run; "
-          f"ring time = 2(N-1)*alpha + 2(N-1)/N*S*beta; error = (model - measured) / measured")
+          f"ring time = 2(N-1)*alpha + 2(N-1)/N*S/beta; error = (model - measured) / measured")
     print(NOTE.format(steps=2 * (n - 1)))
     return 0
 

@@ -22,7 +22,7 @@ def test_allreduce_demo_under_torchrun_with_gloo():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "every rank holds 3 = 1 + ... + 2" in proc.stdout
-    assert re.search(r"0\.25 MB .* ms .* GB/s .* GB/s", proc.stdout), proc.stdout
+    assert re.search(r"0\.25 MiB .* ms .* GB/s .* GB/s", proc.stdout), proc.stdout
 
 
 def test_allreduce_demo_rejects_bad_arguments():

@@ -63,14 +63,14 @@ def format_rows(rows, world_size, backend) -> str:
     lines = [f"all_reduce on {world_size} ranks ({backend})",
              f"{'size':>9} {'time/call':>11} {'algbw':>11} {'busbw':>11}"]
     for r in rows:
-        lines.append(f"{r['size_mb']:>6g} MB {r['seconds'] * 1e3:>8.2f} ms {r['algbw_GBps']:>7.2f} GB/s "
+        lines.append(f"{r['size_mb']:>5g} MiB {r['seconds'] * 1e3:>8.2f} ms {r['algbw_GBps']:>7.2f} GB/s "
                      f"{r['busbw_GBps']:>7.2f} GB/s")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16], help="message sizes in MiB (2^20 bytes)")
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args(argv)
     if args.iters < 1 or any(s <= 0 for s in args.sizes_mb):
