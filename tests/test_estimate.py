@@ -146,7 +146,7 @@ def test_bf16_mixed_state_matches_measurement():
 
 ACT_CONFIGS = [
     dict(n_layer=1, n_head=4, d_model=64, block_size=32),
-    dict(n_layer=2, n_head=4, d_model=64, block_size=32, attn_impl="sdpa"),
+    dict(n_layer=2, n_head=4, d_model=64, block_size=32, attn_impl="fused"),
     dict(n_layer=1, n_head=4, d_model=64, block_size=32, dropout=0.1),
     dict(n_layer=3, n_head=6, d_model=96, block_size=48, d_ff=200, bias=False, tie_weights=False),
 ]
@@ -171,7 +171,7 @@ def test_activation_formula_matches_saved_tensors(kw):
     assert est["total"] == pytest.approx(measured, rel=0.10)
 
 
-@pytest.mark.parametrize("impl", ["naive", "sdpa"])
+@pytest.mark.parametrize("impl", ["naive", "fused"])
 def test_activation_per_layer_is_the_layer_slope(impl):
     one, two = (GPTConfig(vocab_size=50, n_layer=L, n_head=4, d_model=32, block_size=16, attn_impl=impl) for L in (1, 2))
     slope = _measure_saved(two, 2, 16) - _measure_saved(one, 2, 16)

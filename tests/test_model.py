@@ -85,17 +85,17 @@ def test_per_block_is_12d2_plus_13d():
     assert two - one == 12 * d * d + 13 * d
 
 
-def test_naive_and_sdpa_agree():
+def test_naive_and_fused_attention_agree():
     idx = torch.randint(0, VOCAB_SIZE, (3, 40), generator=torch.Generator().manual_seed(0))
     naive = GPT(GPTConfig.tiny(attn_impl="naive"), seed=0)
-    sdpa = GPT(GPTConfig.tiny(attn_impl="sdpa"), seed=0)
+    fused = GPT(GPTConfig.tiny(attn_impl="fused"), seed=0)
     ln, _ = naive(idx)
-    ls, _ = sdpa(idx)
+    ls, _ = fused(idx)
     assert ln.shape == (3, 40, VOCAB_SIZE)
     torch.testing.assert_close(ln, ls, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("attn_impl", ["naive", "sdpa"])
+@pytest.mark.parametrize("attn_impl", ["naive", "fused"])
 def test_causality(attn_impl):
     m = GPT(GPTConfig.tiny(attn_impl=attn_impl), seed=0)
     idx = torch.randint(0, VOCAB_SIZE, (2, 32), generator=torch.Generator().manual_seed(1))

@@ -117,7 +117,7 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE}")
     if attention is None:
-        attention = "naive" if getattr(base, "attn_impl", "sdpa") == "naive" else "fused"
+        attention = "naive" if getattr(base, "attn_impl", "fused") == "naive" else "fused"
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} must be one of {ATTENTION}")
     if base.n_head % tp or ff_dim(base) % tp:

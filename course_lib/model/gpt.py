@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ATTN_IMPLS = ("naive", "sdpa")
+ATTN_IMPLS = ("naive", "fused")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms
     tie_weights: bool = True  # head.weight is tok_emb.weight
-    attn_impl: str = "naive"  # "naive" (explicit T x T scores) or "sdpa" (fused kernel)
+    attn_impl: str = "naive"  # "naive" (explicit T x T scores) or "fused" (one kernel, F.scaled_dot_product_attention)
     # Mixture of experts (course_lib/model/moe.py, notebook 07). n_experts = 0 is the dense model;
     # n_experts > 0 turns every block's MLP into a router plus n_experts expert MLPs.
     n_experts: int = field(default=0, repr=False)
@@ -108,7 +108,7 @@ class GPTConfig:
     @classmethod
     def tiny(cls, vocab_size: int = 97, **overrides) -> "GPTConfig":
         """The small model of tests and notebooks (~0.1M params). The dataset decides
-        vocab_size; other fields may be overridden: tiny(V, attn_impl="sdpa")."""
+        vocab_size; other fields may be overridden: tiny(V, attn_impl="fused")."""
         base = cls(vocab_size=vocab_size, block_size=64, n_layer=2, n_head=4, d_model=64)
         return replace(base, **overrides)
 
@@ -160,7 +160,7 @@ class CausalSelfAttention(nn.Module):
         # (B, T, d) -> (B, n_head, T, d_head): every head attends independently.
         q, k, v = (t.view(B, T, -1, self.d_head).transpose(1, 2) for t in (q, k, v))
 
-        if self.attn_impl == "sdpa":
+        if self.attn_impl == "fused":
             # Fused kernel: never stores the T x T score matrix (on GPU).
             p = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)

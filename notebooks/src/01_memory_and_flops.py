@@ -326,7 +326,7 @@ assert abs(est["total"] / saved.bytes - 1) < 0.10
 
 # %% [markdown]
 # Now the formula against the measurement for several shapes: more layers, a wider model, longer
-# sequences, the fused attention kernel (`attn_impl="sdpa"`, which keeps only a log-sum-exp per
+# sequences, the fused attention kernel (`attn_impl="fused"`, which keeps only a log-sum-exp per
 # row instead of the $s \times s$ weights and recomputes them in backward), and dropout (each
 # dropout keeps a mask; on the CPU PyTorch stores it in the input's dtype, hence `mask_bytes=4`).
 # Each must agree within 10 % (in fact they agree to the byte, up to the 4-byte loss).
@@ -334,7 +334,7 @@ assert abs(est["total"] / saved.bytes - 1) < 0.10
 # %%
 cases = [
     ("tiny, b=4, s=64", GPTConfig.tiny(), 4, 64),
-    ("tiny, fused attention", GPTConfig.tiny(attn_impl="sdpa"), 4, 64),
+    ("tiny, fused attention", GPTConfig.tiny(attn_impl="fused"), 4, 64),
     ("tiny, dropout 0.1", GPTConfig.tiny(dropout=0.1), 4, 64),
     ("4 layers, d=128, s=128", GPTConfig.tiny(n_layer=4, d_model=128, block_size=128), 2, 128),
     ("6 heads, d_ff=200, untied", GPTConfig.tiny(n_head=6, d_model=96, d_ff=200, tie_weights=False), 3, 48),
@@ -429,7 +429,7 @@ assert naive_b > fused_b > H100_BYTES > full_b  # only full recomputation fits o
 # %%
 print(f"{'config':28} {'formula':>14} {'FlopCounter':>14}  ratio")
 for label, c, b, s in cases:
-    if c.attn_impl == "sdpa":  # FlopCounterMode has no formula for the CPU flash kernel: it would miss its FLOPs
+    if c.attn_impl == "fused":  # FlopCounterMode has no formula for the CPU flash kernel: it would miss its FLOPs
         continue
     model = GPT(c)
     idx = torch.randint(0, c.vocab_size, (b, s))
