@@ -183,7 +183,10 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
                         lambda t: saved.append(t) or t, lambda t: t):
                     out = stage.chunks[c](x)
                     if s == last:
-                        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt_mb[j].reshape(-1))
+                        if getattr(stage, "loss_fn", None) is not None:  # e.g. a tensor-parallel head
+                            loss = stage.loss_fn(out, tgt_mb[j])
+                        else:
+                            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt_mb[j].reshape(-1))
                         losses.append(loss.detach())
                         out = loss / m
                     time.sleep(pad["F"] / v)

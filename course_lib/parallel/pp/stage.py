@@ -91,6 +91,8 @@ class PipelineStage(nn.Module):
         tied = getattr(model.config, "tie_weights", False)
         self.tied_across_ranks = bool(tied) and self.n_ranks > 1
         self.last_peak_activation_bytes = 0  # set by every run_schedule
+        # The model's loss of the logits (tensor parallelism swaps in its vocabulary-split one).
+        self.loss_fn = getattr(model, "loss_fn", None)
 
     def stage_of(self, chunk: int) -> int:
         return chunk * self.n_ranks + self.rank
