@@ -1,0 +1,67 @@
+"""Published clusters as step_time.Cluster values (notebook 10).
+
+    gpu_cluster(gpu, n_gpus, gpus_per_node=8)    a cluster of one of calculator.GPUS
+    PUBLISHED                                     the runs the planner is held against
+
+Links per direction, from course_lib.comm.costmodel.CLUSTERS (NVLink 3/4, HDR/NDR InfiniBand)
+plus NVLink 5 (B200: 1.8 TB/s total per GPU = 900 GB/s each way, NVIDIA's NVLink page), for
+which NVL72 racks put 72 GPUs in one NVLink domain. Every GPU has its own network port
+(DGX/HGX nodes: one 200 or 400 Gb/s NIC per GPU). HBM bandwidth (spec sheets): A100 80 GB
+2.0 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s.
+
+achievable_flops is an assumption, not a measurement: 75% of the dense peak, about what large
+bf16 GEMMs reach on these parts; calibrate.py measures it on the machine at hand instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from course_lib.comm.costmodel import CLUSTERS as LINKS, LinkModel
+from course_lib.estimate.calculator import GPUS
+from course_lib.estimate.params import GPT3_175B, LLAMA3_405B
+from course_lib.estimate.step_time import Cluster, Layout
+
+GEMM_EFFICIENCY = 0.75
+_NVLINK5 = LinkModel(alpha=3e-6, beta=900e9, name="NVLink 5")
+_FABRIC = {  # gpu -> (intra-node link, network link per GPU, HBM bytes/s)
+    "A100 SXM 80 GB": (LINKS["A100 NVLink 3 (intra-node)"], LINKS["HDR InfiniBand 200 Gb/s (inter-node)"], 2.0e12),
+    "H100 SXM 80 GB": (LINKS["H100 NVLink 4 (intra-node)"], LINKS["NDR InfiniBand 400 Gb/s (inter-node)"], 3.35e12),
+    "H200 SXM 141 GB": (LINKS["H100 NVLink 4 (intra-node)"], LINKS["NDR InfiniBand 400 Gb/s (inter-node)"], 4.8e12),
+    "B200 180 GB": (_NVLINK5, LINKS["NDR InfiniBand 400 Gb/s (inter-node)"], 8.0e12),
+}
+
+
+def gpu_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, recipe: str = "bf16_mixed") -> Cluster:
+    """n_gpus of `gpu` (a key of _FABRIC), gpus_per_node sharing one NVLink domain."""
+    if gpu not in _FABRIC:
+        raise ValueError(f"gpu={gpu!r} must be one of {tuple(_FABRIC)}")
+    spec, (intra, inter, hbm) = GPUS[gpu], _FABRIC[gpu]
+    peak = spec.peak_tf32 if recipe == "fp32" else spec.peak_bf16
+    return Cluster(f"{n_gpus} x {gpu}", n_gpus, gpus_per_node, peak, GEMM_EFFICIENCY * peak, spec.memory,
+                   intra, inter, memory_bandwidth=hbm)
+
+
+# 126 layers do not split into 16 stages; Llama 3 gave the first and last stages one layer
+# less (they hold the embedding and the head). We mimic that with 128 equal layers: the two
+# extra layers stand for the embedding and head stages' work (1.6% more FLOPs).
+LLAMA3_405B_128 = replace(LLAMA3_405B, n_layer=128)
+
+# What the papers ran, and what they report. MFU here is model FLOPs (recomputation excluded)
+# per second over peak; Narayanan et al. count the recomputed forward too ("hardware FLOPs").
+PUBLISHED = {
+    "GPT-3 175B on 1024 A100": dict(
+        config=GPT3_175B, cluster=gpu_cluster("A100 SXM 80 GB", 1024), global_batch=1536, seq=2048,
+        layout=Layout(dp=8, tp=8, pp=16, v=2, m=1536 // 8, micro_batch=1, recompute="full",
+                      schedule="interleaved_1f1b", sequence_parallel=False),
+        reported="Narayanan et al. 2021, Table 1: tp 8, pp 16, dp 8, batch 1536, 140 TFLOP/s per GPU = 45% of "
+                 "peak counting the recomputed forward (x 3/4 without it: about 34% MFU)",
+        reported_mfu=0.45 * 3 / 4),
+    "Llama 3 405B on 16k H100": dict(
+        config=LLAMA3_405B_128, cluster=gpu_cluster("H100 SXM 80 GB", 16384), global_batch=2048, seq=8192,
+        layout=Layout(dp=128, tp=8, pp=16, v=1, m=16, micro_batch=1, zero_stage=1, recompute="none",
+                      schedule="1f1b", sequence_parallel=True),
+        reported="Dubey et al. 2024, Table 4: tp 8, cp 1, pp 16, dp 128, 16M tokens per batch, "
+                   "about 400 TFLOP/s per GPU, 38-43% BF16 MFU across their configurations",
+        reported_mfu=0.41),
+}

@@ -1,0 +1,157 @@
+"""The automatic planner (notebook 10): every layout that fits, ranked by predicted step time.
+
+Two levels, in the spirit of Alpa (Zheng et al. 2022): the inter-operator split (pp stages,
+v chunks per rank, m micro-batches and a schedule) and the intra-operator sharding (tp with
+sequence parallelism, ep, dp with a ZeRO stage), plus micro-batch size and recomputation.
+
+    search(config, cluster, global_batch, ...)   every candidate: Candidate(layout, time, memory, fits)
+    plan(config, cluster, global_batch, ...)     a Plan: the fitting ones fastest first, and why
+
+A candidate uses all n_gpus = dp * ep * tp * pp devices, keeps tp inside a node (the TP
+all-reduces are on the critical path), and has global_batch = dp * ep * m * micro_batch. Step
+time and memory come from course_lib.estimate.step_time; a layout fits when its busiest rank's
+bytes are at most the device's memory_bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from course_lib._validate import check_int
+from course_lib.estimate.memory import RECOMPUTE, ZERO_STAGES
+from course_lib.estimate.params import ff_dim, unpack
+from course_lib.estimate.step_time import TERMS, Cluster, Layout, memory_per_rank, step_time
+from course_lib.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    time: dict  # step_time's terms (seconds), "total", "mfu"
+    memory: dict  # memory_per_rank's bytes
+    fits: bool
+
+    @property
+    def biggest_term(self) -> str:
+        return max(TERMS, key=lambda k: self.time[k])
+
+    def row(self) -> str:
+        t = self.time
+        terms = ", ".join(f"{k} {t[k] * 1e3:.3g}" for k in TERMS if t[k] > 0)
+        return (f"{self.layout.label():<40} {t['total'] * 1e3:10.4g} ms  MFU {t['mfu']:6.1%}  "
+                f"{fmt_bytes(self.memory['total']):>10}  [{terms} ms]")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, recipe: str = "bf16_mixed",
+           micro_batches=(1, 2, 4, 8), zero_stages=ZERO_STAGES, recomputes=RECOMPUTE,
+           schedules=("1f1b", "interleaved_1f1b"), max_v: int = 4, max_tp: int | None = None,
+           attention: str | None = None) -> list[Candidate]:
+    """Every valid layout of `config` on all of `cluster`'s devices, fitting or not."""
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster={cluster!r} must be a course_lib.estimate.step_time.Cluster")
+    global_batch = check_int("global_batch", global_batch)
+    base, n_experts, _ = unpack(config)
+    seq = base.block_size if seq is None else check_int("seq", seq)
+    if seq > base.block_size:
+        raise ValueError(f"seq={seq} must be <= block_size={base.block_size}")
+    max_tp = cluster.gpus_per_node if max_tp is None else check_int("max_tp", max_tp)
+    n = cluster.n_gpus
+    out = []
+    for tp in divisors(n):
+        if tp > max_tp or base.n_head % tp or ff_dim(base) % tp:
+            continue
+        for pp in divisors(n // tp):
+            if base.n_layer % pp:
+                continue
+            for ep in divisors(n // (tp * pp)):
+                if n_experts % ep or (ep > 1 and n_experts == 1):
+                    continue
+                dp = n // (tp * pp * ep)
+                if global_batch % (dp * ep):
+                    continue
+                per_replica = global_batch // (dp * ep)
+                out += _inner(config, cluster, seq, recipe, attention, dp, tp, pp, ep, per_replica,
+                              micro_batches, zero_stages, recomputes, schedules, max_v)
+    if not out:
+        raise ValueError(f"no layout of n_gpus={n} devices divides global_batch={global_batch} into whole "
+                         f"micro-batches per replica with tp | n_head={base.n_head} (tp <= {max_tp}) and "
+                         f"pp | n_layer={base.n_layer}: change the batch or the device count")
+    return out
+
+
+def _inner(config, cluster, seq, recipe, attention, dp, tp, pp, ep, per_replica, micro_batches, zero_stages,
+           recomputes, schedules, max_v):
+    base = unpack(config)[0]
+    out = []
+    for mb in micro_batches:
+        if per_replica % mb:
+            continue
+        m = per_replica // mb
+        shapes = [("1f1b", 1)]
+        if pp > 1:
+            shapes = [(s, 1) for s in schedules if s != "interleaved_1f1b"]
+            if "interleaved_1f1b" in schedules:
+                shapes += [("interleaved_1f1b", v) for v in range(2, max_v + 1)
+                           if base.n_layer % (pp * v) == 0 and m % pp == 0]
+            if m < pp:
+                shapes = [(s, v) for s, v in shapes if s == "gpipe"]
+        for schedule, v in shapes:
+            for zero in zero_stages if dp * ep > 1 else (0,):
+                for rc in recomputes:
+                    lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, v=v, m=m, micro_batch=mb, zero_stage=zero,
+                                 recompute=rc, schedule=schedule, sequence_parallel=tp > 1)
+                    mem = memory_per_rank(config, lay, seq, recipe, attention)
+                    t = step_time(config, lay, cluster, seq, recipe, attention)
+                    out.append(Candidate(lay, t, mem, mem["total"] <= cluster.memory_bytes))
+    return out
+
+
+@dataclass
+class Plan:
+    """The planner's answer: `ranked` (fitting candidates, fastest first), `candidates` (all)."""
+
+    ranked: list
+    candidates: list
+    cluster: Cluster
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+    def explain(self) -> str:
+        """Why the top pick: its biggest cost term, and the binding constraint (memory when a
+        faster layout exists that does not fit, else the biggest term itself)."""
+        best, fastest = self.best, min(self.candidates, key=lambda c: c.time["total"])
+        lines = [f"best: {best.layout.label()}: {best.time['total'] * 1e3:.4g} ms per step, "
+                 f"MFU {best.time['mfu']:.1%}, {fmt_bytes(best.memory['total'])} of "
+                 f"{fmt_bytes(self.cluster.memory_bytes)} per device",
+                 f"biggest cost term: {best.biggest_term} "
+                 f"({best.time[best.biggest_term] / best.time['total']:.0%} of the step)"]
+        if fastest is not best and not fastest.fits:
+            lines.append(f"binding constraint: memory. The fastest layout, {fastest.layout.label()} "
+                         f"({fastest.time['total'] * 1e3:.4g} ms), needs {fmt_bytes(fastest.memory['total'])}")
+        else:
+            lines.append("binding constraint: " + ("compute" if best.biggest_term in ("compute", "recompute")
+                                                     else "communication / idle time") + " (memory does not bind)")
+        return "\n".join(lines)
+
+    def table(self, top: int = 5) -> str:
+        return "\n".join(c.row() for c in self.ranked[:top])
+
+
+def plan(config, cluster: Cluster, global_batch: int, seq: int | None = None, recipe: str = "bf16_mixed",
+         **search_kwargs) -> Plan:
+    """search(), keep what fits, sort by predicted step time (equal device count, so also by
+    MFU). ValueError when nothing fits, naming the smallest footprint found."""
+    cands = search(config, cluster, global_batch, seq, recipe, **search_kwargs)
+    ranked = sorted((c for c in cands if c.fits), key=lambda c: c.time["total"])
+    if not ranked:
+        small = min(cands, key=lambda c: c.memory["total"])
+        raise ValueError(f"no layout fits: the smallest, {small.layout.label()}, needs "
+                         f"{fmt_bytes(small.memory['total'])} per device > memory_bytes="
+                         f"{fmt_bytes(cluster.memory_bytes)}; add devices or memory")
+    return Plan(ranked, cands, cluster)

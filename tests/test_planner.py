@@ -1,0 +1,141 @@
+"""The step-time model, the memory model per rank and the planner (notebook 10)."""
+
+import math
+
+import pytest
+
+from course_lib.comm.costmodel import LinkModel, predict_time
+from course_lib.estimate import GPT3_175B, flops_per_token, per_gpu_memory
+from course_lib.estimate.clusters import PUBLISHED, gpu_cluster
+from course_lib.estimate.planner import plan, search
+from course_lib.estimate.step_time import Cluster, Layout, memory_per_rank, step_time
+from course_lib.model import GPTConfig
+from course_lib.parallel.pp.bubble import bubble_fraction
+
+CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, d_model=32)
+LINK = LinkModel(alpha=1e-4, beta=1e8)
+
+
+def cpu_cluster(n=8, overlap=0.0, memory=1e9):
+    return Cluster("test", n, n, peak_flops=2e9, achievable_flops=1e9, memory_bytes=memory, intra=LINK,
+                   inter=LinkModel(1e-3, 1e7), memory_bandwidth=1e9, overlap=overlap)
+
+
+def test_compute_term_is_flops_over_rate():
+    lay = Layout(dp=2, m=2, micro_batch=4)
+    t = step_time(CFG, lay, cpu_cluster(2), recipe="fp32")
+    flops = flops_per_token(CFG, 32) * 2 * 2 * 4 * 32
+    assert t["flops"] == flops and t["batch"] == 16
+    assert math.isclose(t["compute"], flops / (2 * 1e9))
+    assert math.isclose(t["mfu"], flops / (t["total"] * 2 * 2e9))
+
+
+def test_dp_traffic_is_a_ring_all_reduce_hidden_by_backward():
+    lay = Layout(dp=4, micro_batch=2)
+    no = step_time(CFG, lay, cpu_cluster(4, overlap=0.0), recipe="fp32")
+    full = step_time(CFG, lay, cpu_cluster(4, overlap=1.0), recipe="fp32")
+    n_params = per_gpu_memory(CFG, 2, 32, "fp32", dp=4)["params_on_gpu"]
+    assert math.isclose(no["dp_total"], predict_time("ring", 4 * n_params, 4, LINK))
+    assert no["dp_exposed"] == no["dp_total"]
+    assert math.isclose(full["dp_exposed"], max(0.0, full["dp_total"] - 2 / 3 * full["compute"]))
+
+
+def test_tp_traffic_is_four_all_reduces_per_layer_never_hidden():
+    lay = Layout(tp=4, micro_batch=2)
+    t = step_time(CFG, lay, cpu_cluster(4, overlap=1.0), recipe="fp32")
+    assert math.isclose(t["tp"], 4 * CFG.n_layer * predict_time("ring", 2 * 32 * 32 * 4, 4, LINK))
+    assert t["dp_total"] == 0 and t["tp"] > 0
+    # full recomputation repeats the forward: its 2 all-reduces per layer come back
+    rc = step_time(CFG, Layout(tp=4, micro_batch=2, recompute="full"), cpu_cluster(4), recipe="fp32")
+    assert math.isclose(rc["tp"], 1.5 * t["tp"]) and math.isclose(rc["recompute"], t["compute"] / 3)
+
+
+def test_bubble_uses_the_schedule_formula():
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        lay = Layout(pp=2, m=4, v=v, schedule=schedule)
+        t = step_time(CFG, lay, cpu_cluster(2), recipe="fp32")
+        f = bubble_fraction(2, 4, v)
+        busy = t["compute"] + t["recompute"] + t["tp"] + t["pp"] + t["ep"]
+        assert math.isclose(t["bubble"] / (busy + t["bubble"]), f)
+
+
+def test_link_is_the_network_when_a_group_leaves_the_node():
+    c = Cluster("c", 16, 8, 1e12, 1e12, 1e12, intra=LinkModel(1e-6, 1e11), inter=LinkModel(1e-5, 1e10))
+    assert c.link(8, 1) is c.intra and c.link(2, 8) is c.inter and c.link(16, 1) is c.inter
+
+
+def test_memory_model_is_notebook_01s_per_layout():
+    lay = Layout(dp=2, tp=2, pp=2, m=4, micro_batch=2, zero_stage=1, sequence_parallel=True)
+    mem = memory_per_rank(CFG, lay, recipe="fp32")
+    ref = per_gpu_memory(CFG, 2, 32, "fp32", 1, 2, 2, 2, sequence_parallel=True)
+    assert mem == ref
+    gp = memory_per_rank(CFG, Layout(pp=2, m=4, schedule="gpipe"), recipe="fp32")
+    one = memory_per_rank(CFG, Layout(pp=2, m=4), recipe="fp32")
+    assert gp["activations"] == 2 * one["activations"]  # all 4 micro-batches in flight, not 2
+
+
+def test_planner_keeps_what_fits_fastest_first():
+    p = plan(CFG, cpu_cluster(8), 16, recipe="fp32")
+    totals = [c.time["total"] for c in p.ranked]
+    assert totals == sorted(totals) and all(c.fits for c in p.ranked)
+    assert p.best.layout.n_gpus == 8 and p.best.time["batch"] == 16
+    assert "biggest cost term" in p.explain()
+    # a memory limit below the fastest layout's footprint makes memory the binding constraint
+    fastest = min(p.candidates, key=lambda c: c.time["total"])
+    tight = plan(CFG, cpu_cluster(8, memory=fastest.memory["total"] - 1), 16, recipe="fp32")
+    assert tight.best.memory["total"] < fastest.memory["total"]
+    assert "binding constraint: memory" in tight.explain()
+
+
+def test_planner_on_published_clusters_returns_a_fitting_layout():
+    d = PUBLISHED["GPT-3 175B on 1024 A100"]
+    p = plan(d["config"], d["cluster"], d["global_batch"], d["seq"])
+    assert p.best.memory["total"] <= d["cluster"].memory_bytes
+    assert 0 < p.best.time["mfu"] < GEMM_CAP(d["cluster"])
+    published = step_time(d["config"], d["layout"], d["cluster"], d["seq"])
+    assert published["total"] >= p.best.time["total"] or not p.best.fits
+
+
+def GEMM_CAP(cluster):
+    return cluster.achievable_flops / cluster.peak_flops + 1e-12
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tp=3), "tp=3 must divide n_head=4"),
+    (dict(pp=3, m=3), "must divide n_layer=4"),
+    (dict(pp=2, v=2, m=2, schedule="interleaved_1f1b", micro_batch=1), None),
+    (dict(pp=4, m=2), "m=2 micro-batches must be >= pp=4"),
+    (dict(v=2), "needs schedule='interleaved_1f1b'"),
+    (dict(ep=2), "mixture-of-experts"),
+    (dict(zero_stage=4), "zero_stage=4"),
+    (dict(recompute="some"), "recompute='some'"),
+    (dict(tp=0), "tp=0"),
+])
+def test_bad_layouts_are_named(kwargs, message):
+    def build():
+        lay = Layout(**kwargs)
+        return step_time(CFG, lay, cpu_cluster(8), recipe="fp32")
+    if message is None:
+        assert build()["total"] > 0
+    else:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+            build()
+
+
+def test_impossible_plans_are_named():
+    with pytest.raises(ValueError, match="needs dp\\*ep\\*tp\\*pp = 16 devices"):
+        step_time(CFG, Layout(dp=16), cpu_cluster(8))
+    with pytest.raises(ValueError, match="no layout fits"):
+        plan(CFG, cpu_cluster(8, memory=1e3), 16, recipe="fp32")
+    with pytest.raises(ValueError, match="global_batch=7"):
+        plan(CFG, cpu_cluster(3), 7)  # 3 devices: only dp=3 divides 4 heads and 4 layers
+    with pytest.raises(ValueError, match="seq=64 must be <= block_size=32"):
+        plan(CFG, cpu_cluster(8), 16, seq=64)
+    with pytest.raises(ValueError, match="gpu='TPU'"):
+        gpu_cluster("TPU", 8)
+
+
+def test_gpt3_predicted_mfu_is_in_a_sane_range():
+    c = gpu_cluster("A100 SXM 80 GB", 1024)
+    t = step_time(GPT3_175B, PUBLISHED["GPT-3 175B on 1024 A100"]["layout"], c, 2048)
+    assert 0.2 < t["mfu"] < 0.75 and t["compute"] == max(t[k] for k in ("compute", "tp", "bubble", "dp_exposed"))
