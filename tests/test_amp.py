@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from course_lib.techniques.amp import DynamicLossScaler, MixedPrecisionOptimizer, found_inf, update_scale
-from course_lib.observe.memory import model_state_bytes
+from course_lib.observe.memory import measured_state_bytes
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer
 
@@ -143,7 +143,7 @@ def _measured_state(recipe):
         for _ in range(2):
             model(x, y)[1].backward()
             opt.step()
-        return model, model_state_bytes(model, opt)
+        return model, measured_state_bytes(model, opt)
     dtype = torch.float16 if recipe == "fp16_mixed" else torch.bfloat16
     scaler = DynamicLossScaler(init_scale=1.0) if recipe == "fp16_mixed" else None
     mp = MixedPrecisionOptimizer(model, lambda m: torch.optim.AdamW(m.parameters()), dtype=dtype,
@@ -151,7 +151,7 @@ def _measured_state(recipe):
     mp.backward(model(x, y)[1])
     mp.step()
     mp.backward(model(x, y)[1])
-    got = model_state_bytes(model, mp)
+    got = measured_state_bytes(model, mp)
     fp32_buffers = sum(g.untyped_storage().nbytes() for g in mp.fp32_grads)
     got["grads"] += fp32_buffers  # the fp32 accumulation buffers are gradient memory
     got["total"] += fp32_buffers

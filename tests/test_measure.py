@@ -2,26 +2,26 @@
 
 import torch
 
-from course_lib.observe.memory import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.model import GPT, GPTConfig
 
 
-def test_model_state_bytes_fp32_adamw_is_16_bytes_per_param():
+def test_measured_state_bytes_fp32_adamw_is_16_bytes_per_param():
     model = GPT(GPTConfig.tiny(vocab_size=50))
     opt = torch.optim.AdamW(model.parameters())
     n = model.num_params()
-    assert model_state_bytes(model, opt) == {"params": 4 * n, "grads": 0, "optimizer": 0, "total": 4 * n}
+    assert measured_state_bytes(model, opt) == {"params": 4 * n, "grads": 0, "optimizer": 0, "total": 4 * n}
     x = torch.randint(0, 50, (2, 8))
     model(x, x)[1].backward()
     opt.step()
-    got = model_state_bytes(model, opt)
+    got = measured_state_bytes(model, opt)
     assert got == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "total": 16 * n}
 
 
 def test_tied_weights_count_once():
     tied = GPT(GPTConfig.tiny(vocab_size=50))
     untied = GPT(GPTConfig.tiny(vocab_size=50, tie_weights=False))
-    assert model_state_bytes(untied)["params"] - model_state_bytes(tied)["params"] == 4 * 50 * 64
+    assert measured_state_bytes(untied)["params"] - measured_state_bytes(tied)["params"] == 4 * 50 * 64
 
 
 def test_saved_activations_of_a_linear_layer():

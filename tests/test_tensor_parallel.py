@@ -26,7 +26,7 @@ from course_lib import CommTracer, RankError, run_on_ranks
 from course_lib.data import CharDataset, get_batch
 from course_lib.estimate import activation_bytes, per_gpu_memory
 from course_lib.model import GPT, GPTConfig
-from course_lib.observe.memory import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.parallel.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -220,7 +220,7 @@ def _memory(sp):
         x, y = get_batch(CharDataset("train", 32), 2, torch.Generator().manual_seed(0))
         with SavedActivations(model) as saved:
             model(x, y)
-        out[n_layer] = (saved.bytes, model_state_bytes(model)["params"])
+        out[n_layer] = (saved.bytes, measured_state_bytes(model)["params"])
     return out
 
 

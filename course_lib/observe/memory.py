@@ -1,6 +1,6 @@
 """Measure memory the way the formulas of notebook 01 predict it.
 
-* `model_state_bytes(model, optimizer)`: parameters, gradients and optimizer state held
+* `measured_state_bytes(model, optimizer)`: parameters, gradients and optimizer state held
   by this process (each storage counted once, so tied weights are not double-counted).
 * `SavedActivations`: bytes of the tensors autograd saves for backward during a forward
   pass, seen through saved-tensor hooks. Works on the CPU, where there is no allocator
@@ -38,7 +38,7 @@ def _optimizer_tensors(optimizer):
                 yield v
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def measured_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """{"params", "grads", "optimizer", "total"} in bytes for what this process holds."""
     params = list(model.parameters())
     out = {

@@ -158,7 +158,7 @@ class MixedPrecisionOptimizer:
     The model is converted to `dtype` in place.
 
     `state` maps each model parameter to its fp32 master copy plus the inner optimizer's state,
-    so `course_lib.observe.memory.model_state_bytes(model, mp)` counts the master weights as optimizer
+    so `course_lib.observe.memory.measured_state_bytes(model, mp)` counts the master weights as optimizer
     state, as the ZeRO paper does (K = 12 bytes/param for Adam). With `fp32_grad_accum=True`
     fp32 gradient buffers (`fp32_grads`) persist between steps: after each backward the 16-bit
     gradient of every micro-batch is added into them in fp32 and zeroed. They are gradient

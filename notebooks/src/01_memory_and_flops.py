@@ -40,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from course_lib import estimate, units
 from course_lib.estimate import calculator
 from course_lib.techniques.amp import MixedPrecisionOptimizer
-from course_lib.observe.memory import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer
 
@@ -165,7 +165,7 @@ for name, r in estimate.RECIPES.items():
 #
 # **Measured, fp32.** Build the course GPT and the course's AdamW (`course_lib.train.make_optimizer`),
 # take one step so the optimizer has allocated $m$ and $v$, run a second backward so gradients
-# exist, and count every byte the model and optimizer hold (`course_lib.observe.memory.model_state_bytes`,
+# exist, and count every byte the model and optimizer hold (`course_lib.observe.memory.measured_state_bytes`,
 # which counts a tied tensor once). The formula must match **exactly**.
 
 # %%
@@ -178,7 +178,7 @@ for _ in range(2):
     model(x, x)[1].backward()
     if _ == 0:
         opt.step()
-measured = model_state_bytes(model, opt)
+measured = measured_state_bytes(model, opt)
 predicted = estimate.model_state_bytes(model.num_params(), "fp32")
 assert measured == predicted, (measured, predicted)
 P = model.num_params()
@@ -201,7 +201,7 @@ for recipe, accum in (("bf16_mixed", False), ("bf16_fp32_accum", True)):
     for step in range(2):
         mp.backward(model16(x, x)[1])
         if step == 1:  # after backward, before the step frees the 16-bit gradients
-            measured = model_state_bytes(model16, mp)
+            measured = measured_state_bytes(model16, mp)
             measured["grads"] += sum(g.numel() * g.element_size() for g in mp.fp32_grads)
             measured["total"] = measured["params"] + measured["grads"] + measured["optimizer"]
         mp.step()
@@ -220,7 +220,7 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 loss.backward()
 opt_ac.step()
 assert logits.dtype == torch.bfloat16 and next(model_ac.parameters()).dtype == torch.float32
-measured = model_state_bytes(model_ac, opt_ac)
+measured = measured_state_bytes(model_ac, opt_ac)
 assert measured == estimate.model_state_bytes(P, "bf16_autocast")
 per = {k: v / P for k, v in measured.items()}
 print(f"{'bf16_autocast':16} measured params {per['params']:.0f} + grads {per['grads']:.0f} + "

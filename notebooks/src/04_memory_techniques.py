@@ -47,7 +47,7 @@ from course_lib.techniques.accumulation import accumulate_gradients
 from course_lib.techniques.amp import DynamicLossScaler, MixedPrecisionOptimizer
 from course_lib.techniques.activation_checkpointing import Chain, best_every_k, checkpoint_memory, checkpointed_forward
 from course_lib.data import CharDataset, get_batch
-from course_lib.observe.memory import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer, train_step
 
@@ -377,7 +377,7 @@ plt.show()
 # bytes) come with the fp32 master copy and Adam's two fp32 moments (4 + 4 + 4 = 12 bytes, the
 # ZeRO paper's K = 12, counting the master copy as optimizer state). Keeping an fp32 buffer to
 # accumulate gradients over micro-batches adds 4 more. We build each recipe for real and count
-# every byte (`course_lib.observe.memory.model_state_bytes`, with gradients present, as at the peak of
+# every byte (`course_lib.observe.memory.measured_state_bytes`, with gradients present, as at the peak of
 # a step) against notebook 01's `estimate.model_state_bytes`.
 
 # %%
@@ -392,7 +392,7 @@ for recipe in ("fp32", "bf16_mixed", "fp16_mixed", "bf16_fp32_accum"):
         m(xs, ys)[1].backward()
         opt.step()
         m(xs, ys)[1].backward()
-        measured = model_state_bytes(m, opt)
+        measured = measured_state_bytes(m, opt)
     else:
         dtype = torch.float16 if recipe == "fp16_mixed" else torch.bfloat16
         scaler = DynamicLossScaler(init_scale=1024.0) if recipe == "fp16_mixed" else None
@@ -401,7 +401,7 @@ for recipe in ("fp32", "bf16_mixed", "fp16_mixed", "bf16_fp32_accum"):
         mp.backward(loss_fp32(m, xs, ys))
         mp.step()
         mp.backward(loss_fp32(m, xs, ys))
-        measured = model_state_bytes(m, mp)
+        measured = measured_state_bytes(m, mp)
         buffers = sum(g.untyped_storage().nbytes() for g in mp.fp32_grads)  # fp32 accumulation buffers
         measured["grads"] += buffers
         measured["total"] += buffers

@@ -40,7 +40,7 @@ from course_lib.comm.costmodel import CLUSTERS
 from course_lib.data import CharDataset, get_batch
 from course_lib.estimate import GPT3_175B, activation_bytes, per_gpu_memory
 from course_lib.model import GPT, GPTConfig
-from course_lib.observe.memory import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.parallel.tp import (ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel,
                                     check_tensor_parallel, full_logits, qkv_rows)
 from course_lib.parallel.tp.costs import layer_communication, step_communication
@@ -357,7 +357,7 @@ def memory_on_ranks(sequence_parallel):
         x, y = get_batch(DATA, 8, torch.Generator().manual_seed(0))
         with SavedActivations(model) as saved:
             model(x, y)
-        out[n_layer] = (saved.bytes, model_state_bytes(model)["params"])
+        out[n_layer] = (saved.bytes, measured_state_bytes(model)["params"])
     return out
 
 print(f"{'':<10}{'activations per layer (measured = formula)':>44}{'parameters per rank':>22}")
