@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib import estimate as E
-from course_lib.observe.memory import SavedActivations, model_state_bytes
+from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.model import GPT, GPTConfig, expected_num_params
 
 torch.set_num_threads(1)
@@ -136,7 +136,7 @@ def test_bf16_mixed_state_matches_measurement():
     opt.step()
     for m in master:
         m.grad = None
-    measured = model_state_bytes(model, opt)  # bf16 params and grads, fp32 m and v
+    measured = measured_state_bytes(model, opt)  # bf16 params and grads, fp32 m and v
     measured["optimizer"] += sum(m.numel() * m.element_size() for m in master)  # + fp32 master copy
     est = E.model_state_bytes(model.num_params(), "bf16_mixed")
     assert {k: measured[k] for k in ("params", "grads", "optimizer")} == {k: est[k] for k in ("params", "grads", "optimizer")}
