@@ -1,0 +1,137 @@
+"""The ordered composition on one mesh, and the one global-norm clip.
+
+    mesh  = make_mesh(dp, tp, pp, ep)                       dims ("pp", "dp", "ep", "tp")
+    model = GPT(config, seed)                               the same plain model on every rank
+    apply_tensor_parallel(model, mesh["tp"], sp)            1. TP (+SP): inside every block
+    apply_expert_parallel(model, mesh["ep"])                2. EP: each MoE layer keeps E/ep experts
+    stage = build_stage(model, mesh["pp"], v)               3. PP: this rank's blocks (+ embedding/head)
+    optimizer = ShardedOptimizer(stage, dp group) / AdamW   4. ZeRO-1 (or plain) across replicas
+
+After backward: the pipeline sums the tied embedding's two parts (stage 0 and the last stage
+hold one copy each), EP averages dense gradients over ep and divides expert gradients by ep,
+and the dp step averages over dp (ZeRO-1: reduce-scatter inside its step).
+
+Global norm. ||g||^2 is a sum over the distinct elements of the single-process model. Every
+element lives on several ranks; rank r counts parameter p with weight
+
+    w(p, r) = [p sharded over tp or tp_index = 0] * [p sharded over ep (an expert) or ep_index = 0]
+              * [p is not the last stage's copy of the tied matrix] * [zero=1 (dp shards) or dp_index = 0]
+
+and one all-reduce (sum) over the whole world of sum_p w(p, r) * ||g_p||^2 gives ||g||^2, each
+shard counted exactly once. Every rank then scales by min(1, max_norm / (||g|| + 1e-6)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from course_lib.model import GPT
+from course_lib.parallel.ep import apply_expert_parallel, expert_parameters, reduce_gradients
+from course_lib.parallel.mesh import make_mesh
+from course_lib.parallel.pp import build_stage
+from course_lib.parallel.tp import apply_tensor_parallel, sharded_parameters
+from course_lib.parallel.zero import ShardedOptimizer
+from course_lib.parallel.dp import naive_all_reduce_gradients
+
+
+@dataclass
+class HybridParts:
+    """What one rank holds: the mesh, its coordinates, the (parallel) model and its stage."""
+
+    dims: object
+    mesh: object
+    coords: dict
+    groups: dict
+    model: GPT
+    stage: object
+    optimizer: object = None
+
+
+def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
+    """Rank code: the composition in the module docstring, on this rank. `dims` must have been
+    checked in the parent (ParallelDims.check)."""
+    mesh = make_mesh(dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep)
+    groups = {d: mesh[d].get_group() for d in ("pp", "dp", "ep", "tp")}
+    coords = {d: dist.get_rank(groups[d]) for d in groups}
+    model = GPT(model_config, seed=seed)
+    if device is not None:
+        model = model.to(device)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, groups["tp"], dims.sequence_parallel)
+    if dims.ep > 1:
+        apply_expert_parallel(model, groups["ep"])
+    stage = build_stage(model, groups["pp"], dims.virtual_stages) if dims.pp > 1 else None
+    return HybridParts(dims, mesh, coords, groups, model, stage)
+
+
+def trained_module(parts: HybridParts):
+    """The module whose parameters this rank updates: its pipeline stage, or the whole model."""
+    return parts.stage if parts.stage is not None else parts.model
+
+
+def make_hybrid_optimizer(parts: HybridParts, train_cfg):
+    """AdamW with make_optimizer's groups (decay on matrices only); ZeRO-1 shards it over dp."""
+    params = list(trained_module(parts).parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    kw = dict(lr=train_cfg.lr, betas=train_cfg.betas, foreach=False, fused=False)
+    if parts.dims.zero == 1:
+        parts.optimizer = ShardedOptimizer(groups, torch.optim.AdamW, group=parts.groups["dp"], **kw)
+    else:
+        parts.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], **kw)
+    return parts.optimizer
+
+
+def sync_gradients(parts: HybridParts) -> None:
+    """After backward: EP's reduction over ep, then (zero=0) the mean over dp; ZeRO-1 does the
+    dp part in its step. The pipeline already summed the tied matrix's two parts."""
+    module = trained_module(parts)
+    if parts.dims.ep > 1:
+        reduce_gradients(module, parts.groups["ep"])
+    if parts.dims.zero == 0 and parts.dims.dp > 1:
+        naive_all_reduce_gradients(module, parts.groups["dp"])
+
+
+def count_weights(parts: HybridParts) -> dict[int, float]:
+    """{id(p): w(p, r)} of the module docstring for this rank's parameters."""
+    module, c, dims = trained_module(parts), parts.coords, parts.dims
+    tp_sharded = {id(p) for p in sharded_parameters(parts.model)} if dims.tp > 1 else set()
+    experts = {id(p) for p in expert_parameters(module)} if dims.ep > 1 else set()
+    names = parts.stage.param_names if parts.stage is not None else [None] * len(list(module.parameters()))
+    out = {}
+    for name, p in zip(names, module.parameters()):
+        w = (id(p) in tp_sharded or c["tp"] == 0) and (id(p) in experts or c["ep"] == 0)
+        w = w and (parts.stage is None or parts.stage.owns_unique(name))
+        w = w and (dims.zero == 1 or c["dp"] == 0)
+        out[id(p)] = float(w)
+    return out
+
+
+@torch.no_grad()
+def clip_grad_norm_hybrid(parts: HybridParts, max_norm: float) -> torch.Tensor:
+    """Clip by the global norm of the single-process gradient (module docstring); returns it."""
+    weights = count_weights(parts)
+    dev = next(trained_module(parts).parameters()).device
+    sq = torch.zeros((), dtype=torch.float64, device=dev)
+    opt = parts.optimizer
+    if isinstance(opt, ShardedOptimizer):
+        opt.reduce_gradients()  # the dp mean of this rank's shard, in grad_shard
+        grads = []
+        for s in opt.shards:
+            mask = s.unit.shard(s.unit.flatten([torch.full_like(p, weights[id(p)]) for p in s.params]))
+            sq += (s.grad_shard.double().square() * mask.double()).sum()
+            grads.append(s.grad_shard)
+    else:
+        grads = [p.grad for p in trained_module(parts).parameters() if p.grad is not None]
+        for p in trained_module(parts).parameters():
+            if p.grad is not None:
+                sq += weights[id(p)] * p.grad.double().square().sum()
+    dist.all_reduce(sq)  # the whole world: each shard was weighted to count once
+    norm = sq.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return norm

@@ -1,0 +1,172 @@
+"""The reference training loop on a dp x tp x pp x ep mesh, its single-process twin, and the
+bytes each mesh dimension moved.
+
+Every rank draws the reference's global batch (a generator seeded with train_cfg.seed) and
+keeps the share of its replica, r = dp_index * ep + ep_index: rows [r*B/R, (r+1)*B/R), R = dp*ep.
+tp and pp ranks of one replica read the same rows. The loss of a step is the mean over the
+R replicas (one all-reduce over dp and one over ep), so every rank reports the global loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from course_lib.data import CharDataset, get_batch
+from course_lib.model import GPT
+from course_lib.observe.tracer import CommTracer
+from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hybrid, make_hybrid_optimizer,
+                                                sync_gradients, trained_module)
+from course_lib.parallel.hybrid.dims import ParallelDims
+from course_lib.parallel.pp import run_schedule
+from course_lib.runtime.device import rank_device
+from course_lib.train import TrainResult, make_optimizer, train_step
+
+
+@dataclass
+class HybridResult(TrainResult):
+    """TrainResult (train_losses: the global loss, the same on every rank) plus the global
+    gradient norm of each step, this rank's coordinates, the single-process parameters it owns
+    (full tensors, TP shards gathered, by their single-process names), and the bytes each mesh
+    dimension moved on this rank ({"tp": {"calls", "bytes_sent", "bytes_recv"}, ...})."""
+
+    grad_norms: list[float] = field(default_factory=list)
+    coords: dict = field(default_factory=dict)
+    named_params: dict = field(default_factory=dict)
+    traffic: dict = field(default_factory=dict)
+
+
+def dimension_of(group_ranks, groups_by_dim: dict[str, list[list[int]]], world_size: int) -> str:
+    """The mesh dimension a communicator belongs to ("world" for the whole world; a dimension of
+    size 1 never communicates, so the first matching dimension of size > 1 wins)."""
+    ranks = sorted(group_ranks)
+    if len(ranks) == world_size:
+        return "world"
+    for dim, lists in groups_by_dim.items():
+        if len(lists[0]) > 1 and any(sorted(g) == ranks for g in lists):
+            return dim
+    return "other"
+
+
+def traffic_by_dimension(records, dims: ParallelDims, world_size: int) -> dict[str, dict[str, int]]:
+    from course_lib.parallel.mesh import mesh_groups
+
+    groups = mesh_groups(world_size, dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep)
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        s = out.setdefault(dimension_of(r.group_ranks, groups, world_size),
+                           {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
+        s["calls"] += 1
+        s["bytes_sent"] += r.bytes_sent
+        s["bytes_recv"] += r.bytes_recv
+    return dict(sorted(out.items()))
+
+
+def _owned_params(parts) -> dict[str, torch.Tensor]:
+    """{single-process name: full tensor} of the parameters this rank trains (collective over tp)."""
+    if parts.dims.tp > 1:
+        from course_lib.parallel.tp import gather_full_state_dict
+
+        full = gather_full_state_dict(parts.model)
+    else:
+        full = {n: p.detach() for n, p in parts.model.named_parameters()}
+    # Single-process names, a tied matrix once (as named_parameters() lists it)
+    keep = set(parts.stage.param_names) if parts.stage is not None else {n for n, _ in parts.model.named_parameters()}
+    return {n: t.detach().cpu().clone() for n, t in full.items() if n in keep}
+
+
+def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = False) -> HybridResult:
+    """Rank code: train_cfg.steps steps of the composed model (compose.py) on this rank."""
+    world = dist.get_world_size()
+    dims.check(world, model_config, train_cfg.batch_size)
+    dev = rank_device()
+    parts = build_hybrid(dims, model_config, seed=train_cfg.seed, device=dev)
+    module = trained_module(parts)
+    optimizer = make_hybrid_optimizer(parts, train_cfg)
+    dataset = CharDataset("train", block_size=model_config.block_size)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    replica = parts.coords["dp"] * dims.ep + parts.coords["ep"]
+    share = train_cfg.batch_size // dims.replicas
+    result = HybridResult(coords=dict(parts.coords))
+    m = dims.microbatches
+
+    def forward_backward(_module, x, y):
+        if parts.stage is not None:
+            loss = run_schedule(parts.stage, x, y, dims.schedule, m)
+        else:
+            loss = 0.0
+            for xc, yc in zip(x.chunk(m), y.chunk(m)):
+                part = parts.model(xc, yc)[1] / m
+                part.backward()
+                loss += part.item()
+        sync_gradients(parts)
+        return loss
+
+    def clip(max_norm):
+        result.grad_norms.append(float(clip_grad_norm_hybrid(parts, max_norm)))
+
+    tracer = CommTracer() if trace else contextlib.nullcontext()
+    start_all = time.perf_counter()
+    with tracer:
+        for _ in range(train_cfg.steps):
+            x, y = get_batch(dataset, train_cfg.batch_size, gen)
+            x, y = x[replica * share:(replica + 1) * share].to(dev), y[replica * share:(replica + 1) * share].to(dev)
+            start = time.perf_counter()
+            loss = train_step(module, optimizer, x, y, train_cfg.grad_clip, forward_backward=forward_backward,
+                              clip_grad_norm=clip)
+            result.step_seconds.append(time.perf_counter() - start)
+            mean = torch.tensor(loss / dims.replicas, dtype=torch.float64, device=dev)
+            for d in ("dp", "ep"):  # the loss reported once: the mean over the R replicas
+                if getattr(dims, d) > 1:
+                    dist.all_reduce(mean, group=parts.groups[d])
+            result.train_losses.append(float(mean))
+    result.seconds = time.perf_counter() - start_all
+    if trace:
+        result.comm_summary = tracer.summary()
+        result.traffic = traffic_by_dimension(tracer.records, dims, world)
+    result.named_params = _owned_params(parts)
+    return result
+
+
+def train_single(model_config, train_cfg) -> HybridResult:
+    """The single-process run the hybrid one must equal: same seed, same global batches, torch's
+    clip (its norm recorded), AdamW from make_optimizer."""
+    model = GPT(model_config, seed=train_cfg.seed)
+    optimizer = make_optimizer(model, train_cfg)
+    dataset = CharDataset("train", block_size=model_config.block_size)
+    gen = torch.Generator().manual_seed(train_cfg.seed)
+    result = HybridResult()
+
+    def clip(max_norm):
+        result.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+
+    for _ in range(train_cfg.steps):
+        x, y = get_batch(dataset, train_cfg.batch_size, gen)
+        start = time.perf_counter()
+        result.train_losses.append(train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=clip))
+        result.step_seconds.append(time.perf_counter() - start)
+    result.named_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result
+
+
+def run_hybrid(dims: ParallelDims, model_config, train_cfg, timeout_s: float = 300, trace: bool = False,
+               **kwargs) -> list[HybridResult]:
+    """Parent side: validate every rule (ParallelDims.check), then train on dims.world_size ranks."""
+    from course_lib.runtime import run_on_ranks
+
+    dims.check(None, model_config, train_cfg.batch_size)
+    return run_on_ranks(train_hybrid, dims, model_config, train_cfg, trace=trace, world_size=dims.world_size,
+                        timeout_s=timeout_s, **kwargs)
+
+
+def merged_params(results: list[HybridResult]) -> dict[str, torch.Tensor]:
+    """{name: tensor} over all ranks (the first rank that owns a name gives it)."""
+    out = {}
+    for r in results:
+        for n, t in r.named_params.items():
+            out.setdefault(n, t)
+    return out

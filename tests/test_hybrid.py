@@ -1,0 +1,106 @@
+"""3D / 4D parallelism on one mesh (course_lib.parallel.hybrid): equal to the single process."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from course_lib.data import CharDataset
+from course_lib.model import GPTConfig
+from course_lib.parallel.hybrid import ParallelDims, merged_params, run_hybrid, train_single
+from course_lib.train import TrainConfig
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return GPTConfig(vocab_size=CharDataset("train", SEQ).vocab_size, block_size=SEQ, n_layer=2, n_head=2, d_model=16)
+
+
+@pytest.fixture(scope="module")
+def moe(dense):
+    # No auxiliary losses and no capacity: the pipeline's last stage computes the cross-entropy only.
+    return replace(dense, n_experts=4, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
+# A small clip threshold: every step clips (the norms below are ~1), so the clip is exercised.
+TRAIN = TrainConfig(steps=3, batch_size=8, lr=1e-2, grad_clip=0.05, progress=False)
+
+
+def _assert_equal_to_single(results, reference):
+    for r in results:  # the loss reported once: the global loss, the same on every rank
+        assert r.train_losses == pytest.approx(reference.train_losses, rel=1e-5, abs=1e-6)
+        assert r.grad_norms == pytest.approx(reference.grad_norms, rel=1e-5)
+    assert min(reference.grad_norms) > TRAIN.grad_clip  # clipping happened at every step
+    params = merged_params(results)
+    assert set(params) == set(reference.named_params)
+    for name, full in reference.named_params.items():
+        torch.testing.assert_close(params[name], full, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("zero", [1, 0])
+def test_3d_dp2_tp2_pp2_equals_single_process(dense, zero):
+    dims = ParallelDims(dp=2, tp=2, pp=2, zero=zero, microbatches=2)
+    results = run_hybrid(dims, dense, TRAIN, timeout_s=240)
+    _assert_equal_to_single(results, train_single(dense, TRAIN))
+    assert {tuple(r.coords.values()) for r in results} == {(p, d, 0, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
+
+
+def test_4d_mesh_with_experts_equals_single_process(moe):
+    dims = ParallelDims(pp=2, dp=2, ep=2, tp=1, zero=1, microbatches=2)
+    results = run_hybrid(dims, moe, TRAIN, timeout_s=240)
+    _assert_equal_to_single(results, train_single(moe, TRAIN))
+
+
+def test_tensor_and_sequence_parallel_with_zero1_equals_single_process(dense):
+    dims = ParallelDims(dp=4, tp=2, zero=1, sequence_parallel=True, microbatches=1)
+    results = run_hybrid(dims, dense, TRAIN, timeout_s=240)
+    _assert_equal_to_single(results, train_single(dense, TRAIN))
+
+
+IMPOSSIBLE = [
+    (dict(dp=2, tp=2, pp=1), 8, "pp*dp*ep*tp = 1*2*1*2 = 4 must equal world_size=8"),
+    (dict(dp=1, tp=3, pp=1), 3, "tp=3 must divide n_head=2"),
+    (dict(dp=2, tp=1, pp=4), 8, "n_layer=2 must be >= pp * virtual_stages = 4*1 = 4"),
+    (dict(dp=1, tp=1, pp=2, virtual_stages=2, schedule="interleaved_1f1b", microbatches=2), 2,
+     "n_layer=2 must be >= pp * virtual_stages = 2*2 = 4"),
+    (dict(dp=8, tp=1, pp=1, microbatches=1), 8, None),  # valid: the control
+    (dict(dp=2, tp=1, pp=1, ep=2), 4, "ep=2 needs an MoE model"),
+    (dict(dp=1, tp=2, pp=1, sequence_parallel=True), 2, None),
+    (dict(dp=1, tp=1, pp=1, sequence_parallel=True), 1, "sequence_parallel=True needs tp > 1"),
+    (dict(dp=1, tp=2, pp=2, sequence_parallel=True, microbatches=2), 4, "sequence_parallel=True with pp=2"),
+    (dict(dp=2, tp=1, pp=1, zero=2), 2, "zero=2 must be one of (0, 1)"),
+    (dict(dp=3, tp=1, pp=1), 3, "batch_size=8 must be divisible by dp*ep = 3"),
+    (dict(dp=2, tp=1, pp=2, microbatches=3), 4, "microbatches=3 must divide the per-replica batch"),
+    (dict(dp=1, tp=1, pp=1, virtual_stages=2), 1, "virtual_stages=2 needs pp > 1"),
+    (dict(dp=0, tp=1, pp=1), 1, "dp=0 must be a positive int"),
+    (dict(dp=1, tp=1, pp=2, schedule="zigzag", microbatches=2), 2, "schedule='zigzag' must be one of"),
+]
+
+
+@pytest.mark.parametrize("kw, world, message", IMPOSSIBLE)
+def test_every_impossible_dense_layout_is_rejected_with_its_rule(dense, kw, world, message):
+    dims = ParallelDims(**kw)
+    if message is None:
+        dims.check(world, dense, TRAIN.batch_size)
+        return
+    with pytest.raises(ValueError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
+        dims.check(world, dense, TRAIN.batch_size)
+
+
+def test_impossible_moe_layouts_are_rejected(moe):
+    with pytest.raises(ValueError, match="ep=3 must divide n_experts=4"):
+        ParallelDims(ep=3).check(3, moe, 6)
+    with pytest.raises(ValueError, match="tp=2 with n_experts=4: tensor parallelism here splits the dense GPT only"):
+        ParallelDims(tp=2, ep=2).check(4, moe, 8)
+    with pytest.raises(ValueError, match="pp=2 with an MoE model needs aux_loss_coef=0"):
+        ParallelDims(pp=2, ep=2, microbatches=2).check(4, replace(moe, aux_loss_coef=0.01), 8)
+
+
+def test_a_bad_layout_fails_in_the_parent_before_any_rank_starts(dense, monkeypatch):
+    import course_lib.runtime as runtime
+
+    monkeypatch.setattr(runtime, "run_on_ranks", lambda *a, **k: pytest.fail("ranks were started"))
+    with pytest.raises(ValueError, match="tp=4 must divide n_head=2"):
+        run_hybrid(ParallelDims(dp=2, tp=4), dense, TRAIN)
