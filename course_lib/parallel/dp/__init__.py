@@ -8,7 +8,10 @@
 
 from course_lib.parallel.dp.compression import LowPrecisionHook, TopKHook
 from course_lib.parallel.dp.ddp import DDP, assign_buckets, broadcast_parameters, check_replicas, naive_all_reduce_gradients
+from course_lib.parallel.dp.large_batch import (gradient_noise_scale, noise_scale_from_two_batches, scale_lr,
+                                                train_at_token_budget, warmup_factor)
 from course_lib.parallel.dp.training import run_data_parallel, train_data_parallel
 
 __all__ = ["DDP", "naive_all_reduce_gradients", "check_replicas", "broadcast_parameters", "assign_buckets",
-           "train_data_parallel", "run_data_parallel", "LowPrecisionHook", "TopKHook"]
+           "train_data_parallel", "run_data_parallel", "LowPrecisionHook", "TopKHook",
+           "scale_lr", "warmup_factor", "gradient_noise_scale", "noise_scale_from_two_batches", "train_at_token_budget"]
