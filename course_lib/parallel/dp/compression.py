@@ -6,7 +6,8 @@ by N, they return a handle whose wait() gives the (approximate) mean over ranks 
 
 LowPrecisionHook(dtype)  cast to bf16 / fp16, all-reduce, cast back.
     bytes: S/2 instead of S. Error: each value keeps 8 (bf16) or 11 (fp16) significant
-    bits, relative rounding error <= 2^-9 (bf16) or 2^-12 (fp16), and the partial sums of
+    bits (spacing 2^-7 or 2^-10 at 1.0), so rounding to nearest errs by at most 2^-8 (bf16) or
+    2^-11 (fp16) relative, and the partial sums of
     the all-reduce are rounded too. fp16 can overflow (max 65504); bf16 has fp32's range.
 
 TopKHook(ratio, error_feedback=True)  keep the k = ceil(ratio * n) largest |entries|.
