@@ -66,7 +66,7 @@ IMPOSSIBLE = [
     (dict(dp=1, tp=1, pp=2, virtual_stages=2, schedule="interleaved_1f1b", microbatches=2), 2,
      "n_layer=2 must be >= pp * virtual_stages = 2*2 = 4"),
     (dict(dp=8, tp=1, pp=1, microbatches=1), 8, None),  # valid: the control
-    (dict(dp=2, tp=1, pp=1, ep=2), 4, "ep=2 needs an MoE model"),
+    (dict(dp=2, tp=1, pp=1, ep=2), 4, "ep=2 needs an MoE model: n_experts=0 is dense"),
     (dict(dp=1, tp=2, pp=1, sequence_parallel=True), 2, None),
     (dict(dp=1, tp=1, pp=1, sequence_parallel=True), 1, "sequence_parallel=True needs tp > 1"),
     (dict(dp=1, tp=2, pp=2, sequence_parallel=True, microbatches=2), 4, "sequence_parallel=True with pp=2"),
@@ -104,3 +104,35 @@ def test_a_bad_layout_fails_in_the_parent_before_any_rank_starts(dense, monkeypa
     monkeypatch.setattr(runtime, "run_on_ranks", lambda *a, **k: pytest.fail("ranks were started"))
     with pytest.raises(ValueError, match="tp=4 must divide n_head=2"):
         run_hybrid(ParallelDims(dp=2, tp=4), dense, TRAIN)
+
+
+def test_train_3d_demo_under_torchrun_at_8_gloo_ranks_matches_the_single_process():
+    import os
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
+           "-m", "course_lib.demos.train_3d", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1",
+           "--microbatches", "2", "--steps", "2", "--check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(re.findall(r"step \d  loss \S+  single process \S+", proc.stdout)) == 2, proc.stdout
+    assert "(tolerance 1e-04): OK" in proc.stdout
+
+
+@pytest.mark.parametrize("args, rule", [
+    (["--dp", "2", "--tp", "3", "--pp", "1"], "pp*dp*ep*tp = 1*2*1*3 = 6 must equal world_size=4"),
+    (["--dp", "1", "--tp", "4", "--pp", "1", "--n-head", "2"], "tp=4 must divide n_head=2"),
+    (["--dp", "2", "--tp", "1", "--pp", "1", "--ep", "2"], "ep=2 needs an MoE model: n_experts=0 is dense"),
+])
+def test_train_3d_demo_rejects_a_bad_layout_with_its_rule_and_no_traceback(args, rule):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set for rank 0 of 4
+    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.train_3d", *args], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"train_3d: bad layout: {rule}"

@@ -1,0 +1,109 @@
+"""Train the course GPT (or its MoE form) on a dp x tp x pp x ep mesh.
+
+    torchrun --nproc-per-node 8 -m course_lib.demos.train_3d --dp 2 --tp 2 --pp 2 --zero 1 \\
+        --microbatches 2 --steps 3 --check
+
+The layout is checked before the process group starts (course_lib.parallel.hybrid.ParallelDims):
+a bad one exits with code 2 and its rule, printed once. With --check rank 0 also trains the
+single-process model on the same global batches, prints both losses per step and the largest
+difference, and exits 1 when they differ beyond fp32 tolerance (TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+TOLERANCE = 1e-4  # |loss difference|: fp32 sums taken in another order differ by ~1e-6
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("dp", "tp", "pp"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp: 0 or 1")
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--virtual-stages", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, default=None, help="default: the dataset's alphabet")
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--n-experts", type=int, default=0, help="> 0: the MoE GPT (top-2, no auxiliary losses)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--check", action="store_true", help="compare every step with the single process")
+    return p.parse_args(argv)
+
+
+def build(args, world_size: int):
+    """(ParallelDims, GPTConfig, TrainConfig), every rule checked: ValueError otherwise."""
+    from course_lib.data import CharDataset
+    from course_lib.model import GPTConfig
+    from course_lib.parallel.hybrid import ParallelDims
+    from course_lib.train import TrainConfig
+
+    data_vocab = CharDataset("train", args.seq_len).vocab_size
+    vocab = data_vocab if args.vocab_size is None else args.vocab_size
+    if vocab < data_vocab:
+        raise ValueError(f"--vocab-size={vocab} must be >= the dataset's alphabet ({data_vocab} symbols)")
+    moe = dict(n_experts=args.n_experts, top_k=min(2, args.n_experts), aux_loss_coef=0.0, z_loss_coef=0.0) \
+        if args.n_experts else {}
+    config = GPTConfig(vocab_size=vocab, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                       d_model=args.d_model, **moe)
+    dims = ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, zero=args.zero,
+                        virtual_stages=args.virtual_stages, microbatches=args.microbatches,
+                        schedule=args.schedule, sequence_parallel=args.sequence_parallel)
+    dims.check(world_size, config, args.batch_size)
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, grad_clip=args.grad_clip,
+                        progress=False)
+    return dims, config, train
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    try:
+        dims, config, train = build(args, world)
+    except ValueError as err:  # before any rank waits: one clear line, no traceback
+        if rank == 0:
+            print(f"train_3d: bad layout: {err}", file=sys.stderr, flush=True)
+        return 2
+
+    import torch.distributed as dist
+
+    from course_lib.parallel.hybrid import train_hybrid, train_single
+    from course_lib.runtime.launch import init_from_env
+
+    backend = init_from_env()
+    try:
+        result = train_hybrid(dims, config, train)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    layout = " x ".join(f"{d} {getattr(dims, d)}" for d in ("pp", "dp", "ep", "tp"))
+    print(f"train_3d on {world} ranks ({backend}): {layout}, zero {dims.zero}, {dims.microbatches} micro-batches, "
+          f"global batch {train.batch_size}", flush=True)
+    if not args.check:
+        for step, loss in enumerate(result.train_losses):
+            print(f"step {step}  loss {loss:.6f}")
+        return 0
+    reference = train_single(config, train)
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(result.train_losses, reference.train_losses)):
+        worst = max(worst, abs(a - b))
+        print(f"step {step}  loss {a:.6f}  single process {b:.6f}  |diff| {abs(a - b):.2e}")
+    verdict = "OK" if worst <= TOLERANCE else "MISMATCH"
+    print(f"largest difference {worst:.2e} (tolerance {TOLERANCE:.0e}): {verdict}", flush=True)
+    return 0 if verdict == "OK" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
