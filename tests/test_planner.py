@@ -139,3 +139,45 @@ def test_gpt3_predicted_mfu_is_in_a_sane_range():
     c = gpu_cluster("A100 SXM 80 GB", 1024)
     t = step_time(GPT3_175B, PUBLISHED["GPT-3 175B on 1024 A100"]["layout"], c, 2048)
     assert 0.2 < t["mfu"] < 0.75 and t["compute"] == max(t[k] for k in ("compute", "tp", "bubble", "dp_exposed"))
+
+
+# ----------------------------------------------------------------------------- calibration, validation
+from course_lib.estimate.calibrate import best_of_rounds, calibrate, cluster_from_dict, cluster_to_dict  # noqa: E402
+from course_lib.estimate.validation import compare, load_validation, spearman  # noqa: E402
+
+
+def test_spearman_is_the_rank_correlation():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 400]) == 1.0
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert math.isclose(spearman([1, 2, 3], [1, 3, 2]), 0.5)
+    assert math.isclose(spearman([1, 1, 2], [1, 2, 3]), 0.8660254037844387)  # ties share their mean rank
+    with pytest.raises(ValueError, match="two equally long"):
+        spearman([1], [1])
+
+
+def test_best_of_rounds_keeps_the_least_disturbed_values():
+    a = {"matmul": 1.0, "model": 5.0, "bandwidth": 2.0, "ping": [1.0, 4.0], "all_reduce": [3.0]}
+    b = {"matmul": 2.0, "model": 4.0, "bandwidth": 1.0, "ping": [2.0, 3.0], "all_reduce": [1.0]}
+    assert best_of_rounds([a, b]) == {"matmul": 2.0, "model": 5.0, "bandwidth": 2.0, "ping": [1.0, 3.0],
+                                      "all_reduce": [1.0]}
+
+
+def test_calibration_on_two_ranks_feeds_the_model(tiny_config):
+    cluster, raw = calibrate(2, tiny_config, micro_batch=2, timeout_s=120)
+    assert cluster.achievable_flops > 0 and cluster.intra.beta > 0 and cluster.overlap == 0.0
+    assert len(raw["model_flops_per_rank"]) == 2
+    assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
+    t = step_time(tiny_config, Layout(dp=2, micro_batch=2), cluster, recipe="fp32")
+    assert t["total"] > t["compute"] > 0
+    with pytest.raises(ValueError, match="link_from='tcp'"):
+        calibrate(2, tiny_config, link_from="tcp")
+    with pytest.raises(ValueError, match="world_size=1"):
+        calibrate(1, tiny_config)
+
+
+def test_stored_validation_compares_every_layout():
+    data = load_validation()
+    result = compare(data["config"], data["cluster"], data["runs"], data["seq"], "fp32")
+    assert len(result["rows"]) == len(data["runs"]) >= 8
+    assert -1 <= result["spearman"] <= 1 and result["pick_over_best"] >= 1
+    assert all(r["measured"] > 0 and r["predicted"] > 0 for r in result["rows"])

@@ -1,0 +1,146 @@
+"""The step-time model against measured runs: ten layouts of one model on 8 gloo ranks.
+
+Calibrates the model here (course_lib.estimate.calibrate.probe on every rank at once: the
+model's own forward+backward FLOP/s, copy bandwidth, alpha-beta from all-reduces of the
+world), then times each layout with the course's
+own strategy (DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B
+pipelines), predicts each with course_lib.estimate.step_time and prints both side by side: the
+rank correlation, the median error, and the planner's pick against the fastest measured.
+
+The measurement is stored in course_lib/assets/planner_validation.json (notebook 10 reads it
+rather than spending minutes re-measuring): `python benchmarks/bench_planner.py --store`.
+Calibration and layouts alternate over --rounds; a layout's time is the slowest rank's time of
+a step, the fastest of the steps after the first over all rounds, and the calibration keeps its
+highest rates and lowest times: on a shared machine every value at its least disturbed, as
+costmodel.ping_pong does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from summary import record  # noqa: E402
+
+from course_lib.data import CharDataset  # noqa: E402
+from course_lib.estimate.calibrate import cluster_to_dict  # noqa: E402
+from course_lib.estimate.step_time import Layout  # noqa: E402
+from course_lib.estimate.validation import DEFAULT_PATH, compare  # noqa: E402
+from course_lib.model import GPTConfig  # noqa: E402
+from course_lib.train import TrainConfig  # noqa: E402
+
+WORLD, BATCH, SEQ = 8, 16, 32
+
+# (label, Layout, how the course runs it)
+LAYOUTS = [
+    ("DDP dp8", Layout(dp=8, micro_batch=2), ("dp", {})),
+    ("DDP dp8, 2 micro-batches", Layout(dp=8, m=2, micro_batch=1), ("dp", {"accum_steps": 2})),
+    ("ZeRO-1 dp8", Layout(dp=8, micro_batch=2, zero_stage=1), ("zero", {"stage": 1})),
+    ("ZeRO-2 dp8", Layout(dp=8, micro_batch=2, zero_stage=2), ("zero", {"stage": 2})),
+    ("ZeRO-3 dp8", Layout(dp=8, micro_batch=2, zero_stage=3), ("zero", {"stage": 3})),
+    ("TP tp8", Layout(tp=8, micro_batch=BATCH), ("tp", {"sequence_parallel": False})),
+    ("ZeRO-2 dp8, 2 micro-batches", Layout(dp=8, m=2, micro_batch=1, zero_stage=2),
+     ("zero", {"stage": 2, "accum_steps": 2})),
+    ("GPipe pp8 m8", Layout(pp=8, m=8, micro_batch=2, schedule="gpipe"), ("pp", {"schedule": "gpipe", "m": 8})),
+    ("1F1B pp8 m8", Layout(pp=8, m=8, micro_batch=2), ("pp", {"schedule": "1f1b", "m": 8})),
+    ("1F1B pp8 m16", Layout(pp=8, m=16, micro_batch=1), ("pp", {"schedule": "1f1b", "m": 16})),
+]
+
+
+def model_config() -> GPTConfig:
+    vocab = CharDataset("train", SEQ).vocab_size
+    return GPTConfig(vocab_size=vocab, block_size=SEQ, n_layer=8, n_head=8, d_model=64)
+
+
+def _time_layouts(config, train_cfg, how_list, rounds):
+    """Rank code: `rounds` times, calibrate (probe) then run every layout in turn on the world.
+    Returns (probes per round, per round and layout the step seconds)."""
+    from course_lib.estimate.calibrate import probe
+    from course_lib.parallel.dp.training import train_data_parallel
+    from course_lib.parallel.pp.training import train_pipeline
+    from course_lib.parallel.tp.training import train_tensor_parallel
+    from course_lib.parallel.zero.training import train_zero
+
+    probes, times = [], []
+    for _ in range(rounds):
+        probes.append(probe(config, 2, config.block_size))
+        out = []
+        for kind, kw in how_list:
+            if kind == "dp":
+                res = train_data_parallel(config, train_cfg, "ddp", kw.get("accum_steps", 1))
+            elif kind == "zero":
+                res = train_zero(config, train_cfg, kw["stage"], accum_steps=kw.get("accum_steps", 1))
+            elif kind == "tp":
+                res = train_tensor_parallel(config, train_cfg, kw["sequence_parallel"])
+            else:
+                res = train_pipeline(config, train_cfg, kw["schedule"], kw["m"])
+            out.append(res.step_seconds)
+        times.append(out)
+    return probes, times
+
+
+def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600, link_from: str = "all_reduce"):
+    """(Cluster, raw calibration, runs): runs = [{"label", "layout", "step_seconds" (per round, the
+    slowest rank per step), "measured"}] for LAYOUTS. Calibration and layouts alternate over
+    `rounds`, and each quantity keeps its least disturbed value: the calibration's highest
+    rates and lowest times (best_of_rounds), each layout's fastest step after the first."""
+    from course_lib.estimate.calibrate import best_of_rounds, cluster_from_probes
+    from course_lib.runtime import run_on_ranks
+
+    train_cfg = TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0)
+    # check_collectives=False: its extra check before every collective would be timed too
+    per_rank = run_on_ranks(_time_layouts, config, train_cfg, [how for _, _, how in LAYOUTS], rounds,
+                            world_size=WORLD, timeout_s=timeout_s, check_collectives=False)
+    cluster, raw = cluster_from_probes([best_of_rounds(probes) for probes, _ in per_rank], config, 2, SEQ,
+                                       link_from=link_from)
+    runs = []
+    for i, (label, lay, _) in enumerate(LAYOUTS):
+        slowest = [[max(times[k][i][s] for _, times in per_rank) for s in range(steps)] for k in range(rounds)]
+        runs.append({"label": label, "layout": dataclasses.asdict(lay), "step_seconds": slowest,
+                     "measured": min(t for per_round in slowest for t in per_round[1:])})
+    return cluster, raw, runs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--link-from", default="all_reduce", choices=("all_reduce", "ping_pong"))
+    parser.add_argument("--store", action="store_true", help=f"write {DEFAULT_PATH.name} for notebook 10")
+    parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    args = parser.parse_args()
+    config = model_config()
+    cluster, raw, runs = measure(config, args.steps, args.rounds, link_from=args.link_from)
+    result = compare(config, cluster, runs, SEQ, "fp32")
+    print(f"calibrated: {cluster.achievable_flops / 1e9:.3g} GFLOP/s per rank, alpha "
+          f"{cluster.intra.alpha * 1e6:.3g} us, beta {cluster.intra.beta / 1e9:.3g} GB/s")
+    print(f"{'layout':<28}{'measured ms':>12}{'predicted ms':>14}{'error':>8}")
+    for r in result["rows"]:
+        print(f"{r['label']:<28}{r['measured'] * 1e3:12.1f}{r['predicted'] * 1e3:14.1f}{r['error']:8.0%}")
+    print(f"rank correlation {result['spearman']:.2f}, median |error| {result['median_error']:.0%}, "
+          f"planner's pick {result['pick']!r}: {result['pick_over_best']:.2f} x the fastest measured")
+    if not args.no_record:
+        record("bench_planner", "rank correlation, predicted vs measured step time", result["spearman"],
+               target=0.9, better="higher")
+        record("bench_planner", "planner's pick / fastest measured step time", result["pick_over_best"],
+               target=1.10, better="lower")
+        record("bench_planner", "median |predicted - measured| / measured", result["median_error"])
+    if args.store:
+        load = os.getloadavg()
+        data = {"config": dataclasses.asdict(config), "batch": BATCH, "seq": SEQ, "world_size": WORLD,
+                "cluster": cluster_to_dict(cluster), "calibration": raw, "runs": runs,
+                "produced_by": f"python benchmarks/bench_planner.py --store --steps {args.steps} --rounds {args.rounds}",
+                "machine_load": f"load average {load[0]:.1f} on {os.cpu_count()} cores",
+                "date": datetime.date.today().isoformat()}
+        DEFAULT_PATH.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"stored {DEFAULT_PATH}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Predicted against measured step times (notebook 10): the numbers that say how good the model is.
+
+    spearman(xs, ys)                 rank correlation (ties get their mean rank)
+    compare(config, cluster, runs)   per run: predicted terms beside the measured time; summary
+    load_validation(path)            the stored measurement (benchmarks/bench_planner.py wrote it)
+
+A run is {"label", "layout": Layout fields, "measured": seconds}. The summary holds the rank
+correlation, the median and largest |predicted - measured| / measured, and the planner's pick
+(the run predicted fastest) against the fastest measured.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+
+from course_lib.estimate.calibrate import cluster_from_dict
+from course_lib.estimate.step_time import Layout, step_time
+
+DEFAULT_PATH = pathlib.Path(__file__).resolve().parents[1] / "assets" / "planner_validation.json"
+
+
+def _ranks(xs):
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(xs, ys) -> float:
+    """Pearson correlation of the ranks: 1 when the two orderings agree exactly."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(f"need two equally long lists of >= 2 values, got {len(xs)} and {len(ys)}")
+    rx, ry = _ranks(list(xs)), _ranks(list(ys))
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def compare(config, cluster, runs, seq: int | None = None, recipe: str = "fp32") -> dict:
+    """{"rows": [{"label", "measured", "predicted", "error", terms...}], "spearman",
+    "median_error", "max_error", "pick" (label predicted fastest), "pick_over_best" (its
+    measured time / the fastest measured)}."""
+    rows = []
+    for run in runs:
+        lay = Layout(**run["layout"])
+        t = step_time(config, lay, cluster, seq, recipe)
+        rows.append({"label": run["label"], "measured": run["measured"], "predicted": t["total"],
+                     "error": (t["total"] - run["measured"]) / run["measured"], "terms": t})
+    pred, meas = [r["predicted"] for r in rows], [r["measured"] for r in rows]
+    pick = min(rows, key=lambda r: r["predicted"])
+    errors = [abs(r["error"]) for r in rows]
+    return {"rows": rows, "spearman": spearman(pred, meas), "median_error": statistics.median(errors),
+            "max_error": max(errors), "pick": pick["label"], "pick_over_best": pick["measured"] / min(meas)}
+
+
+def load_validation(path=None) -> dict:
+    """The stored run: {"config", "batch", "seq", "cluster" (a Cluster), "calibration", "runs",
+    "produced_by", "machine_load", "date"}."""
+    from course_lib.model import GPTConfig
+
+    data = json.loads(pathlib.Path(path or DEFAULT_PATH).read_text())
+    data["config"] = GPTConfig(**data["config"])
+    data["cluster"] = cluster_from_dict(data["cluster"])
+    return data
