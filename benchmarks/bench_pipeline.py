@@ -22,23 +22,20 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from summary import record  # noqa: E402  (benchmarks/ is not a package)
+from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
 
-from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
 from course_lib.parallel.pp.native import train_native  # noqa: E402
 from course_lib.parallel.pp.training import check_pipeline, train_pipeline  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
 
-WARMUP = 1
 TARGET_TORCH = 1.2  # course 1F1B / torch 1F1B
 RUNS = {  # name -> (implementation, schedule, virtual stages)
     "course GPipe": ("course", "gpipe", 1),
@@ -55,7 +52,7 @@ RATIOS = {  # label -> (numerator, denominator, target, better)
 }
 
 
-def one_round(config, cfg, m, order, action_seconds):
+def one_round(config, cfg, m, action_seconds, order):
     """Rank code: train with every variant of `order` in turn; step seconds per variant."""
     out = {}
     for name in order:
@@ -65,19 +62,6 @@ def one_round(config, cfg, m, order, action_seconds):
         else:
             out[name] = train_pipeline(config, cfg, schedule, m, v, action_seconds=action_seconds).step_seconds
     return out
-
-
-def quartiles(values):
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return q[0], q[1], q[2]
-
-
-def verdict(lo, mid, hi, target, better):
-    if target is None:
-        return ""
-    if lo <= target <= hi:
-        return "inconclusive (target inside the spread)"
-    return "met" if (mid <= target if better == "lower" else mid >= target) else "MISSED"
 
 
 def main(argv=None):
@@ -108,27 +92,10 @@ def main(argv=None):
     names = list(RUNS)
     # check_collectives off: torch's schedules pair their own send/recv (and it would distort timings).
     kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False)
-    run_on_ranks(one_round, config, TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False), m, names, pad,
-                 **kw)  # warm the ranks
-    per_round = []
     start = time.perf_counter()
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        res = run_on_ranks(one_round, config, cfg, m, order, pad, **kw)
-        per_round.append({name: statistics.median(max(rank[name][s] for rank in res) for s in range(WARMUP, cfg.steps))
-                          for name in names})
-    print(f"\n{'variant':<34}{'median step (ms)':>18}{'quartiles (ms)':>20}")
-    for name in names:
-        lo, mid, hi = quartiles([r[name] for r in per_round])
-        print(f"{name:<34}{mid * 1e3:>18.1f}{f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>20}")
-    print("\nratios, paired per round (median, interquartile spread):")
-    for label, (num, den, target, better) in RATIOS.items():
-        lo, mid, hi = quartiles([r[num] / r[den] for r in per_round])
-        goal = "" if target is None else f"target <= {target:g}"
-        print(f"  {label:<42} {mid:6.3f}x  ({lo:.3f}-{hi:.3f})  {goal:<14} {verdict(lo, mid, hi, target, better)}")
-        if not args.no_record:
-            record("bench_pipeline", label, mid, target=target, better=better, spread=(lo, hi))
-    print(f"\n{time.perf_counter() - start:.0f} s")
+    warm = TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False)
+    per_round = run_rounds(one_round, names, args.rounds, (config, cfg, m, pad), (config, warm, m, pad), **kw)
+    report("bench_pipeline", per_round, RATIOS, save=not args.no_record, started=start)
 
 
 if __name__ == "__main__":

@@ -21,22 +21,19 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from summary import record  # noqa: E402  (benchmarks/ is not a package)
+from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
 
-from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
 from course_lib.parallel.tp.training import train_tensor_parallel  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
 
-WARMUP = 2
 TARGET = 1.2  # course TP / DTensor TP
 RUNS = {  # name -> (sequence_parallel, impl)
     "course TP": (False, "course"),
@@ -55,19 +52,6 @@ RATIOS = {  # label -> (numerator, denominator, target, better)
 def one_round(config, cfg, order):
     """Rank code: train every variant of `order` in turn; step seconds per variant."""
     return {name: train_tensor_parallel(config, cfg, RUNS[name][0], RUNS[name][1]).step_seconds for name in order}
-
-
-def quartiles(values):
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return q[0], q[1], q[2]
-
-
-def verdict(lo, mid, hi, target, better):
-    if target is None:
-        return ""
-    if lo <= target <= hi:
-        return "inconclusive (target inside the spread)"
-    return "met" if (mid <= target if better == "lower" else mid >= target) else "MISSED"
 
 
 def main(argv=None):
@@ -91,27 +75,10 @@ def main(argv=None):
     # Timing runs: no collective checks (their extra all-gathers would be timed too); DTensor's
     # collectives are below the Python API anyway. The tests run the same code with checks on.
     kw = dict(world_size=args.tp, timeout_s=600, check_collectives=False)
-    run_on_ranks(one_round, config, TrainConfig(steps=1, batch_size=args.batch_size, progress=False), names, **kw)
-    per_round = []
     start = time.perf_counter()
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        res = run_on_ranks(one_round, config, cfg, order, **kw)
-        per_round.append({name: statistics.median(max(rank[name][s] for rank in res) for s in range(WARMUP, cfg.steps))
-                          for name in names})
-
-    print(f"\n{'variant':<24}{'median step (ms)':>18}{'quartiles (ms)':>20}")
-    for name in names:
-        lo, mid, hi = quartiles([r[name] for r in per_round])
-        print(f"{name:<24}{mid * 1e3:>18.1f}{f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>20}")
-    print("\nratios, paired per round (median, interquartile spread):")
-    for label, (num, den, target, better) in RATIOS.items():
-        lo, mid, hi = quartiles([r[num] / r[den] for r in per_round])
-        goal = "" if target is None else f"target {'<=' if better == 'lower' else '>='} {target:g}"
-        print(f"  {label:<32} {mid:6.3f}x  ({lo:.3f}-{hi:.3f})  {goal:<14} {verdict(lo, mid, hi, target, better)}")
-        if not args.no_record:
-            record("bench_tensor_parallel", label, mid, target=target, better=better, spread=(lo, hi))
-    print(f"(measured in {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.1f})")
+    warm = TrainConfig(steps=1, batch_size=args.batch_size, progress=False)
+    per_round = run_rounds(one_round, names, args.rounds, (config, cfg), (config, warm), **kw)
+    report("bench_tensor_parallel", per_round, RATIOS, save=not args.no_record, started=start)
 
 
 if __name__ == "__main__":

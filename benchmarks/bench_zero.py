@@ -21,24 +21,20 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_data_parallel import quartiles, verdict  # noqa: E402  (benchmarks/ is not a package)
-from summary import record  # noqa: E402
+from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
 
-from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
 from course_lib.parallel.zero import train_zero  # noqa: E402
 from course_lib.parallel.zero.native import train_native  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
 
-WARMUP = 2
 RUNS = {  # name -> rank-side function(config, cfg) -> TrainResult
     "course stage 0 (DDP)": lambda c, cfg: train_zero(c, cfg, 0),
     "course stage 1": lambda c, cfg: train_zero(c, cfg, 1),
@@ -83,27 +79,10 @@ def main(argv=None):
     # check_collectives=False: DDP and FSDP2 issue their collectives from C++ (the check would
     # see only part of them), and the check's extra all-gather per call would distort the timings.
     kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False, backend="gloo")
-    run_on_ranks(one_round, config, TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False), names, **kw)
-    per_round = []
     start = time.perf_counter()
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        res = run_on_ranks(one_round, config, cfg, order, **kw)
-        per_round.append({name: statistics.median(max(rank[name][s] for rank in res) for s in range(WARMUP, cfg.steps))
-                          for name in names})
-
-    print(f"\n{'variant':<34}{'median step (ms)':>18}{'quartiles (ms)':>20}")
-    for name in names:
-        lo, mid, hi = quartiles([r[name] for r in per_round])
-        print(f"{name:<34}{mid * 1e3:>18.1f}{f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>20}")
-    print("\nratios, paired per round (median, interquartile spread):")
-    for label, (num, den, target, better) in RATIOS.items():
-        lo, mid, hi = quartiles([r[num] / r[den] for r in per_round])
-        goal = "" if target is None else f"target {'<=' if better == 'lower' else '>='} {target:g}"
-        print(f"  {label:<48} {mid:6.3f}x  ({lo:.3f}-{hi:.3f})  {goal:<14} {verdict(lo, mid, hi, target, better)}")
-        if not args.no_record:
-            record("bench_zero", label, mid, target=target, better=better, spread=(lo, hi))
-    print(f"\n{args.rounds} rounds in {time.perf_counter() - start:.0f} s")
+    warm = TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False)
+    per_round = run_rounds(one_round, names, args.rounds, (config, cfg), (config, warm), **kw)
+    report("bench_zero", per_round, RATIOS, save=not args.no_record, started=start)
 
 
 if __name__ == "__main__":
