@@ -27,22 +27,19 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from summary import record  # noqa: E402  (benchmarks/ is not a package)
+from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
 
-from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
 from course_lib.parallel.dp.training import train_data_parallel  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
 
-WARMUP = 2
 TARGET = 1.10  # ours / torch DDP
 RUNS = {  # name -> (strategy, DDP keyword arguments)
     "torch DDP, 25 MB buckets": ("torch", {}),
@@ -66,18 +63,6 @@ def one_round(config, cfg, order):
     return {name: train_data_parallel(config, cfg, RUNS[name][0], **RUNS[name][1]).step_seconds for name in order}
 
 
-def quartiles(values):
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return q[0], q[1], q[2]
-
-
-def verdict(lo, mid, hi, target, better):
-    if target is None:
-        return ""
-    if lo <= target <= hi:
-        return "inconclusive (target inside the spread)"
-    return "met" if (mid <= target if better == "lower" else mid >= target) else "MISSED"
-
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -99,26 +84,10 @@ def main(argv=None):
           f"{args.micro_batch} x {config.block_size} tokens per rank per step; {args.rounds} rounds")
     names = list(RUNS)
     kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False)
-    run_on_ranks(one_round, config, TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False), names, **kw)  # warm
-    per_round = []  # one {name: seconds per step} per round
     start = time.perf_counter()
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        res = run_on_ranks(one_round, config, cfg, order, **kw)
-        per_round.append({name: statistics.median(max(rank[name][s] for rank in res) for s in range(WARMUP, cfg.steps))
-                          for name in names})
-
-    print(f"\n{'strategy':<36}{'median step (ms)':>18}{'quartiles (ms)':>20}")
-    for name in names:
-        lo, mid, hi = quartiles([r[name] for r in per_round])
-        print(f"{name:<36}{mid * 1e3:>18.1f}{f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>20}")
-    print("\nratios, paired per round (median, interquartile spread):")
-    for label, (num, den, target, better) in RATIOS.items():
-        lo, mid, hi = quartiles([r[num] / r[den] for r in per_round])
-        goal = "" if target is None else f"target {'<=' if better == 'lower' else '>='} {target:g}"
-        print(f"  {label:<48} {mid:6.3f}x  ({lo:.3f}-{hi:.3f})  {goal:<14} {verdict(lo, mid, hi, target, better)}")
-        if not args.no_record:
-            record("bench_data_parallel", label, mid, target=target, better=better, spread=(lo, hi))
+    warm = TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False)
+    per_round = run_rounds(one_round, names, args.rounds, (config, cfg), (config, warm), **kw)
+    report("bench_data_parallel", per_round, RATIOS, save=not args.no_record)
     print(f"(measured in {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.1f})")
 
 

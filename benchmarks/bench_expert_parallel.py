@@ -36,6 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from rounds import quartiles  # noqa: E402
 from summary import record  # noqa: E402  (benchmarks/ is not a package)
 
 from course_lib import run_on_ranks  # noqa: E402
@@ -57,10 +58,6 @@ def one_round(config, cfg, order):
         out[layout] = (res.step_seconds, a2a / cfg.steps)
     return out
 
-
-def quartiles(values):
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return q[0], q[1], q[2]
 
 
 def main(argv=None):
