@@ -136,3 +136,68 @@ def test_train_3d_demo_rejects_a_bad_layout_with_its_rule_and_no_traceback(args,
                           text=True, timeout=120, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"train_3d: bad layout: {rule}"
+
+
+# ---------------------------------------------------------------- topology: placement and traffic
+from course_lib.parallel import mesh_groups  # noqa: E402
+from course_lib.parallel import topology  # noqa: E402
+
+
+@pytest.mark.parametrize("sizes", [dict(pp=2, dp=2, ep=1, tp=2), dict(pp=1, dp=2, ep=2, tp=2), dict(pp=4, dp=1, ep=2, tp=1)])
+def test_topology_aware_order_is_make_meshs_layout(sizes):
+    world = sizes["pp"] * sizes["dp"] * sizes["ep"] * sizes["tp"]
+    assert topology.groups(sizes) == mesh_groups(world, **sizes)
+    for rank in range(world):
+        assert topology.rank_of(topology.coordinates(rank, sizes), sizes) == rank
+    naive = topology.groups(sizes, topology.NAIVE)
+    if sizes["tp"] > 1 and sizes["pp"] > 1:
+        assert naive["tp"] != mesh_groups(world, **sizes)["tp"]
+
+
+def test_which_link_each_dimension_crosses():
+    sizes = dict(pp=2, dp=2, ep=1, tp=2)  # 8 ranks, 4 GPUs per node: two nodes
+    aware = {d: topology.link_of(d, sizes, 4) for d in sizes}
+    naive = {d: topology.link_of(d, sizes, 4, topology.NAIVE) for d in sizes}
+    assert aware == {"pp": "inter", "dp": "intra", "ep": "none", "tp": "intra"}
+    assert naive == {"pp": "intra", "dp": "intra", "ep": "none", "tp": "inter"}
+    big = dict(pp=16, dp=8, ep=1, tp=8)  # 1024 GPUs, 8 per node
+    assert [topology.link_of(d, big, 8) for d in ("tp", "dp", "pp")] == ["intra", "inter", "inter"]
+    with pytest.raises(ValueError, match=r"order=\('tp', 'dp'\) must be a permutation"):
+        topology.groups(sizes, ("tp", "dp"))
+
+
+def test_topology_aware_order_beats_the_naive_one_on_a_1024_gpu_cluster():
+    from course_lib.estimate.params import LLAMA3_405B
+
+    dims = ParallelDims(dp=8, tp=8, pp=16, microbatches=16)
+    times = topology.compare_orders(LLAMA3_405B, dims, batch_size=128, seq=8192)
+    assert times["topology_aware"] < times["naive"] / 5
+    rows = {r["dim"]: r for r in topology.placement(LLAMA3_405B, dims, 128, seq=8192)}
+    assert rows["tp"]["link"] == "intra" and rows["pp"]["link"] == "inter"
+    assert rows["tp"]["bytes_per_rank"] > rows["pp"]["bytes_per_rank"]  # why tp gets NVLink
+
+
+def _measured(results):
+    out = {}
+    for r in results:
+        for dim, row in r.traffic.items():
+            out[dim] = out.get(dim, 0) + row["bytes_sent"]
+    return out
+
+
+@pytest.mark.parametrize("which, kw", [("dense", dict(dp=2, tp=2, pp=2, zero=1, microbatches=2)),
+                                       ("moe", dict(pp=2, dp=2, ep=2, zero=1, microbatches=2)),
+                                       ("dense", dict(dp=4, tp=2, zero=1, sequence_parallel=True))])
+def test_traffic_of_each_dimension_measured_against_the_model(request, which, kw):
+    config, dims = request.getfixturevalue(which), ParallelDims(**kw)
+    one_step = replace(TRAIN, steps=1)
+    measured = _measured(run_hybrid(dims, config, one_step, trace=True, timeout_s=240))
+    model = topology.traffic_per_step(config, dims, one_step.batch_size)
+    assert set(measured) == set(model) | {"world"}  # world: the one all-reduce of the squared norm
+    assert measured["world"] == 8 * dims.world_size
+    for dim in ("tp", "pp", "ep"):
+        if dim in model:
+            assert measured[dim] == model[dim]["bytes_sent"], dim
+    # ZeRO-1's flat units are padded to a multiple of dp: at most dp-1 elements per unit and rank
+    slack = 2 * (dims.dp - 1) * (dims.dp + 1) * 4 * dims.world_size
+    assert model["dp"]["bytes_sent"] <= measured["dp"] <= model["dp"]["bytes_sent"] + slack
