@@ -62,7 +62,7 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
     n = cluster.n_gpus
     out = []
     for tp in divisors(n):
-        if tp > max_tp or base.n_head % tp or ff_dim(base) % tp:
+        if tp > max_tp or base.n_head % tp or ff_dim(base) % tp or getattr(base, "n_kv_head", tp) % tp:
             continue
         for pp in divisors(n // tp):
             if base.n_layer % pp:
