@@ -13,6 +13,8 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+# The notebooks under test (default: the repository's; another folder checks a variant, e.g. a broken one).
+NOTEBOOKS = pathlib.Path(os.environ.get("COURSE_BROWSER_NOTEBOOKS", REPO / "notebooks")).resolve()
 if not os.environ.get("COURSE_BROWSER_TEST"):
     collect_ignore_glob = ["test_*.py"]
 sys.path.insert(0, str(HERE))
@@ -32,7 +34,7 @@ def lab():
     L.install_signal_handlers()
     L.find_chromium()  # a clear message before anything starts
     try:
-        with L.Lab(REPO) as server:
+        with L.Lab(REPO, notebooks=NOTEBOOKS) as server:
             yield server
     finally:
         L.stop_all()
@@ -55,3 +57,11 @@ def page(browser):
     p.on("pageerror", lambda e: p.console_errors.append(f"pageerror: {e}"))
     yield p
     p.close()
+
+
+@pytest.fixture
+def lab_page(lab, page):
+    """A tab on JupyterLab; afterwards its kernels are shut down (their rank processes with them),
+    so that notebooks tested later do not share the cores with idle kernels."""
+    yield page
+    lab.shutdown_kernels()

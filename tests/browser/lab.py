@@ -125,8 +125,9 @@ def install_signal_handlers() -> None:
 class Lab:
     """JupyterLab on a copy of the repository's notebooks/ and exercises/."""
 
-    def __init__(self, repo: pathlib.Path, start_timeout_s: float = 90):
+    def __init__(self, repo: pathlib.Path, notebooks: pathlib.Path | None = None, start_timeout_s: float = 90):
         self.repo, self.start_timeout_s = pathlib.Path(repo), start_timeout_s
+        self.notebooks = pathlib.Path(notebooks) if notebooks else self.repo / "notebooks"
         self.token = secrets.token_hex(16)
         self.port = free_port()
         self.proc = None
@@ -146,8 +147,8 @@ class Lab:
     def __enter__(self):
         self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="course-browser-"))
         root = self.tmp / "root"
-        for name in ("notebooks", "exercises"):
-            shutil.copytree(self.repo / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "src"))
+        for name, src in (("notebooks", self.notebooks), ("exercises", self.repo / "exercises")):
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__", "src"))
         for plugin, values in SETTINGS.items():
             path = self.tmp / "settings" / f"{plugin}.jupyterlab-settings"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,13 +182,17 @@ class Lab:
         except OSError:
             return ""
 
+    def shutdown_kernels(self) -> None:
+        """Shut every kernel down through the server (their rank processes stop with them), bounded."""
+        try:
+            for k in self.api("kernels", timeout_s=5) or []:
+                self.api(f"kernels/{k['id']}", method="DELETE", timeout_s=15)
+        except Exception:
+            pass
+
     def __exit__(self, *exc):
         if self.proc is not None:
-            try:  # shut the kernels down cleanly first (their ranks stop with them), bounded
-                for k in self.api("kernels", timeout_s=5) or []:
-                    self.api(f"kernels/{k['id']}", method="DELETE", timeout_s=10)
-            except Exception:
-                pass
+            self.shutdown_kernels()
             stop(self.proc)
             self.log.close()
         if not os.environ.get("COURSE_BROWSER_KEEP_TMP"):

@@ -3,7 +3,7 @@ the one line, with every network request refused."""
 
 import pytest
 
-from conftest import REPO
+from conftest import NOTEBOOKS, REPO
 from course_lib.widgets import RUN_TO_INTERACT
 from registry import WIDGETS
 
@@ -16,7 +16,7 @@ def exported(tmp_path_factory):
     import export_html
 
     out = tmp_path_factory.mktemp("html")
-    export_html.main(["--out", str(out)] + [str(REPO / "notebooks" / f"{n}.ipynb") for n in sorted(WIDGETS)])
+    export_html.main(["--out", str(out)] + [str(NOTEBOOKS / f"{n}.ipynb") for n in sorted(WIDGETS)])
     return out
 
 

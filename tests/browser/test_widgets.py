@@ -16,7 +16,7 @@ import re
 import pytest
 
 import drive
-from conftest import REPO
+from conftest import NOTEBOOKS
 from course_lib.widgets import RUN_TO_INTERACT, WIDGET_VIEW_MIME
 from registry import TYPED, WIDGETS
 
@@ -37,11 +37,11 @@ def _widget_cells(path):
 
 
 def test_every_notebook_with_a_widget_is_registered():
-    with_widgets = {p.stem for p in (REPO / "notebooks").glob("*.ipynb") if _widget_cells(p)}
+    with_widgets = {p.stem for p in NOTEBOOKS.glob("*.ipynb") if _widget_cells(p)}
     missing = with_widgets - set(WIDGETS)
     assert not missing, f"notebooks with widgets missing from tests/browser/registry.py: {sorted(missing)}"
     for name in WIDGETS:
-        outputs = _widget_cells(REPO / "notebooks" / f"{name}.ipynb")
+        outputs = _widget_cells(NOTEBOOKS / f"{name}.ipynb")
         assert len(outputs) == len(WIDGETS[name]), f"{name}: {len(outputs)} widget outputs, registered {len(WIDGETS[name])}"
         for o in outputs:  # shown through show_interactive: a static fallback in the same bundle
             assert RUN_TO_INTERACT in o["data"].get("text/html", ""), f"{name}: a widget not shown with show_interactive"
@@ -52,7 +52,8 @@ def _slug(text):
 
 
 @pytest.mark.parametrize("name", sorted(WIDGETS))
-def test_widgets_in_the_browser(name, lab, page, artifacts):
+def test_widgets_in_the_browser(name, lab, lab_page, artifacts):
+    page = lab_page
     out = artifacts / name
     out.mkdir(parents=True, exist_ok=True)
     entries = _entries(name)
