@@ -3,14 +3,14 @@ it, and MFU (notebook 10).
 
     profile_on_ranks(train_fn, *args, world_size, out_dir)   run train_fn on the ranks under
                                    torch.profiler; rank r writes out_dir/rank{r}.json
-    trace_timeline(path)           the trace's top-level CPU ops as Timeline events
-                                   [(name, start, end, category)], for plot_gantt
+    trace_timeline(path)           the trace's top-level CPU ops and its collectives as
+                                   Timeline events [(name, start, end, category)], for plot_gantt
     mfu(flops, seconds, n_devices, peak_flops)
     step_mfu(result, flops_per_step, n_devices, peak_flops)   per step of a TrainResult
 
 The traces open in https://ui.perfetto.dev or chrome://tracing. trace_timeline keeps, on each
 thread, the ops not nested inside another op (what the thread was doing at each moment) and
-labels them "communication" (collectives, send/recv: names holding gloo/c10d/all_reduce/...),
+the outermost collectives, labelled "communication" (collectives, send/recv: names holding gloo/c10d/all_reduce/...),
 "backward" (autograd's engine and its ops) or "compute".
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022) = model FLOPs per second / peak FLOP/s,
@@ -68,8 +68,10 @@ def classify(name: str) -> str:
 
 
 def trace_timeline(path, min_seconds: float = 0.0) -> list[tuple[str, float, float, str]]:
-    """Top-level complete events ("ph": "X") of every thread of a Chrome trace, as
-    (name, start_s, end_s, category), sorted by start; shorter than min_seconds dropped."""
+    """Complete events ("ph": "X") of a Chrome trace as (name, start_s, end_s, category), sorted
+    by start: on each thread the top-level ops, plus every collective even when nested inside
+    one (DDP's all-reduce runs inside a backward op), so it is drawn over it. Events shorter
+    than min_seconds are dropped."""
     data = json.loads(pathlib.Path(path).read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
     by_thread: dict = {}
@@ -79,12 +81,16 @@ def trace_timeline(path, min_seconds: float = 0.0) -> list[tuple[str, float, flo
     out = []
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        end = float("-inf")
+        top_end = comm_end = float("-inf")
         for e in evs:
-            if e["ts"] >= end:  # not nested in the previous top-level op
-                end = e["ts"] + e["dur"]
-                if e["dur"] * 1e-6 >= min_seconds:
-                    out.append((e["name"], e["ts"] * 1e-6, end * 1e-6, classify(e["name"])))
+            end, category = e["ts"] + e["dur"], classify(e["name"])
+            keep = False
+            if e["ts"] >= top_end:  # not nested in the previous top-level op
+                top_end, keep = end, True
+            if category == "communication" and e["ts"] >= comm_end:  # the outermost collective
+                comm_end, keep = end, True
+            if keep and e["dur"] * 1e-6 >= min_seconds:
+                out.append((e["name"], e["ts"] * 1e-6, end * 1e-6, category))
     if not out:
         raise ValueError(f"{path}: no complete CPU events in this trace")
     return sorted(out, key=lambda e: e[1])
