@@ -13,7 +13,7 @@ A notebook whose outputs contain a widget but which is missing here fails the te
 from course_lib.checkpoint import viz as checkpoint_interval_viz
 from course_lib.comm import ringviz
 from course_lib.data import VOCAB_SIZE
-from course_lib.estimate import calculator
+from course_lib.estimate import calculator, planner_figures
 from course_lib.model import GPTConfig
 from course_lib.parallel.dp import bucketviz
 from course_lib.parallel.ep import figures as ep_figures
@@ -31,6 +31,7 @@ WIDGETS = {
     "05_tensor_parallel": [lambda: layer_widget(calculator.E.GPT3_175B, 8, False)],
     "07_mixture_of_experts": [lambda: ep_figures.load_widget()],
     "08_zero_fsdp": [lambda: zero_viz.zero_widget()],
+    "10_performance_model": [lambda: planner_figures.planner_widget()],
     "11_checkpoints_elastic": [lambda: checkpoint_interval_viz.interval_widget(30.0, 16384)],
 }
 
