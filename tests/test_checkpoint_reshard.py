@@ -109,15 +109,23 @@ def tp_train_and_save(model_config, path, steps_before, steps_after):
         train_step(model, opt, *get_batch(ds, 8, gen), 1.0, clip_grad_norm=lambda c: clip_grad_norm_(model, c))
     save_training_state(path, steps_before, model, opt, "tp", gen)
     saved = gather_full_state_dict(model)
+    fresh = apply_tensor_parallel(GPT(model_config, seed=7))  # the round trip at the same layout
+    fresh_opt = make_optimizer(fresh, cfg(1))
+    load_training_state(path, fresh, fresh_opt, "tp")
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters())) and all(
+        torch.equal(opt.state[p][k], fresh_opt.state[q][k])
+        for p, q in zip(model.parameters(), fresh.parameters()) for k in opt.state[p])
     for _ in range(steps_after):
         train_step(model, opt, *get_batch(ds, 8, gen), 1.0, clip_grad_norm=lambda c: clip_grad_norm_(model, c))
-    return saved, gather_full_state_dict(model)
+    return saved, gather_full_state_dict(model), same
 
 
-def test_tensor_parallel_checkpoint_loads_into_one_process(tmp_path):
+def test_tensor_parallel_checkpoint_round_trip_and_into_one_process(tmp_path):
     c = config()
     path = tmp_path / "tp"
-    (saved, final), _ = run_on_ranks(tp_train_and_save, c, str(path), 2, 2, world_size=2, timeout_s=180)
+    results = run_on_ranks(tp_train_and_save, c, str(path), 2, 2, world_size=2, timeout_s=180)
+    assert [r[2] for r in results] == [True, True]  # bit-exact at tp=2: shards and Adam state
+    saved, final, _ = results[0]
     reader = CheckpointReader(path)
     qkv = reader.tensors["model.blocks.0.attn.qkv.weight"]
     assert qkv["shape"] == [3 * c.d_model, c.d_model] and len(qkv["pieces"]) == 6  # Q, K, V runs of 2 ranks
