@@ -201,3 +201,14 @@ def test_traffic_of_each_dimension_measured_against_the_model(request, which, kw
     # ZeRO-1's flat units are padded to a multiple of dp: at most dp-1 elements per unit and rank
     slack = 2 * (dims.dp - 1) * (dims.dp + 1) * 4 * dims.world_size
     assert model["dp"]["bytes_sent"] <= measured["dp"] <= model["dp"]["bytes_sent"] + slack
+
+
+def test_mesh_widget_offers_only_valid_layouts_and_rejects_others():
+    from course_lib.parallel.hybrid import figures
+    from course_lib.widgets import render
+
+    assert all(s["pp"] * s["dp"] * s["ep"] * s["tp"] == 8 for s in figures.LAYOUTS) and len(figures.LAYOUTS) == 20
+    view = figures.mesh_view()
+    assert view.valid and "memory per rank" in view.caption and "tp innermost" in view.caption
+    bad = render(figures.draw_mesh, figures.FIGSIZE, layout="pp 3 · dp 1 · ep 1 · tp 3")
+    assert not bad.valid and "must be one of" in bad.caption

@@ -159,23 +159,30 @@ def padded_vocab(config, tp: int) -> int:
 
 
 def total_params(config) -> int:
-    """Every parameter once (the course's MoE GPT counted from the module: its experts)."""
-    from course_lib.estimate.params import param_count
+    """Every parameter once; the course's MoE GPT: the dense count with each MLP replaced by
+    n_experts MLPs and a router (d x E, no bias)."""
+    from dataclasses import replace
 
-    if getattr(config, "n_experts", 0):
-        from course_lib.model import GPT
+    from course_lib.estimate.params import param_breakdown, param_count
 
-        return sum(p.numel() for p in GPT(config).parameters())
-    return param_count(config)
+    experts = getattr(config, "n_experts", 0)
+    if not experts:
+        return param_count(config)
+    dense = replace(config, n_experts=0)
+    mlp = param_breakdown(dense)["mlp"]
+    return param_count(dense) + config.n_layer * (mlp * (experts - 1) + config.d_model * experts)
 
 
 def dense_params(config) -> int:
     """Parameters outside the experts (all of them for a dense model)."""
-    if not getattr(config, "n_experts", 0):
-        return total_params(config)
-    from course_lib.model import GPT
+    from course_lib.estimate.params import param_breakdown
 
-    return sum(p.numel() for name, p in GPT(config).named_parameters() if ".experts." not in name)
+    experts = getattr(config, "n_experts", 0)
+    if not experts:
+        return total_params(config)
+    from dataclasses import replace
+
+    return total_params(config) - config.n_layer * experts * param_breakdown(replace(config, n_experts=0))["mlp"]
 
 
 def replica_group_params(config, dims) -> int:

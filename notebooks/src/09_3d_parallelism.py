@@ -1,0 +1,332 @@
+# %% [markdown]
+# # 09 · 3D and 4D parallelism on one device mesh
+#
+# Notebooks 03-08 built each strategy alone: data parallelism (DP) splits the batch, tensor
+# parallelism (TP) the weight matrices, pipeline parallelism (PP) the layers, expert
+# parallelism (EP) the experts, ZeRO the optimizer state. A frontier run uses all of them at
+# once: Llama 3 405B trained on 16,384 H100s with TP 8 × PP 16 × DP 128 (Dubey et al. 2024),
+# Megatron-LM's 1T-parameter run with TP 8 × PP 64 × DP 6 (Narayanan et al. 2021). This
+# notebook composes the course's own strategies on **one device mesh**, proves the composition
+# trains exactly the single-process model, measures what each dimension sends, and shows why
+# the *order* of the mesh dimensions decides whether a run is fast on a real cluster.
+#
+# **After this notebook you can**
+#
+# * say which dimension splits what (batch, weights, layers, experts, optimizer state) and in
+#   which order the strategies are applied to one model;
+# * read a rank's coordinates `(pp, dp, ep, tp)` and its four groups off the mesh;
+# * check every layout rule before a rank starts, and name the rule a bad layout breaks;
+# * compute a global gradient norm in which every shard counts exactly once;
+# * predict each dimension's bytes per step, measure them, and say which link carries them;
+# * explain why tp goes innermost (NVLink) and pp outermost (InfiniBand), and work through the
+#   Llama 3 405B layout with the course's estimator.
+
+# %%
+%matplotlib inline
+from dataclasses import replace
+
+import torch
+
+from course_lib import run_on_ranks
+from course_lib.data import CharDataset
+from course_lib.estimate import per_gpu_memory
+from course_lib.estimate.clusters import PUBLISHED
+from course_lib.estimate.step_time import step_time
+from course_lib.model import GPTConfig
+from course_lib.parallel import make_mesh, mesh_groups, topology
+from course_lib.parallel.hybrid import ParallelDims, merged_params, run_hybrid, train_single
+from course_lib.parallel.hybrid import figures as mesh_figures
+from course_lib.train import TrainConfig
+from course_lib.units import fmt_bytes
+from course_lib.widgets import show_interactive
+
+SEQ = 16
+VOCAB = CharDataset("train", SEQ).vocab_size
+# A deliberately tiny model: 8 CPU ranks share 2 cores here, and every claim below is about
+# equality and bytes, which do not need a big model.
+DENSE = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, d_model=16)
+MOE = replace(DENSE, n_experts=4, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0)
+TRAIN = TrainConfig(steps=2, batch_size=8, lr=1e-2, grad_clip=0.05, progress=False)
+print(DENSE)
+
+# %% [markdown]
+# ## 1. What each dimension splits, and the order of composition
+#
+# | dimension | splits | what it sends per step | notebook |
+# |---|---|---|---|
+# | **tp** | every weight matrix (heads, `d_ff`, vocabulary) | 4 all-reduces of the activations per layer | 05 |
+# | **pp** | the layers, into `pp × v` stages | activations forward, their gradients backward, point to point | 06 |
+# | **ep** | the experts of every MoE layer (and the batch) | 4 all-to-alls of the routed tokens per MoE layer | 07 |
+# | **dp** | the batch; with ZeRO-1 the optimizer state too | one gradient reduce-scatter + parameter all-gather | 03, 08 |
+#
+# The composition is an ordered list of the same `apply_*` calls the earlier notebooks used,
+# on the groups of one mesh from `make_mesh(dp, tp, pp, ep)`:
+#
+# 1. `apply_tensor_parallel(model, mesh["tp"])`: inside every block (innermost: the most traffic);
+# 2. `apply_expert_parallel(model, mesh["ep"])`: each MoE layer keeps `E/ep` experts;
+# 3. `build_stage(model, mesh["pp"])`: this rank keeps its blocks, the embedding on stage 0,
+#    the head on the last stage (a TP-sharded block is just a block to the pipeline);
+# 4. ZeRO-1 (`ShardedOptimizer`) over `mesh["dp"]`: each replica's optimizer state sharded.
+#
+# The mesh numbers ranks with tp varying fastest:
+# `rank = ((pp_i · dp + dp_i) · ep + ep_i) · tp + tp_i`.
+
+# %% [markdown]
+# ## 2. The mesh as a picture
+#
+# Predict before running: with `dp=2, tp=2, pp=2` on 8 ranks, which ranks form rank 5's tp
+# group, its dp group and its pp group?
+#
+# <details><summary>Answer</summary>
+#
+# Rank 5 = (pp 1, dp 0, ep 0, tp 1). tp varies fastest: tp group {4, 5}. dp has stride
+# `ep · tp = 2`: {5, 7}. pp has stride `dp · ep · tp = 4`: {1, 5}.
+# </details>
+
+# %%
+SIZES = dict(pp=2, dp=2, ep=1, tp=2)
+
+
+def my_groups(dp, tp, pp, ep):
+    """Rank code: this rank's coordinates and the ranks of each of its groups, from make_mesh."""
+    import torch.distributed as dist
+
+    mesh = make_mesh(dp=dp, tp=tp, pp=pp, ep=ep)
+    return {d: (dist.get_rank(mesh[d].get_group()), dist.get_process_group_ranks(mesh[d].get_group()))
+            for d in ("pp", "dp", "ep", "tp")}
+
+
+real = run_on_ranks(my_groups, world_size=8, timeout_s=120, **{k: v for k, v in SIZES.items()})
+print("rank 5:", {d: f"index {i}, group {g}" for d, (i, g) in real[5].items()})
+pure = mesh_groups(8, **SIZES)
+assert all(sorted(real[r][d][1]) in pure[d] for r in range(8) for d in pure)
+assert pure == topology.groups(SIZES)  # the pure-Python model of the same numbering
+assert real[5]["tp"][1] == [4, 5] and real[5]["dp"][1] == [5, 7] and real[5]["pp"][1] == [1, 5]
+
+# %% [markdown]
+# Each row below is one dimension; ranks of the same colour form one group; the grey boxes are
+# nodes of 4 GPUs. tp and dp groups stay inside a node, pp groups cross between the nodes.
+
+# %%
+view = mesh_figures.mesh_view()
+print(view.caption)
+from IPython.display import Image, display  # noqa: E402
+
+display(Image(view.png))
+
+# %% [markdown]
+# ## 3. Three dimensions at once, exactly the single process
+#
+# `run_hybrid(ParallelDims(dp=2, tp=2, pp=2, zero=1, microbatches=2), ...)` starts 8 ranks; each
+# builds the same GPT from the seed, applies the composition, and trains on its replica's
+# share of the same global batches the single process draws. The gradient clip threshold is
+# small so that **every step clips**: the global norm must be right, not just the gradients.
+#
+# Predict: equal losses to about 1e-6, or only close?
+#
+# <details><summary>Answer</summary>
+#
+# Equal up to fp32 rounding (sums taken in another order): TP's shards, the pipeline's
+# micro-batches and ZeRO's reduce-scatter each compute the same mean gradient, and the clip
+# uses the same global norm. A wrong weight in the norm (a replicated LayerNorm counted `tp`
+# times, the tied embedding counted on both the first and last stage) would already change
+# the first step's update.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+DIMS_3D = ParallelDims(dp=2, tp=2, pp=2, zero=1, microbatches=2)
+reference = train_single(DENSE, TRAIN)
+results = run_hybrid(DIMS_3D, DENSE, TRAIN, trace=True, timeout_s=240)
+for step, (a, b) in enumerate(zip(results[0].train_losses, reference.train_losses)):
+    print(f"step {step}: 3D loss {a:.6f}   single process {b:.6f}   global grad norm "
+          f"{results[0].grad_norms[step]:.6f} vs {reference.grad_norms[step]:.6f}")
+params = merged_params(results)
+worst = max((params[n] - p).abs().max().item() for n, p in reference.named_params.items())
+print(f"largest parameter difference after {TRAIN.steps} steps: {worst:.1e}")
+
+# %% tags=["nbval-ignore-output"]
+assert all(r.train_losses == results[0].train_losses for r in results)  # the loss reported once
+torch.testing.assert_close(torch.tensor(results[0].train_losses), torch.tensor(reference.train_losses),
+                           rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(torch.tensor(results[0].grad_norms), torch.tensor(reference.grad_norms), rtol=1e-5, atol=0)
+assert worst < 1e-4 and min(reference.grad_norms) > TRAIN.grad_clip
+
+# %% [markdown]
+# **One global norm.** Each strategy had its own clip; composed, a rank holds pieces of
+# several kinds. Rank `r` weights parameter `p`'s squared norm by
+#
+# $$w(p, r) = [p \text{ tp-sharded or } tp_i = 0]\,[p \text{ an expert or } ep_i = 0]\,
+# [p \text{ not the last stage's tied copy}]\,[\text{ZeRO-1 shard or } dp_i = 0]$$
+#
+# and **one** all-reduce over the world of $\sum_p w(p,r)\,\|g_p\|^2$ gives $\|g\|^2$ with
+# every element counted once (`clip_grad_norm_hybrid` in `course_lib/parallel/hybrid/compose.py`).
+
+# %% [markdown]
+# ## 4. What each dimension sends: measured against the model
+#
+# The `CommTracer` records the group of every call, so each byte can be attributed to the
+# dimension whose group carried it. `topology.traffic_per_step` gives the formulas (summed over
+# ranks): tp `R·tp·m` times Megatron's f and g, pp `2(S-1)` activation messages plus the tied
+# embedding's gradient exchange, dp ZeRO-1's reduce-scatter and all-gather of the flat shards.
+
+# %%
+def measured_by_dim(results):
+    out = {}
+    for r in results:
+        for dim, row in r.traffic.items():
+            out[dim] = out.get(dim, 0) + row["bytes_sent"]
+    return out
+
+
+def traffic_table(results, dims, config):
+    meas = measured_by_dim(results)
+    model = topology.traffic_per_step(config, dims, TRAIN.batch_size)
+    print(f"{'dimension':<10}{'measured (2 steps)':>20}{'model x 2':>14}")
+    for dim in sorted(meas):
+        expect = TRAIN.steps * model[dim]["bytes_sent"] if dim in model else None
+        print(f"{dim:<10}{fmt_bytes(meas[dim]):>20}{fmt_bytes(expect) if expect else '-':>14}")
+    return meas, model
+
+
+meas_3d, model_3d = traffic_table(results, DIMS_3D, DENSE)
+for dim in ("tp", "pp", "dp"):
+    assert meas_3d[dim] == TRAIN.steps * model_3d[dim]["bytes_sent"], dim
+
+# %% [markdown]
+# ("world" is the single all-reduce of the squared norm: 8 bytes per rank per step.) tp sends
+# the most: four activation-sized all-reduces per layer, every micro-batch. pp sends one
+# activation per stage boundary and micro-batch. dp sends the size of the model once per step.
+
+# %% [markdown]
+# ## 5. The fourth dimension: experts
+#
+# An MoE version of the same model (4 experts, top-2) on `pp 2 × dp 2 × ep 2`. The ep ranks
+# also read different data: the batch is split over `dp · ep = 4` replicas. (TP of an MoE layer
+# is not composed here: give MoE models tp = 1 and split the experts with ep.)
+
+# %% tags=["nbval-ignore-output"]
+DIMS_4D = ParallelDims(pp=2, dp=2, ep=2, zero=1, microbatches=2)
+reference_moe = train_single(MOE, TRAIN)
+results_moe = run_hybrid(DIMS_4D, MOE, TRAIN, trace=True, timeout_s=240)
+print("losses:", [f"{x:.6f}" for x in results_moe[0].train_losses], "single:",
+      [f"{x:.6f}" for x in reference_moe.train_losses])
+meas_4d, model_4d = traffic_table(results_moe, DIMS_4D, MOE)
+
+# %% tags=["nbval-ignore-output"]
+torch.testing.assert_close(torch.tensor(results_moe[0].train_losses), torch.tensor(reference_moe.train_losses),
+                           rtol=1e-5, atol=1e-6)
+assert meas_4d["ep"] == TRAIN.steps * model_4d["ep"]["bytes_sent"]
+
+# %% [markdown]
+# ## 6. Why the order of the dimensions matters
+#
+# On a real cluster, GPUs of one node share NVLink (H100: 450 GB/s each way) and nodes talk over
+# InfiniBand (NDR: 400 Gb/s = 50 GB/s per GPU), **9× slower**. Ranks are numbered node by
+# node, so the dimension that varies fastest stays inside a node. Predict: with 8 ranks on two
+# nodes of 4, which dimensions cross nodes in make_mesh's order, and in the reversed order?
+#
+# <details><summary>Answer</summary>
+#
+# make_mesh's order `(pp, dp, ep, tp)`: tp (stride 1) and dp (stride 2, span 4) stay in a node;
+# pp (stride 4) crosses. Reversed `(tp, ep, dp, pp)`: pp and dp stay in, and tp, the heaviest,
+# crosses InfiniBand.
+# </details>
+
+# %%
+for name, order in (("topology-aware", topology.TOPOLOGY_AWARE), ("naive", topology.NAIVE)):
+    print(f"{name:<15}", {d: topology.link_of(d, SIZES, 4, order) for d in ("tp", "dp", "pp")})
+assert topology.link_of("tp", SIZES, 4) == "intra" and topology.link_of("tp", SIZES, 4, topology.NAIVE) == "inter"
+
+# %% [markdown]
+# ## 7. Case study: Llama 3 405B on 16,384 H100s
+#
+# Dubey et al. (2024, Table 4) trained Llama 3 405B with TP 8 (one node), PP 16, DP 128 (and
+# context parallelism 16 for the long-context phase, not modelled here) at 38-43% MFU. The
+# course's estimator (notebooks 01 and 10) gives memory per GPU, step time and MFU for that
+# layout, and `topology.placement` says which link each dimension's traffic takes.
+
+# %%
+case = PUBLISHED["Llama 3 405B on 16k H100"]
+L = case["layout"]
+for recompute in ("none", "full"):
+    mem = per_gpu_memory(case["config"], batch=L.micro_batch, seq=case["seq"], zero_stage=L.zero_stage, dp=L.dp,
+                         tp=L.tp, pp=L.pp, sequence_parallel=True, recompute=recompute)
+    print(f"recompute {recompute:<5}: busiest GPU {fmt_bytes(mem['total'])} (model state "
+          f"{fmt_bytes(mem['params'] + mem['grads'] + mem['optimizer'])}, activations {fmt_bytes(mem['activations'])})"
+          f" vs an H100's 80 GB = 74.5 GiB")
+st = step_time(case["config"], L, case["cluster"], seq=case["seq"])
+print(f"step: {st['total']:.1f} s for {st['tokens'] / 1e6:.1f}M tokens; model MFU {st['mfu']:.0%} "
+      f"(reported: 38-43%)")
+dims_405 = ParallelDims(dp=L.dp, tp=L.tp, pp=L.pp, microbatches=L.m)
+for order_name, order in (("topology-aware", topology.TOPOLOGY_AWARE), ("naive", topology.NAIVE)):
+    rows = topology.placement(case["config"], dims_405, case["global_batch"], seq=case["seq"], order=order)
+    print(order_name, "|", "; ".join(f"{r['dim']} {fmt_bytes(r['bytes_per_rank'])}/step on {r['link_name']}: "
+                                     f"{r['seconds']:.2f} s" for r in rows))
+times = topology.compare_orders(case["config"], dims_405, case["global_batch"], seq=case["seq"])
+print(f"communication per step: topology-aware {times['topology_aware']:.1f} s, naive {times['naive']:.1f} s")
+assert times["naive"] > 3 * times["topology_aware"]
+
+# %% [markdown]
+# Read the three results:
+#
+# * **Memory.** The model state is small once it is split 8 × 16 ways and ZeRO-1 shards the
+#   optimizer over 128 replicas; the activations dominate. Without any recomputation the
+#   estimate (1F1B keeps `pp` micro-batches of 8192 tokens in flight on stage 0) is above an
+#   H100, with full recomputation far below it: such a run has to save activation memory
+#   somewhere between the two.
+# * **Time.** The estimated MFU lands under the reported 38-43% (the model charges the whole
+#   1F1B bubble and never overlaps tp with compute), the right order of magnitude.
+# * **Order.** It matters more than either: put tp across InfiniBand and its tens of GiB per
+#   step take seconds instead of a fraction of one. That is why every large run keeps tp inside
+#   the NVLink domain and lets pp, the lightest, cross nodes.
+
+# %% [markdown]
+# ## 8. Try layouts
+#
+# Choose a layout of 8 ranks, the GPUs per node and the order; see the groups, the link each
+# dimension takes, its traffic per step and the memory per rank for a 1.3B-class GPT with 8
+# experts (bf16, ZeRO-1). Try `tp 8` on nodes of 4, and the naive order with `tp 2`.
+
+# %%
+show_interactive(lambda: mesh_figures.mesh_view(), mesh_figures.mesh_widget)
+
+# %% [markdown]
+# ## 9. Layouts that cannot work
+#
+# `ParallelDims.check` rejects them in the parent, before any rank starts or waits.
+
+# %%
+for kw, world in ((dict(dp=2, tp=2), 8), (dict(dp=2, tp=4), 8), (dict(dp=2, pp=4), 8), (dict(dp=4, ep=2), 8),
+                  (dict(dp=8, microbatches=3), 8)):
+    try:
+        ParallelDims(**kw).check(world, DENSE, TRAIN.batch_size)
+    except ValueError as err:
+        print(f"{kw}: {err}")
+
+# %% [markdown]
+# ## Self-check
+#
+# 1. A run has tp 8, pp 4, dp 16 on nodes of 8 GPUs. Which groups stay inside a node?
+# 2. Why does the ZeRO-1 shard count on every dp rank in the global norm, but a LayerNorm
+#    gain only on tp rank 0?
+# 3. With `pp 2`, rank 0 and rank 4 both hold the tied embedding. What do they exchange after
+#    the backward, and why does the norm count it once?
+#
+# <details><summary>Answers</summary>
+#
+# 1. Only tp (stride 1, span 8). dp has stride 8 and pp stride 128: both cross nodes.
+# 2. After the reduce-scatter each dp rank holds a *different* slice of the mean gradient; a
+#    LayerNorm gain is replicated on every tp rank, identical, so only one copy may count.
+# 3. Each holds part of its gradient (embedding use, head use); they send each other their
+#    part and add. Both then hold the full gradient: the norm counts stage 0's copy only.
+# </details>
+
+# %%
+def coords(rank, sizes):
+    return topology.coordinates(rank, sizes)
+
+
+big = dict(pp=4, dp=16, ep=1, tp=8)
+assert [topology.link_of(d, big, 8) for d in ("tp", "dp", "pp")] == ["intra", "inter", "inter"]
+assert coords(5, SIZES) == {"pp": 1, "dp": 0, "ep": 0, "tp": 1}
+print("self-checks passed")
