@@ -17,6 +17,7 @@ from course_lib.estimate import calculator, planner_figures
 from course_lib.model import GPTConfig
 from course_lib.parallel.dp import bucketviz
 from course_lib.parallel.ep import figures as ep_figures
+from course_lib.parallel.hybrid import figures as hybrid_figures
 from course_lib.parallel.tp.figures import layer_widget
 from course_lib.parallel.zero import viz as zero_viz
 from course_lib.techniques import checkpoint_viz
@@ -31,6 +32,7 @@ WIDGETS = {
     "05_tensor_parallel": [lambda: layer_widget(calculator.E.GPT3_175B, 8, False)],
     "07_mixture_of_experts": [lambda: ep_figures.load_widget()],
     "08_zero_fsdp": [lambda: zero_viz.zero_widget()],
+    "09_3d_parallelism": [lambda: hybrid_figures.mesh_widget()],
     "10_performance_model": [lambda: planner_figures.planner_widget()],
     "11_checkpoints_elastic": [lambda: checkpoint_interval_viz.interval_widget(30.0, 16384)],
 }
