@@ -36,16 +36,22 @@ READ_STATIC = """(root) => {
 }"""
 
 
-def open_notebook(page, lab, path: str, n_static: int, timeout_s: float = 90) -> None:
-    """Open `path` as a reader of a fresh clone would, and wait until its outputs are rendered."""
+def open_notebook(page, lab, path: str, timeout_s: float = 90) -> None:
+    """Open `path` as a reader of a fresh clone would; wait for the idle kernel and for the stored
+    outputs to finish rendering (their count stable for a second)."""
     page.goto(lab.url(path), timeout=timeout_s * 1000)  # a fresh workspace: this notebook's tab only
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=timeout_s * 1000)
-    if n_static:
-        page.wait_for_function(f"document.querySelectorAll('.course-static img').length >= {n_static}",
-                               timeout=timeout_s * 1000)
-    page.wait_for_function("document.querySelector('.jp-Notebook .jp-CodeCell')", timeout=timeout_s * 1000)
     # the kernel has started and answered: the status bar reads "Python 3 (ipykernel) | Idle"
     page.get_by_text(re.compile(r"\| Idle$")).first.wait_for(timeout=timeout_s * 1000)
+    count = "document.querySelectorAll('.jp-Notebook .jp-OutputArea-output, .jp-Notebook img').length"
+    deadline, last, stable_since = time.monotonic() + 30, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = page.evaluate(count)
+        if n != last:
+            last, stable_since = n, time.monotonic()
+        elif time.monotonic() - stable_since > 1.0:
+            break
+        time.sleep(0.2)
 
 
 def output_text(page) -> str:

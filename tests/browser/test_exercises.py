@@ -15,7 +15,7 @@ MAX_LINES = 8
 @pytest.mark.parametrize("name", EXERCISES)
 def test_a_stub_fails_with_a_clear_message(name, lab, lab_page, artifacts):
     page = lab_page
-    drive.open_notebook(page, lab, f"exercises/{name}.ipynb", n_static=0)
+    drive.open_notebook(page, lab, f"exercises/{name}.ipynb")
     drive.run_all(page, 180)
     errors = drive.error_outputs(page)
     assert errors, "Run All with the stubs raised nothing: the checks cannot fail"
