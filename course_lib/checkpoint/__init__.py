@@ -3,6 +3,7 @@ async saves, the full training state, and elastic recovery.
 
     reshard.py     boxes of global tensors; a flat ZeRO range as boxes; copying overlaps
     layouts.py     what each rank holds (replicated, ZeRO flat shards, tensor parallel) as boxes
+    hybrid.py      the same for composed dp x tp x pp layouts (course_lib.parallel.hybrid)
     format.py      the course's own format: one file per rank + metadata.json (global shapes, offsets)
     reader.py      loading it at any layout and world size; every corruption named (CheckpointError)
     atomic.py      temp directory + rename; the newest complete checkpoint
@@ -11,6 +12,7 @@ async saves, the full training state, and elastic recovery.
     dcp.py         the same pieces through torch.distributed.checkpoint as the storage layer
     training.py    the training loop with periodic checkpoints, resumption and a kill on purpose
     interval.py    failures at scale and the Young/Daly checkpoint interval
+    flat.py        ZeRO-3 flat shards saved as they are (exercise 11);  viz.py: notebook 11's figures
 """
 
 from course_lib.checkpoint.async_save import AsyncCheckpointer

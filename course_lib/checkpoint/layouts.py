@@ -22,7 +22,8 @@ one process. Layouts described here:
     tp           course_lib.parallel.tp: each split parameter's rows/cols on this rank come
                  from the layer's index table; runs of consecutive indices are boxes
                  (qkv: three runs, its Q, K and V heads; padded vocabulary rows are dropped)
-3D layouts (pipeline x tensor x data) will be compositions of these once they exist.
+    hybrid       course_lib.parallel.hybrid (dp x tp x pp, ZeRO-1 or not): hybrid.py composes
+                 the two above: a flat range of TP-local tensors, mapped through the TP boxes
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.nn as nn
 
 from course_lib.checkpoint.reshard import Box, flat_range_boxes, index_runs, whole
 
-LAYOUTS = ("replicated", "zero", "tp")
+LAYOUTS = ("replicated", "zero", "tp", "hybrid")
 
 
 @dataclass
@@ -125,9 +126,14 @@ def tp_slots(model: nn.Module) -> list[Slot]:
 
 
 def describe_layout(model: nn.Module, optimizer=None, kind: str = "replicated") -> Layout:
-    """The Layout of (model, optimizer) on this rank. kind: one of LAYOUTS."""
+    """The Layout of (model, optimizer) on this rank. kind: one of LAYOUTS ("hybrid": pass the
+    HybridParts of course_lib.parallel.hybrid.build_hybrid as `model`; see hybrid.py)."""
     if kind not in LAYOUTS:
         raise ValueError(f"kind={kind!r} must be one of {LAYOUTS}")
+    if kind == "hybrid":  # `model` is course_lib.parallel.hybrid's HybridParts
+        from course_lib.checkpoint.hybrid import hybrid_layout
+
+        return hybrid_layout(model, optimizer)
     plain_state = (lambda p: optimizer.state[p]) if optimizer is not None else (lambda p: {})
     if kind == "replicated":
         slots = replicated_slots(model)
