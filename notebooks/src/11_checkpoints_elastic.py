@@ -159,7 +159,7 @@ plt.show()
 # Adam's moments the first update after the resume is a full-size step in the sign direction
 # (Adam's bias correction with $m = v = 0$), and the run drifts away; without the data
 # position the run re-reads batches 1-6, which it has already learned from. Bit-exact is the
-# right bar for a test: a tolerance would hide a forgotten RNG state.
+# right bar when you check a resume: a tolerance would hide a forgotten RNG state.
 # </details>
 
 # %% [markdown]
@@ -221,8 +221,9 @@ plt.show()
 # For a wanted box $B$ and a saved box $A$ of the same tensor, the overlap is, per dimension,
 # $[\max(A_o, B_o),\ \min(A_o + A_\ell, B_o + B_\ell))$; copy it, and the wanted box is complete
 # when the overlaps' volumes add up to its own. Old and new world sizes never appear: the
-# same code loads ZeRO at 4 ranks into ZeRO at 2, ZeRO into plain data parallel, or a
-# tensor-parallel checkpoint into one process (`tests/test_checkpoint_reshard.py` does all three).
+# same code loads ZeRO at 4 ranks into ZeRO at 2, ZeRO into plain data parallel, a
+# tensor-parallel checkpoint into one process, or a dp × tp × pp layout of notebook 09 into
+# another one: each layout only has to say which boxes its rank holds.
 #
 # **Predict:** a flat vector of 10 elements was saved by 4 ranks (shards of 3, the last one
 # padded). Which saved files does rank 1 of 3 new ranks read?
@@ -493,7 +494,7 @@ assert young_daly_interval(30.0, M) < young_daly_interval(300.0, M)
 #
 # * At 16,384 GPUs a failure every few hours is normal; plan for it with $\tau^* = \sqrt{2\delta M}$.
 # * A checkpoint is the *whole* state: parameters, optimizer, step, data position, every
-#   rank's RNG. Test resumption bit for bit against an uninterrupted run.
+#   rank's RNG. Check a resumption bit for bit against an uninterrupted run.
 # * Describe shards by global shapes and boxes; resharding is box intersection, for any layout.
 # * Write to a temporary directory, metadata last, rename; check sizes and hashes on load;
 #   `weights_only=True`.
