@@ -187,7 +187,8 @@ def _measured(results):
 
 @pytest.mark.parametrize("which, kw", [("dense", dict(dp=2, tp=2, pp=2, zero=1, microbatches=2)),
                                        ("moe", dict(pp=2, dp=2, ep=2, zero=1, microbatches=2)),
-                                       ("dense", dict(dp=4, tp=2, zero=1, sequence_parallel=True))])
+                                       ("dense", dict(dp=4, tp=2, zero=1, sequence_parallel=True)),
+                                       ("dense", dict(dp=2, tp=2, pp=2, zero=0, microbatches=2))])
 def test_traffic_of_each_dimension_measured_against_the_model(request, which, kw):
     config, dims = request.getfixturevalue(which), ParallelDims(**kw)
     one_step = replace(TRAIN, steps=1)

@@ -5,11 +5,12 @@
     apply_tensor_parallel(model, mesh["tp"], sp)            1. TP (+SP): inside every block
     apply_expert_parallel(model, mesh["ep"])                2. EP: each MoE layer keeps E/ep experts
     stage = build_stage(model, mesh["pp"], v)               3. PP: this rank's blocks (+ embedding/head)
-    optimizer = ShardedOptimizer(stage, dp group) / AdamW   4. ZeRO-1 (or plain) across replicas
+    optimizer = ShardedOptimizer (stage 0 or 1, dp group)    4. ZeRO-1 (or plain DP) across replicas
 
 After backward: the pipeline sums the tied embedding's two parts (stage 0 and the last stage
 hold one copy each), EP averages dense gradients over ep and divides expert gradients by ep,
-and the dp step averages over dp (ZeRO-1: reduce-scatter inside its step).
+and ZeRO's engine averages over dp (stage 0: one all-reduce per flat group; stage 1: a
+reduce-scatter, then an all-gather of the updated shards).
 
 Global norm. ||g||^2 is a sum over the distinct elements of the single-process model. Every
 element lives on several ranks; rank r counts parameter p with weight
@@ -34,7 +35,6 @@ from course_lib.parallel.mesh import make_mesh
 from course_lib.parallel.pp import build_stage
 from course_lib.parallel.tp import apply_tensor_parallel, sharded_parameters
 from course_lib.parallel.zero import ShardedOptimizer
-from course_lib.parallel.dp import naive_all_reduce_gradients
 
 
 @dataclass
@@ -77,22 +77,21 @@ def make_hybrid_optimizer(parts: HybridParts, train_cfg):
     params = list(trained_module(parts).parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
     kw = dict(lr=train_cfg.lr, betas=train_cfg.betas, foreach=False, fused=False)
-    if parts.dims.zero == 1:
-        parts.optimizer = ShardedOptimizer(groups, torch.optim.AdamW, group=parts.groups["dp"], **kw)
-    else:
-        parts.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], **kw)
+    # ZeRO's engine at stage 0 is plain data parallelism with one flat all-reduce per group;
+    # at stage 1 it shards the optimizer state. Either way it averages the gradients over dp.
+    parts.optimizer = ShardedOptimizer.for_stage([(i, g["params"]) for i, g in enumerate(groups)], torch.optim.AdamW,
+                                                 parts.groups["dp"], kw, parts.dims.zero, groups=groups)
     return parts.optimizer
 
 
 def sync_gradients(parts: HybridParts) -> None:
-    """After backward: EP's reduction over ep, then (zero=0) the mean over dp; ZeRO-1 does the
-    dp part in its step. The pipeline already summed the tied matrix's two parts."""
-    module = trained_module(parts)
+    """After backward: EP's reduction over ep. The dp mean is the ZeRO engine's (stage 0: an
+    all-reduce, stage 1: a reduce-scatter), in the clip or the step; the pipeline already
+    summed the tied matrix's two parts."""
     if parts.dims.ep > 1:
-        reduce_gradients(module, parts.groups["ep"])
-    if parts.dims.zero == 0 and parts.dims.dp > 1:
-        naive_all_reduce_gradients(module, parts.groups["dp"])
+        reduce_gradients(trained_module(parts), parts.groups["ep"])
 
 
 def count_weights(parts: HybridParts) -> dict[int, float]:
@@ -117,18 +116,12 @@ def clip_grad_norm_hybrid(parts: HybridParts, max_norm: float) -> torch.Tensor:
     dev = next(trained_module(parts).parameters()).device
     sq = torch.zeros((), dtype=torch.float64, device=dev)
     opt = parts.optimizer
-    if isinstance(opt, ShardedOptimizer):
-        opt.reduce_gradients()  # the dp mean of this rank's shard, in grad_shard
-        grads = []
-        for s in opt.shards:
-            mask = s.unit.shard(s.unit.flatten([torch.full_like(p, weights[id(p)]) for p in s.params]))
-            sq += (s.grad_shard.double().square() * mask.double()).sum()
-            grads.append(s.grad_shard)
-    else:
-        grads = [p.grad for p in trained_module(parts).parameters() if p.grad is not None]
-        for p in trained_module(parts).parameters():
-            if p.grad is not None:
-                sq += weights[id(p)] * p.grad.double().square().sum()
+    opt.reduce_gradients()  # the dp mean: stage 1 this rank's shard of it, stage 0 all of it
+    grads = []
+    for s in opt.shards:
+        mask = s.unit.shard(s.unit.flatten([torch.full_like(p, weights[id(p)]) for p in s.params]))
+        sq += (s.grad_shard.double().square() * mask.double()).sum()
+        grads.append(s.grad_shard)  # stage 0: the parameters' .grad are views of it
     dist.all_reduce(sq)  # the whole world: each shard was weighted to count once
     norm = sq.sqrt().float()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule

@@ -41,15 +41,13 @@ class HybridResult(TrainResult):
 
 
 def dimension_of(group_ranks, groups_by_dim: dict[str, list[list[int]]], world_size: int) -> str:
-    """The mesh dimension a communicator belongs to ("world" for the whole world; a dimension of
-    size 1 never communicates, so the first matching dimension of size > 1 wins)."""
+    """The mesh dimension a communicator belongs to: the first dimension of size > 1 with that
+    group (a dimension spanning the world, e.g. pure dp, claims the world group), else "world"."""
     ranks = sorted(group_ranks)
-    if len(ranks) == world_size:
-        return "world"
     for dim, lists in groups_by_dim.items():
         if len(lists[0]) > 1 and any(sorted(g) == ranks for g in lists):
             return dim
-    return "other"
+    return "world" if len(ranks) == world_size else "other"
 
 
 def traffic_by_dimension(records, dims: ParallelDims, world_size: int) -> dict[str, dict[str, int]]:
