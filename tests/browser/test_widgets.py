@@ -113,6 +113,7 @@ def test_widgets_in_the_browser(name, lab, lab_page, artifacts):
                     f"expected {expected.caption!r}")
                 if (base64.b64encode(expected.png).decode(), expected.caption) == before:
                     pytest.fail(f"{control_name} moved by {how} to {value!r} but the expected state did not change")
-            assert moved, f"{control_name} could be moved neither by keyboard nor by mouse"
+            if not moved and len(getattr(shadow.controls[control_name], "options", "ab")) > 1:
+                pytest.fail(f"{control_name} could be moved neither by keyboard nor by mouse")
     assert not drive.error_outputs(page)
     assert not page.console_errors, "browser console errors:\n" + "\n".join(page.console_errors)
