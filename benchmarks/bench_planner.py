@@ -1,11 +1,10 @@
-"""The step-time model against measured runs: ten layouts of one model on 8 gloo ranks.
+"""The step-time model against measured runs: fifteen layouts of one model on 8 gloo ranks.
 
 Calibrates the model here (course_lib.estimate.calibrate.probe on every rank at once: the
 model's own forward+backward FLOP/s, copy bandwidth, alpha-beta from all-reduces of the
-world), then times each layout with the course's
-own strategy (DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B
-pipelines), predicts each with course_lib.estimate.step_time and prints both side by side: the
-rank correlation, the median error, and the planner's pick against the fastest measured.
+world), then times each layout with the course's own strategy (DDP, ZeRO 1-3, tensor
+parallelism, GPipe and 1F1B pipelines, and notebook 09's hybrid meshes), predicts each with
+course_lib.estimate.step_time and prints both side by side: the rank correlation, the median error, and the planner's pick against the fastest measured.
 
 The measurement is stored in course_lib/assets/planner_validation.json (notebook 10 reads it
 rather than spending minutes re-measuring): `python benchmarks/bench_planner.py --store`.
@@ -50,6 +49,13 @@ LAYOUTS = [
     ("GPipe pp8 m8", Layout(pp=8, m=8, micro_batch=2, schedule="gpipe"), ("pp", {"schedule": "gpipe", "m": 8})),
     ("1F1B pp8 m8", Layout(pp=8, m=8, micro_batch=2), ("pp", {"schedule": "1f1b", "m": 8})),
     ("1F1B pp8 m16", Layout(pp=8, m=16, micro_batch=1), ("pp", {"schedule": "1f1b", "m": 16})),
+    # notebook 09's hybrid runs (course_lib.parallel.hybrid): several dimensions on one mesh
+    ("dp4 x tp2", Layout(dp=4, tp=2, micro_batch=4), ("hybrid", {"dp": 4, "tp": 2})),
+    ("dp2 x tp4", Layout(dp=2, tp=4, micro_batch=8), ("hybrid", {"dp": 2, "tp": 4})),
+    ("dp2 x pp4 m4", Layout(dp=2, pp=4, m=4, micro_batch=2), ("hybrid", {"dp": 2, "pp": 4, "microbatches": 4})),
+    ("tp2 x pp4 m4", Layout(tp=2, pp=4, m=4, micro_batch=4), ("hybrid", {"tp": 2, "pp": 4, "microbatches": 4})),
+    ("dp2 x tp2 x pp2 ZeRO-1 m2", Layout(dp=2, tp=2, pp=2, m=2, micro_batch=4, zero_stage=1),
+     ("hybrid", {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "microbatches": 2})),
 ]
 
 
@@ -63,6 +69,7 @@ def _time_layouts(config, train_cfg, how_list, rounds):
     Returns (probes per round, per round and layout the step seconds)."""
     from course_lib.estimate.calibrate import probe
     from course_lib.parallel.dp.training import train_data_parallel
+    from course_lib.parallel.hybrid import ParallelDims, train_hybrid
     from course_lib.parallel.pp.training import train_pipeline
     from course_lib.parallel.tp.training import train_tensor_parallel
     from course_lib.parallel.zero.training import train_zero
@@ -78,6 +85,8 @@ def _time_layouts(config, train_cfg, how_list, rounds):
                 res = train_zero(config, train_cfg, kw["stage"], accum_steps=kw.get("accum_steps", 1))
             elif kind == "tp":
                 res = train_tensor_parallel(config, train_cfg, kw["sequence_parallel"])
+            elif kind == "hybrid":
+                res = train_hybrid(ParallelDims(**kw), config, train_cfg)
             else:
                 res = train_pipeline(config, train_cfg, kw["schedule"], kw["m"])
             out.append(res.step_seconds)

@@ -7,7 +7,7 @@ import pytest
 from course_lib.comm.costmodel import LinkModel, predict_time
 from course_lib.estimate import GPT3_175B, flops_per_token, per_gpu_memory
 from course_lib.estimate.clusters import PUBLISHED, gpu_cluster
-from course_lib.estimate.planner import plan, search
+from course_lib.estimate.planner import plan
 from course_lib.estimate.step_time import Cluster, Layout, memory_per_rank, step_time
 from course_lib.model import GPTConfig
 from course_lib.parallel.pp.bubble import bubble_fraction

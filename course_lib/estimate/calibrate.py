@@ -29,7 +29,7 @@ from course_lib.comm.costmodel import LinkModel, fit_alpha_beta, ping_pong
 from course_lib.estimate.step_time import Cluster
 
 PING_SIZES = (8, 1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20)
-AR_SIZES = (4, 1 << 12, 1 << 16, 1 << 18, 1 << 20)
+AR_SIZES = (4, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 
 
 def matmul_flops(rows: int, inner: int, cols: int, seconds: float = 0.3) -> float:
@@ -82,22 +82,26 @@ def model_flops(config, micro_batch: int, seq: int, seconds: float = 0.5) -> flo
     return flops_per_token(config, seq) * micro_batch * seq * calls / elapsed
 
 
-def all_reduce_seconds(sizes_bytes, iters: int = 10) -> list[float]:
-    """Rank code: mean seconds of back-to-back all-reduces of each size on the world (sustained:
-    the mean, not the fastest, so the waits for a descheduled peer count as they do in a step)."""
+def all_reduce_seconds(sizes_bytes, iters: int = 5, rounds: int = 3) -> list[float]:
+    """Rank code: seconds of one all-reduce of each size on the world: the mean of `iters`
+    back-to-back calls (sustained: waits for a descheduled peer count, as in a step), the
+    smallest such mean over `rounds` passes through the sizes (a burst of load elsewhere then
+    slows one pass, not one size)."""
     import torch
     import torch.distributed as dist
 
-    out = []
-    for size in sizes_bytes:
-        x = torch.zeros(max(1, size // 4))
-        dist.all_reduce(x)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        out.append((time.perf_counter() - t0) / iters)
-    return out
+    best = [float("inf")] * len(sizes_bytes)
+    tensors = [torch.zeros(max(1, size // 4)) for size in sizes_bytes]
+    for x in tensors:
+        dist.all_reduce(x)  # warm-up
+    for _ in range(rounds):
+        for i, x in enumerate(tensors):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            best[i] = min(best[i], (time.perf_counter() - t0) / iters)
+    return best
 
 
 def probe(config, micro_batch: int, seq: int, sizes=None, sizes_ar=None) -> dict:

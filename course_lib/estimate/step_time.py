@@ -22,9 +22,9 @@ global batch is B = dp * ep * m * micro_batch sequences of `seq` tokens. One opt
                 weights, gradients and both moments of the parameters this rank owns)
 
 Every collective is costed by course_lib.comm.costmodel (T = a alpha + b S / beta, ring
-algorithms) on the link its group crosses: the node's link (`intra`) when the whole group sits
-on one node (stride * size <= gpus_per_node), else the network (`inter`), which a ring then
-crosses at its slowest hop.
+algorithms) on the link its group crosses, placed as make_mesh places it (notebook 09's
+course_lib.parallel.topology.link_of): the node's link (`intra`) when the whole group sits
+on one node, else the network (`inter`), which a ring then crosses at its slowest hop.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from course_lib._validate import check_int, check_one_of
 from course_lib.comm.costmodel import LinkModel, predict_time
 from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.memory import RECIPES, RECOMPUTE, ZERO_STAGES
-from course_lib.estimate.params import param_count, unpack
+from course_lib.estimate.params import unpack
 from course_lib.estimate.per_gpu import per_gpu_memory
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -70,8 +70,18 @@ class Cluster:
             raise ValueError(f"overlap={self.overlap!r} must satisfy 0 <= overlap <= 1")
 
     def link(self, size: int, stride: int) -> LinkModel:
-        """The link a group of `size` ranks `stride` apart crosses."""
-        return self.intra if size * stride <= self.gpus_per_node else self.inter
+        """The link a group of `size` ranks `stride` apart crosses: the node's when its span
+        fits a node without straddling two (course_lib.parallel.topology.link_of's rule)."""
+        span = size * stride
+        return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
+
+    def link_of(self, dim: str, layout: "Layout") -> LinkModel:
+        """The link of mesh dimension `dim` of `layout`, placed as make_mesh places it
+        (course_lib.parallel.topology, TOPOLOGY_AWARE order: tp innermost)."""
+        from course_lib.parallel.topology import link_of
+
+        sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
+        return self.inter if link_of(dim, sizes, self.gpus_per_node) == "inter" else self.intra
 
     def with_gpus(self, n_gpus: int) -> "Cluster":
         return replace(self, n_gpus=n_gpus)
@@ -181,16 +191,16 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
     layers = base.n_layer // L.pp  # per rank, over its v chunks
     message = L.micro_batch * seq * base.d_model * e  # one residual-stream activation
     # tp: 4 ring all-reduces of `message` per layer and micro-batch (+2 when the forward is recomputed)
-    tp_link = C.link(L.tp, 1)
+    tp_link = C.link_of("tp", L)
     per_layer = 4 + (2 if L.recompute == "full" else 0)
     tp = per_layer * layers * L.m * predict_time("ring", message, L.tp, tp_link)
     # pp: an activation forward and a gradient backward per micro-batch and chunk boundary
-    pp_link = C.link(L.pp, L.dp * L.ep * L.tp)
+    pp_link = C.link_of("pp", L)
     pp = 0.0 if L.pp == 1 else 2 * L.v * L.m * pp_link.message_time(message / (L.tp if L.sequence_parallel else 1))
     # ep: 2 all-to-alls forward, 2 backward, of top_k copies of each token, per MoE layer
     ep = 0.0
     if L.ep > 1:
-        ep = 4 * layers * L.m * predict_time("all_to_all", message * top_k, L.ep, C.link(L.ep, L.tp))
+        ep = 4 * layers * L.m * predict_time("all_to_all", message * top_k, L.ep, C.link_of("ep", L))
     busy = compute + recompute + tp + pp + ep
     bubble = 0.0
     if L.pp > 1:
@@ -202,7 +212,7 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
     mem = per_gpu_memory(config, L.micro_batch, seq, recipe, L.zero_stage, L.dp, L.tp, L.pp, L.ep)
     local = mem["params_on_gpu"]
     replicas = L.dp * L.ep
-    dp_link = C.link(replicas, L.tp)
+    dp_link = C.link_of("dp", L)
     grad_bytes = local * RECIPES[recipe].grad
     if L.zero_stage <= 1:
         dp_total = predict_time("ring", grad_bytes, replicas, dp_link)

@@ -139,12 +139,12 @@ assert cluster2.achievable_flops > 0 and cluster2.intra.beta > 0
 # The model's own rate sits well below the bare matmul's: a tiny model spends much of its time
 # outside matmuls. That gap is exactly what "achievable" must capture.
 #
-# ## 4. Predicted against measured: 10 layouts on 8 ranks
+# ## 4. Predicted against measured: 15 layouts on 8 ranks
 #
-# `benchmarks/bench_planner.py` calibrated 8 ranks and timed ten layouts of one model (8
+# `benchmarks/bench_planner.py` calibrated 8 ranks and timed fifteen layouts of one model (8
 # layers, 8 heads, $d = 64$, 16 sequences of 32 tokens per step) with the course's own
-# strategies: DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B. That takes minutes on this
-# machine, so the notebook reads the stored measurement (`course_lib/assets/planner_validation.json`,
+# strategies: DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B, and notebook 09's hybrid
+# meshes (dp x tp, dp x pp, tp x pp, dp x tp x pp). That takes minutes on this machine, so the notebook reads the stored measurement (`course_lib/assets/planner_validation.json`,
 # written by `python benchmarks/bench_planner.py --store`) rather than running it again.
 #
 # **Predict:** on 8 emulated ranks sharing two cores, will the model's ordering of the layouts
@@ -155,6 +155,7 @@ data = load_validation()
 result = compare(data["config"], data["cluster"], data["runs"], data["seq"], "fp32")
 print(f"measured {data['date']} ({data['machine_load']}); {data['produced_by']}")
 print(f"{'layout':<30}{'measured ms':>12}{'predicted ms':>13}{'error':>8}")
+assert len(result["rows"]) >= 8
 for r in result["rows"]:
     print(f"{r['label']:<30}{r['measured'] * 1e3:12.1f}{r['predicted'] * 1e3:13.1f}{r['error']:8.0%}")
 print(f"rank correlation {result['spearman']:.2f}, median |error| {result['median_error']:.0%}; "
