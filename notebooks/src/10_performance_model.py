@@ -180,7 +180,7 @@ plt.show()
 # * **Small shards run slower.** TP splits $d = 64$ into eight slices of 8 columns: those
 #   matmuls reach a fraction of the whole model's FLOP/s, yet the model uses one rate.
 # * **The noise is as large as the differences.** Two runs of the benchmark disagreed by
-#   2x and more on some layouts (DDP on 8 ranks measured 180 to 560 ms in our runs).
+#   2x and more on some layouts (DDP on 8 ranks measured 160 to 560 ms in our runs).
 #
 # On GPUs the premises hold much better: every rank owns its device, copy engines overlap
 # communication, and large matmuls run at a steady rate. Published validations of such
@@ -228,6 +228,7 @@ plt.show()
 # The planner's pick and its predicted MFU beside what two large runs chose and reported.
 
 # %%
+picks = {}
 for name, d in PUBLISHED.items():
     ours = plan(d["config"], d["cluster"], d["global_batch"], d["seq"])
     theirs = step_time(d["config"], d["layout"], d["cluster"], d["seq"])
@@ -237,6 +238,11 @@ for name, d in PUBLISHED.items():
     print(f"  planner:   {ours.best.layout.label()}  predicted MFU {ours.best.time['mfu']:.1%}, "
           f"{fmt_bytes(ours.best.memory['total'])} per GPU")
     assert ours.best.time["mfu"] >= theirs["mfu"] or mem["total"] > d["cluster"].memory_bytes
+    picks[name] = ours.best.layout
+# what the prose below says of the two picks
+assert (picks["GPT-3 175B on 1024 A100"].pp, picks["GPT-3 175B on 1024 A100"].tp) == (16, 4)
+assert picks["GPT-3 175B on 1024 A100"].recompute == "none"
+assert picks["Llama 3 405B on 16k H100"].pp < 16 and picks["Llama 3 405B on 16k H100"].recompute == "full"
 
 # %% [markdown]
 # What differs, and why:
