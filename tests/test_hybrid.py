@@ -28,7 +28,7 @@ def moe(dense):
 TRAIN = TrainConfig(steps=3, batch_size=8, lr=1e-2, grad_clip=0.05, progress=False)
 
 
-def _assert_equal_to_single(results, reference):
+def _assert_equal_to_single(results, reference, atol=1e-5):
     for r in results:  # the loss reported once: the global loss, the same on every rank
         assert r.train_losses == pytest.approx(reference.train_losses, rel=1e-5, abs=1e-6)
         assert r.grad_norms == pytest.approx(reference.grad_norms, rel=1e-5)
@@ -36,7 +36,7 @@ def _assert_equal_to_single(results, reference):
     params = merged_params(results)
     assert set(params) == set(reference.named_params)
     for name, full in reference.named_params.items():
-        torch.testing.assert_close(params[name], full, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(params[name], full, rtol=1e-4, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("zero", [1, 0])
@@ -213,3 +213,12 @@ def test_mesh_widget_offers_only_valid_layouts_and_rejects_others():
     assert view.valid and "memory per rank" in view.caption and "tp innermost" in view.caption
     bad = render(figures.draw_mesh, figures.FIGSIZE, layout="pp 3 · dp 1 · ep 1 · tp 3")
     assert not bad.valid and "must be one of" in bad.caption
+
+
+@pytest.mark.parametrize("schedule, v", [("interleaved_1f1b", 2), ("zero_bubble", 1)])
+def test_tensor_parallel_stages_under_every_kind_of_schedule(dense, schedule, v):
+    config = replace(dense, n_layer=4)
+    dims = ParallelDims(pp=2, tp=2, schedule=schedule, virtual_stages=v, microbatches=2)
+    # 4 layers: Adam divides by sqrt(v), so elements with tiny gradients magnify fp32 rounding
+    # (sums in another order) to ~1e-5 after 3 steps, with or without tp (pp x dp shows the same).
+    _assert_equal_to_single(run_hybrid(dims, config, TRAIN, timeout_s=240), train_single(config, TRAIN), atol=5e-5)
