@@ -7,6 +7,7 @@ import torch
 
 from course_lib.data import CharDataset
 from course_lib.model import GPTConfig
+from course_lib.parallel import mesh_groups, topology
 from course_lib.parallel.hybrid import ParallelDims, merged_params, run_hybrid, train_single
 from course_lib.train import TrainConfig
 
@@ -139,8 +140,6 @@ def test_train_3d_demo_rejects_a_bad_layout_with_its_rule_and_no_traceback(args,
 
 
 # ---------------------------------------------------------------- topology: placement and traffic
-from course_lib.parallel import mesh_groups  # noqa: E402
-from course_lib.parallel import topology  # noqa: E402
 
 
 @pytest.mark.parametrize("sizes", [dict(pp=2, dp=2, ep=1, tp=2), dict(pp=1, dp=2, ep=2, tp=2), dict(pp=4, dp=1, ep=2, tp=1)])
