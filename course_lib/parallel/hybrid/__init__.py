@@ -8,6 +8,9 @@
                  clip (clip_grad_norm_hybrid) that counts each shard once across every dimension
     training.py  train_hybrid (rank side, on train_step), run_hybrid (parent), train_single (the
                  single-process twin), the traffic of each mesh dimension from the CommTracer
+    figures.py   notebook 09's mesh picture and layout widget
+
+Rank placement and each dimension's traffic model live in course_lib/parallel/topology.py.
 """
 
 from course_lib.parallel.hybrid.compose import (HybridParts, build_hybrid, clip_grad_norm_hybrid, count_weights,
