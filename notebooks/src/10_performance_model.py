@@ -262,8 +262,9 @@ assert picks["Llama 3 405B on 16k H100"].pp < 16 and picks["Llama 3 405B on 16k 
 #   this model (which does not know their memory tricks). The planner answers with fewer
 #   stages, more data parallelism and recomputation.
 #
-# The model is optimistic and its memory model conservative: a planner built on it is a good
-# way to shortlist layouts, which are then measured.
+# So the model errs both ways: optimistic about kernels and links (GPT-3 above its reported
+# MFU), pessimistic where real runs tune schedules and memory beyond its formulas (Llama 3
+# below). A planner built on it is a good way to shortlist layouts, which are then measured.
 #
 # ## 7. What changes with sequence length, model size and cluster size
 
