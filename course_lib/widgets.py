@@ -174,6 +174,15 @@ class LiveFigure(_W.VBox if _W else object):
     def on_change(self, name: str) -> None:
         """Hook: runs after control `name` changed, before the redraw."""
 
+    @staticmethod
+    def set_options(control, options, value) -> None:
+        """Give a selection control new options and a value in ONE message to the page; set one
+        after the other, the page can echo a stale index back and the kernel takes it as a move."""
+        with control.hold_sync():
+            if list(control.options) != list(options):
+                control.options = options
+            control.value = value
+
     def _changed(self, name: str) -> None:
         if self._busy:
             return

@@ -171,8 +171,5 @@ class MemoryCalculator(LiveFigure):
             values.update(fresh)
         for dep, options in valid_options(values).items():  # n_head before tp, whose options depend on it
             keep = values[dep] if values[dep] in options else _nearest(options, values[dep])
-            c = self.controls[dep]
-            with c.hold_sync():  # options and value reach the page in one message: no stale index echoes back
-                if list(c.options) != options:
-                    c.options = options
-                c.value = values[dep] = keep
+            self.set_options(self.controls[dep], options, keep)  # one message: no stale index echoes back
+            values[dep] = keep

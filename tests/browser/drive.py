@@ -143,6 +143,8 @@ def move(page, root, name: str, control, how: str, typed: dict | None = None):
     import ipywidgets as W
 
     box = root.locator(f".course-control-{name}").first
+    if getattr(control, "disabled", False):
+        raise LookupError(f"{name!r} is disabled in this state: nothing to move")
     if hasattr(control, "options") and len(control.options) < 2:
         raise LookupError(f"{name!r} has a single valid value now: nothing to move")
     if isinstance(control, (W.IntSlider, W.SelectionSlider)):

@@ -18,6 +18,7 @@ from course_lib.model import GPTConfig
 from course_lib.parallel.dp import bucketviz
 from course_lib.parallel.ep import figures as ep_figures
 from course_lib.parallel.hybrid import figures as hybrid_figures
+from course_lib.parallel.pp.viz import schedule_widget
 from course_lib.parallel.tp.figures import layer_widget
 from course_lib.parallel.zero import viz as zero_viz
 from course_lib.techniques import checkpoint_viz
@@ -30,6 +31,7 @@ WIDGETS = {
     "03_data_parallel": [lambda: bucketviz.bucket_widget(GPTConfig.tiny(VOCAB_SIZE, d_model=128, n_layer=4))],
     "04_memory_techniques": [lambda: checkpoint_viz.checkpoint_widget(L=16, a_over_b=1)],
     "05_tensor_parallel": [lambda: layer_widget(calculator.E.GPT3_175B, 8, False)],
+    "06_pipeline_parallel": [lambda: schedule_widget("interleaved_1f1b", 4, 8, 2)],
     "07_mixture_of_experts": [lambda: ep_figures.load_widget()],
     "08_zero_fsdp": [lambda: zero_viz.zero_widget()],
     "09_3d_parallelism": [lambda: hybrid_figures.mesh_widget()],
