@@ -49,3 +49,20 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The widgets and the exercises' check cells in JupyterLab in headless Chromium (tests/browser/,
+# CONTRIBUTING.md "Widgets"). Installs what it needs: Debian's chromium through apt-get when no
+# Chromium is on PATH, and playwright into .venv, pointed at that Chromium (no browser download).
+# Screenshots of every state: build/browser-artifacts/ (kept by CI).
+BROWSER_ARTIFACTS ?= build/browser-artifacts
+.PHONY: test-browser html
+test-browser: $(STAMP)
+	@bash tools/ensure_chromium.sh
+	@$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install --quiet --disable-pip-version-check "playwright>=1.40,<2"
+	@rm -rf $(BROWSER_ARTIFACTS)
+	COURSE_BROWSER_TEST=1 COURSE_BROWSER_ARTIFACTS=$(BROWSER_ARTIFACTS) timeout -k 30 1800 \
+		$(PY) -m pytest -p no:cacheprovider -q -o timeout=480 tests/browser
+
+# Standalone HTML of every notebook, readable offline (widgets as their static figures): build/html/.
+html: $(STAMP)
+	$(PY) tools/export_html.py --out build/html
