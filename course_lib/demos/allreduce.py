@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.runtime.device import rank_device
-from course_lib.runtime.launch import init_from_env
+from course_lib.runtime.launch import init_from_env, leave_process_group
 
 
 def hello_allreduce() -> float:
@@ -84,7 +84,7 @@ def main(argv=None):
             print(f"hello all-reduce: every rank holds {value:g} = 1 + ... + {n}")
             print(format_rows(rows, n, backend), flush=True)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

@@ -24,39 +24,13 @@ import os
 import pathlib
 import shutil
 import sys
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from course_lib.checkpoint.training import FORGETTABLE, TRAINING_LAYOUTS, read_events, train_with_checkpoints
-from course_lib.runtime.device import resolve_backend, threads_per_rank
+from course_lib.runtime.launch import init_from_env, leave_process_group
 
 EXACT, TOLERANCE = 0.0, 1e-4
-
-
-def init_for_attempt(timeout_s: float = 60) -> str:
-    """init_from_env, with the rendezvous keys of this attempt under their own prefix.
-
-    Every restart joins through the same TCP store; without a per-attempt prefix a restarted
-    rank can read an address a dead rank of the previous attempt published, and gloo then
-    tries to connect to a process that no longer exists ("Connection refused")."""
-    import torch
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend = resolve_backend("auto", local_world)
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    else:
-        torch.set_num_threads(threads_per_rank(local_world))
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=(rank == 0 and not agent_store), timeout=timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"course_elastic/attempt_{attempt}", store),
-                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    return backend
 
 
 def compare_losses(resumed, uninterrupted, exact: bool) -> tuple[bool, float]:
@@ -103,7 +77,7 @@ def configs(args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     root = pathlib.Path(args.checkpoint_dir)
-    init_for_attempt(timeout_s=60)  # a dead peer turns into an error within a minute, not a hang
+    init_from_env(timeout_s=60)  # a dead peer turns into an error within a minute, not a hang
     rank, n = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     model_cfg, train_cfg = configs(args)
@@ -137,7 +111,7 @@ def main(argv=None) -> int:
                       flush=True)
             status = 0 if ok else 1
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
     return status
 
 

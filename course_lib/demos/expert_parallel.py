@@ -24,7 +24,7 @@ from course_lib.model import GPT, GPTConfig
 from course_lib.model.moe import routing_stats
 from course_lib.parallel.ep import apply_expert_parallel, check_expert_parallel, train_expert_parallel, train_moe_reference
 from course_lib.runtime.device import rank_device
-from course_lib.runtime.launch import init_from_env
+from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.train import TrainConfig
 
 TOLERANCE = 1e-4  # fp32 on CPU agrees to ~1e-6; GPUs (TF32 matmuls) may need --tolerance
@@ -97,7 +97,7 @@ def main(argv=None):
         if not ok.item():
             raise SystemExit(1)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

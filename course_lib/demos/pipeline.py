@@ -27,7 +27,7 @@ from course_lib.parallel.pp import SCHEDULES, build_stage, check_pipeline, run_s
 from course_lib.parallel.pp.bubble import COMPUTE, formula_for
 from course_lib.parallel.pp.training import clip_grad_norm_pipeline
 from course_lib.runtime.device import rank_device
-from course_lib.runtime.launch import init_from_env
+from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.train import TrainConfig, make_optimizer, train_step
 
 
@@ -95,7 +95,7 @@ def main(argv=None):
                       f"|diff| {abs(loss - ref_loss):.1e}  bubble per rank "
                       + " ".join(f"{b.item():.3f}" for b in bubbles), flush=True)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

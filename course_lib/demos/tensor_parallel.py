@@ -23,7 +23,7 @@ from course_lib.data import CharDataset
 from course_lib.model import GPTConfig
 from course_lib.parallel.tp.apply import check_tensor_parallel
 from course_lib.parallel.tp.training import train_tensor_parallel
-from course_lib.runtime.launch import init_from_env
+from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.train import TrainConfig, train_reference
 
 
@@ -69,12 +69,11 @@ def main(argv=None):
             print(f"tensor parallel on {world} ranks ({backend}), {mode}: {config}")
             table, worst = compare(result.train_losses, ref.train_losses, args.tolerance)
             print(table, flush=True)
-        # Everyone waits for rank 0's reference run: a rank tearing down gloo early can abort its peers.
-        dist.barrier()
-        if dist.get_rank() == 0 and worst > args.tolerance:
-            raise SystemExit(1)
+        failed = dist.get_rank() == 0 and worst > args.tolerance
     finally:
-        dist.destroy_process_group()
+        leave_process_group()  # every rank waits there for rank 0's reference run
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

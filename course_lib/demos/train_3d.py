@@ -76,16 +76,14 @@ def main(argv=None) -> int:
             print(f"train_3d: bad layout: {err}", file=sys.stderr, flush=True)
         return 2
 
-    import torch.distributed as dist
-
     from course_lib.parallel.hybrid import train_hybrid, train_single
-    from course_lib.runtime.launch import init_from_env
+    from course_lib.runtime.launch import init_from_env, leave_process_group
 
     backend = init_from_env()
     try:
         result = train_hybrid(dims, config, train)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
     if rank != 0:
         return 0
     layout = " x ".join(f"{d} {getattr(dims, d)}" for d in ("pp", "dp", "ep", "tp"))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from course_lib.data import CharDataset
 from course_lib.model import GPTConfig
 from course_lib.parallel.zero import expected_state_bytes, measure_zero_step, train_single, train_zero
-from course_lib.runtime.launch import init_from_env
+from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.train import TrainConfig
 from course_lib.units import fmt_bytes
 
@@ -87,7 +87,7 @@ def main(argv=None):
         if dist.get_rank() == 0:
             print(format_demo(gathered, args.stage), flush=True)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

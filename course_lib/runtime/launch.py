@@ -13,6 +13,7 @@ run through `run_on_ranks`, so both paths execute the same code.
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -22,18 +23,42 @@ from course_lib.runtime.device import resolve_backend, threads_per_rank
 
 
 def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
-    """Initialise the default process group from torchrun's environment; returns the backend."""
+    """Initialise the default process group from torchrun's environment; returns the backend.
+
+    The rendezvous keys live under a prefix of this attempt (TORCHELASTIC_RESTART_COUNT): when
+    torchrun restarts a failed group, every attempt joins through the same TCP store, and
+    without the prefix a restarted rank could read the address a dead rank of the previous
+    attempt published (gloo then fails with "Connection refused")."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"environment variable(s) {', '.join(missing)} not set: launch with "
                            f"`torchrun --nproc-per-node=N -m <module>`")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = resolve_backend(backend, local_world)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     else:
         torch.set_num_threads(threads_per_rank(local_world))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=(rank == 0 and not agent_store), timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"course/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
     return backend
 
+
+def leave_process_group() -> None:
+    """End a torchrun demo's process group; call it in the `finally:` around the demo's work.
+
+    After a clean run the ranks first meet at a barrier: a rank that tears its gloo connections
+    down while a peer still uses them can make that peer abort ("terminate called without an
+    active exception"). After an error there is no barrier: a peer may be dead, so waiting for it
+    would hang."""
+    if dist.is_initialized():
+        if sys.exc_info()[0] is None:
+            dist.barrier()
+        dist.destroy_process_group()
