@@ -4,7 +4,11 @@
     memory.py       model state by precision recipe and ZeRO stage; activations
     compute.py      FLOPs per token, 6PD, time to train, GPUs needed
     per_gpu.py      everything above on the busiest GPU of a dp x ep x tp x pp layout
-    calculator.py   the per-GPU memory and time-to-train calculator (figure and widget)
+    calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
+    step_time.py    the step-time model of a layout on a cluster (notebook 10), memory per rank
+    planner.py      the search over layouts, ranked by predicted step time, with its explanation
+    clusters.py     GPU clusters and published runs;  calibrate.py: alpha, beta, FLOP/s measured here
+    validation.py   predicted against measured step times;  planner_figures.py: figures and widget
 
 Every function stays importable as `course_lib.estimate.<name>`. Bytes are printed in IEC
 units (`fmt_bytes` is `course_lib.units.fmt_bytes`: GiB = 2**30 bytes); `GB` (10**9 bytes) is
