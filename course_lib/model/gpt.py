@@ -34,6 +34,9 @@ b = 1 if bias else 0 (LayerNorm has a weight, plus a bias when b = 1):
 
 `expected_num_params(config)` evaluates this formula and `GPT.num_params()`
 counts the real tensors; the tests check that the two agree.
+
+(A little over 300 lines: the derivation above and the MoE fields' checks are part of what a
+reader should see next to the model.)
 """
 
 from __future__ import annotations

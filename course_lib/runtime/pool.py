@@ -24,6 +24,8 @@ Failure handling (the kernel must never hang):
     (course_lib/observe/checks.py compares every collective's fingerprint), so a `RankError`
     rather than silently wrong numbers.
 In every failure case the pool is killed, and the next call starts a fresh one.
+
+(A little over 300 lines: the pool, its failure handling and run_on_ranks are read together.)
 """
 
 from __future__ import annotations
