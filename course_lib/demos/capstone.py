@@ -1,0 +1,85 @@
+"""The capstone under torchrun: train a 3D layout, save, lose ranks, resume at another world size.
+
+    # steps 1..checkpoint_step at [layout] (dp*tp*pp = 8 ranks), saved under --checkpoint-dir
+    torchrun --standalone --nproc-per-node 8 -m course_lib.demos.capstone \\
+        --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone
+    # the rest at [resume] (4 ranks): loads the checkpoint resharded; --check compares the whole
+    # loss curve with the single process on the same batches (exit 1 beyond TOLERANCE)
+    torchrun --standalone --nproc-per-node 4 -m course_lib.demos.capstone \\
+        --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone --resume --check
+
+The config file (TOML, one key per degree, documented in configs/capstone_tiny.toml) is read
+and checked by every process before the process group starts: a bad key, value or layout (also
+one whose dp*tp*pp differs from --nproc-per-node) exits with code 2 and one line naming the key,
+printed by rank 0. gloo on CPU, NCCL on GPUs (course_lib.runtime.launch.init_from_env).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+TOLERANCE = 1e-4  # |loss difference|: fp32 sums in another order, and a resharded optimizer state
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="TOML file (see configs/capstone_tiny.toml)")
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--resume", action="store_true", help="run the steps after checkpoint_step at [resume]")
+    p.add_argument("--check", action="store_true", help="with --resume: compare with the single process")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    section = "resume" if args.resume else "layout"
+    try:
+        from course_lib.capstone import load_config
+
+        config = load_config(args.config)
+        dims = config.resume if args.resume else config.layout
+        if dims.world_size != world:
+            raise ValueError(f"[{section}] dp*tp*pp = {dims.dp}*{dims.tp}*{dims.pp} = {dims.world_size} "
+                             f"must equal the number of processes (WORLD_SIZE={world})")
+    except ValueError as err:  # before any rank waits: one clear line, no traceback
+        if rank == 0:
+            print(f"capstone: bad config: {err}", file=sys.stderr, flush=True)
+        return 2
+
+    from course_lib.capstone import layout_text, train_segment
+    from course_lib.runtime.launch import init_from_env, leave_process_group
+
+    first, last = (config.checkpoint_step + 1, config.train.steps) if args.resume else (1, config.checkpoint_step)
+    backend = init_from_env()
+    try:
+        result = train_segment(dims, config.model, config.train, args.checkpoint_dir, first, last,
+                               trace=not args.resume)
+    finally:
+        leave_process_group()
+    if rank != 0:
+        return 0
+    print(f"capstone on {world} ranks ({backend}): {layout_text(dims)}, steps {first}..{last}, "
+          f"{'resumed from step ' + str(first - 1) if args.resume else 'saved at step ' + str(last)}", flush=True)
+    for dim, t in result.traffic.items():
+        print(f"traffic {dim}: {t['calls']} calls, {t['bytes_sent']} bytes sent by rank 0")
+    if not args.check:
+        for step, loss in enumerate(result.train_losses, start=1):
+            print(f"step {step}  loss {loss:.6f}")
+        return 0
+    from course_lib.parallel.hybrid import train_single
+
+    reference = train_single(config.model, config.train).train_losses
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(result.train_losses, reference), start=1):
+        worst = max(worst, abs(a - b))
+        print(f"step {step}  loss {a:.6f}  single process {b:.6f}  |diff| {abs(a - b):.2e}")
+    ok = len(result.train_losses) == len(reference) and worst <= TOLERANCE
+    print(f"largest difference {worst:.2e} (tolerance {TOLERANCE:.0e}): {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

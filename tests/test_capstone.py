@@ -1,0 +1,115 @@
+"""The capstone (course_lib.capstone, course_lib.demos.capstone): its config file is checked key by
+key before any rank starts; a 3D run saved at 8 ranks and resumed at 4 gives the single
+process's loss curve, in process (run_on_ranks) and under torchrun."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from course_lib.capstone import config_from_dict, load_config, run_capstone
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "capstone_tiny.toml"
+
+
+def tiny_raw():
+    import tomllib
+
+    return tomllib.loads(TINY.read_text())
+
+
+def test_the_tiny_config_loads():
+    c = load_config(TINY)
+    assert (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.zero) == (2, 2, 2, 1)
+    assert c.layout.world_size == 8 and c.resume.world_size == 4
+    assert c.checkpoint_step == 2 and c.train.steps == 4
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("layout", "tp", 3, "[layout] tp=3 must divide n_head=2"),
+    ("layout", "dp", 0, "[layout] dp=0 must be a positive int"),
+    ("resume", "pp", "2", "[resume] pp='2' must be an int >= 1"),
+    ("layout", "zero", 2, "[layout] zero=2 must be one of (0, 1)"),
+    ("layout", "tensor", 2, "[layout] tensor: unknown key"),
+    ("resume", "microbatches", 3, "[resume] microbatches=3 must divide the per-replica batch"),
+    ("train", "checkpoint_step", 4, "[train] checkpoint_step=4 must be in [1, steps=4)"),
+    ("train", "lr", -1.0, "[train] lr=-1.0 must be a positive number"),
+    ("model", "n_layer", 1, "[layout] n_layer=1 must be >= pp * virtual_stages"),
+])
+def test_a_bad_key_is_named(section, key, value, message):
+    raw = tiny_raw()
+    raw[section][key] = value
+    with pytest.raises(ValueError) as err:
+        config_from_dict(raw)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_missing_keys_and_sections_are_named(tmp_path):
+    raw = tiny_raw()
+    del raw["layout"]["pp"]
+    with pytest.raises(ValueError, match=r"^\[layout\] pp is missing \(required\)$"):
+        config_from_dict(raw)
+    raw = tiny_raw()
+    del raw["resume"]
+    with pytest.raises(ValueError, match=r"^\[resume\] is missing"):
+        config_from_dict(raw)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[layout\ndp = 2\n")
+    with pytest.raises(ValueError, match="is not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nowhere.toml")
+
+
+def test_saved_at_8_ranks_resumed_at_4_equals_the_single_process(tmp_path):
+    run = run_capstone(load_config(TINY), tmp_path, timeout_s=240)
+    assert len(run.losses) == len(run.single_losses) == 4
+    assert run.max_difference < 1e-4, (run.losses, run.single_losses)
+    assert run.first.train_losses == run.losses[:2]  # the resumed run carried the saved curve
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000004"]
+    assert set(run.traffic[0]) >= {"dp", "tp", "pp"}  # every dimension of dp2 x tp2 x pp2 moved bytes
+    assert all(t["bytes_sent"] > 0 for d, t in run.traffic[0].items() if d in ("dp", "tp", "pp"))
+
+
+def _torchrun(n, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", "course_lib.demos.capstone", "--config", str(TINY), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_torchrun_capstone_at_8_gloo_ranks_then_resumed_at_4(tmp_path):
+    first = _torchrun(8, "--checkpoint-dir", str(tmp_path))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "dp2 x tp2 x pp2 (8 ranks, ZeRO-1), steps 1..2, saved at step 2" in first.stdout
+    second = _torchrun(4, "--checkpoint-dir", str(tmp_path), "--resume", "--check")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "steps 3..4, resumed from step 2" in second.stdout
+    assert len(re.findall(r"step \d  loss \S+  single process \S+", second.stdout)) == 4, second.stdout
+    assert "(tolerance 1e-04): OK" in second.stdout
+
+
+@pytest.mark.parametrize("world, edit, line", [
+    (8, ("layout", "tp", 3), "capstone: bad config: [layout] tp=3 must divide n_head=2"),
+    (4, None, "capstone: bad config: [layout] dp*tp*pp = 2*2*2 = 8 must equal the number of processes "
+              "(WORLD_SIZE=4)"),
+])
+def test_the_demo_names_the_bad_key_and_exits_2_without_a_traceback(world, edit, line, tmp_path):
+    text = TINY.read_text()
+    if edit is not None:
+        section, key, value = edit
+        head, rest = text.split(f"[{section}]", 1)
+        rest = re.sub(rf"(?m)^{key} = \S+", f"{key} = {value}", rest, count=1)
+        text = f"{head}[{section}]{rest}"
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0"}  # as torchrun sets them for rank 0
+    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.capstone", "--config", str(path),
+                           "--checkpoint-dir", str(tmp_path / "ck")], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == line
