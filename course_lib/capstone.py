@@ -219,6 +219,7 @@ class CapstoneRun:
     traffic: list  # per rank of the first segment: {dim: {calls, bytes_sent, bytes_recv}}
     single_losses: list
     max_difference: float
+    params: dict  # {single-process name: full tensor} after the last step, from every rank
 
     @property
     def losses(self) -> list[float]:
@@ -228,7 +229,7 @@ class CapstoneRun:
 
 def run_capstone(config: CapstoneConfig, checkpoint_dir, timeout_s: float = 300, progress: bool = False) -> CapstoneRun:
     """Parent side: both segments on their own ranks, then the single process on the same batches."""
-    from course_lib.parallel.hybrid import train_single
+    from course_lib.parallel.hybrid import merged_params, train_single
     from course_lib.runtime import run_on_ranks
 
     c = config
@@ -239,7 +240,7 @@ def run_capstone(config: CapstoneConfig, checkpoint_dir, timeout_s: float = 300,
     single = train_single(c.model, c.train).train_losses
     losses = resumed[0].train_losses
     diff = max(abs(a - b) for a, b in zip(losses, single))
-    return CapstoneRun(c, first[0], resumed[0], [r.traffic for r in first], single, diff)
+    return CapstoneRun(c, first[0], resumed[0], [r.traffic for r in first], single, diff, merged_params(resumed))
 
 
 __all__ = ["CapstoneConfig", "load_config", "config_from_dict", "layout_text", "train_segment", "run_capstone",
