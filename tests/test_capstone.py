@@ -82,13 +82,15 @@ def _torchrun(n, *args):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_torchrun_capstone_at_8_gloo_ranks_then_resumed_at_4(tmp_path):
-    first = _torchrun(8, "--checkpoint-dir", str(tmp_path))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "dp2 x tp2 x pp2 (8 ranks, ZeRO-1), steps 1..2, saved at step 2" in first.stdout
+def test_torchrun_capstone_at_8_gloo_ranks_killed_then_resumed_at_4(tmp_path):
+    first = _torchrun(8, "--checkpoint-dir", str(tmp_path), "--kill-rank", "3")
+    assert first.returncode != 0  # torchrun saw rank 3 die and stopped the job
+    assert "rank 3: killed at the start of step 3" in first.stdout, first.stdout
+    assert "SIGKILL" in first.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
     second = _torchrun(4, "--checkpoint-dir", str(tmp_path), "--resume", "--check")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "steps 3..4, resumed from step 2" in second.stdout
+    assert "dp1 x tp2 x pp2 (4 ranks, ZeRO-0), steps 3..4, resumed from step 2" in second.stdout
     assert len(re.findall(r"step \d  loss \S+  single process \S+", second.stdout)) == 4, second.stdout
     assert "(tolerance 1e-04): OK" in second.stdout
 

@@ -1,8 +1,9 @@
 """The capstone under torchrun: train a 3D layout, save, lose ranks, resume at another world size.
 
-    # steps 1..checkpoint_step at [layout] (dp*tp*pp = 8 ranks), saved under --checkpoint-dir
+    # steps 1..checkpoint_step at [layout] (dp*tp*pp = 8 ranks), saved under --checkpoint-dir;
+    # then rank 3 dies (SIGKILL, no clean-up) at the start of the next step: torchrun stops the job
     torchrun --standalone --nproc-per-node 8 -m course_lib.demos.capstone \\
-        --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone
+        --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone --kill-rank 3
     # the rest at [resume] (4 ranks): loads the checkpoint resharded; --check compares the whole
     # loss curve with the single process on the same batches (exit 1 beyond TOLERANCE)
     torchrun --standalone --nproc-per-node 4 -m course_lib.demos.capstone \\
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 TOLERANCE = 1e-4  # |loss difference|: fp32 sums in another order, and a resharded optimizer state
@@ -29,7 +31,11 @@ def parse(argv=None):
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--resume", action="store_true", help="run the steps after checkpoint_step at [resume]")
     p.add_argument("--check", action="store_true", help="with --resume: compare with the single process")
-    return p.parse_args(argv)
+    p.add_argument("--kill-rank", type=int, help="without --resume: this rank SIGKILLs itself after the save")
+    args = p.parse_args(argv)
+    if args.kill_rank is not None and args.resume:
+        p.error("--kill-rank belongs to the first run (without --resume)")
+    return args
 
 
 def main(argv=None) -> int:
@@ -44,6 +50,8 @@ def main(argv=None) -> int:
         if dims.world_size != world:
             raise ValueError(f"[{section}] dp*tp*pp = {dims.dp}*{dims.tp}*{dims.pp} = {dims.world_size} "
                              f"must equal the number of processes (WORLD_SIZE={world})")
+        if args.kill_rank is not None and not 0 <= args.kill_rank < world:
+            raise ValueError(f"--kill-rank={args.kill_rank} must be in [0, WORLD_SIZE={world})")
     except ValueError as err:  # before any rank waits: one clear line, no traceback
         if rank == 0:
             print(f"capstone: bad config: {err}", file=sys.stderr, flush=True)
@@ -57,6 +65,9 @@ def main(argv=None) -> int:
     try:
         result = train_segment(dims, config.model, config.train, args.checkpoint_dir, first, last,
                                trace=not args.resume)
+        if rank == args.kill_rank:  # like a GPU falling off the bus: no clean-up, peers left waiting
+            print(f"rank {rank}: killed at the start of step {last + 1}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
     finally:
         leave_process_group()
     if rank != 0:
