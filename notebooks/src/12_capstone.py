@@ -189,9 +189,14 @@ assert len(text) == 44 and text.startswith("The ")
 #
 # ## 7. The same run under torchrun
 #
+# For a real failure, run it from a terminal: the first command trains steps 1-2 on 8
+# processes and saves; then rank 3 kills itself (SIGKILL, no clean-up), torchrun sees the dead
+# worker and stops the job. The second resumes on 4 processes and checks the whole curve
+# against the single process. On GPUs the same commands use NCCL.
+#
 # ```bash
 # torchrun --standalone --nproc-per-node 8 -m course_lib.demos.capstone \
-#     --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone
+#     --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone --kill-rank 3
 # torchrun --standalone --nproc-per-node 4 -m course_lib.demos.capstone \
 #     --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone --resume --check
 # ```
