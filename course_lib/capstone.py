@@ -228,16 +228,28 @@ class CapstoneRun:
 
 
 def run_capstone(config: CapstoneConfig, checkpoint_dir, timeout_s: float = 300, progress: bool = False) -> CapstoneRun:
-    """Parent side: both segments on their own ranks, then the single process on the same batches."""
+    """Parent side: both segments on their own ranks, then the single process on the same batches;
+    progress: a bar over the 2 * steps steps (both segments, then the single process)."""
     from course_lib.parallel.hybrid import merged_params, train_single
     from course_lib.runtime import run_on_ranks
 
+    from tqdm.auto import tqdm
+
     c = config
+    # The ranks' own output reaches the parent only after they finish, so the bar counts steps here
+    bar = tqdm(total=2 * c.train.steps, desc="capstone", unit="step", disable=not progress)
+    bar.set_postfix_str(f"{layout_text(c.layout)}, steps 1..{c.checkpoint_step}")
     first = run_on_ranks(train_segment, c.layout, c.model, c.train, str(checkpoint_dir), 1, c.checkpoint_step,
-                         trace=True, progress=progress, world_size=c.layout.world_size, timeout_s=timeout_s)
+                         trace=True, world_size=c.layout.world_size, timeout_s=timeout_s)
+    bar.update(c.checkpoint_step)
+    bar.set_postfix_str(f"resumed at {layout_text(c.resume)}")
     resumed = run_on_ranks(train_segment, c.resume, c.model, c.train, str(checkpoint_dir), c.checkpoint_step + 1,
-                           c.train.steps, progress=progress, world_size=c.resume.world_size, timeout_s=timeout_s)
+                           c.train.steps, world_size=c.resume.world_size, timeout_s=timeout_s)
+    bar.update(c.train.steps - c.checkpoint_step)
+    bar.set_postfix_str("single process")
     single = train_single(c.model, c.train).train_losses
+    bar.update(c.train.steps)
+    bar.close()
     losses = resumed[0].train_losses
     diff = max(abs(a - b) for a, b in zip(losses, single))
     return CapstoneRun(c, first[0], resumed[0], [r.traffic for r in first], single, diff, merged_params(resumed))

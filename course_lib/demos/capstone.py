@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     backend = init_from_env()
     try:
         result = train_segment(dims, config.model, config.train, args.checkpoint_dir, first, last,
-                               trace=not args.resume)
+                               trace=not args.resume, progress=True)
         if rank == args.kill_rank:  # like a GPU falling off the bus: no clean-up, peers left waiting
             print(f"rank {rank}: killed at the start of step {last + 1}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

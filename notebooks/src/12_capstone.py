@@ -105,9 +105,9 @@ assert p.best.layout.tp == 1 and memory["total"] < cluster.memory_bytes
 # **Predict:** will the resumed 4-rank curve equal the single process's exactly, or only
 # to float rounding?
 
-# %%
+# %% tags=["nbval-ignore-output"]
 checkpoints = pathlib.Path(tempfile.mkdtemp(prefix="capstone-"))
-run = run_capstone(config, checkpoints, timeout_s=240)
+run = run_capstone(config, checkpoints, timeout_s=240, progress=True)
 steps = range(1, config.train.steps + 1)
 print("saved:", sorted(d.name for d in checkpoints.iterdir()))
 assert run.max_difference < 1e-4
