@@ -47,7 +47,7 @@ class CapstoneConfig:
     resume: object  # ParallelDims of the steps after it
 
 
-def _read_toml(path) -> dict:
+def read_toml(path) -> dict:
     try:
         import tomllib  # Python >= 3.11
     except ModuleNotFoundError:  # Python 3.10: the same parser under its older name, if installed
@@ -128,7 +128,7 @@ def config_from_dict(raw: dict) -> CapstoneConfig:
 
 
 def load_config(path) -> CapstoneConfig:
-    return config_from_dict(_read_toml(path))
+    return config_from_dict(read_toml(path))
 
 
 def layout_text(dims) -> str:

@@ -10,16 +10,14 @@ import sys
 
 import pytest
 
-from course_lib.capstone import config_from_dict, load_config, run_capstone
+from course_lib.capstone import config_from_dict, load_config, read_toml, run_capstone
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "capstone_tiny.toml"
 
 
 def tiny_raw():
-    import tomllib
-
-    return tomllib.loads(TINY.read_text())
+    return read_toml(TINY)
 
 
 def test_the_tiny_config_loads():
