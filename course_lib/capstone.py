@@ -145,10 +145,8 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
     from course_lib.data import CharDataset, get_batch
     from course_lib.observe.tracer import CommTracer
     from course_lib.parallel.hybrid import (HybridResult, build_hybrid, clip_grad_norm_hybrid,
-                                            make_hybrid_optimizer, sync_gradients, traffic_by_dimension,
-                                            trained_module)
-    from course_lib.parallel.hybrid.training import _owned_params
-    from course_lib.parallel.pp import run_schedule
+                                            make_forward_backward, make_hybrid_optimizer, owned_params,
+                                            traffic_by_dimension, trained_module)
     from course_lib.runtime.device import rank_device
     from course_lib.train import train_step
 
@@ -166,19 +164,9 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
         if info.step != first - 1:
             raise ValueError(f"checkpoint of step {info.step} found where step {first - 1} was expected")
         result.train_losses = list(info.extra["losses"])  # the curve so far, whatever layout ran it
-    replica, share, m = parts.coords["dp"], train_cfg.batch_size // dims.dp, dims.microbatches
+    replica, share = parts.coords["dp"], train_cfg.batch_size // dims.dp
 
-    def forward_backward(_module, x, y):
-        if parts.stage is not None:
-            loss = run_schedule(parts.stage, x, y, dims.schedule, m)
-        else:
-            loss = 0.0
-            for xc, yc in zip(x.chunk(m), y.chunk(m)):
-                part = parts.model(xc, yc)[1] / m
-                part.backward()
-                loss += part.item()
-        sync_gradients(parts)
-        return loss
+    forward_backward = make_forward_backward(parts, dims)
 
     steps = range(first, last + 1)
     if progress and dist.get_rank() == 0:
@@ -204,7 +192,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
     save_training_state(checkpoint_path(root, last), last, parts, optimizer, "hybrid", gen,
                         extra={"losses": list(result.train_losses)})
-    result.named_params = _owned_params(parts)
+    result.named_params = owned_params(parts)
     return result
 
 

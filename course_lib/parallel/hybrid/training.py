@@ -64,7 +64,7 @@ def traffic_by_dimension(records, dims: ParallelDims, world_size: int) -> dict[s
     return dict(sorted(out.items()))
 
 
-def _owned_params(parts) -> dict[str, torch.Tensor]:
+def owned_params(parts) -> dict[str, torch.Tensor]:
     """{single-process name: full tensor} of the parameters this rank trains (collective over tp)."""
     if parts.dims.tp > 1:
         from course_lib.parallel.tp import gather_full_state_dict
@@ -75,6 +75,27 @@ def _owned_params(parts) -> dict[str, torch.Tensor]:
     # Single-process names, a tied matrix once (as named_parameters() lists it)
     keep = set(parts.stage.param_names) if parts.stage is not None else {n for n, _ in parts.model.named_parameters()}
     return {n: t.detach().cpu().clone() for n, t in full.items() if n in keep}
+
+
+def make_forward_backward(parts, dims):
+    """train_step's forward_backward for a hybrid layout: the pipeline schedule when there are
+    stages, else `microbatches` accumulated micro-batches; then the gradient synchronisation of
+    every mesh dimension. Returns the mean loss of the rank's share."""
+    m = dims.microbatches
+
+    def forward_backward(_module, x, y):
+        if parts.stage is not None:
+            loss = run_schedule(parts.stage, x, y, dims.schedule, m)
+        else:
+            loss = 0.0
+            for xc, yc in zip(x.chunk(m), y.chunk(m)):
+                part = parts.model(xc, yc)[1] / m
+                part.backward()
+                loss += part.item()
+        sync_gradients(parts)
+        return loss
+
+    return forward_backward
 
 
 def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = False) -> HybridResult:
@@ -90,19 +111,8 @@ def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = Fals
     replica = parts.coords["dp"] * dims.ep + parts.coords["ep"]
     share = train_cfg.batch_size // dims.replicas
     result = HybridResult(coords=dict(parts.coords))
-    m = dims.microbatches
 
-    def forward_backward(_module, x, y):
-        if parts.stage is not None:
-            loss = run_schedule(parts.stage, x, y, dims.schedule, m)
-        else:
-            loss = 0.0
-            for xc, yc in zip(x.chunk(m), y.chunk(m)):
-                part = parts.model(xc, yc)[1] / m
-                part.backward()
-                loss += part.item()
-        sync_gradients(parts)
-        return loss
+    forward_backward = make_forward_backward(parts, dims)
 
     def clip(max_norm):
         result.grad_norms.append(float(clip_grad_norm_hybrid(parts, max_norm)))
@@ -126,7 +136,7 @@ def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = Fals
     if trace:
         result.comm_summary = tracer.summary()
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
-    result.named_params = _owned_params(parts)
+    result.named_params = owned_params(parts)
     return result
 
 
