@@ -24,7 +24,6 @@ buckets and overlap buy. Ratios are recorded with benchmarks/summary.py.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import sys
@@ -33,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
+from rounds import rank_share_args, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
@@ -65,15 +64,7 @@ def one_round(config, cfg, order):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    args = parser.parse_args(argv)
-    if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or args.micro_batch < 1:
-        parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --world-size >= 2, --micro-batch >= 1")
+    args = rank_share_args(__doc__.splitlines()[0], rounds=9, argv=argv)
 
     config = GPTConfig.tiny(CharDataset("train").vocab_size, d_model=256, n_layer=4, n_head=8)
     n_params = GPT(config).num_params()

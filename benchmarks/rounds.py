@@ -60,3 +60,20 @@ def report(bench: str, per_round: list[dict], ratios: dict, save: bool = True, s
             record(bench, label, mid, target=target, better=better, spread=(lo, hi))
     if started is not None:
         print(f"\n{len(per_round)} rounds in {time.perf_counter() - started:.0f} s")
+
+
+def rank_share_args(description: str, rounds: int, argv=None):
+    """The command line of the benchmarks whose ranks each take a share of the batch
+    (data parallel, ZeRO): --world-size, --steps, --rounds, --micro-batch, --no-record, checked."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    args = parser.parse_args(argv)
+    if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or args.micro_batch < 1:
+        parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --world-size >= 2, --micro-batch >= 1")
+    return args
