@@ -90,6 +90,20 @@ def checkpointed_blocks(model: nn.Module, every_k: int = 1):
         model.blocks = original
 
 
+def recompute_in_place(blocks: Sequence[nn.Module]) -> None:
+    """Make each block run under checkpoint from now on, in place: block.forward becomes
+    checkpoint(block's own forward, x). Unlike `checkpointed_blocks`, no module is added or
+    moved, so parameter names stay the single-process names (state dicts, sharded
+    checkpoints, tensor/expert/pipeline wrappers that hold the blocks see the same model).
+    Calling it twice on a block is a no-op."""
+    for block in blocks:
+        if getattr(block, "recomputed", False):
+            continue
+        plain = block.forward  # the bound method of the class (tensor parallelism changed submodules only)
+        block.forward = lambda x, plain=plain: checkpoint(plain, x, use_reentrant=False)
+        block.recomputed = True
+
+
 def checkpointed_forward(model, idx: torch.Tensor, targets: torch.Tensor | None = None, every_k: int = 1):
     """model(idx, targets) with the blocks checkpointed in segments of `every_k`: same
     (logits, loss), same gradients, fewer saved activations. Embeddings, ln_f, head and the
