@@ -151,7 +151,8 @@ class MoELayer(nn.Module):
         self.z_loss = router_z_loss(logits)
         out = self.experts(flat[routing.token], routing.counts)  # (M, d), same order as routing
         weighted = out * routing.gate.to(out.dtype)[:, None]
-        y = flat.new_zeros(flat.shape).index_add(0, routing.token, weighted)  # dropped: stays 0
+        # weighted is bf16 under autocast (the experts' matmuls), flat fp32: add in flat's dtype
+        y = flat.new_zeros(flat.shape).index_add(0, routing.token, weighted.to(flat.dtype))  # dropped: stays 0
         return y.view(shape)
 
     def auxiliary_loss(self) -> torch.Tensor:
