@@ -3,6 +3,7 @@ saved at one 3D layout, loaded into one process and into another 3D layout, by g
 training continues as if never interrupted (to float rounding)."""
 
 import sys
+from dataclasses import replace
 
 import cloudpickle
 import pytest
@@ -36,8 +37,9 @@ def hybrid_steps(dims, save_to, steps_before, steps_after, load_from=None):
     parts = build_hybrid(dims, CONFIG, seed=0)
     opt = make_hybrid_optimizer(parts, TRAIN)
     ds, gen = CharDataset("train", T), torch.Generator().manual_seed(0)
-    share = B // dims.dp
-    rows = slice(parts.coords["dp"] * share, (parts.coords["dp"] + 1) * share)
+    share = B // dims.replicas  # replica r = dp_index * ep + ep_index (hybrid/training.py)
+    replica = parts.coords["dp"] * dims.ep + parts.coords["ep"]
+    rows = slice(replica * share, (replica + 1) * share)
 
     def forward_backward(_module, x, y):
         if parts.stage is not None:
@@ -106,11 +108,18 @@ def test_3d_checkpoint_resharded_to_another_3d_layout(tmp_path):
         assert torch.allclose(continued[n], final[n], atol=1e-5, rtol=0), n
 
 
-def test_expert_parallel_layouts_are_refused_by_name():
-    from course_lib.checkpoint.hybrid import base_slots
+MOE = replace(CONFIG, n_experts=4, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0)
 
-    class Parts:
-        dims = ParallelDims(ep=2)
 
-    with pytest.raises(ValueError, match="ep=2: checkpoints of expert-parallel layouts are not described yet"):
-        base_slots(Parts())
+def test_expert_parallel_checkpoint_resumes_at_another_ep_and_world_size(tmp_path, monkeypatch):
+    """Saved at dp2 x ep2 x pp2 (8 ranks, ZeRO-1), loaded at dp1 x ep4 (4 ranks): every expert
+    comes back by its single-process name, and training continues as if never interrupted."""
+    monkeypatch.setattr(sys.modules[__name__], "CONFIG", MOE)  # hybrid_steps reads CONFIG
+    saved, final = run(ParallelDims(dp=2, ep=2, pp=2, zero=1, microbatches=2), str(tmp_path), 2, 2)
+    assert CheckpointReader(tmp_path).world_size == 8
+    assert "blocks.1.mlp.experts.mlps.3.fc.weight" in saved
+    loaded, continued = run(ParallelDims(dp=1, ep=4, zero=0), None, 0, 2, str(tmp_path))
+    assert set(loaded) == set(saved)
+    for n in saved:
+        assert torch.equal(loaded[n], saved[n]), n
+        assert torch.allclose(continued[n], final[n], atol=1e-5, rtol=0), n

@@ -2,7 +2,10 @@
 
 A rank of build_hybrid holds its pipeline stage's parameters (single-process names in
 stage.param_names), each one tensor-parallel shard or whole. Those give *base* slots: a global
-box and where it sits in the local tensor (`local_box`). ZeRO-1 over dp then flattens the local
+box and where it sits in the local tensor (`local_box`). Expert parallelism (ep > 1) keeps
+whole experts under their single-process names (rank 1 of ep=2 with 4 experts holds
+mlps.2 and mlps.3), so an expert is a whole base slot held by one ep rank, and the dense
+parameters are identical boxes on every ep rank (saved once, like the tied matrix). ZeRO-1 over dp then flattens the local
 tensors into units and keeps the range [r*S, (r+1)*S) of each: a range of a local tensor is
 local boxes (reshard.flat_range_boxes), and each local box, intersected with a base slot's
 local box, maps to a global box by the same shift:
@@ -38,8 +41,6 @@ def base_slots(parts) -> list[BaseSlot]:
     """Every (pipeline-stage) parameter of this rank: TP boxes from the layers' index tables, else whole."""
     from course_lib.parallel.hybrid import trained_module
 
-    if parts.dims.ep > 1:
-        raise ValueError(f"ep={parts.dims.ep}: checkpoints of expert-parallel layouts are not described yet")
     module = trained_module(parts)
     params = list(module.parameters())
     names = parts.stage.param_names if parts.stage is not None else [n for n, _ in parts.model.named_parameters()]

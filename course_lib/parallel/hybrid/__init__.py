@@ -15,12 +15,13 @@ Rank placement and each dimension's traffic model live in course_lib/parallel/to
 
 from course_lib.parallel.hybrid.compose import (HybridParts, build_hybrid, clip_grad_norm_hybrid, count_weights,
                                                 make_hybrid_optimizer, sync_gradients, trained_module)
-from course_lib.parallel.hybrid.dims import ZERO_STAGES, ParallelDims
+from course_lib.parallel.hybrid.dims import PRECISIONS, ZERO_STAGES, ParallelDims
 from course_lib.parallel.hybrid.training import (HybridResult, dimension_of, make_forward_backward, merged_params,
-                                                 owned_params, run_hybrid, traffic_by_dimension, train_hybrid,
+                                                 owned_params, precision_context, run_hybrid, traffic_by_dimension,
+                                                 train_hybrid,
                                                  train_single)
 
 __all__ = ["ParallelDims", "ZERO_STAGES", "HybridParts", "build_hybrid", "make_hybrid_optimizer", "sync_gradients",
            "clip_grad_norm_hybrid", "count_weights", "trained_module", "HybridResult", "train_hybrid", "run_hybrid",
            "train_single", "merged_params", "traffic_by_dimension", "dimension_of", "make_forward_backward",
-           "owned_params"]
+           "owned_params", "precision_context", "PRECISIONS"]

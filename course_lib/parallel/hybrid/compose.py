@@ -4,6 +4,7 @@
     model = GPT(config, seed)                               the same plain model on every rank
     apply_tensor_parallel(model, mesh["tp"], sp)            1. TP (+SP): inside every block
     apply_expert_parallel(model, mesh["ep"])                2. EP: each MoE layer keeps E/ep experts
+    recompute_in_place(model.blocks)                        (activation_checkpointing) in place
     stage = build_stage(model, mesh["pp"], v)               3. PP: this rank's blocks (+ embedding/head)
     optimizer = ShardedOptimizer (stage 0 or 1, dp group)    4. ZeRO-1 (or plain DP) across replicas
 
@@ -35,6 +36,7 @@ from course_lib.parallel.mesh import make_mesh
 from course_lib.parallel.pp import build_stage
 from course_lib.parallel.tp import apply_tensor_parallel, sharded_parameters
 from course_lib.parallel.zero import ShardedOptimizer
+from course_lib.techniques.activation_checkpointing import recompute_in_place
 
 
 @dataclass
@@ -63,6 +65,8 @@ def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
         apply_tensor_parallel(model, groups["tp"], dims.sequence_parallel)
     if dims.ep > 1:
         apply_expert_parallel(model, groups["ep"])
+    if dims.activation_checkpointing:  # in place: the names stay the single-process ones
+        recompute_in_place(model.blocks)
     stage = build_stage(model, groups["pp"], dims.virtual_stages) if dims.pp > 1 else None
     return HybridParts(dims, mesh, coords, groups, model, stage)
 

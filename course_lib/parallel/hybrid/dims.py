@@ -10,6 +10,10 @@ What each dimension splits (B = global batch, L = layers, E = experts):
     dp   the batch: B / (dp * ep) rows per replica; with zero=1 also the optimizer state
     ep   the experts: E / ep per rank; the batch too (an ep rank is also a data replica)
 
+Two options act on every rank alike: precision "bf16" (matmuls under torch.autocast, the
+parameters and so the optimizer's master weights stay fp32) and activation_checkpointing
+(every block recomputes its forward in backward).
+
 Each rule below is one ValueError naming the value and the rule (torchtitan's ParallelDims
 does the same job).
 """
@@ -22,6 +26,7 @@ from course_lib._validate import check_int
 from course_lib.parallel.mesh import MESH_DIMS
 
 ZERO_STAGES = (0, 1)  # 2 and 3 reduce (or gather) inside backward, once per micro-batch: not composed here
+PRECISIONS = ("fp32", "bf16")  # bf16: torch.autocast around forward and backward, fp32 parameters (master weights)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class ParallelDims:
     microbatches: int = 1
     schedule: str = "1f1b"
     sequence_parallel: bool = False
+    precision: str = "fp32"  # PRECISIONS; the single-process twin (train_single) takes the same
+    activation_checkpointing: bool = False  # recompute every block's forward in backward
 
     @property
     def world_size(self) -> int:
@@ -62,8 +69,11 @@ class ParallelDims:
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero} must be one of {ZERO_STAGES}: stages 2 and 3 act inside backward, "
                              f"once per pipeline micro-batch, and are not composed with the other dimensions here")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        for name in ("sequence_parallel", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} must be one of {PRECISIONS}")
         if self.world_size != world_size:
             raise ValueError(f"pp*dp*ep*tp = {self.pp}*{self.dp}*{self.ep}*{self.tp} = {self.world_size} "
                              f"must equal world_size={world_size}")

@@ -24,6 +24,7 @@ from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hyb
 from course_lib.parallel.hybrid.dims import ParallelDims
 from course_lib.parallel.pp import run_schedule
 from course_lib.runtime.device import rank_device
+from course_lib.techniques.activation_checkpointing import recompute_in_place
 from course_lib.train import TrainResult, make_optimizer, train_step
 
 
@@ -77,22 +78,39 @@ def owned_params(parts) -> dict[str, torch.Tensor]:
     return {n: t.detach().cpu().clone() for n, t in full.items() if n in keep}
 
 
-def make_forward_backward(parts, dims):
+def precision_context(precision: str):
+    """"bf16": torch.autocast (matmuls in bf16, the parameters, their gradients and so AdamW's
+    master weights in fp32; no loss scaler: bf16 has fp32's range). "fp32": nothing."""
+    if precision == "bf16":
+        return torch.autocast(rank_device().type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_forward_backward(parts, dims, timeline=None):
     """train_step's forward_backward for a hybrid layout: the pipeline schedule when there are
-    stages, else `microbatches` accumulated micro-batches; then the gradient synchronisation of
-    every mesh dimension. Returns the mean loss of the rank's share."""
+    stages, else `microbatches` accumulated micro-batches, under dims.precision; then the
+    gradient synchronisation of every mesh dimension. Returns the mean loss of the rank's
+    share. A Timeline (optional) gets the forward/backward (or the pipeline's F/B, sends and
+    receives) and the synchronisation. The pipeline runs backward inside its schedule, so
+    autocast covers forward and backward in both branches (backward runs each op in the dtype
+    its forward chose either way)."""
     m = dims.microbatches
+    span = timeline.span if timeline is not None else (lambda *a: contextlib.nullcontext())
 
     def forward_backward(_module, x, y):
-        if parts.stage is not None:
-            loss = run_schedule(parts.stage, x, y, dims.schedule, m)
-        else:
-            loss = 0.0
-            for xc, yc in zip(x.chunk(m), y.chunk(m)):
-                part = parts.model(xc, yc)[1] / m
-                part.backward()
-                loss += part.item()
-        sync_gradients(parts)
+        with precision_context(dims.precision):
+            if parts.stage is not None:
+                loss = run_schedule(parts.stage, x, y, dims.schedule, m, timeline=timeline)
+            else:
+                loss = 0.0
+                for i, (xc, yc) in enumerate(zip(x.chunk(m), y.chunk(m))):
+                    with span(f"F{i}", "forward"):
+                        part = parts.model(xc, yc)[1] / m
+                    with span(f"B{i}", "backward"):
+                        part.backward()
+                    loss += part.item()
+        with span("ep reduce", "comm") if dims.ep > 1 else contextlib.nullcontext():
+            sync_gradients(parts)
         return loss
 
     return forward_backward
@@ -140,10 +158,14 @@ def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = Fals
     return result
 
 
-def train_single(model_config, train_cfg) -> HybridResult:
+def train_single(model_config, train_cfg, precision: str = "fp32", activation_checkpointing: bool = False,
+                 on_step=None) -> HybridResult:
     """The single-process run the hybrid one must equal: same seed, same global batches, torch's
-    clip (its norm recorded), AdamW from make_optimizer."""
+    clip (its norm recorded), AdamW from make_optimizer, the same precision and recomputation.
+    on_step(step, loss) (optional) is called after every step."""
     model = GPT(model_config, seed=train_cfg.seed)
+    if activation_checkpointing:
+        recompute_in_place(model.blocks)
     optimizer = make_optimizer(model, train_cfg)
     dataset = CharDataset("train", block_size=model_config.block_size)
     gen = torch.Generator().manual_seed(train_cfg.seed)
@@ -152,11 +174,20 @@ def train_single(model_config, train_cfg) -> HybridResult:
     def clip(max_norm):
         result.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
 
-    for _ in range(train_cfg.steps):
+    def forward_backward(module, x, y):
+        with precision_context(precision):
+            loss = module(x, y)[1]
+            loss.backward()
+        return loss.item()
+
+    for step in range(1, train_cfg.steps + 1):
         x, y = get_batch(dataset, train_cfg.batch_size, gen)
         start = time.perf_counter()
-        result.train_losses.append(train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=clip))
+        result.train_losses.append(train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=clip,
+                                              forward_backward=forward_backward))
         result.step_seconds.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step(step, result.train_losses[-1])
     result.named_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return result
 
