@@ -95,9 +95,12 @@ PRESETS = {"course GPT": COURSE_GPT, "GPT-3 175B": GPT3_175B, "Llama-3 8B": LLAM
 
 
 def unpack(config):
-    """(base config, n_experts, top_k); a dense model is one expert with top_k = 1."""
+    """(base config, n_experts, top_k); a dense model is one expert with top_k = 1. A course
+    GPTConfig with n_experts > 0 (course_lib.model.moe) is a mixture of experts too."""
     if isinstance(config, MoEConfig):
         return config.base, config.n_experts, config.top_k
+    if isinstance(config, GPTConfig) and config.n_experts:
+        return config, config.n_experts, config.top_k
     if isinstance(config, (GPTConfig, LlamaLikeConfig)):
         return config, 1, 1
     raise ValueError(f"config={config!r} must be a GPTConfig, LlamaLikeConfig or MoEConfig")

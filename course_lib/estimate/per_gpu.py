@@ -1,26 +1,68 @@
 """Per-GPU memory of one layout: everything of memory.py on the busiest GPU of a
-dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it)."""
+dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it).
+
+    rank_param_counts(config, tp, pp, ep, stage)   parameters one rank of a pipeline stage holds
+    per_gpu_memory(config, ...)                     bytes on the busiest GPU (or on one stage's)
+"""
 
 from __future__ import annotations
 
 from course_lib.estimate.memory import RECIPES, activation_bytes, model_state_bytes
 from course_lib.estimate.params import LlamaLikeConfig, cdiv, ff_dim, param_breakdown, positive_int, unpack
+from course_lib.model import GPTConfig
+
+
+def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int = 0) -> dict[str, int]:
+    """{"dense", "expert"}: parameters one rank of pipeline stage `stage` holds, the way
+    course_lib.parallel splits them (d = d_model, f = d_ff, V = vocabulary, T = block_size,
+    b = 1 with biases, L/pp layers per stage, E/ep experts per rank):
+
+        per layer   qkv (3d^2 + 3bd)/tp + proj d^2/tp + bd      row-parallel biases stay whole
+                    mlp, per expert: (df + bf)/tp + fd/tp + bd    (added once, after the reduce)
+                    LayerNorms 2(d + bd), router dE: whole on every tp rank
+        stage 0     token embedding ceil(V/tp) d  (the vocabulary is padded to a multiple of tp
+                    and split by rows)  +  positions T d (whole)
+        last stage  final norm d + bd  +  head ceil(V/tp) d when untied, or when tied and pp > 1
+                    (the last stage keeps its own copy of the tied matrix; with pp = 1 the head
+                    IS the embedding, held once)
+
+    Llama-like models have no biases (b = 0) and split their k, v heads over tp as well.
+    """
+    base, n_experts, _ = unpack(config)
+    p = param_breakdown(config)
+    d = base.d_model
+    whole_bias = d if isinstance(base, GPTConfig) and base.bias else 0  # a row-parallel bias: not split
+    layers = base.n_layer // pp
+    attention = (p["attention"] - whole_bias) // tp + whole_bias
+    mlp = (p["mlp"] - whole_bias) // tp + whole_bias
+    dense = layers * (attention + p["norms"] + p["router"])
+    vocab_rows = cdiv(base.vocab_size, tp) * d
+    if stage == 0:
+        dense += vocab_rows + p["position"]
+    if stage == pp - 1:
+        dense += p["final_norm"] + (vocab_rows if p["head"] or pp > 1 else 0)
+    expert = layers * (n_experts // ep) * mlp
+    return {"dense": dense, "expert": expert}
 
 
 def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str = "bf16_mixed", zero_stage: int = 0,
                    dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, recompute: str = "none",
-                   offload: str = "none", attention: str | None = None, sequence_parallel: bool | None = None) -> dict:
+                   offload: str = "none", attention: str | None = None, sequence_parallel: bool | None = None,
+                   stage: int | None = None) -> dict:
     """Bytes on the busiest GPU: {"params", "grads", "optimizer", "activations", "total",
     "cpu_offload", "params_on_gpu", "n_gpus", "stage"}. `batch` is the micro-batch per GPU.
+    stage=s: the bytes of a rank of pipeline stage s instead of the busiest one.
 
-    The mesh is course_lib.parallel.mesh's: n_gpus = dp * ep * tp * pp. tp splits attention heads, MLP
-    columns, embedding and head rows (norms stay replicated); pp gives each stage n_layer/pp
+    The mesh is course_lib.parallel.mesh's: n_gpus = dp * ep * tp * pp. The parameters of a
+    rank are `rank_param_counts`' (tp splits attention heads, MLP columns, embedding and head
+    rows; norms and row-parallel biases stay replicated; pp gives each stage n_layer/pp
     layers, the embedding to the first stage and the head to the last (a tied head keeps a
     copy there); ep splits MoE experts (each ep rank holds n_experts/ep of them). The ranks of
     an ep group read different data, so dense weights are replicated over dp*ep ranks (ZeRO
-    shards them over dp*ep) and expert weights over dp (ZeRO shards them over dp).
-    Activations follow the 1F1B schedule: stage 0 holds pp micro-batches of its n_layer/pp
-    layers (Korthikanti et al.: as much as one micro-batch through all layers, / tp).
+    shards them over dp*ep, as Megatron's distributed optimizer does) and expert weights over
+    dp (ZeRO shards them over dp). Sharding rounds up: ceil(n / ranks) per rank.
+    Activations follow the 1F1B schedule: stage s holds pp - s micro-batches of its n_layer/pp
+    layers (stage 0: as much as one micro-batch through all layers, Korthikanti et al., / tp).
     sequence_parallel defaults to tp > 1. offload="optimizer" moves the optimizer state
     (fp32 master, m, v) to CPU memory (ZeRO-Offload), reported as "cpu_offload".
     """
@@ -43,36 +85,37 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
         raise ValueError(f"recipe={recipe!r} must be one of {sorted(RECIPES)}")
     if offload not in ("none", "optimizer"):
         raise ValueError(f"offload={offload!r} must be 'none' or 'optimizer'")
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp):
+        raise ValueError(f"stage={stage!r} must be None (the busiest) or an int in [0, pp={pp})")
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
-    p = param_breakdown(config)
     layers = base.n_layer // pp
-    dense_layer = layers * (p["attention"] // tp + p["norms"] + p["router"])
-    expert_layer = layers * (n_experts // ep) * (p["mlp"] // tp)
-    first = cdiv(p["embedding"], tp) + p["position"]
-    last = p["final_norm"] + cdiv(p["head"] or (p["embedding"] if pp > 1 else 0), tp)
     dtype = 4 if recipe == "fp32" else 2
     act = activation_bytes(config, batch, seq, dtype, recompute, attention, tp, sp)
 
-    # 1F1B: stage 0 has pp micro-batches in flight through its n_layer/pp layers, the last stage one.
-    stages = {0: (dense_layer + first + (last if pp == 1 else 0),
-                  act["layers"] + act["recompute_buffer"] + pp * act["input_side"]
-                  + (act["output_side"] if pp == 1 else 0))}
-    if pp > 1:
-        stages[pp - 1] = (dense_layer + last,
-                          act["per_layer"] * layers + act["recompute_buffer"] + act["output_side"])
-    best = None
-    for stage, (dense, activations) in stages.items():
-        state = model_state_bytes(dense, recipe, zero_stage, dp * ep)
-        if expert_layer:
-            expert = model_state_bytes(expert_layer, recipe, zero_stage, dp)
+    def bytes_of(s: int) -> dict:
+        counts = rank_param_counts(config, tp, pp, ep, s)
+        state = model_state_bytes(counts["dense"], recipe, zero_stage, dp * ep)
+        if counts["expert"]:
+            expert = model_state_bytes(counts["expert"], recipe, zero_stage, dp)
             state = {k: state[k] + expert[k] for k in state}
+        # 1F1B: stage s has pp - s micro-batches in flight through its n_layer/pp layers.
+        in_flight = pp - s
+        activations = (in_flight * layers * act["per_layer"] + act["recompute_buffer"]
+                       + (in_flight * act["input_side"] if s == 0 else 0)
+                       + (act["output_side"] if s == pp - 1 else 0))
         out = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
                "activations": activations, "cpu_offload": 0}
         if offload == "optimizer":
             out["cpu_offload"], out["optimizer"] = out["optimizer"], 0
         out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"]
-        out.update(params_on_gpu=dense + expert_layer, n_gpus=dp * ep * tp * pp, stage=stage)
+        out.update(params_on_gpu=counts["dense"] + counts["expert"], n_gpus=dp * ep * tp * pp, stage=s)
+        return out
+
+    if stage is not None:
+        return bytes_of(stage)
+    best = None
+    for s in sorted({0, pp - 1}):  # a middle stage holds no more than stage 0
+        out = bytes_of(s)
         if best is None or out["total"] > best["total"]:
             best = out
     return best
-
