@@ -4,6 +4,7 @@
     estimated_per_rank(config, layout, world, seq)   the estimator's bytes for every rank
     memory_table(config, layouts, seq, timeout_s)    parent: every layout in ONE run_on_ranks call,
                                                      rows of (estimated, measured) per rank
+    format_memory_table(rows)                        those rows as text, one line per layout
 
 How a Layout runs here (the strategies of course_lib.parallel):
 
@@ -43,6 +44,9 @@ STATE = ("params", "grads", "optimizer")
 def check_runnable(config, layout: Layout, seq: int | None = None) -> int:
     """ValueError unless the course can build `layout` here; returns seq."""
     seq = check_layout(config, layout, seq)
+    if layout.recompute != "none":
+        raise ValueError(f"recompute={layout.recompute!r}: the measured runs here keep every activation "
+                         f"(recompute='none')")
     if layout.zero_stage >= 2 and layout.n_gpus != layout.dp:
         raise ValueError(f"zero_stage={layout.zero_stage} runs on pure data parallelism here (course_lib.parallel"
                          f".zero); the layout {layout.label()!r} also has tp, pp or ep")
@@ -170,8 +174,27 @@ def memory_table(config, layouts, seq: int | None = None, timeout_s: float = 300
         estimated = estimated_per_rank(config, lay, seq)
         state = [(sum(e[k] for k in STATE), sum(m[k] for k in STATE)) for e, m in zip(estimated, measured)]
         act_rank = max(range(len(measured)), key=lambda r: estimated[r]["activations"])
-        rows.append({"label": lay.label(), "layout": asdict(lay), "estimated": estimated, "measured": measured,
+        label = lay.label() + (f" {lay.schedule}" if lay.pp > 1 else "")
+        rows.append({"label": label, "layout": asdict(lay), "estimated": estimated, "measured": measured,
                      "state_equal": all(e == m for e, m in state),
                      "busiest": (max(e for e, _ in state), max(m for _, m in state)),
                      "activation_ratio": measured[act_rank]["activations"] / estimated[act_rank]["activations"]})
     return rows
+
+
+def format_memory_table(rows: list[dict]) -> str:
+    """memory_table's rows as text: per layout the busiest rank's model state (params + grads +
+    AdamW moments) estimated and measured, whether every rank matched, and the activations of
+    the rank holding the most, estimated and measured (IEC units)."""
+    from course_lib.units import fmt_bytes
+
+    lines = [f"{'layout':34s} {'state est.':>11s} {'measured':>11s} {'every rank':>10s} "
+             f"{'activ. est.':>11s} {'measured':>11s}"]
+    for r in rows:
+        act = max(range(len(r["estimated"])), key=lambda i: r["estimated"][i]["activations"])
+        est, meas = r["busiest"]
+        lines.append(f"{r['label']:34s} {fmt_bytes(est, 2):>11s} {fmt_bytes(meas, 2):>11s} "
+                     f"{'equal' if r['state_equal'] else 'DIFFERENT':>10s} "
+                     f"{fmt_bytes(r['estimated'][act]['activations'], 2):>11s} "
+                     f"{fmt_bytes(r['measured'][act]['activations'], 2):>11s}")
+    return "\n".join(lines)

@@ -13,7 +13,8 @@ from course_lib.model import GPTConfig
 
 
 def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int = 0) -> dict[str, int]:
-    """{"dense", "expert"}: parameters one rank of pipeline stage `stage` holds, the way
+    """{"dense", "expert"}: parameters one rank of pipeline stage `stage` holds ("expert": the
+    MLPs, a dense model's MLP being its one expert; "dense": everything else), the way
     course_lib.parallel splits them (d = d_model, f = d_ff, V = vocabulary, T = block_size,
     b = 1 with biases, L/pp layers per stage, E/ep experts per rank):
 
