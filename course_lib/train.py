@@ -67,6 +67,40 @@ class TrainResult:
     final_grads: torch.Tensor | None = None  # flat copy of the last step's gradients
     timeline_events: list | None = None  # Timeline events, when the run recorded a timeline
     comm_summary: dict | None = None  # CommTracer.summary() of the training steps, when traced
+    tokens_per_step: int = 0  # tokens of one optimizer step over all ranks: global batch * seq
+    flops_per_step: float = 0.0  # model FLOPs of one optimizer step over all ranks (set_step_work)
+
+    def set_step_work(self, model_config, global_batch: int, seq: int) -> "TrainResult":
+        """Record the work of one optimizer step: tokens_per_step = global_batch * seq and
+        flops_per_step = course_lib.estimate.flops_per_token(model_config, seq) * tokens, the
+        model FLOPs (3 x forward matmuls, full s x s attention; recomputation excluded)."""
+        from course_lib.estimate.compute import flops_per_token  # estimate: pure formulas
+
+        self.tokens_per_step = int(global_batch) * int(seq)
+        self.flops_per_step = flops_per_token(model_config, seq) * self.tokens_per_step
+        return self
+
+    def _step_time(self, skip: int) -> float:
+        if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < len(self.step_seconds):
+            raise ValueError(f"skip={skip!r} must be an int in [0, {len(self.step_seconds)}): the run has "
+                             f"{len(self.step_seconds)} timed steps")
+        return sum(self.step_seconds[skip:]) / len(self.step_seconds[skip:])
+
+    def tokens_per_second(self, skip: int = 0) -> float:
+        """tokens_per_step / the mean step time (steps after the first `skip`, e.g. warm-up)."""
+        if not self.tokens_per_step:
+            raise ValueError("tokens_per_step=0: the run did not record its work (set_step_work)")
+        return self.tokens_per_step / self._step_time(skip)
+
+    def mfu(self, peak_flops: float, n_devices: int, skip: int = 0) -> float:
+        """Model FLOPs utilisation: flops_per_step / mean step time / (n_devices * peak_flops)."""
+        if not self.flops_per_step:
+            raise ValueError("flops_per_step=0: the run did not record its work (set_step_work)")
+        if not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
+            raise ValueError(f"peak_flops={peak_flops!r} must be > 0")
+        if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+            raise ValueError(f"n_devices={n_devices!r} must be a positive int")
+        return self.flops_per_step / self._step_time(skip) / (n_devices * peak_flops)
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -190,7 +224,8 @@ def train_reference(
     model = GPT(model_config, seed=cfg.seed)
     optimizer = make_optimizer(model, cfg)
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    result = TrainResult(model=model)
+    seq = getattr(dataset, "block_size", model_config.block_size)
+    result = TrainResult(model=model).set_step_work(model_config, cfg.batch_size, seq)
 
     def run_eval(step: int) -> float:
         val_gen = torch.Generator().manual_seed(cfg.seed + 1)
