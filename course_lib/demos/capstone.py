@@ -1,17 +1,19 @@
 """The capstone under torchrun: train a 3D layout, save, lose ranks, resume at another world size.
 
-    # steps 1..checkpoint_step at [layout] (dp*tp*pp = 8 ranks), saved under --checkpoint-dir;
+    # steps 1..checkpoint_step at [layout] (dp*tp*pp*ep = 8 ranks), saved under --checkpoint-dir;
     # then rank 3 dies (SIGKILL, no clean-up) at the start of the next step: torchrun stops the job
     torchrun --standalone --nproc-per-node 8 -m course_lib.demos.capstone \\
         --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone --kill-rank 3
     # the rest at [resume] (4 ranks): loads the checkpoint resharded; --check compares the whole
-    # loss curve with the single process on the same batches (exit 1 beyond TOLERANCE)
+    # loss curve with the single process on the same batches, same precision and recomputation
+    # (exit 1 beyond the precision's tolerance: course_lib.capstone.TOLERANCE)
     torchrun --standalone --nproc-per-node 4 -m course_lib.demos.capstone \\
         --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone --resume --check
 
-The config file (TOML, one key per degree, documented in configs/capstone_tiny.toml) is read
-and checked by every process before the process group starts: a bad key, value or layout (also
-one whose dp*tp*pp differs from --nproc-per-node) exits with code 2 and one line naming the key,
+The config file (TOML, one key per degree, documented in configs/capstone_tiny.toml; an MoE
+run in configs/capstone_moe.toml) is read and checked by every process before the process
+group starts: a bad key, value or layout (also one whose dp*tp*pp*ep differs from
+--nproc-per-node) exits with code 2 and one line naming the key,
 printed by rank 0. gloo on CPU, NCCL on GPUs (course_lib.runtime.launch.init_from_env).
 """
 
@@ -21,8 +23,6 @@ import argparse
 import os
 import signal
 import sys
-
-TOLERANCE = 1e-4  # |loss difference|: fp32 sums in another order, and a resharded optimizer state
 
 
 def parse(argv=None):
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         config = load_config(args.config)
         dims = config.resume if args.resume else config.layout
         if dims.world_size != world:
-            raise ValueError(f"[{section}] dp*tp*pp = {dims.dp}*{dims.tp}*{dims.pp} = {dims.world_size} "
+            raise ValueError(f"[{section}] dp*tp*pp*ep = {dims.dp}*{dims.tp}*{dims.pp}*{dims.ep} = {dims.world_size} "
                              f"must equal the number of processes (WORLD_SIZE={world})")
         if args.kill_rank is not None and not 0 <= args.kill_rank < world:
             raise ValueError(f"--kill-rank={args.kill_rank} must be in [0, WORLD_SIZE={world})")
@@ -72,7 +72,8 @@ def main(argv=None) -> int:
         leave_process_group()
     if rank != 0:
         return 0
-    print(f"capstone on {world} ranks ({backend}): {layout_text(dims)}, steps {first}..{last}, "
+    print(f"capstone on {world} ranks ({backend}): {layout_text(dims)}, {config.precision}, recomputation "
+          f"{'on' if config.activation_checkpointing else 'off'}, steps {first}..{last}, "
           f"{'resumed from step ' + str(first - 1) if args.resume else 'saved at step ' + str(last)}", flush=True)
     for dim, t in result.traffic.items():
         print(f"traffic {dim}: {t['calls']} calls, {t['bytes_sent']} bytes sent by rank 0")
@@ -82,13 +83,15 @@ def main(argv=None) -> int:
         return 0
     from course_lib.parallel.hybrid import train_single
 
-    reference = train_single(config.model, config.train).train_losses
+    reference = train_single(config.model, config.train, config.precision,
+                             config.activation_checkpointing).train_losses
     worst = 0.0
     for step, (a, b) in enumerate(zip(result.train_losses, reference), start=1):
         worst = max(worst, abs(a - b))
         print(f"step {step}  loss {a:.6f}  single process {b:.6f}  |diff| {abs(a - b):.2e}")
-    ok = len(result.train_losses) == len(reference) and worst <= TOLERANCE
-    print(f"largest difference {worst:.2e} (tolerance {TOLERANCE:.0e}): {'OK' if ok else 'MISMATCH'}", flush=True)
+    ok = len(result.train_losses) == len(reference) and worst <= config.tolerance
+    print(f"largest difference {worst:.2e} (tolerance {config.tolerance:.0e}): {'OK' if ok else 'MISMATCH'}",
+          flush=True)
     return 0 if ok else 1
 
 

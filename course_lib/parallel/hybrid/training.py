@@ -39,6 +39,7 @@ class HybridResult(TrainResult):
     coords: dict = field(default_factory=dict)
     named_params: dict = field(default_factory=dict)
     traffic: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)  # bytes measured on this rank, when the run measured them
 
 
 def dimension_of(group_ranks, groups_by_dim: dict[str, list[list[int]]], world_size: int) -> str:

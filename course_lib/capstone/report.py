@@ -1,0 +1,202 @@
+"""What the capstone reports: predicted against measured, the live loss plot, and the text the
+trained model writes.
+
+    estimate_inputs(config, dims)  -> (estimator config, Layout, recipe) for course_lib.estimate
+    compare(run, cluster)          -> predicted / measured step time, tokens/s, memory per rank
+    traffic_formula(config, dims)  -> bytes per step of each mesh dimension, by formula
+    report_text(run, cluster)      -> the report cell's lines
+    LiveLossPlot(config)           -> run_capstone(..., on_loss=plot.update): the curve while it trains
+    generate_text(config, params, prompt, n)
+
+MFU = model FLOPs per second / (ranks * peak FLOP/s of one device). A peak is a GPU's spec
+sheet figure; a CPU core has no comparable one, so on CPU ranks the report gives the same
+ratio against the calibrated rate of the stored 8-rank cluster (what these ranks reached on
+large matmuls) and says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+RECIPE = {"fp32": "fp32", "bf16": "bf16_autocast"}  # precision -> course_lib.estimate recipe
+
+
+def estimate_inputs(config, dims):
+    """(model config for course_lib.estimate, its Layout, recipe) of one capstone layout."""
+    from course_lib.estimate.params import MoEConfig
+    from course_lib.estimate.step_time import Layout
+
+    model = config.model
+    if model.n_experts:
+        model = MoEConfig(replace(model, n_experts=0), n_experts=model.n_experts, top_k=model.top_k)
+    micro = config.train.batch_size // (dims.dp * dims.ep * dims.microbatches)
+    layout = Layout(dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep, m=dims.microbatches, micro_batch=micro,
+                    zero_stage=dims.zero, recompute="full" if dims.activation_checkpointing else "none")
+    return model, layout, RECIPE[dims.precision]
+
+
+def gpu_peak_flops(precision: str) -> float | None:
+    """The spec-sheet peak of this machine's GPU (bf16 or the fp32 recipe's TF32), if known."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from course_lib.estimate.calculator import GPUS
+
+    name = torch.cuda.get_device_name()
+    for gpu in GPUS.values():
+        if gpu.name.split()[0] in name:
+            return gpu.peak_bf16 if precision == "bf16" else gpu.peak_tf32
+    return None
+
+
+def compare(run, cluster) -> dict:
+    """Predicted and measured figures of the first segment's layout (the 8-rank one):
+    step seconds (measured: the median over its steps after the first), tokens/s, model FLOP/s,
+    and per rank: model state and activations (estimated vs measured) and the peak RSS."""
+    from course_lib.estimate.step_time import memory_per_rank, step_time
+
+    c, dims = run.config, run.config.layout
+    model, layout, recipe = estimate_inputs(c, dims)
+    predicted = step_time(model, layout, cluster.with_gpus(dims.world_size), c.model.block_size, recipe)
+    memory = memory_per_rank(model, layout, c.model.block_size, recipe)
+    seconds = run.first.step_seconds[1:] or run.first.step_seconds
+    measured = statistics.median(seconds)
+    tokens = c.train.batch_size * c.model.block_size
+    per_rank = [{"state": r.memory["total"], "activations": r.memory["activations"], "rss": r.memory["peak_rss"]}
+                for r in run.first_ranks]
+    peak = gpu_peak_flops(c.precision)
+    rate = peak or cluster.achievable_flops
+    return {"predicted_s": predicted["total"], "measured_s": measured, "tokens_per_s": tokens / measured,
+            "predicted_tokens_per_s": tokens / predicted["total"], "flops": predicted["flops"],
+            "mfu": predicted["flops"] / measured / (dims.world_size * rate), "mfu_against": "gpu peak" if peak
+            else "calibrated CPU rate", "memory_predicted": memory, "memory_measured": per_rank,
+            "layout": layout, "recipe": recipe}
+
+
+def traffic_formula(config, dims) -> dict:
+    """{dim: bytes sent per step, summed over the ranks} of a dense layout, from notebook 09's
+    formulas (course_lib.parallel.topology.traffic_per_step, fp32, no recomputation) with the
+    two changes this run makes to tensor parallelism's 4 all-reduces per layer and micro-batch
+    (message M = micro-batch x seq x d_model x 4 bytes, summed over R = dp replicas and tp):
+
+        bf16        the 2 forward all-reduces (a row-parallel matmul's output) carry bf16:
+                    - R * tp * m * L * 2 * M / 2
+        recompute   backward reruns each block's forward until the tensors it saved are back:
+                    the attention's all-reduce again (the MLP's output is saved by nothing in
+                    the block, so checkpoint stops before it): + R * tp * m * L * M_fwd
+    """
+    from course_lib.parallel import topology
+
+    if config.model.n_experts:
+        raise ValueError("traffic_formula covers dense layouts (n_experts=0)")
+    out = {d: row["bytes_sent"] for d, row in topology.traffic_per_step(config.model, dims,
+                                                                         config.train.batch_size).items()}
+    if dims.tp > 1:
+        m, L = dims.microbatches, config.model.n_layer
+        message = config.train.batch_size // dims.replicas // m * config.model.block_size * config.model.d_model * 4
+        calls = dims.replicas * dims.tp * m * L  # one all-reduce per layer and micro-batch, on every tp rank
+        forward = message // 2 if dims.precision == "bf16" else message
+        out["tp"] += -2 * calls * (message - forward) + (calls * forward if dims.activation_checkpointing else 0)
+    return out
+
+
+def report_text(run, cluster) -> str:
+    from course_lib.capstone.config import layout_text
+    from course_lib.units import fmt_bytes
+
+    c, k = run.config, compare(run, cluster)
+    mp, mm = k["memory_predicted"], k["memory_measured"]
+    traffic = run.traffic[0]
+    mfu = (f"MFU {k['mfu']:.1%} of the GPU's peak" if k["mfu_against"] == "gpu peak" else
+           f"MFU not defined on CPU ranks (no spec-sheet peak); against the calibrated rate of "
+           f"{cluster.achievable_flops / 1e9:.2f} GFLOP/s per rank: {k['mfu']:.1%}")
+    rows = [
+        "capstone report",
+        f"  layout           {layout_text(c.layout)} -> {layout_text(c.resume)} after step {c.checkpoint_step}; "
+        f"{c.precision}, recomputation {'on' if c.activation_checkpointing else 'off'}",
+        f"  step time        predicted {k['predicted_s'] * 1e3:.3g} ms, measured {k['measured_s'] * 1e3:.3g} ms "
+        f"({k['measured_s'] / k['predicted_s']:.1f} x)",
+        f"  tokens/s         {k['tokens_per_s']:,.0f} measured, {k['predicted_tokens_per_s']:,.0f} predicted",
+        f"  utilisation      {mfu}",
+        f"  state per rank   predicted {fmt_bytes(mp['params'] + mp['grads'] + mp['optimizer'])}, measured "
+        f"{fmt_bytes(min(m['state'] for m in mm))} .. {fmt_bytes(max(m['state'] for m in mm))}",
+        f"  activations      predicted {fmt_bytes(mp['activations'])}, measured "
+        f"{fmt_bytes(min(m['activations'] for m in mm))} .. {fmt_bytes(max(m['activations'] for m in mm))}",
+        f"  peak RSS         {fmt_bytes(max(m['rss'] for m in mm))} on the largest rank (the whole process: "
+        f"torch, the pool, every earlier run)",
+        "  bytes per dim    " + ", ".join(f"{d} {fmt_bytes(t['bytes_sent'])}" for d, t in traffic.items()),
+        f"  loss             {run.losses[-1]:.4f} after {len(run.losses)} steps (single process "
+        f"{run.single_losses[-1]:.4f}, largest difference {run.max_difference:.1e}, tolerance {c.tolerance:.0e})",
+    ]
+    return "\n".join(rows)
+
+
+class LiveLossPlot:
+    """The loss curve redrawn in place while run_capstone trains (one display, updated at most
+    every `every_s` seconds): run_capstone(config, dir, on_loss=plot.update); plot.close()."""
+
+    FIGSIZE = (6.4, 3.2)
+
+    def __init__(self, config, every_s: float = 0.5):
+        from IPython.display import display
+
+        self.config, self.every_s = config, every_s
+        self.points = {"first": [], "resumed": [], "single": []}
+        self._last = 0.0
+        self.handle = display(self._image(), display_id=True)
+
+    def draw(self, fig, points=None) -> str:
+        from course_lib.capstone.config import layout_text
+
+        c, points = self.config, points or self.points
+        ax = fig.add_subplot(1, 1, 1)
+        styles = {"single": ("k-", "single process", dict(lw=3, alpha=0.3)),
+                  "first": ("o-", layout_text(c.layout), {}), "resumed": ("s-", layout_text(c.resume), {})}
+        for name, (fmt, label, kw) in styles.items():
+            if points[name]:
+                ax.plot(*zip(*points[name]), fmt, label=label, **kw)
+        ax.axvline(c.checkpoint_step + 0.5, color="gray", ls=":")
+        ax.set_xlim(0.5, c.train.steps + 0.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=8, loc="upper right")
+        fig.subplots_adjust(left=0.12, right=0.97, top=0.95, bottom=0.15)
+        done = sum(len(v) for v in points.values())
+        return f"{done} of {2 * c.train.steps} steps"
+
+    def _image(self):
+        from IPython.display import Image
+
+        from course_lib.widgets import render
+
+        return Image(render(self.draw, self.FIGSIZE).png)
+
+    def update(self, segment: str, step: int, loss: float) -> None:
+        self.points[segment].append((step, loss))
+        if time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            self.handle.update(self._image())
+
+    def close(self) -> None:
+        self.handle.update(self._image())
+
+
+def generate_text(config, params: dict, prompt: str, n: int, temperature: float = 0.0, seed: int = 0) -> str:
+    """Load the gathered parameters into one GPT and continue `prompt` by n characters, decoded
+    with the dataset's alphabet (temperature 0: greedy)."""
+    import torch
+
+    from course_lib.data import CharDataset
+    from course_lib.model import GPT
+
+    model = GPT(config.model, seed=config.train.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(params[name])
+    tokenizer = CharDataset("train", config.model.block_size).tokenizer
+    out = model.generate(torch.tensor([tokenizer.encode(prompt)]), n, temperature=temperature,
+                         generator=torch.Generator().manual_seed(seed))
+    return tokenizer.decode(out[0].tolist())
