@@ -146,7 +146,7 @@ def train_at_token_budget(model_config, batch_size: int, tokens: int, base_lr: f
     model = GPT(model_config, seed=seed)
     optimizer = make_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(seed)
-    result = TrainResult()
+    result = TrainResult().set_step_work(model_config, batch_size, model_config.block_size)
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr * warmup_factor(step, warmup_steps)

@@ -79,7 +79,7 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
     optimizer = make_optimizer(model, train_cfg)
     gen = torch.Generator().manual_seed(train_cfg.seed)
     share = train_cfg.batch_size // n
-    result = TrainResult()
+    result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     tracer = CommTracer() if trace else contextlib.nullcontext()
     start_all = time.perf_counter()
     with tracer:

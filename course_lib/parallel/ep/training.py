@@ -63,7 +63,7 @@ def train_moe_reference(model_config, train_cfg, shares: int) -> TrainResult:
     model = GPT(model_config, seed=train_cfg.seed)
     optimizer = make_optimizer(model, train_cfg)
     gen = torch.Generator().manual_seed(train_cfg.seed)
-    result = TrainResult(model=model)
+    result = TrainResult(model=model).set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     for _ in range(train_cfg.steps):
         batches = _shares(dataset, train_cfg, gen, shares)
 
@@ -123,7 +123,7 @@ def train_expert_parallel(model_config, train_cfg, dp: int = 1, experts: str = "
     gen = torch.Generator().manual_seed(train_cfg.seed)
     timeline = Timeline() if record_timeline else None
     tracer = CommTracer(timeline=timeline) if (trace or record_timeline) else contextlib.nullcontext()
-    result = TrainResult()
+    result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     start_all = time.perf_counter()
     with tracer:
         for _ in range(train_cfg.steps):

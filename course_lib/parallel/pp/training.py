@@ -76,6 +76,7 @@ def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatch
     timeline = Timeline() if record_timeline else None
     result = PipelineResult(param_names=list(stage.param_names),
                             param_shapes=[tuple(p.shape) for p in stage.parameters()])
+    result.set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
 
     def forward_backward(_stage, x, y):
         return run_schedule(_stage, x, y, schedule, n_microbatches, timeline=timeline,

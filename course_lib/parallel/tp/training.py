@@ -74,7 +74,7 @@ def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = Fal
     timeline = Timeline() if record_timeline else None
     tracer = CommTracer(timeline=timeline) if (trace or record_timeline) else contextlib.nullcontext()
     dtensor_counts: dict[str, int] = {}
-    result = TrainResult()
+    result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     start_all = time.perf_counter()
     with tracer:
         for _ in range(train_cfg.steps):

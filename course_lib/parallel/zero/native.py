@@ -80,7 +80,7 @@ def train_native(model_config, train_cfg, kind: str, optimizer_class=torch.optim
         wrapped = fsdp2_model(model, group, compute_dtype)
         optimizer = optimizer_class(model.parameters(), **kwargs)
         counter = contextlib.nullcontext()
-    result, fsdp_counts = TrainResult(), {}
+    result, fsdp_counts = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size), {}
     start_all = time.perf_counter()
     with counter, warnings.catch_warnings():
         # Two warnings FSDP2 raises for this model, both harmless here: GPT returns its logits as a

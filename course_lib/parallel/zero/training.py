@@ -68,7 +68,7 @@ def train_zero(model_config, train_cfg, stage: int, optimizer_class=torch.optim.
     kwargs = optimizer_kwargs or default_optimizer_kwargs(train_cfg, optimizer_class)
     model, optimizer = apply_zero(model, stage, optimizer_class, group, offload, compute_dtype=compute_dtype,
                                   timeline=timeline, **zero_kwargs, **kwargs)
-    result = TrainResult()
+    result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     tracer = CommTracer() if trace else contextlib.nullcontext()
     start_all = time.perf_counter()
     with tracer:
@@ -146,7 +146,7 @@ def train_single(model_config, train_cfg, optimizer_class=torch.optim.AdamW, opt
     else:
         optimizer = MasterWeights(model, optimizer_class, compute_dtype, **kwargs)
         clip = optimizer.clip_grad_norm_
-    result = TrainResult(model=model)
+    result = TrainResult(model=model).set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     for x, y in _batches(train_cfg, dataset, 0, 1, torch.device("cpu")):
         start = time.perf_counter()
         result.train_losses.append(train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=clip))
