@@ -1,8 +1,9 @@
 """The step-time model against measured runs: fifteen layouts of one model on 8 gloo ranks.
 
 Calibrates the model here (course_lib.estimate.calibrate.probe on every rank at once: the
-model's own forward+backward FLOP/s, copy bandwidth, alpha-beta from all-reduces of the
-world), then times each layout with the course's own strategy (DDP, ZeRO 1-3, tensor
+model's forward+backward at a few micro-batch sizes -> fixed cost per layer and FLOP/s; the
+optimizer per tensor and flat -> cost per tensor and bandwidth; a table of collective times
+per op, group size and bytes), then times each layout with the course's own strategy (DDP, ZeRO 1-3, tensor
 parallelism, GPipe and 1F1B pipelines, and notebook 09's hybrid meshes), predicts each with
 course_lib.estimate.step_time and prints both side by side: the rank correlation, the median error, and the planner's pick against the fastest measured.
 
@@ -94,7 +95,7 @@ def _time_layouts(config, train_cfg, how_list, rounds):
     return probes, times
 
 
-def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600, link_from: str = "all_reduce"):
+def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600):
     """(Cluster, raw calibration, runs): runs = [{"label", "layout", "step_seconds" (per round, the
     slowest rank per step), "measured"}] for LAYOUTS. Calibration and layouts alternate over
     `rounds`, and each quantity keeps its least disturbed value: the calibration's highest
@@ -106,8 +107,7 @@ def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600, lin
     # check_collectives=False: its extra check before every collective would be timed too
     per_rank = run_on_ranks(_time_layouts, config, train_cfg, [how for _, _, how in LAYOUTS], rounds,
                             world_size=WORLD, timeout_s=timeout_s, check_collectives=False)
-    cluster, raw = cluster_from_probes([best_of_rounds(probes) for probes, _ in per_rank], config, 2, SEQ,
-                                       link_from=link_from)
+    cluster, raw = cluster_from_probes([best_of_rounds(probes) for probes, _ in per_rank], config, 2, SEQ)
     runs = []
     for i, (label, lay, _) in enumerate(LAYOUTS):
         slowest = [[max(times[k][i][s] for _, times in per_rank) for s in range(steps)] for k in range(rounds)]
@@ -120,14 +120,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--link-from", default="all_reduce", choices=("all_reduce", "ping_pong"))
     parser.add_argument("--store", action="store_true", help=f"write {DEFAULT_PATH.name} for notebook 10")
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_PATH, help="where --store writes")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
     args = parser.parse_args()
     config = model_config()
-    cluster, raw, runs = measure(config, args.steps, args.rounds, link_from=args.link_from)
+    cluster, raw, runs = measure(config, args.steps, args.rounds)
     result = compare(config, cluster, runs, SEQ, "fp32")
-    print(f"calibrated: {cluster.achievable_flops / 1e9:.3g} GFLOP/s per rank, alpha "
+    print(f"calibrated: {cluster.achievable_flops / 1e9:.3g} GFLOP/s per rank, "
+          f"{cluster.layer_overhead * 1e3:.3g} ms per layer and micro-batch, "
+          f"{cluster.tensor_overhead * 1e6:.3g} us per optimizer tensor; all-reduce line alpha "
           f"{cluster.intra.alpha * 1e6:.3g} us, beta {cluster.intra.beta / 1e9:.3g} GB/s")
     print(f"{'layout':<28}{'measured ms':>12}{'predicted ms':>14}{'error':>8}")
     for r in result["rows"]:
@@ -147,8 +149,8 @@ def main():
                 "produced_by": f"python benchmarks/bench_planner.py --store --steps {args.steps} --rounds {args.rounds}",
                 "machine_load": f"load average {load[0]:.1f} on {os.cpu_count()} cores",
                 "date": datetime.date.today().isoformat()}
-        DEFAULT_PATH.write_text(json.dumps(data, indent=1) + "\n")
-        print(f"stored {DEFAULT_PATH}")
+        args.out.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"stored {args.out}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from course_lib.estimate import GPT3_175B, flops_per_token, per_gpu_memory
 from course_lib.estimate.clusters import PUBLISHED, gpu_cluster
 from course_lib.estimate.planner import plan
 from course_lib.estimate.step_time import Cluster, Layout, memory_per_rank, step_time
-from course_lib.model import GPTConfig
+from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.pp.bubble import bubble_fraction
 
 CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, d_model=32)
@@ -43,11 +43,50 @@ def test_dp_traffic_is_a_ring_all_reduce_hidden_by_backward():
 def test_tp_traffic_is_four_all_reduces_per_layer_never_hidden():
     lay = Layout(tp=4, micro_batch=2)
     t = step_time(CFG, lay, cpu_cluster(4, overlap=1.0), recipe="fp32")
-    assert math.isclose(t["tp"], 4 * CFG.n_layer * predict_time("ring", 2 * 32 * 32 * 4, 4, LINK))
-    assert t["dp_total"] == 0 and t["tp"] > 0
+    # 4 per layer, the embedding's and the head input's, and the vocabulary-parallel loss's 3 small ones
+    per_layer = predict_time("ring", 2 * 32 * 32 * 4, 4, LINK)
+    loss = 3 * predict_time("ring", 2 * 32 * 4, 4, LINK)
+    assert math.isclose(t["tp"], (4 * CFG.n_layer + 2) * per_layer + loss)
+    assert t["dp_total"] == 0 and t["tp"] > 0 and t["calls"]["tp"] == 4 * CFG.n_layer + 5
     # full recomputation repeats the forward: its 2 all-reduces per layer come back
     rc = step_time(CFG, Layout(tp=4, micro_batch=2, recompute="full"), cpu_cluster(4), recipe="fp32")
-    assert math.isclose(rc["tp"], 1.5 * t["tp"]) and math.isclose(rc["recompute"], t["compute"] / 3)
+    assert math.isclose(rc["tp"], (6 * CFG.n_layer + 2) * per_layer + loss)
+    assert math.isclose(rc["recompute"], t["compute"] / 3)
+
+
+def test_overheads_are_per_layer_and_micro_batch_and_per_optimizer_tensor():
+    from dataclasses import replace
+
+    from course_lib.estimate.step_time import parameter_tensors
+
+    base = cpu_cluster(2)
+    slow = replace(base, layer_overhead=1e-3, tensor_overhead=1e-4)
+    lay = Layout(dp=2, m=3, micro_batch=1)
+    a, b = step_time(CFG, lay, base, recipe="fp32"), step_time(CFG, lay, slow, recipe="fp32")
+    assert a["overhead"] == 0 and math.isclose(b["overhead"], (CFG.n_layer + 1) * 3 * 1e-3)
+    per_block, outside = parameter_tensors(CFG)
+    assert per_block * CFG.n_layer + outside == len(list(GPT(CFG, 0).parameters()))
+    assert math.isclose(b["optimizer"] - a["optimizer"], (per_block * CFG.n_layer + outside) * 1e-4)
+    # ZeRO steps flat shards (one per parameter group): the per-tensor cost nearly vanishes
+    z = step_time(CFG, Layout(dp=2, micro_batch=3, zero_stage=1), slow, recipe="fp32")
+    z0 = step_time(CFG, Layout(dp=2, micro_batch=3, zero_stage=1), base, recipe="fp32")
+    assert math.isclose(z["optimizer"] - z0["optimizer"], 2 * 1e-4)
+    with pytest.raises(ValueError, match="layer_overhead=-1"):
+        replace(base, layer_overhead=-1)
+
+
+def test_shared_cores_hide_the_bubble_only_while_cores_would_idle():
+    from dataclasses import replace
+
+    lay = Layout(pp=4, m=4)
+    own = step_time(CFG, lay, cpu_cluster(4), recipe="fp32")
+    two = step_time(CFG, lay, replace(cpu_cluster(4), shared_cores=2), recipe="fp32")
+    four = step_time(CFG, lay, replace(cpu_cluster(4), shared_cores=4), recipe="fp32")
+    f = bubble_fraction(4, 4, 1)
+    busy = own["total"] - own["bubble"] - own["dp_exposed"] - own["optimizer"]
+    assert math.isclose(own["bubble"], busy * f / (1 - f)) and four["bubble"] == own["bubble"]
+    # 4 ranks on 2 cores: alone a rank runs twice as fast; 2 * busy / (1 - f) ... here < busy: no bubble
+    assert two["bubble"] == max(0.0, busy * 0.5 / (1 - f) - busy) == 0.0
 
 
 def test_bubble_uses_the_schedule_formula():
@@ -55,7 +94,7 @@ def test_bubble_uses_the_schedule_formula():
         lay = Layout(pp=2, m=4, v=v, schedule=schedule)
         t = step_time(CFG, lay, cpu_cluster(2), recipe="fp32")
         f = bubble_fraction(2, 4, v)
-        busy = t["compute"] + t["recompute"] + t["tp"] + t["pp"] + t["ep"]
+        busy = t["compute"] + t["overhead"] + t["recompute"] + t["tp"] + t["pp"] + t["ep"]
         assert math.isclose(t["bubble"] / (busy + t["bubble"]), f)
 
 
@@ -156,21 +195,27 @@ def test_spearman_is_the_rank_correlation():
 
 
 def test_best_of_rounds_keeps_the_least_disturbed_values():
-    a = {"matmul": 1.0, "model": 5.0, "bandwidth": 2.0, "ping": [1.0, 4.0], "all_reduce": [3.0]}
-    b = {"matmul": 2.0, "model": 4.0, "bandwidth": 1.0, "ping": [2.0, 3.0], "all_reduce": [1.0]}
-    assert best_of_rounds([a, b]) == {"matmul": 2.0, "model": 5.0, "bandwidth": 2.0, "ping": [1.0, 3.0],
-                                      "all_reduce": [1.0]}
+    def probe(matmul, model, flat, table):
+        return {"matmul": matmul, "bandwidth": matmul, "model": model,
+                "optimizer": {"tensors": 2 * flat, "flat": flat, "n_tensors": 5, "numel": 9},
+                "table": {"all_reduce": {"2": [[4, 8], table]}}}
+
+    best = best_of_rounds([probe(1.0, [5.0, 1.0], 3.0, [1.0, 4.0]), probe(2.0, [4.0, 2.0], 2.0, [2.0, 3.0])])
+    assert best == probe(2.0, [4.0, 1.0], 2.0, [1.0, 3.0]) | {"optimizer": {"tensors": 4.0, "flat": 2.0,
+                                                                            "n_tensors": 5, "numel": 9}}
 
 
 def test_calibration_on_two_ranks_feeds_the_model(tiny_config):
-    cluster, raw = calibrate(2, tiny_config, micro_batch=2, timeout_s=120)
+    cluster, raw = calibrate(2, tiny_config, micro_batch=2, timeout_s=120, sizes=(4, 1 << 14, 1 << 18))
     assert cluster.achievable_flops > 0 and cluster.intra.beta > 0 and cluster.overlap == 0.0
-    assert len(raw["model_flops_per_rank"]) == 2
+    assert cluster.layer_overhead > 0 and cluster.shared_cores >= 1
+    assert len(raw["matmul_flops_per_rank"]) == 2 and len(raw["model_seconds"]) == 4
+    table = cluster.intra.entries
+    assert set(table) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
+    assert all(t > 0 for t in table["all_reduce"]["2"][1])
     assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
     t = step_time(tiny_config, Layout(dp=2, micro_batch=2), cluster, recipe="fp32")
     assert t["total"] > t["compute"] > 0
-    with pytest.raises(ValueError, match="link_from='tcp'"):
-        calibrate(2, tiny_config, link_from="tcp")
     with pytest.raises(ValueError, match="world_size=1"):
         calibrate(1, tiny_config)
 

@@ -1,4 +1,4 @@
-"""The step-time model of one layout (notebook 10): compute + exposed communication + bubble.
+"""The step-time model of one layout (notebook 10): compute + overhead + exposed communication + bubble.
 
 A layout runs n_gpus = dp * ep * tp * pp ranks (course_lib.parallel.mesh's order: tp innermost,
 then ep, dp, pp), m micro-batches of `micro_batch` sequences per data-parallel replica, so the
@@ -7,24 +7,32 @@ global batch is B = dp * ep * m * micro_batch sequences of `seq` tokens. One opt
     compute     F / (n_gpus * R)                   F = flops_per_token * B * seq (notebook 01),
                                                    R = achievable FLOP/s of one device;
                                                    forward = F/3, backward = 2F/3
+    overhead    (layers on the rank + 1) * m * c   c = cluster.layer_overhead: a layer's fixed
+                                                   cost per micro-batch, whatever its size
     recompute   + forward again ("full") or + the attention scores' forward ("selective")
     tp          every layer, every micro-batch: 2 all-reduces forward, 2 backward (Megatron f, g;
-                with sequence parallelism all-gather + reduce-scatter pairs, the same bytes);
-                on the critical path, never hidden (the next matmul needs the result)
+                with sequence parallelism all-gather + reduce-scatter pairs, the same bytes),
+                plus the vocabulary-parallel embedding, head and loss; on the critical path,
+                never hidden (the next matmul needs the result)
     pp          each micro-batch crosses each stage boundary as an activation and a gradient
     ep          2 all-to-alls forward and 2 backward per MoE layer
-    bubble      busy * f / (1 - f), f = the schedule's bubble fraction (course_lib.parallel.pp.bubble)
-    dp          the gradient all-reduce (ZeRO-1: the same; ZeRO-2: reduce-scatter + all-gather;
-                ZeRO-3: + a parameter all-gather in forward), overlapped with backward: only
+    bubble      busy * f / (1 - f), f = the schedule's bubble fraction (course_lib.parallel.pp.bubble);
+                ranks sharing fewer CPU cores lose only the part no other rank can use
+    dp          the gradient all-reduce in DDP's buckets (ZeRO-1: reduce-scatter + all-gather;
+                ZeRO-2: the reduce-scatter in every micro-batch; ZeRO-3: per block, 2 all-gathers
+                and a reduce-scatter), overlapped with backward: only
                 max(0, T_dp - overlap * T_backward / m) is exposed (the gradients are final
                 only during the last micro-batch's backward)
-    optimizer   bytes the update touches / memory bandwidth (AdamW reads and writes the
-                weights, gradients and both moments of the parameters this rank owns)
+    optimizer   tensors * cluster.tensor_overhead + bytes the update touches / memory bandwidth
+                (AdamW reads and writes the weights, gradients and both moments of the
+                parameters this rank owns; a per-tensor loop, or flat shards under ZeRO)
 
-Every collective is costed by course_lib.comm.costmodel (T = a alpha + b S / beta, ring
-algorithms) on the link its group crosses, placed as make_mesh places it (notebook 09's
-course_lib.parallel.topology.link_of): the node's link (`intra`) when the whole group sits
-on one node, else the network (`inter`), which a ring then crosses at its slowest hop.
+Every collective is costed by course_lib.comm.measured.collective_time on the link its group
+crosses, placed as make_mesh places it (notebook 09's course_lib.parallel.topology.link_of):
+the node's link (`intra`) when the whole group sits on one node, else the network (`inter`).
+A link is an alpha-beta LinkModel (T = a alpha + b S / beta, ring algorithms) or a table
+measured on the machine at hand (CollectiveTable). The counts of calls follow the course's own
+implementations, so the tracer can check them (step_time(...)["calls"]).
 """
 
 from __future__ import annotations
@@ -32,10 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from course_lib._validate import check_int, check_one_of
-from course_lib.comm.costmodel import LinkModel, predict_time
+from course_lib.comm.costmodel import LinkModel
+from course_lib.comm.measured import collective_time
 from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.memory import RECIPES, RECOMPUTE, ZERO_STAGES
-from course_lib.estimate.params import unpack
+from course_lib.estimate.params import GPTConfig, unpack
 from course_lib.estimate.per_gpu import per_gpu_memory
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -47,7 +56,16 @@ class Cluster:
     achievable_flops: what large matmuls really reach (measured: course_lib.estimate.calibrate);
     memory_bytes: usable device memory; memory_bandwidth: bytes/s for the optimizer update;
     overlap: the fraction of backward that can hide gradient traffic (1 on GPUs with separate
-    communication engines; less where communication and compute share the same cores)."""
+    communication engines; less where communication and compute share the same cores).
+    intra, inter: a LinkModel (alpha-beta) or a measured course_lib.comm.measured.CollectiveTable.
+    layer_overhead: seconds of fixed cost per layer and micro-batch (forward + backward), paid
+    whatever the layer's size: launching its ops (a GPU kernel launch costs microseconds; an
+    eager CPU op tens of them); tensor_overhead: the same per parameter tensor in the optimizer
+    update and gradient clipping (why fused and foreach optimizers exist). Both 0 for the
+    published clusters, whose layers are large enough to bury them.
+    shared_cores: 0 when each rank has its own device; else the number of CPU cores the ranks
+    share (emulated ranks): an idle rank's core then runs the busy ones, so a pipeline's bubble
+    costs time only while fewer ranks are busy than there are cores."""
 
     name: str
     n_gpus: int
@@ -59,6 +77,9 @@ class Cluster:
     inter: LinkModel
     memory_bandwidth: float = 2e12
     overlap: float = 1.0
+    layer_overhead: float = 0.0
+    tensor_overhead: float = 0.0
+    shared_cores: int = 0
 
     def __post_init__(self):
         check_int("n_gpus", self.n_gpus)
@@ -68,6 +89,10 @@ class Cluster:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"overlap={self.overlap!r} must satisfy 0 <= overlap <= 1")
+        for name in ("layer_overhead", "tensor_overhead"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 seconds")
+        check_int("shared_cores", self.shared_cores, minimum=0)
 
     def link(self, size: int, stride: int) -> LinkModel:
         """The link a group of `size` ranks `stride` apart crosses: the node's when its span
@@ -168,11 +193,35 @@ def memory_per_rank(config, layout: Layout, seq: int | None = None, recipe: str 
     return mem
 
 
+def parameter_tensors(config, ep: int = 1) -> tuple[int, int]:
+    """(tensors per block on a rank, tensors outside the blocks): what a per-tensor optimizer
+    loops over. A course GPT block: two LayerNorms, qkv and proj, fc and proj (each with a
+    bias when config.bias); an MoE block a router and E/ep experts of fc and proj instead of
+    the MLP; outside: token and position embeddings, the final norm (and an untied head)."""
+    base, n_experts, _ = unpack(config)
+    if not isinstance(base, GPTConfig):  # Llama-like: 2 RMSNorms, q k v o, gate up down
+        return 2 + 4 + (3 if n_experts == 1 else 1 + 3 * n_experts // ep), 2 + (0 if getattr(base, "tie_weights", False) else 1)
+    per = 2 if base.bias else 1
+    mlp = 2 * per if n_experts == 1 else 1 + 2 * per * (n_experts // ep)
+    return 2 * per + 2 * per + mlp, 2 + per + (0 if base.tie_weights else 1)
+
+
+def ddp_buckets(nbytes: float, first: float = 1 << 20, cap: float = 25 * (1 << 20)) -> list[float]:
+    """The gradient all-reduces of DDP (course_lib.parallel.dp.ddp, torch's rule): a first
+    bucket of 1 MiB, then buckets of up to 25 MiB."""
+    sizes, left = [], float(nbytes)
+    while left > 0:
+        sizes.append(min(left, first if not sizes else cap))
+        left -= sizes[-1]
+    return sizes
+
+
 def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, recipe: str = "bf16_mixed",
               attention: str | None = None, causal: bool = False) -> dict:
     """Seconds of one optimizer step by term (see the module docstring) and the totals:
-    {"compute", "recompute", "tp", "pp", "ep", "bubble", "dp_total", "dp_exposed", "optimizer",
-    "total", "flops" (model FLOPs of the step, recomputation excluded), "mfu", "tokens"}."""
+    {"compute", "overhead", "recompute", "tp", "pp", "ep", "bubble", "dp_total", "dp_exposed",
+    "optimizer", "total", "flops" (model FLOPs of the step, recomputation excluded), "mfu",
+    "tokens", "calls" (collective calls of the busiest rank per step, by mesh dimension)}."""
     seq = check_layout(config, layout, seq)
     check_one_of("recipe", recipe, RECIPES)
     L, C = layout, cluster
@@ -184,29 +233,61 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
     tokens = batch * seq
     flops = flops_per_token(config, seq, causal=causal) * tokens
     compute = flops / (L.n_gpus * C.achievable_flops)
+    layers = base.n_layer // L.pp  # per rank, over its v chunks
+    # fixed cost: every layer's ops (and the embedding, head and loss: one layer's worth on the
+    # busiest end rank) once per micro-batch, whatever their size
+    overhead = (layers + 1) * L.m * C.layer_overhead
     attn_fraction = 4 * base.n_layer * seq * base.d_model * (0.5 if causal else 1.0) / (
         flops_per_token(config, seq, causal=causal, training=False))
-    recompute = {"none": 0.0, "full": compute / 3, "selective": compute / 3 * attn_fraction}[L.recompute]
+    recompute = {"none": 0.0, "full": (compute + overhead) / 3,
+                 "selective": compute / 3 * attn_fraction}[L.recompute]
+    calls = {"tp": 0, "pp": 0, "ep": 0, "dp": 0, "norm": 0}
 
-    layers = base.n_layer // L.pp  # per rank, over its v chunks
     message = L.micro_batch * seq * base.d_model * e  # one residual-stream activation
-    # tp: 4 ring all-reduces of `message` per layer and micro-batch (+2 when the forward is recomputed)
-    tp_link = C.link_of("tp", L)
-    per_layer = 4 + (2 if L.recompute == "full" else 0)
-    tp = per_layer * layers * L.m * predict_time("ring", message, L.tp, tp_link)
+    # tp, per micro-batch: per layer 2 all-reduces forward (after attention's and the MLP's
+    # row-parallel matmul) and 2 backward (f's), +2 when the forward is recomputed; the
+    # vocabulary-parallel embedding (forward) and head input (backward): 2 more; with sequence
+    # parallelism each all-reduce becomes an all-gather + a reduce-scatter of the same tensor
+    tp = 0.0
+    if L.tp > 1:
+        tp_link = C.link_of("tp", L)
+        n_ar = (4 + (2 if L.recompute == "full" else 0)) * layers + 2
+        if L.sequence_parallel:
+            one = (collective_time(tp_link, "all_gather", message, L.tp)
+                   + collective_time(tp_link, "reduce_scatter", message, L.tp))
+        else:
+            one = collective_time(tp_link, "all_reduce", message, L.tp)
+        # the vocabulary-parallel loss: 3 all-reduces of one number per token (max, sum, target)
+        loss = 3 * collective_time(tp_link, "all_reduce", L.micro_batch * seq * 4, L.tp)
+        tp = L.m * (n_ar * one + loss)
+        calls["tp"] = L.m * (n_ar * (2 if L.sequence_parallel else 1) + 3)
     # pp: an activation forward and a gradient backward per micro-batch and chunk boundary
-    pp_link = C.link_of("pp", L)
-    pp = 0.0 if L.pp == 1 else 2 * L.v * L.m * pp_link.message_time(message / (L.tp if L.sequence_parallel else 1))
+    # and, once per step, the tied embedding's gradient between the first and last stage (each
+    # holds a copy): sent and received
+    pp = 0.0
+    if L.pp > 1:
+        pp_link = C.link_of("pp", L)
+        pp = 2 * L.v * L.m * collective_time(pp_link, "send", message / (L.tp if L.sequence_parallel else 1), 2)
+        calls["pp"] = 2 * L.v * L.m
+        if getattr(base, "tie_weights", False):
+            vocab_rows = -(-base.vocab_size // L.tp)
+            pp += 2 * collective_time(pp_link, "send", vocab_rows * base.d_model * RECIPES[recipe].grad, 2)
+            calls["pp"] += 2
     # ep: 2 all-to-alls forward, 2 backward, of top_k copies of each token, per MoE layer
     ep = 0.0
     if L.ep > 1:
-        ep = 4 * layers * L.m * predict_time("all_to_all", message * top_k, L.ep, C.link_of("ep", L))
-    busy = compute + recompute + tp + pp + ep
+        ep = 4 * layers * L.m * collective_time(C.link_of("ep", L), "all_to_all", message * top_k, L.ep)
+        calls["ep"] = 4 * layers * L.m
+    busy = compute + overhead + recompute + tp + pp + ep
     bubble = 0.0
     if L.pp > 1:
         from course_lib.parallel.pp.bubble import formula_for  # the schedules' own formulas
         f = formula_for(L.schedule, L.pp, L.m, L.v)
-        bubble = busy * f / (1 - f)
+        # a device per rank: busy / (1 - f) in all. Ranks sharing fewer cores: busy was measured
+        # with every rank running; alone a rank runs n / cores times faster, and the step
+        # cannot end before all the work is done on the cores (busy)
+        share = min(1.0, C.shared_cores / L.n_gpus) if C.shared_cores else 1.0
+        bubble = max(0.0, busy * share / (1 - f) - busy)
 
     # dp: the gradients of the parameters this rank holds, over dp*ep replicas (experts: dp)
     mem = per_gpu_memory(config, L.micro_batch, seq, recipe, L.zero_stage, L.dp, L.tp, L.pp, L.ep)
@@ -214,22 +295,48 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
     replicas = L.dp * L.ep
     dp_link = C.link_of("dp", L)
     grad_bytes = local * RECIPES[recipe].grad
-    if L.zero_stage <= 1:
-        dp_total = predict_time("ring", grad_bytes, replicas, dp_link)
-    else:  # reduce-scatter the gradients, all-gather the updated parameters (stage 3: gathered in forward too)
-        gathers = 2 if L.zero_stage == 3 else 1
-        dp_total = (predict_time("reduce_scatter", grad_bytes, replicas, dp_link)
-                    + gathers * predict_time("all_gather", local * RECIPES[recipe].param, replicas, dp_link))
+    param_bytes = local * RECIPES[recipe].param
+    units = layers + 1  # ZeRO-3 gathers one block (or the root: embeddings, norm, head) at a time
+    dp_total = 0.0
+    if replicas > 1:
+        if L.zero_stage == 0:  # the gradient all-reduce, once per step (no_sync before)
+            # pure data parallelism runs DDP (its buckets); a composed layout runs the ZeRO
+            # engine at stage 0: one all-reduce per parameter group (decayed matrices, the rest)
+            composed = L.tp > 1 or L.pp > 1 or L.ep > 1
+            sizes = [grad_bytes, 0] if composed else ddp_buckets(grad_bytes)
+            dp_total = sum(collective_time(dp_link, "all_reduce", s, replicas) for s in sizes)
+            calls["dp"] = len(sizes)
+        elif L.zero_stage == 1:  # reduce-scatter the gradients, all-gather the updated shards
+            dp_total = (collective_time(dp_link, "reduce_scatter", grad_bytes, replicas)
+                        + collective_time(dp_link, "all_gather", param_bytes, replicas))
+            calls["dp"] = 2
+        elif L.zero_stage == 2:  # the reduce-scatter runs in every micro-batch's backward
+            dp_total = (L.m * collective_time(dp_link, "reduce_scatter", grad_bytes, replicas)
+                        + collective_time(dp_link, "all_gather", param_bytes, replicas))
+            calls["dp"] = L.m + 1
+        else:  # per micro-batch: each block gathered in forward, again in backward, its gradient
+            # scattered; the root (embeddings, norm, head) gathered once and kept until then
+            gather = collective_time(dp_link, "all_gather", param_bytes / units, replicas)
+            scatter = collective_time(dp_link, "reduce_scatter", grad_bytes / units, replicas)
+            dp_total = L.m * (layers * (2 * gather + scatter) + gather + scatter)
+            calls["dp"] = L.m * (3 * layers + 2)
     # gradients are final only in the last micro-batch's backward, so only that one hides them
     hidden_by = C.overlap * (2 / 3) * compute / L.m
     dp_exposed = max(0.0, dp_total - hidden_by)
     owned = local if L.zero_stage == 0 else -(-local // replicas)
-    optimizer = owned * 2 * RECIPES[recipe].total / C.memory_bandwidth
+    # the update: a per-tensor loop over this rank's tensors (ZeRO: over flat shards, one per
+    # parameter group, or one per unit at stage 3), plus reading and writing its state
+    per_block, outside = parameter_tensors(config, L.ep)
+    tensors = per_block * layers + outside if L.zero_stage == 0 else (units if L.zero_stage == 3 else 2)
+    optimizer = tensors * C.tensor_overhead + owned * 2 * RECIPES[recipe].total / C.memory_bandwidth
+    if L.n_gpus > 1 and (L.zero_stage or L.tp > 1 or L.pp > 1 or L.ep > 1):  # the global norm's all-reduce
+        optimizer += collective_time(C.intra if L.n_gpus <= C.gpus_per_node else C.inter, "all_reduce", 8, L.n_gpus)
+        calls["norm"] = 1
     total = busy + bubble + dp_exposed + optimizer
-    return {"compute": compute, "recompute": recompute, "tp": tp, "pp": pp, "ep": ep, "bubble": bubble,
-            "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer, "total": total,
-            "flops": flops, "tokens": tokens, "batch": batch,
+    return {"compute": compute, "overhead": overhead, "recompute": recompute, "tp": tp, "pp": pp, "ep": ep,
+            "bubble": bubble, "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer,
+            "total": total, "flops": flops, "tokens": tokens, "batch": batch, "calls": calls,
             "mfu": flops / (total * L.n_gpus * C.peak_flops)}
 
 
-TERMS = ("compute", "recompute", "tp", "pp", "ep", "bubble", "dp_exposed", "optimizer")
+TERMS = ("compute", "overhead", "recompute", "tp", "pp", "ep", "bubble", "dp_exposed", "optimizer")

@@ -1,0 +1,87 @@
+"""The step-time model's communication, held against what the course's strategies really send:
+the measured CollectiveTable, and the calls per step counted by the tracer."""
+
+import math
+
+import pytest
+
+from course_lib.comm.costmodel import LinkModel, predict_time
+from course_lib.comm.measured import CollectiveTable, collective_time, link_from_dict, table_to_dict
+from course_lib.estimate.step_time import Cluster, Layout, step_time
+
+TABLE = CollectiveTable("t", {"all_reduce": {"2": [[10, 20, 40], [1.0, 3.0, 2.0]], "8": [[10], [7.0]]},
+                              "send": {"2": [[10, 100], [0.5, 1.5]]}}, LinkModel(1e-3, 1e6))
+
+
+def test_table_is_piecewise_linear_between_measured_sizes():
+    assert TABLE.seconds("all_reduce", 5, 2) == 1.0  # below the smallest: its time
+    assert math.isclose(TABLE.seconds("all_reduce", 15, 2), 2.0)
+    assert math.isclose(TABLE.seconds("all_reduce", 30, 2), 2.5)  # times need not grow with size
+    assert math.isclose(TABLE.seconds("all_reduce", 80, 2), 4.0)  # beyond: bandwidth-bound
+    assert TABLE.seconds("all_reduce", 8, 4) == 7.0  # a group of 4: the next measured size up (8)
+    assert TABLE.seconds("all_reduce", 15, 1) == 0.0
+    assert math.isclose(TABLE.message_time(55), 1.0)
+    with pytest.raises(ValueError, match="no measurement of 'all_gather'"):
+        TABLE.seconds("all_gather", 8, 2)
+    with pytest.raises(ValueError, match="op='gather'"):
+        collective_time(TABLE, "gather", 8, 2)
+    assert link_from_dict(table_to_dict(TABLE)) == TABLE
+
+
+def test_collective_time_on_a_link_model_is_the_alpha_beta_formula():
+    link = LinkModel(1e-5, 1e9)
+    for op, algorithm in (("all_reduce", "ring"), ("all_gather", "all_gather"),
+                          ("reduce_scatter", "reduce_scatter"), ("all_to_all", "all_to_all")):
+        assert collective_time(link, op, 1 << 20, 8) == predict_time(algorithm, 1 << 20, 8, link)
+    assert collective_time(link, "send", 1 << 20, 2) == link.message_time(1 << 20)
+    assert collective_time(link, "all_reduce", 1 << 20, 1) == 0.0
+
+
+# ----------------------------------------------------------------------------- calls = the tracer's
+def _traced_calls(kind, kw, config, steps):
+    """Rank code: collective calls this rank made while training `steps` steps."""
+    from course_lib.observe.tracer import CommTracer
+    from course_lib.parallel.dp.training import train_data_parallel
+    from course_lib.parallel.hybrid import ParallelDims, train_hybrid
+    from course_lib.parallel.tp.training import train_tensor_parallel
+    from course_lib.parallel.zero.training import train_zero
+    from course_lib.train import TrainConfig
+
+    cfg = TrainConfig(steps=steps, batch_size=8, progress=False, eval_every=0)
+    with CommTracer() as tracer:
+        if kind == "ddp":
+            train_data_parallel(config, cfg, "ddp", kw.get("accum_steps", 1))
+        elif kind == "zero":
+            train_zero(config, cfg, kw["stage"], accum_steps=kw.get("accum_steps", 1))
+        elif kind == "tp":
+            train_tensor_parallel(config, cfg, False)
+        else:
+            train_hybrid(ParallelDims(**kw), config, cfg)
+    # calls that cross ranks (the hybrid trainer also calls its size-1 groups, which move nothing)
+    return sum(1 for r in tracer.records if not r.group_ranks or len(r.group_ranks) > 1)
+
+
+# (Layout, how the course runs it, calls outside the model: the pipeline's loss report)
+CASES = [
+    (Layout(dp=2, micro_batch=4), ("ddp", {}), 0),
+    (Layout(dp=2, m=2, micro_batch=2), ("ddp", {"accum_steps": 2}), 0),
+    (Layout(dp=2, micro_batch=4, zero_stage=1), ("zero", {"stage": 1}), 0),
+    (Layout(dp=2, m=2, micro_batch=2, zero_stage=2), ("zero", {"stage": 2, "accum_steps": 2}), 0),
+    (Layout(dp=2, micro_batch=4, zero_stage=3), ("zero", {"stage": 3}), 0),
+    (Layout(tp=2, micro_batch=8), ("tp", {}), 0),
+    (Layout(pp=2, m=2, micro_batch=4), ("hybrid", {"pp": 2, "microbatches": 2}), 1),
+    (Layout(dp=2, tp=2, micro_batch=4), ("hybrid", {"dp": 2, "tp": 2}), 1),
+]
+
+
+@pytest.mark.parametrize("layout,how,extra", CASES, ids=[c[0].label() for c in CASES])
+def test_calls_per_step_equal_the_tracer(layout, how, extra, tiny_config):
+    """Calls of step 2 alone = calls of a 2-step run - calls of a 1-step run (set-up and the
+    final gathers cancel), on rank 0 (an end stage, the busiest for a pipeline)."""
+    from course_lib.runtime import run_on_ranks
+
+    cluster = Cluster("c", 4, 4, 1e9, 1e9, 1e9, LinkModel(1e-5, 1e9), LinkModel(1e-5, 1e9))
+    t = step_time(tiny_config, layout, cluster, recipe="fp32")
+    counted = [run_on_ranks(_traced_calls, *how, tiny_config, steps, world_size=layout.n_gpus, timeout_s=120)[0]
+               for steps in (1, 2)]
+    assert counted[1] - counted[0] == sum(t["calls"].values()) + extra, (t["calls"], counted)
