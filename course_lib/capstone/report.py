@@ -127,7 +127,8 @@ def report_text(run, cluster) -> str:
         f"{fmt_bytes(min(m['activations'] for m in mm))} .. {fmt_bytes(max(m['activations'] for m in mm))}",
         f"  peak RSS         {fmt_bytes(max(m['rss'] for m in mm))} on the largest rank (the whole process: "
         f"torch, the pool, every earlier run)",
-        "  bytes per dim    " + ", ".join(f"{d} {fmt_bytes(t['bytes_sent'])}" for d, t in traffic.items()),
+        "  bytes per dim    " + ", ".join(f"{d} {fmt_bytes(t['bytes_sent'] / c.checkpoint_step)}"
+                                          for d, t in traffic.items()) + " per step, sent by rank 0",
         f"  loss             {run.losses[-1]:.4f} after {len(run.losses)} steps (single process "
         f"{run.single_losses[-1]:.4f}, largest difference {run.max_difference:.1e}, tolerance {c.tolerance:.0e})",
     ]
@@ -162,7 +163,8 @@ class LiveLossPlot:
         ax.set_xlim(0.5, c.train.steps + 0.5)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        ax.legend(fontsize=8, loc="upper right")
+        if any(points.values()):
+            ax.legend(fontsize=8, loc="upper right")
         fig.subplots_adjust(left=0.12, right=0.97, top=0.95, bottom=0.15)
         done = sum(len(v) for v in points.values())
         return f"{done} of {2 * c.train.steps} steps"
