@@ -360,7 +360,7 @@ def memory_on_ranks(sequence_parallel):
         out[n_layer] = (saved.bytes, measured_state_bytes(model)["params"])
     return out
 
-print(f"{'':<10}{'activations per layer (measured = formula)':>44}{'parameters per rank':>22}")
+print(f"{'':<10}{'activations per layer (measured = formula)':>44}{'parameters per rank (= formula)':>34}")
 for tp in (2, 4):
     per_layer = {}
     for sp in (False, True):
@@ -368,13 +368,15 @@ for tp in (2, 4):
         per_layer[sp] = res[2][0] - res[1][0]
         assert per_layer[sp] == activation_bytes(CONFIG, 8, tp=tp, sequence_parallel=sp)["per_layer"]
     formula = per_gpu_memory(CONFIG, 8, recipe="fp32", tp=tp)["params"]
+    assert res[2][1] == formula
     print(f"tp={tp:<6}{fmt_bytes(per_layer[False]):>22} -> {fmt_bytes(per_layer[True])} with SP"
-          f"{fmt_bytes(res[2][1]):>18} (formula {fmt_bytes(formula)})")
+          f"{fmt_bytes(res[2][1]):>30}")
 
 # %% [markdown]
-# The measured parameters are a little above notebook 01's formula, which divides everything
-# inside a layer by `tp`: the course keeps the two row-parallel biases whole (`d` numbers each,
-# added after the sum) and pads the vocabulary (98 or 100 rows instead of 97).
+# The parameters per rank are notebook 01's `per_gpu_memory` to the byte, because it follows
+# the split above rather than dividing every layer by `tp`: the two row-parallel biases stay
+# whole on every rank (`d` numbers each, added once after the sum), and the vocabulary is
+# padded with zero rows to a multiple of `tp` before its rows are split.
 #
 # ## 8. One TP step on a timeline
 #
