@@ -1,7 +1,8 @@
 """The per-rank memory model against the bytes the course's own layouts really hold (notebook 10).
 
+    check_runnable(config, layout, seq)              ValueError unless the course can build it here
     layout_memory_bytes(config, layout, seq, seed)   rank code: build the layout, one step, measure
-    estimated_per_rank(config, layout, world, seq)   the estimator's bytes for every rank
+    estimated_per_rank(config, layout, seq)          the estimator's bytes for every rank
     memory_table(config, layouts, seq, timeout_s)    parent: every layout in ONE run_on_ranks call,
                                                      rows of (estimated, measured) per rank
     format_memory_table(rows)                        those rows as text, one line per layout
@@ -26,6 +27,14 @@ The estimate of rank r is per_gpu_memory(..., stage=s) for its pipeline stage
 s = r // (dp * ep * tp) (mesh order pp, dp, ep, tp), in fp32. The GPipe schedule keeps all m
 micro-batches of a stage in flight, 1F1B pp - s; the estimate scales per_gpu_memory's 1F1B
 activations by m / (pp - s) for GPipe.
+
+What matches (tests/test_memory_layouts.py): params, grads and optimizer bytes equal on every
+rank for DDP, ZeRO 1-3, tp, dp x tp, tp x pp, dp x pp, 1F1B and GPipe, and MoE with ep (ZeRO 0).
+Activations: equal up to the 4-byte loss without tp; tp's vocabulary-parallel loss saves one
+more (n, V/tp) fp32 tensor and a few per-token masks. Not compared: ZeRO-3's activations (its
+freed gathered buffers leave storages whose addresses later activations reuse), MoE's
+(dispatch copies and routing tensors the formula leaves out, ~13% here), and ZeRO-1 with ep > 1
+(the course's hybrid shards the dense state over dp only; the formula over dp * ep, as Megatron).
 
 This module starts processes (memory_table) and imports course_lib.parallel inside functions,
 as calibrate.py does: the formulas it checks stay process-free.
