@@ -123,9 +123,9 @@ def layout_memory_bytes(config, layout: Layout, seq: int | None = None, seed: in
     if stage is None:  # one micro-batch's saved tensors (each backward frees them before the next)
         with SavedActivations(module) as saved:
             # own storages, as a loader hands them out: a view would count the whole batch
-            loss = model(x[:L.micro_batch].clone(), y[:L.micro_batch].clone())[1]
+            model(x[:L.micro_batch].clone(), y[:L.micro_batch].clone())  # the graph is dropped unused
         out["activations"] = saved.bytes
-        del loss, saved
+        del saved  # it holds the saved tensors
 
     def after_backward():
         out.update({k: v for k, v in measure_state_bytes(module, optimizer).items() if k in ("params", "grads")})
