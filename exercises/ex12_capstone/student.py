@@ -17,8 +17,8 @@ def choose_layout(config, cluster, global_batch: int, seq: int, recipe: str = "f
     """A Layout of `config` on all of cluster.n_gpus devices that this course's 3D trainer can
     run and that the checks accept:
 
-        runnable here   ep = 1, v = 1, schedule "1f1b", recompute "none", no sequence
-                        parallelism, zero_stage 0 or 1 (the stages composed with tp and pp),
+        runnable here   ep = 1, v = 1, schedule "1f1b", recompute "none" or "full", no
+                        sequence parallelism, zero_stage 0 or 1 (the stages composed with tp and pp),
                         dp * tp * pp = cluster.n_gpus, dp * m * micro_batch = global_batch
         fits            memory_per_rank(...)["total"] <= cluster.memory_bytes
         fast            step_time(...)["total"] <= planner's best predicted step time / FRACTION

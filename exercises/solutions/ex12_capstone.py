@@ -6,8 +6,8 @@ from course_lib.estimate.step_time import Layout
 
 
 def runnable(layout: Layout) -> bool:
-    """What course_lib.parallel.hybrid composes: dp x tp x pp, 1F1B, ZeRO 0 or 1, no recomputation."""
-    return (layout.ep == 1 and layout.v == 1 and layout.schedule == "1f1b" and layout.recompute == "none"
+    """What course_lib.parallel.hybrid composes: dp x tp x pp, 1F1B, ZeRO 0 or 1, whole-block recomputation or none."""
+    return (layout.ep == 1 and layout.v == 1 and layout.schedule == "1f1b" and layout.recompute in ("none", "full")
             and not layout.sequence_parallel and layout.zero_stage in (0, 1))
 
 

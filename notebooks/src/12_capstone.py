@@ -175,10 +175,12 @@ assert all(any(e[3] == "optimizer" for e in events) for events in run.timelines)
 # <details><summary>Answer</summary>
 #
 # The ranks of the second stage (ranks 4-7: pp is the outermost mesh dimension) wait at
-# the start for their first activation; the first stage's ranks wait at the end for the last
-# gradient to come back. That is the pipeline bubble, $(p-1)/(m+p-1) = 1/3$ of the step with
-# p = 2 stages and m = 2 micro-batches. Inside each F and B, the two tensor-parallel ranks
-# all-reduce four times per layer, on the critical path.
+# the start for their first activation ("recv F0"); the first stage's ranks (0-3) wait in the
+# middle, after their forwards, for the gradients to come back ("recv B0"). That idle time is
+# the pipeline bubble, $(p-1)/(m+p-1) = 1/3$ of the schedule with p = 2 stages and m = 2
+# micro-batches. The short gap before the optimizer is the tied embedding's gradient swapped
+# between the first and the last stage, and the loss sent to every stage. Inside each F and
+# B, the two tensor-parallel ranks all-reduce four times per layer, on the critical path.
 # </details>
 #
 # ## 5. Every byte, by dimension, against the formula
