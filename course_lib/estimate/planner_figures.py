@@ -45,6 +45,27 @@ def plot_predicted_vs_measured(ax, result):
     return ax
 
 
+def plot_collective_table(ax, table, op: str = "all_reduce"):
+    """The measured seconds of `op` against bytes, one line per group size, beside the single
+    alpha-beta ring line fitted through the whole world's all-reduces (table.fit)."""
+    from course_lib.comm.costmodel import predict_time
+
+    groups = sorted(table.entries[op], key=int)
+    for g in groups:
+        sizes, seconds = table.entries[op][g]
+        ax.plot(sizes, [t * 1e3 for t in seconds], "o-", label=f"measured, {g} ranks")
+    if table.fit is not None and op == "all_reduce":
+        sizes = table.entries[op][groups[-1]][0]
+        ax.plot(sizes, [predict_time("ring", s, int(groups[-1]), table.fit) * 1e3 for s in sizes], "k--",
+                label=f"one alpha-beta line, {groups[-1]} ranks")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes")
+    ax.set_ylabel(f"seconds per {op.replace('_', '-')} (ms)")
+    ax.legend(fontsize=8)
+    return ax
+
+
 def plot_pareto(ax, candidates, memory_bytes: float):
     fits = [c for c in candidates if c.fits]
     over = [c for c in candidates if not c.fits]
