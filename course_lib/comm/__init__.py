@@ -5,6 +5,8 @@
                      all-gather, all-to-all; the bytes each algorithm sends
     trees.py         recursive doubling and Rabenseifner's halving-doubling all-reduce
     costmodel.py     the alpha-beta model: predict, fit from ping-pong, crossover sizes
+    measured.py      a measured table of collective times (piecewise alpha-beta) and
+                     collective_time, which costs a call on either kind of link
     ringviz.py       the ring all-reduce step by step (pictures, widget)
     compat.py        collective names that moved between torch versions
     autograd.py      collectives as autograd Functions (tensor, sequence and expert parallelism)

@@ -1,4 +1,5 @@
-"""Pure formulas: memory, FLOPs and time, no processes (notebook 01 onwards).
+"""Formulas for memory, FLOPs and time (notebook 01 onwards); calibrate.py and measured_memory.py
+start ranks to check them, importing the strategies inside their functions.
 
     params.py       model shapes (GPT, Llama-like, MoE), presets, exact parameter counts
     memory.py       model state by precision recipe and ZeRO stage; activations
@@ -7,8 +8,10 @@
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
     step_time.py    the step-time model of a layout on a cluster (notebook 10), memory per rank
     planner.py      the search over layouts, ranked by predicted step time, with its explanation
-    clusters.py     GPU clusters and published runs;  calibrate.py: alpha, beta, FLOP/s measured here
+    clusters.py     GPU clusters and published runs
+    calibrate.py    the model's inputs measured here: fixed costs, FLOP/s, a table of collectives
     validation.py   predicted against measured step times;  planner_figures.py: figures and widget
+    measured_memory.py   memory per rank estimated against measured on the course's layouts
 
 Every function stays importable as `course_lib.estimate.<name>`. Bytes are printed in IEC
 units (`fmt_bytes` is `course_lib.units.fmt_bytes`: GiB = 2**30 bytes); `GB` (10**9 bytes) is
