@@ -166,17 +166,23 @@ def _ranks_streaming(on_loss, segment: str, log: pathlib.Path, fn, *args, world_
         future = pool.submit(run_on_ranks, fn, *args, world_size=world_size, timeout_s=timeout_s, loss_log=str(log),
                              **kw)
         seen = 0
-        while True:
-            done = future.done()  # read once more after the ranks finished: no line is missed
-            lines = log.read_text().splitlines() if log.exists() else []
-            for line in lines[seen:]:
-                if line.endswith("}"):
-                    entry = json.loads(line)
-                    on_loss(segment, entry["step"], entry["loss"])
-                    seen += 1
-            if done:
-                return future.result()
-            time.sleep(0.1)
+        try:
+            while True:
+                done = future.done()  # read once more after the ranks finished: no line is missed
+                lines = log.read_text().splitlines() if log.exists() else []
+                for line in lines[seen:]:
+                    if line.endswith("}"):  # a complete line (rank 0 may be writing the next one)
+                        entry = json.loads(line)
+                        on_loss(segment, entry["step"], entry["loss"])
+                        seen += 1
+                if done:
+                    return future.result()
+                time.sleep(0.1)
+        except KeyboardInterrupt:  # the kernel's stop button: stop the ranks too, not only this loop
+            from course_lib.runtime.pool import shutdown_pools
+
+            shutdown_pools()
+            raise
 
 
 def run_capstone(config: CapstoneConfig, checkpoint_dir, timeout_s: float = 300, progress: bool = False,
