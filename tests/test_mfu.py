@@ -61,6 +61,7 @@ def test_bad_input_named():
 def _every_strategy(config, moe_config, train_cfg):
     from course_lib.parallel.dp.training import train_data_parallel
     from course_lib.parallel.ep.training import train_expert_parallel
+    from course_lib.parallel.hybrid import ParallelDims, train_hybrid
     from course_lib.parallel.pp.training import train_pipeline
     from course_lib.parallel.tp.training import train_tensor_parallel
     from course_lib.parallel.zero.native import train_native
@@ -69,7 +70,8 @@ def _every_strategy(config, moe_config, train_cfg):
     runs = {"dp": train_data_parallel(config, train_cfg), "zero1": train_zero(config, train_cfg, 1),
             "zero3": train_zero(config, train_cfg, 3), "tp": train_tensor_parallel(config, train_cfg),
             "zero_redundancy": train_native(config, train_cfg, "zero_redundancy"),
-            "pp": train_pipeline(config, train_cfg, "1f1b", 2), "ep": train_expert_parallel(moe_config, train_cfg)}
+            "pp": train_pipeline(config, train_cfg, "1f1b", 2), "ep": train_expert_parallel(moe_config, train_cfg),
+            "hybrid": train_hybrid(ParallelDims(tp=2), config, train_cfg)}
     return {k: (r.tokens_per_step, r.flops_per_step, len(r.step_seconds), r.mfu(1e12, 2)) for k, r in runs.items()}
 
 
@@ -82,7 +84,7 @@ def test_every_strategy_reports_the_flops_of_the_global_batch(config):
             want = flops_per_token(moe_config if name == "ep" else config, SEQ) * BATCH * SEQ
             assert (tokens, flops, steps) == (BATCH * SEQ, want, 1), name
             assert 0 < mfu < 1, name
-    assert len(per_rank[0]) == 7
+    assert len(per_rank[0]) == 8
     # an MoE step multiplies top_k of the experts' MLPs per token: more FLOPs than the dense model
     assert per_rank[0]["ep"][1] > per_rank[0]["dp"][1]
 

@@ -61,6 +61,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
     gen = torch.Generator().manual_seed(train_cfg.seed)  # the data position: saved and restored
     root = pathlib.Path(checkpoint_dir)
     result = HybridResult(coords=dict(parts.coords))
+    result.set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     if first > 1:
         info = load_training_state(checkpoint_path(root, first - 1), parts, optimizer, "hybrid", gen)
         if info.step != first - 1:

@@ -130,6 +130,7 @@ def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = Fals
     replica = parts.coords["dp"] * dims.ep + parts.coords["ep"]
     share = train_cfg.batch_size // dims.replicas
     result = HybridResult(coords=dict(parts.coords))
+    result.set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
 
     forward_backward = make_forward_backward(parts, dims)
 
@@ -171,6 +172,7 @@ def train_single(model_config, train_cfg, precision: str = "fp32", activation_ch
     dataset = CharDataset("train", block_size=model_config.block_size)
     gen = torch.Generator().manual_seed(train_cfg.seed)
     result = HybridResult()
+    result.set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
 
     def clip(max_norm):
         result.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
