@@ -119,7 +119,7 @@ def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--store", action="store_true", help=f"write {DEFAULT_PATH.name} for notebook 10")
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_PATH, help="where --store writes")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
