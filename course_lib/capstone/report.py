@@ -65,8 +65,12 @@ def compare(run, cluster) -> dict:
     seconds = run.first.step_seconds[1:] or run.first.step_seconds
     measured = statistics.median(seconds)
     tokens = c.train.batch_size * c.model.block_size
-    per_rank = [{"state": r.memory["total"], "activations": r.memory["activations"], "rss": r.memory["peak_rss"]}
-                for r in run.first_ranks]
+    from course_lib.estimate.measured_memory import estimated_per_rank
+
+    estimated = estimated_per_rank(model, layout, c.model.block_size)  # fp32 state = bf16 autocast's
+    per_rank = [{"state": r.memory["total"], "activations": r.memory["activations"], "rss": r.memory["peak_rss"],
+                 "state_estimated": e["params"] + e["grads"] + e["optimizer"]}
+                for r, e in zip(run.first_ranks, estimated)]
     peak = gpu_peak_flops(c.precision)
     rate = peak or cluster.achievable_flops
     return {"predicted_s": predicted["total"], "measured_s": measured, "tokens_per_s": tokens / measured,
@@ -112,7 +116,7 @@ def report_text(run, cluster) -> str:
     traffic = run.traffic[0]
     mfu = (f"MFU {k['mfu']:.1%} of the GPU's peak" if k["mfu_against"] == "gpu peak" else
            f"MFU not defined on CPU ranks (no spec-sheet peak); against the calibrated rate of "
-           f"{cluster.achievable_flops / 1e9:.2f} GFLOP/s per rank: {k['mfu']:.1%}")
+           f"{cluster.achievable_flops / 1e9:.2f} GFLOP/s per rank: {k['mfu']:.2%}")
     rows = [
         "capstone report",
         f"  layout           {layout_text(c.layout)} -> {layout_text(c.resume)} after step {c.checkpoint_step}; "
@@ -121,8 +125,9 @@ def report_text(run, cluster) -> str:
         f"({k['measured_s'] / k['predicted_s']:.1f} x)",
         f"  tokens/s         {k['tokens_per_s']:,.0f} measured, {k['predicted_tokens_per_s']:,.0f} predicted",
         f"  utilisation      {mfu}",
-        f"  state per rank   predicted {fmt_bytes(mp['params'] + mp['grads'] + mp['optimizer'])}, measured "
-        f"{fmt_bytes(min(m['state'] for m in mm))} .. {fmt_bytes(max(m['state'] for m in mm))}",
+        f"  state per rank   predicted {' '.join(fmt_bytes(m['state_estimated']) for m in mm)}",
+        f"                   measured  {' '.join(fmt_bytes(m['state']) for m in mm)}"
+        f" ({'equal on every rank' if all(m['state'] == m['state_estimated'] for m in mm) else 'DIFFERENT'})",
         f"  activations      predicted {fmt_bytes(mp['activations'])}, measured "
         f"{fmt_bytes(min(m['activations'] for m in mm))} .. {fmt_bytes(max(m['activations'] for m in mm))}",
         f"  peak RSS         {fmt_bytes(max(m['rss'] for m in mm))} on the largest rank (the whole process: "

@@ -43,7 +43,8 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
     parameters this rank owns. loss_log: rank 0 appends {"step", "loss"} lines there."""
     from course_lib.checkpoint import checkpoint_path, load_training_state, save_training_state
     from course_lib.data import CharDataset, get_batch
-    from course_lib.observe.memory import SavedActivations, measured_state_bytes
+    from course_lib.observe.memory import SavedActivations
+    from course_lib.parallel.zero import measure_state_bytes
     from course_lib.observe.timeline import Timeline
     from course_lib.observe.tracer import CommTracer
     from course_lib.parallel.hybrid import (HybridResult, build_hybrid, clip_grad_norm_hybrid,
@@ -94,7 +95,11 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
             if timeline is not None:
                 result.timeline_events = list(timeline.events)
             if measure:  # state after a step (gradients and Adam's moments exist); activations of it
-                result.memory = dict(measured_state_bytes(module, optimizer))
+                # params and AdamW's moments after the step; the gradients at their peak, the end
+                # of backward, before the ZeRO engine reduces them to its shard: one per parameter
+                result.memory = dict(measure_state_bytes(module, optimizer))
+                result.memory["grads"] = sum(p.numel() * p.element_size() for p in module.parameters())
+                result.memory["total"] = result.memory["params"] + result.memory["grads"] + result.memory["optimizer"]
                 result.memory["activations"] = (saved.bytes if parts.stage is None
                                                  else parts.stage.last_peak_activation_bytes)
             mean = torch.tensor(loss / dims.replicas, dtype=torch.float64, device=dev)
