@@ -20,11 +20,29 @@ doing extra work.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pathlib
+import sys
 
 COMM_MARKERS = ("gloo", "c10d", "nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                 "broadcast", "all_to_all", "alltoall", "send", "recv", "barrier")
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Send the process's file descriptor 2 to /dev/null for the block: the profiler's native
+    library prints a log line there when a trace starts and when it stops, below Python."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _profiled(train_fn, out_dir, args, kwargs):
@@ -32,8 +50,14 @@ def _profiled(train_fn, out_dir, args, kwargs):
     from torch.profiler import ProfilerActivity, profile
 
     rank = dist.get_rank()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+    with _quiet_native_stderr():
+        prof.start()
+    try:
         result = train_fn(*args, **kwargs)
+    finally:
+        with _quiet_native_stderr():
+            prof.stop()
     path = pathlib.Path(out_dir) / f"rank{rank}.json"
     prof.export_chrome_trace(str(path))
     return result, str(path)
