@@ -245,7 +245,9 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
 
     message = L.micro_batch * seq * base.d_model * e  # one residual-stream activation
     # tp, per micro-batch: per layer 2 all-reduces forward (after attention's and the MLP's
-    # row-parallel matmul) and 2 backward (f's), +2 when the forward is recomputed; the
+    # row-parallel matmul) and 2 backward (f's), +2 when the forward is recomputed (Megatron's
+    # full recomputation; torch's non-reentrant checkpoint, which the capstone uses, stops once
+    # the saved tensors are back and repeats only attention's: an upper bound there); the
     # vocabulary-parallel embedding (forward) and head input (backward): 2 more; with sequence
     # parallelism each all-reduce becomes an all-gather + a reduce-scatter of the same tensor
     tp = 0.0
