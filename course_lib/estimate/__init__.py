@@ -6,6 +6,7 @@ start ranks to check them, importing the strategies inside their functions.
     compute.py      FLOPs per token, 6PD, time to train, GPUs needed
     per_gpu.py      everything above on the busiest GPU of a dp x ep x tp x pp layout
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
+    layout.py       Cluster (devices, links, measured rates) and Layout (degrees, schedule, ...)
     step_time.py    the step-time model of a layout on a cluster (notebook 10), memory per rank
     planner.py      the search over layouts, ranked by predicted step time, with its explanation
     clusters.py     GPU clusters and published runs

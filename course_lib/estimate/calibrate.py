@@ -204,8 +204,11 @@ def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,
     entries = out[0]["table"]
     sizes, times = entries["all_reduce"][str(world_size)]
     a, b = cost_terms("ring", world_size)  # T/a = alpha + (b/a) S / beta
-    ring_fit = fit_alpha_beta([s * b / a for s in sizes], [t / a for t in times],
-                              name=f"gloo all-reduce, {world_size} ranks")
+    try:  # one alpha-beta line beside the table, to compare with; the model reads the table
+        ring_fit = fit_alpha_beta([s * b / a for s in sizes], [t / a for t in times],
+                                  name=f"gloo all-reduce, {world_size} ranks")
+    except ValueError:  # times that do not grow with size (a loaded machine): no line fits
+        ring_fit = None
     link = CollectiveTable(f"gloo, {world_size} ranks on {cores_available()} cores (measured)", entries, ring_fit)
     if memory_bytes is None:
         import os

@@ -1,0 +1,128 @@
+"""A cluster and a layout: what the step-time model (step_time.py) and the planner take (notebook 10).
+
+    Cluster   devices and links, with the rates and fixed costs calibrate.py measures
+    Layout    one way to run a model: mesh degrees, schedule, micro-batching, ZeRO, recomputation
+
+Both validate their fields on construction: a bad value is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from course_lib._validate import check_int, check_one_of
+from course_lib.comm.costmodel import LinkModel
+from course_lib.estimate.memory import RECOMPUTE, ZERO_STAGES
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices and links. peak_flops: the spec sheet's dense rate (MFU's denominator);
+    achievable_flops: what large matmuls really reach (measured: course_lib.estimate.calibrate);
+    memory_bytes: usable device memory; memory_bandwidth: bytes/s for the optimizer update;
+    overlap: the fraction of backward that can hide gradient traffic (1 on GPUs with separate
+    communication engines; less where communication and compute share the same cores).
+    intra, inter: a LinkModel (alpha-beta) or a measured course_lib.comm.measured.CollectiveTable.
+    layer_overhead: seconds of fixed cost per layer and micro-batch (forward + backward), paid
+    whatever the layer's size: launching its ops (a GPU kernel launch costs microseconds; an
+    eager CPU op tens of them); tensor_overhead: the same per parameter tensor in the optimizer
+    update and gradient clipping (why fused and foreach optimizers exist). Both 0 for the
+    published clusters, whose layers are large enough to bury them.
+    shared_cores: 0 when each rank has its own device; else the number of CPU cores the ranks
+    share (emulated ranks): an idle rank's core then runs the busy ones, so a pipeline's bubble
+    costs time only while fewer ranks are busy than there are cores."""
+
+    name: str
+    n_gpus: int
+    gpus_per_node: int
+    peak_flops: float
+    achievable_flops: float
+    memory_bytes: float
+    intra: LinkModel
+    inter: LinkModel
+    memory_bandwidth: float = 2e12
+    overlap: float = 1.0
+    layer_overhead: float = 0.0
+    tensor_overhead: float = 0.0
+    shared_cores: int = 0
+
+    def __post_init__(self):
+        check_int("n_gpus", self.n_gpus)
+        check_int("gpus_per_node", self.gpus_per_node)
+        for name in ("peak_flops", "achievable_flops", "memory_bytes", "memory_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"overlap={self.overlap!r} must satisfy 0 <= overlap <= 1")
+        for name in ("layer_overhead", "tensor_overhead"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 seconds")
+        check_int("shared_cores", self.shared_cores, minimum=0)
+
+    def link(self, size: int, stride: int) -> LinkModel:
+        """The link a group of `size` ranks `stride` apart crosses: the node's when its span
+        fits a node without straddling two (course_lib.parallel.topology.link_of's rule)."""
+        span = size * stride
+        return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
+
+    def link_of(self, dim: str, layout: "Layout") -> LinkModel:
+        """The link of mesh dimension `dim` of `layout`, placed as make_mesh places it
+        (course_lib.parallel.topology, TOPOLOGY_AWARE order: tp innermost)."""
+        from course_lib.parallel.topology import link_of
+
+        sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
+        return self.inter if link_of(dim, sizes, self.gpus_per_node) == "inter" else self.intra
+
+    def with_gpus(self, n_gpus: int) -> "Cluster":
+        return replace(self, n_gpus=n_gpus)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: mesh degrees, schedule, micro-batching, ZeRO, recomputation."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    v: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
+    m: int = 1  # micro-batches per step and replica
+    micro_batch: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "ep", "v", "m", "micro_batch"):
+            check_int(name, getattr(self, name))
+        check_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
+        check_one_of("recompute", self.recompute, RECOMPUTE)
+        check_one_of("schedule", self.schedule, SCHEDULES)
+        if self.v > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(f"v={self.v} > 1 needs schedule='interleaved_1f1b', not {self.schedule!r}")
+        if self.pp > 1 and self.schedule in ("1f1b", "interleaved_1f1b", "zero_bubble") and self.m < self.pp:
+            raise ValueError(f"m={self.m} micro-batches must be >= pp={self.pp} stages for {self.schedule!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1")
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp * self.ep * self.tp * self.pp
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("sp" if self.sequence_parallel else ""), f"pp{self.pp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.pp > 1:
+            parts.append(f"v{self.v} m{self.m}" if self.v > 1 else f"m{self.m}")
+        elif self.m > 1:
+            parts.append(f"accum{self.m}")
+        parts.append(f"mb{self.micro_batch}")
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
+        if self.recompute != "none":
+            parts.append(f"rc-{self.recompute}")
+        return " ".join(parts)
