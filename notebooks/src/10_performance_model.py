@@ -498,8 +498,8 @@ show_interactive(lambda: planner_view(), lambda: planner_widget())
 # * TP's collectives are on the critical path; DP's gradients hide behind backward; the
 #   bubble shrinks with more micro-batches and interleaving.
 # * Calibrate on the machine that will run, and measure how well the model predicts before
-#   trusting its ranking; here it took fixed costs, call counts and a measured table to get
-#   the ordering right.
+#   trusting its ranking; here it took fixed costs, call counts, a measured table and the
+#   shared cores to get the ordering right.
 # * MFU counts model FLOPs only; compare runs with it, not with hardware FLOPs.
 #
 # ## Self-check
@@ -510,6 +510,9 @@ show_interactive(lambda: planner_view(), lambda: planner_widget())
 #    interleaving with $v = 4$?
 # 3. Why does the planner keep tp inside a node?
 # 4. A run reports 55% "hardware FLOPs utilisation" with full recomputation. Its MFU?
+# 5. Splitting a tiny model's layers 8 ways with tensor parallelism barely shortened its
+#    compute on the emulated ranks. Which calibrated term explains it, and would it on a GPU
+#    running a 70B model?
 #
 # <details><summary>Answers</summary>
 #
@@ -518,4 +521,8 @@ show_interactive(lambda: planner_view(), lambda: planner_widget())
 # 3. Its all-reduces are on the critical path, four per layer and micro-batch: over the
 #    network (50 GB/s instead of 450) they would dominate the step.
 # 4. Hardware FLOPs are 4 forwards' worth instead of 3: MFU = 55% x 3/4 = 41%.
+# 5. The fixed cost per layer and micro-batch: every rank still launches every op of every
+#    layer, whatever its width, and for a 64-wide layer that costs more than the FLOPs. On a
+#    GPU a kernel launch costs microseconds against milliseconds of matmul per layer of a 70B
+#    model, so tp = 8 divides the compute nearly 8 ways (its all-reduces are the price).
 # </details>
