@@ -40,20 +40,26 @@ TABLE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 MICRO_BATCHES = (1, 2, 4, 16)
 
 
+def sustained_seconds(fn, seconds: float) -> float:
+    """Seconds per call of fn() called back to back for `seconds` of wall time, after one
+    warm-up call (first-call allocation and kernel selection). Sustained, not the fastest
+    single call: with ranks sharing cores, a single call may run while the others wait, and a
+    training step gets the shared rate."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        fn()
+        calls += 1
+    return elapsed / calls
+
+
 def matmul_flops(rows: int, inner: int, cols: int, seconds: float = 0.3) -> float:
     """Rank code (or a plain process): sustained FLOP/s of back-to-back (rows x inner) @
-    (inner x cols) matmuls over `seconds` of wall time, 2 * rows * inner * cols FLOPs each.
-    Sustained, not the fastest single call: with ranks sharing cores, a single call may run
-    while the others wait, and a training step gets the shared rate."""
+    (inner x cols) matmuls, 2 * rows * inner * cols FLOPs each."""
     import torch
 
     x, w = torch.randn(rows, inner), torch.randn(inner, cols)
-    x @ w  # warm-up: first-call allocation and kernel selection
-    calls, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        x @ w
-        calls += 1
-    return 2 * rows * inner * cols * calls / elapsed
+    return 2 * rows * inner * cols / sustained_seconds(lambda: x @ w, seconds)
 
 
 def copy_bandwidth(nbytes: int = 1 << 22, seconds: float = 0.2) -> float:
@@ -62,21 +68,7 @@ def copy_bandwidth(nbytes: int = 1 << 22, seconds: float = 0.2) -> float:
 
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    calls, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        dst.copy_(src)
-        calls += 1
-    return 2 * nbytes * calls / elapsed
-
-
-def _sustained(fn, seconds: float) -> float:
-    fn()  # warm-up: first-call allocation and kernel selection
-    calls, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        fn()
-        calls += 1
-    return elapsed / calls
+    return 2 * nbytes / sustained_seconds(lambda: dst.copy_(src), seconds)
 
 
 def model_seconds(config, micro_batches, seq: int, seconds: float = 0.3) -> list[float]:
@@ -92,7 +84,7 @@ def model_seconds(config, micro_batches, seq: int, seconds: float = 0.3) -> list
     for mb in micro_batches:
         idx = torch.randint(0, config.vocab_size, (mb, seq + 1))
         x, y = idx[:, :-1], idx[:, 1:]
-        out.append(_sustained(lambda: model(x, y)[1].backward(), seconds))
+        out.append(sustained_seconds(lambda: model(x, y)[1].backward(), seconds))
     return out
 
 
@@ -116,7 +108,7 @@ def optimizer_seconds(config, seconds: float = 0.3) -> dict:
             torch.nn.utils.clip_grad_norm_(tensors, 1.0)
             opt.step()
 
-        out[key] = _sustained(step, seconds)
+        out[key] = sustained_seconds(step, seconds)
     return out
 
 
@@ -186,13 +178,12 @@ def cores_available() -> int:
 
 def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,
                         memory_bytes: float | None = None) -> tuple[Cluster, dict]:
-    """The Cluster and raw numbers from every rank's probe() (see calibrate): the median rank's
-    rates, the slowest rank's times."""
+    """The Cluster and raw numbers from every rank's probe() (see calibrate): every time is the
+    slowest rank's (a step waits for it); the raw numbers keep each rank's rates."""
     from course_lib.comm.costmodel import cost_terms
     from course_lib.estimate.compute import flops_per_token
 
     world_size = len(out)
-    median = world_size // 2
     model = [max(r["model"][i] for r in out) for i in range(len(MICRO_BATCHES))]
     flops = [flops_per_token(config, seq) * mb * seq for mb in MICRO_BATCHES]
     fit = fit_alpha_beta(flops, model, name="forward+backward: fixed seconds, FLOP/s")
