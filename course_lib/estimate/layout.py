@@ -13,8 +13,7 @@ from dataclasses import dataclass, replace
 from course_lib._validate import check_int, check_one_of
 from course_lib.comm.costmodel import LinkModel
 from course_lib.estimate.memory import RECOMPUTE, ZERO_STAGES
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+from course_lib.parallel.pp.schedules import SCHEDULES  # the schedules the course runs: one list
 
 
 @dataclass(frozen=True)

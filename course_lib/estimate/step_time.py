@@ -40,7 +40,7 @@ from __future__ import annotations
 from course_lib._validate import check_int, check_one_of
 from course_lib.comm.measured import collective_time
 from course_lib.estimate.compute import flops_per_token
-from course_lib.estimate.layout import SCHEDULES, Cluster, Layout  # noqa: F401 (also importable from here)
+from course_lib.estimate.layout import Cluster, Layout
 from course_lib.estimate.memory import RECIPES
 from course_lib.estimate.params import GPTConfig, unpack
 from course_lib.estimate.per_gpu import per_gpu_memory
