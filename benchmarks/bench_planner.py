@@ -69,29 +69,12 @@ def _time_layouts(config, train_cfg, how_list, rounds):
     """Rank code: `rounds` times, calibrate (probe) then run every layout in turn on the world.
     Returns (probes per round, per round and layout the step seconds)."""
     from course_lib.estimate.calibrate import probe
-    from course_lib.parallel.dp.training import train_data_parallel
-    from course_lib.parallel.hybrid import ParallelDims, train_hybrid
-    from course_lib.parallel.pp.training import train_pipeline
-    from course_lib.parallel.tp.training import train_tensor_parallel
-    from course_lib.parallel.zero.training import train_zero
+    from course_lib.estimate.validation import train_as
 
     probes, times = [], []
     for _ in range(rounds):
         probes.append(probe(config, 2, config.block_size))
-        out = []
-        for kind, kw in how_list:
-            if kind == "dp":
-                res = train_data_parallel(config, train_cfg, "ddp", kw.get("accum_steps", 1))
-            elif kind == "zero":
-                res = train_zero(config, train_cfg, kw["stage"], accum_steps=kw.get("accum_steps", 1))
-            elif kind == "tp":
-                res = train_tensor_parallel(config, train_cfg, kw["sequence_parallel"])
-            elif kind == "hybrid":
-                res = train_hybrid(ParallelDims(**kw), config, train_cfg)
-            else:
-                res = train_pipeline(config, train_cfg, kw["schedule"], kw["m"])
-            out.append(res.step_seconds)
-        times.append(out)
+        times.append([train_as(how, config, train_cfg).step_seconds for how in how_list])
     return probes, times
 
 

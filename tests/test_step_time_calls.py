@@ -40,31 +40,20 @@ def test_collective_time_on_a_link_model_is_the_alpha_beta_formula():
 # ----------------------------------------------------------------------------- calls = the tracer's
 def _traced_calls(kind, kw, config, steps):
     """Rank code: collective calls this rank made while training `steps` steps."""
+    from course_lib.estimate.validation import train_as
     from course_lib.observe.tracer import CommTracer
-    from course_lib.parallel.dp.training import train_data_parallel
-    from course_lib.parallel.hybrid import ParallelDims, train_hybrid
-    from course_lib.parallel.tp.training import train_tensor_parallel
-    from course_lib.parallel.zero.training import train_zero
     from course_lib.train import TrainConfig
 
-    cfg = TrainConfig(steps=steps, batch_size=8, progress=False, eval_every=0)
     with CommTracer() as tracer:
-        if kind == "ddp":
-            train_data_parallel(config, cfg, "ddp", kw.get("accum_steps", 1))
-        elif kind == "zero":
-            train_zero(config, cfg, kw["stage"], accum_steps=kw.get("accum_steps", 1))
-        elif kind == "tp":
-            train_tensor_parallel(config, cfg, False)
-        else:
-            train_hybrid(ParallelDims(**kw), config, cfg)
+        train_as((kind, kw), config, TrainConfig(steps=steps, batch_size=8, progress=False, eval_every=0))
     # calls that cross ranks (the hybrid trainer also calls its size-1 groups, which move nothing)
     return sum(1 for r in tracer.records if not r.group_ranks or len(r.group_ranks) > 1)
 
 
 # (Layout, how the course runs it, calls outside the model: the pipeline's loss report)
 CASES = [
-    (Layout(dp=2, micro_batch=4), ("ddp", {}), 0),
-    (Layout(dp=2, m=2, micro_batch=2), ("ddp", {"accum_steps": 2}), 0),
+    (Layout(dp=2, micro_batch=4), ("dp", {}), 0),
+    (Layout(dp=2, m=2, micro_batch=2), ("dp", {"accum_steps": 2}), 0),
     (Layout(dp=2, micro_batch=4, zero_stage=1), ("zero", {"stage": 1}), 0),
     (Layout(dp=2, m=2, micro_batch=2, zero_stage=2), ("zero", {"stage": 2, "accum_steps": 2}), 0),
     (Layout(dp=2, micro_batch=4, zero_stage=3), ("zero", {"stage": 3}), 0),
@@ -85,3 +74,10 @@ def test_calls_per_step_equal_the_tracer(layout, how, extra, tiny_config):
     counted = [run_on_ranks(_traced_calls, *how, tiny_config, steps, world_size=layout.n_gpus, timeout_s=120)[0]
                for steps in (1, 2)]
     assert counted[1] - counted[0] == sum(t["calls"].values()) + extra, (t["calls"], counted)
+
+
+def test_train_as_names_an_unknown_strategy(tiny_config):
+    from course_lib.estimate.validation import train_as
+
+    with pytest.raises(ValueError, match="kind='fsdp'"):
+        train_as(("fsdp", {}), tiny_config, None)

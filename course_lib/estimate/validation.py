@@ -3,6 +3,7 @@
     spearman(xs, ys)                 rank correlation (ties get their mean rank)
     compare(config, cluster, runs)   per run: predicted terms beside the measured time; summary
     load_validation(path)            the stored measurement (benchmarks/bench_planner.py wrote it)
+    train_as(how, config, train_cfg) rank code: train with the course strategy a run names
 
 A run is {"label", "layout": Layout fields, "measured": seconds}. The summary holds the rank
 correlation, the median and largest |predicted - measured| / measured, and the planner's pick
@@ -72,3 +73,28 @@ def load_validation(path=None) -> dict:
     data["config"] = GPTConfig(**data["config"])
     data["cluster"] = cluster_from_dict(data["cluster"])
     return data
+
+
+def train_as(how, config, train_cfg):
+    """Rank code: train `config` with the course's strategy that `how` = (kind, options) names,
+    the way benchmarks/bench_planner.py runs each Layout; returns its TrainResult.
+    kind: "dp" (DDP; accum_steps), "zero" (stage, accum_steps), "tp" (sequence_parallel),
+    "pp" (schedule, m) or "hybrid" (ParallelDims' fields)."""
+    from course_lib.parallel.dp.training import train_data_parallel
+    from course_lib.parallel.hybrid import ParallelDims, train_hybrid
+    from course_lib.parallel.pp.training import train_pipeline
+    from course_lib.parallel.tp.training import train_tensor_parallel
+    from course_lib.parallel.zero.training import train_zero
+
+    kind, kw = how
+    if kind == "dp":
+        return train_data_parallel(config, train_cfg, "ddp", kw.get("accum_steps", 1))
+    if kind == "zero":
+        return train_zero(config, train_cfg, kw["stage"], accum_steps=kw.get("accum_steps", 1))
+    if kind == "tp":
+        return train_tensor_parallel(config, train_cfg, kw.get("sequence_parallel", False))
+    if kind == "pp":
+        return train_pipeline(config, train_cfg, kw["schedule"], kw["m"])
+    if kind == "hybrid":
+        return train_hybrid(ParallelDims(**kw), config, train_cfg)
+    raise ValueError(f"kind={kind!r} must be one of 'dp', 'zero', 'tp', 'pp', 'hybrid'")
