@@ -22,8 +22,9 @@ import pathlib
 import re
 import sys
 
-import cloudpickle
 import torch
+
+from course_lib.runtime.modules import share_with_ranks
 
 EXERCISES_DIR = pathlib.Path(os.environ.get("COURSE_EXERCISES_DIR", pathlib.Path(__file__).resolve().parent.parent / "exercises"))
 GRADE_WITH_ENV = "COURSE_GRADE_WITH"
@@ -41,8 +42,9 @@ def load_student(exercise: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # re-loading replaces the learner's previous version
     spec.loader.exec_module(module)
-    # Ranks cannot import a module loaded from a file path: send its functions by value.
-    cloudpickle.register_pickle_by_value(module)
+    # Ranks cannot import a module loaded from a file path: they get its source and run it under
+    # its real file name, so a rank's traceback still names student.py and the line.
+    share_with_ranks(module)
     show_failures_briefly()
     return module
 

@@ -2,6 +2,7 @@
 
     pool.py     run_on_ranks: a persistent pool of rank processes, RankError / RankTimeout
     worker.py   the loop each rank process runs (joins the process group, serves calls)
+    modules.py  share_with_ranks: a module loaded from a file (student.py) runs on the ranks from its source
     launch.py   the torchrun path: init_from_env()
     device.py   the one backend/device rule shared by both paths
 """

@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 import multiprocessing as mp
+import pickle
 from multiprocessing.connection import wait as wait_for_ready
 
 import cloudpickle
@@ -44,6 +45,7 @@ import cloudpickle
 from course_lib._validate import check_int
 from course_lib.runtime import worker as _worker
 from course_lib.runtime.device import resolve_backend, threads_per_rank
+from course_lib.runtime.modules import shared_modules
 
 MAX_WORLD_SIZE = 64
 # After the first rank fails, how long the others get to report before the pool is killed.
@@ -289,7 +291,8 @@ def run_on_ranks(fn, *args, world_size: int = 4, backend: str = "auto", timeout_
     _validate(fn, world_size, timeout_s)
     backend = resolve_backend(backend, world_size)
     try:
-        payload = cloudpickle.dumps((fn, args, kwargs))
+        # Shared modules go first: a rank installs them before unpickling fn (course_lib.runtime.modules).
+        payload = pickle.dumps((shared_modules(), cloudpickle.dumps((fn, args, kwargs))))
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise TypeError(f"could not send fn and its arguments to the ranks (cloudpickle failed: {e})") from e
     pool = _get_pool(world_size, backend, check_collectives)

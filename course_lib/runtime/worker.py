@@ -1,7 +1,8 @@
 """The loop each rank process runs (kept tiny: the forkserver imports it before forking).
 
 A rank joins the process group once, then serves calls until the parent sends an empty
-message:  receive cloudpickled (fn, args, kwargs) -> run with stdout/stderr captured ->
+message:  receive (shared modules, cloudpickled (fn, args, kwargs)): install the modules
+(course_lib/runtime/modules.py) -> run with stdout/stderr captured ->
 send back ("ok", pickled result, out, err) or ("error", traceback, out, err).
 """
 
@@ -55,8 +56,12 @@ def _seed_everything(rank: int):
 
 
 def worker_main(rank, world_size, backend, port, conn, n_threads, check_collectives):
+    import pickle
+
     import cloudpickle
     import torch
+
+    from course_lib.runtime.modules import install as install_shared_modules
 
     # Ctrl-C / "interrupt kernel" reaches the whole process group; the parent handles it by
     # killing the pool, so ranks ignore it rather than each printing a KeyboardInterrupt.
@@ -80,7 +85,9 @@ def worker_main(rank, world_size, backend, port, conn, n_threads, check_collecti
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                fn, args, kwargs = cloudpickle.loads(payload)
+                shared, call = pickle.loads(payload)
+                install_shared_modules(shared)
+                fn, args, kwargs = cloudpickle.loads(call)
                 _seed_everything(rank)
                 reply = ("ok", cloudpickle.dumps(fn(*args, **kwargs)))
             except BaseException:  # noqa: BLE001 - every failure goes back to the parent
