@@ -10,13 +10,18 @@ STAMP  := $(VENV)/.course-installed
 # The CPU build of torch; the library itself supports torch >= 2.8 (see pyproject.toml).
 TORCH  ?= torch==2.13.0
 NBVAL  := --nbval --nbval-sanitize-with tools/nbval_sanitize.cfg --nbval-cell-timeout=300
+# The versions the suite last passed with (tools/lock.py writes it). Every install goes through it,
+# so a fresh clone next year installs what was tested, not whatever was released since.
+# `make test-latest` empties it to try the newest releases.
+CONSTRAINTS ?= constraints.txt
+PIP     = $(PY) -m pip install --quiet --disable-pip-version-check $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
 
-.PHONY: lab test setup notebooks exercises bench clean-venv
+.PHONY: lab test setup notebooks exercises bench bench-quick clean-venv test-portability test-latest lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PIP) "$(TORCH)"
+	$(PIP) -e ".[dev]"
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,14 +33,36 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks $(LAB_FLAGS)
 
 # pytest for course_lib, then nbval over every notebook and every graded exercise notebook
-# (graded with the reference solutions; tests/test_grading.py proves the stubs fail).
-# The notebooks are re-executed on another CPU code path than the one that stored their outputs:
-# PyTorch's AVX2 kernels instead of AVX-512 ones, one thread in the kernel process instead of all
-# cores. A stored output that depends on the CPU then fails here, not on a learner's machine
-# (see CONTRIBUTING.md, "Notebooks"; tests/test_portability.py checks the switch is effective).
-PORTABLE := ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1
+# (graded with the reference solutions; tests/test_grading.py proves the stubs fail), on this
+# machine's own CPU path, as a learner's kernel runs them.
 test: $(STAMP)
-	$(PORTABLE) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q tests notebooks exercises $(NBVAL)
+	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q tests notebooks exercises $(NBVAL)
+
+# nbval again over every notebook and exercise on the CPU paths a learner may have that differ
+# most from the one that stored the outputs (AVX-512, all cores): PyTorch's scalar kernels
+# (ATEN_CPU_CAPABILITY=default) on one thread, and its AVX2 kernels on two. A stored output that
+# depends on the CPU fails here, not on a learner's machine (CONTRIBUTING.md, "Notebooks";
+# tests/test_portability.py checks that the paths cover both kernels and both thread counts and
+# that they change low-precision results here). Each entry is CAPABILITY:THREADS.
+PORTABLE_PATHS := default:1 avx2:2
+test-portability: $(STAMP)
+	@for p in $(PORTABLE_PATHS); do \
+		echo "== nbval with ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:}"; \
+		ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:} COURSE_GRADE_WITH=solutions \
+			$(PY) -m pytest -p no:cacheprovider -q notebooks exercises $(NBVAL) || exit 1; \
+	done
+
+# For maintainers: the whole suite against the newest releases of every dependency (torch stays
+# at TORCH: a newer one is a separate decision), in its own .venv-latest. When it is green,
+# `make lock` takes those versions into constraints.txt; when it is red, its failures say what
+# a bump would break.
+test-latest:
+	@rm -f .venv-latest/.course-installed
+	$(MAKE) test test-portability VENV=.venv-latest CONSTRAINTS=
+
+# Re-resolve constraints.txt for every Python 3.10-3.13 found here (tools/lock.py).
+lock: $(STAMP)
+	$(PY) tools/lock.py
 
 # Re-execute every notebook from its source (after editing notebooks/src or exercises/src).
 notebooks: $(STAMP)
@@ -46,6 +73,11 @@ bench: $(STAMP)
 	@$(PY) benchmarks/summary.py --reset
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 	@$(PY) benchmarks/summary.py
+
+# Every benchmark at its smallest size (seconds each, no targets, nothing recorded): CI runs it
+# so that a broken import or API change in a benchmark fails the build instead of rotting.
+bench-quick: $(STAMP)
+	@for b in benchmarks/bench_*.py; do echo "== $$b --quick"; $(PY) $$b --quick || exit 1; done
 
 clean-venv:
 	rm -rf $(VENV)
@@ -58,7 +90,7 @@ BROWSER_ARTIFACTS ?= build/browser-artifacts
 .PHONY: test-browser html
 test-browser: $(STAMP)
 	@bash tools/ensure_chromium.sh
-	@$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install --quiet --disable-pip-version-check "playwright>=1.40,<2"
+	@$(PY) -c "import playwright" 2>/dev/null || $(PIP) -e ".[dev,browser]"
 	@rm -rf $(BROWSER_ARTIFACTS)
 	COURSE_BROWSER_TEST=1 COURSE_BROWSER_ARTIFACTS=$(BROWSER_ARTIFACTS) timeout -k 30 1800 \
 		$(PY) -m pytest -p no:cacheprovider -q -o timeout=480 tests/browser

@@ -1,7 +1,9 @@
-"""The suite re-executes the notebooks on another CPU code path than the one that stored their
-outputs (Makefile: PORTABLE), so that an output depending on the CPU fails here rather than on
-a learner's machine. These tests check that the switch exists and changes low-precision results
-on this machine, i.e. that it would catch such a cell."""
+"""`make test-portability` re-executes the notebooks on the CPU code paths that differ most from
+the one that stored their outputs (Makefile: PORTABLE_PATHS), so that an output depending on the
+CPU fails in CI rather than on a learner's machine. These tests check that the paths cover both
+of PyTorch's kernel choices and both thread counts, that CI runs them, that `make test` itself
+runs on the machine's own path, and that the switch changes low-precision results here, i.e.
+that it would catch such a cell."""
 
 import os
 import pathlib
@@ -37,22 +39,38 @@ def _probe(env_extra):
     return out.stdout
 
 
-def _portable_env() -> dict:
+def _portable_paths() -> list[dict]:
     text = (ROOT / "Makefile").read_text()
-    line = re.search(r"^PORTABLE := (.*)$", text, re.M)
-    assert line, "the Makefile must define PORTABLE, the CPU path the suite re-executes notebooks on"
-    assert "$(PORTABLE)" in re.search(r"^test:.*\n((?:\t.*\n)+)", text, re.M).group(1)
-    return dict(item.split("=", 1) for item in line.group(1).split())
+    line = re.search(r"^PORTABLE_PATHS := (.*)$", text, re.M)
+    assert line, "the Makefile must define PORTABLE_PATHS, the CPU paths test-portability re-executes notebooks on"
+    paths = []
+    for item in line.group(1).split():
+        capability, threads = item.split(":")
+        paths.append({"ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": threads})
+    return paths
 
 
-def test_make_test_runs_on_another_cpu_path():
-    env = _portable_env()
-    assert env.get("ATEN_CPU_CAPABILITY") and env.get("OMP_NUM_THREADS")
+def _recipe(target: str) -> str:
+    text = (ROOT / "Makefile").read_text()
+    return re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", text, re.M).group(1)
+
+
+def test_portability_covers_both_kernels_and_both_thread_counts():
+    paths = _portable_paths()
+    assert {p["ATEN_CPU_CAPABILITY"] for p in paths} == {"default", "avx2"}
+    assert {p["OMP_NUM_THREADS"] for p in paths} == {"1", "2"}
+    recipe = _recipe("test-portability")
+    assert "$(PORTABLE_PATHS)" in recipe and "ATEN_CPU_CAPABILITY=" in recipe and "notebooks exercises" in recipe
+
+
+def test_make_test_runs_on_the_machines_own_path_and_ci_runs_the_others():
+    assert "ATEN_CPU_CAPABILITY" not in _recipe("test") and "OMP_NUM_THREADS" not in _recipe("test")
+    ci = (ROOT / ".ci" / "run").read_text()
+    for target in ("test", "test-portability", "bench-quick", "test-browser"):
+        assert re.search(rf"\b{target}\b", ci), f".ci/run must run make {target}"
 
 
 def test_the_switch_changes_low_precision_results_here():
-    cpu = pathlib.Path("/proc/cpuinfo")
-    if not cpu.exists() or "avx512" not in cpu.read_text():
-        pytest.skip("this CPU has no AVX-512 path to compare the AVX2 one with")
-    portable = _portable_env()
-    assert _probe({"ATEN_CPU_CAPABILITY": "avx512", "OMP_NUM_THREADS": portable["OMP_NUM_THREADS"]}) != _probe(portable)
+    native = _probe({})
+    changed = [p for p in _portable_paths() if _probe(p) != native]
+    assert changed, "no portable path changes the fp16 probe on this CPU: test-portability would catch nothing"
