@@ -3,7 +3,16 @@
 A benchmark calls `record(...)` for each ratio it measured; `python benchmarks/summary.py`
 (the last step of `make bench`) prints them all against their targets. Ratios only: a
 benchmark times the course's implementation and its baseline side by side in one run, so the
-machine's speed cancels out. Nothing is asserted: a miss is reported, not raised.
+machine's speed cancels out. Nothing is asserted: a miss is reported, not raised (exit 0).
+
+    python benchmarks/summary.py [bench_x.py ...]   the table; then every expected benchmark
+                                                    that recorded nothing; then one count line
+    python benchmarks/summary.py --reset            forget every recorded ratio
+
+The expected benchmarks are the files named on the command line, by default every
+benchmarks/bench_*.py. A benchmark's rows carry its file's stem as `bench`.
+A benchmark's --quick run calls `dry_run()` first: `record` then checks and returns each row
+but writes nothing, so a smoke test exercises the recording without touching the results.
 
     record("bench_data_parallel", "course DDP / torch DDP, 25 MB buckets", 1.04, target=1.10)
     record("bench_runtime", "tracer overhead per call", 0.002, target=0.05)
@@ -16,20 +25,35 @@ import json
 import pathlib
 import sys
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "ratios.jsonl"
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "ratios.jsonl"
+VERDICTS = ("met", "MISSED", "inconclusive", "info")
+_dry_run = False
+
+
+def dry_run(on: bool = True) -> None:
+    """From now on `record` checks its row and returns it without writing (a --quick run)."""
+    global _dry_run
+    _dry_run = on
 
 
 def record(bench: str, what: str, ratio: float, target: float | None = None, better: str = "lower",
-           spread: tuple[float, float] | None = None, note: str = "") -> None:
-    """Append one ratio. better="lower": met when ratio <= target; "higher": when ratio >= target.
-    spread: (low, high) of the ratio over repeated rounds, when measured."""
+           spread: tuple[float, float] | None = None, note: str = "") -> dict:
+    """Append one ratio (and return its row). better="lower": met when ratio <= target;
+    "higher": when ratio >= target. spread: (low, high) of the ratio over repeated rounds, when
+    measured. After dry_run(), nothing is written."""
     if better not in ("lower", "higher"):
         raise ValueError(f"better={better!r} must be 'lower' or 'higher'")
+    row = {"bench": bench, "what": what, "ratio": float(ratio), "target": None if target is None else float(target),
+           "better": better, "spread": [float(x) for x in spread] if spread else None, "note": note}
+    line = json.dumps(row)
+    verdict(row)
+    if _dry_run:
+        return row
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    row = {"bench": bench, "what": what, "ratio": float(ratio), "target": target, "better": better,
-           "spread": list(spread) if spread else None, "note": note}
     with RESULTS.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(line + "\n")
+    return row
 
 
 def verdict(row: dict) -> str:
@@ -41,16 +65,52 @@ def verdict(row: dict) -> str:
     return "met" if met else "MISSED"
 
 
-def main() -> int:
-    if not RESULTS.exists():
-        print("no benchmark results recorded")
-        return 0
-    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
-    print(f"\n{'benchmark':<22}{'ratio':<52}{'value':>8}  {'target':>10}  {'spread':>15}  verdict")
+def add_quick(parser, argv=None, **quick_defaults) -> None:
+    """Give a benchmark's parser --quick: a smoke test at its smallest size, in seconds. With
+    --quick in argv, quick_defaults replace the parser's defaults (flags given still win);
+    call quick_mode(args) after parsing."""
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: smallest size, one round, a few steps; no targets, nothing recorded")
+    if "--quick" in (sys.argv[1:] if argv is None else argv):
+        parser.set_defaults(**quick_defaults)
+
+
+def quick_mode(args) -> bool:
+    """After parsing: in a --quick run, switch record() to dry_run and say so. Returns args.quick."""
+    if args.quick:
+        dry_run()
+        print("--quick: a smoke test at the smallest size; the numbers mean nothing and nothing is recorded")
+    return args.quick
+
+
+def expected_benches(files=None) -> list[str]:
+    """The stems of the benchmark files named (default: every benchmarks/bench_*.py)."""
+    paths = [pathlib.Path(f) for f in files] if files else sorted(HERE.glob("bench_*.py"))
+    return [p.stem for p in paths]
+
+
+def main(files=None) -> int:
+    expected = expected_benches(files)
+    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()] if RESULTS.exists() else []
+    counts = dict.fromkeys(VERDICTS, 0)
+    if rows:
+        print(f"\n{'benchmark':<22}{'ratio':<52}{'value':>8}  {'target':>10}  {'spread':>15}  verdict")
+    else:
+        print("\nno benchmark results recorded")
     for r in rows:
         target = "" if r["target"] is None else ("<= " if r["better"] == "lower" else ">= ") + f"{r['target']:g}"
         spread = "" if not r["spread"] else f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}"
-        print(f"{r['bench']:<22}{r['what'][:50]:<52}{r['ratio']:>8.3f}  {target:>10}  {spread:>15}  {verdict(r)}")
+        v = verdict(r)
+        counts[v] += 1
+        print(f"{r['bench']:<22}{r['what'][:50]:<52}{r['ratio']:>8.3f}  {target:>10}  {spread:>15}  {v}")
+    recorded = {r["bench"] for r in rows}
+    silent = [b for b in expected if b not in recorded]
+    for b in silent:
+        print(f"{b:<22}{'(recorded nothing: did it run to the end?)':<52}{'':>8}  {'':>10}  {'':>15}  NO RESULTS")
+    print(f"\n{len(rows)} ratios from {len(recorded)} benchmarks: "
+          + ", ".join(f"{counts[v]} {v}" for v in VERDICTS)
+          + f"; {len(silent)} of {len(expected)} expected benchmarks recorded nothing"
+          + (f" ({', '.join(silent)})" if silent else ""))
     return 0
 
 
@@ -58,4 +118,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--reset"]:
         RESULTS.unlink(missing_ok=True)
     else:
-        sys.exit(main())
+        sys.exit(main(sys.argv[1:]))
