@@ -12,7 +12,7 @@ import statistics
 import time
 
 from course_lib import run_on_ranks
-from summary import record, verdict
+from summary import add_quick, quick_mode, record, verdict
 
 WARMUP = 2  # steps of every run left out of the timing
 
@@ -28,11 +28,13 @@ def step_time(per_rank_step_seconds: list[list[float]], warmup: int = WARMUP) ->
     return statistics.median(max(rank[s] for rank in per_rank_step_seconds) for s in steps)
 
 
-def run_rounds(one_round, names: list[str], rounds: int, args: tuple, warm_args: tuple, **run_kwargs) -> list[dict]:
+def run_rounds(one_round, names: list[str], rounds: int, args: tuple, warm_args: tuple | None,
+               **run_kwargs) -> list[dict]:
     """Call `one_round(*args, order)` on the ranks `rounds` times (after one warm-up call with
-    warm_args); one_round returns {name: step_seconds list} per rank. Returns per round
-    {name: step_time}."""
-    run_on_ranks(one_round, *warm_args, names, **run_kwargs)
+    warm_args, unless it is None: a --quick run); one_round returns {name: step_seconds list}
+    per rank. Returns per round {name: step_time}."""
+    if warm_args is not None:
+        run_on_ranks(one_round, *warm_args, names, **run_kwargs)
     per_round = []
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -64,7 +66,8 @@ def report(bench: str, per_round: list[dict], ratios: dict, save: bool = True, s
 
 def rank_share_args(description: str, rounds: int, argv=None):
     """The command line of the benchmarks whose ranks each take a share of the batch
-    (data parallel, ZeRO): --world-size, --steps, --rounds, --micro-batch, --no-record, checked."""
+    (data parallel, ZeRO): --world-size, --steps, --rounds, --micro-batch, --no-record, --quick
+    (2 ranks, WARMUP + 1 steps, 1 round, 1 sequence per rank), checked."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -73,7 +76,9 @@ def rank_share_args(description: str, rounds: int, argv=None):
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    add_quick(parser, argv, world_size=2, steps=WARMUP + 1, rounds=1, micro_batch=1)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or args.micro_batch < 1:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --world-size >= 2, --micro-batch >= 1")
+    quick_mode(args)
     return args
