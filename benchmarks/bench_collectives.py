@@ -1,18 +1,21 @@
 """Benchmark: the course's ring all-reduce (course_lib.comm) against gloo's built-in all_reduce.
 
-    .venv/bin/python benchmarks/bench_collectives.py [--world-size 4] [--sizes-mb 1 16 64]
+    .venv/bin/python benchmarks/bench_collectives.py [--world-size 4] [--sizes-mb 1 16 64] [--quick]
 
 Prints, from one run: time per all-reduce of both at each size and the ratio (built-in time /
 course time: > 1 means the course ring is faster), then the alpha-beta model's prediction for
 the ring (alpha, beta fitted from a ping-pong measured in the same run) and its error.
 The two implementations alternate call by call, so both see the same machine load; each
-call is timed as its slowest rank, and the median over calls is reported.
+call is timed as its slowest rank, and the median over calls is reported. The speed ratio per
+size (paired call by call, median and interquartile spread) and the model's prediction over the
+measured ring time at the largest size are recorded with benchmarks/summary.py (info: no target).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -20,7 +23,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, costmodel, run_on_ranks
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from rounds import quartiles  # noqa: E402  (benchmarks/ is not a package)
+from summary import add_quick, quick_mode, record  # noqa: E402
+
+from course_lib import comm, run_on_ranks  # noqa: E402
+from course_lib.comm import costmodel  # noqa: E402
+
+PING_PONG_SIZES = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
 
 NOTE = """\
 note: at small sizes the course ring is latency-bound. It makes 2(N-1) = {steps} sequential
@@ -63,15 +73,20 @@ def main(argv=None):
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    add_quick(parser, argv, world_size=2, sizes_mb=[1], iters=1)
     args = parser.parse_args(argv)
     if args.world_size < 2 or args.iters < 1 or any(s <= 0 for s in args.sizes_mb):
         parser.error(f"need --world-size >= 2 (got {args.world_size}), --iters >= 1 (got {args.iters}) "
                      f"and every --sizes-mb > 0 (got {args.sizes_mb})")
     n = args.world_size
+    quick = quick_mode(args)
 
-    sizes_pp = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
+    # --quick: up to 4 MiB, 2 passes of 1 round trip (still enough sizes for a positive slope)
+    sizes_pp = PING_PONG_SIZES[:-1] if quick else PING_PONG_SIZES
+    pp_kwargs = dict(rounds=2, iters=1) if quick else {}
     one_way = run_on_ranks(costmodel.ping_pong, sizes_pp, all_pairs=True, world_size=n,
-                           check_collectives=False, timeout_s=120)[0]
+                           check_collectives=False, timeout_s=120, **pp_kwargs)[0]
     link = costmodel.fit_alpha_beta(sizes_pp, one_way)
     results = run_on_ranks(_bench, args.sizes_mb, args.iters, world_size=n, check_collectives=False,
                            timeout_s=600)[0]
@@ -81,16 +96,26 @@ def main(argv=None):
           f"median of {min(len(v['course']) for v in results.values())}+ calls, each timed as its slowest rank")
     print(f"{'size':>8} {'course ring':>12} {'gloo built-in':>14} {'speed ratio':>12}   "
           f"{'model (ring)':>12} {'model error':>12}")
+    rows = []
     for mb, times in results.items():
         course, gloo = statistics.median(times["course"]), statistics.median(times["gloo"])
         predicted = costmodel.predict_time("ring", mb * 2**20, n, link)
         print(f"{mb:>4g} MiB {course * 1e3:>9.2f} ms {gloo * 1e3:>11.2f} ms {gloo / course:>11.2f}x   "
               f"{predicted * 1e3:>9.2f} ms {(predicted - course) / course * 100:>+11.0f}%")
+        lo, mid, hi = quartiles([g / c for g, c in zip(times["gloo"], times["course"])])  # paired call by call
+        rows.append((f"gloo all_reduce / course ring, {mb:g} MiB, {n} ranks", mid, (lo, hi)))
+    largest = max(results)
+    course = statistics.median(results[largest]["course"])
+    rows.append((f"alpha-beta model / measured ring, {largest:g} MiB, {n} ranks",
+                 costmodel.predict_time("ring", largest * 2**20, n, link) / course, None))
     print("speed ratio = gloo time / course time (>= 1: the course ring is at least as fast)")
     print(f"model: alpha = {link.alpha * 1e6:.0f} us, beta = {link.beta / 1e9:.2f} GB/s, fitted to a "
           f"ping-pong of every rank pair at once in this run; "
           f"ring time = 2(N-1)*alpha + 2(N-1)/N*S/beta; error = (model - measured) / measured")
     print(NOTE.format(steps=2 * (n - 1)))
+    if not args.no_record:
+        for what, ratio, spread in rows:  # info: the ring's speed and the model's fit depend on the machine
+            record("bench_collectives", what, ratio, target=None, better="higher", spread=spread)
     return 0
 
 
