@@ -12,7 +12,7 @@ import statistics
 import time
 
 from course_lib import run_on_ranks
-from summary import add_quick, quick_mode, record, verdict
+from summary import add_quick, quick_mode, record, shown_verdict
 
 WARMUP = 2  # steps of every run left out of the timing
 
@@ -57,7 +57,7 @@ def report(bench: str, per_round: list[dict], ratios: dict, save: bool = True, s
         lo, mid, hi = quartiles([r[num] / r[den] for r in per_round])
         row = {"ratio": mid, "target": target, "better": better, "spread": [lo, hi]}
         goal = "" if target is None else f"target {'<=' if better == 'lower' else '>='} {target:g}"
-        print(f"  {label:<{width}} {mid:6.3f}x  ({lo:.3f}-{hi:.3f})  {goal:<14} {verdict(row)}")
+        print(f"  {label:<{width}} {mid:6.3f}x  ({lo:.3f}-{hi:.3f})  {goal:<14} {shown_verdict(row)}")
         if save:
             record(bench, label, mid, target=target, better=better, spread=(lo, hi))
     if started is not None:

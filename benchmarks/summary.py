@@ -65,6 +65,11 @@ def verdict(row: dict) -> str:
     return "met" if met else "MISSED"
 
 
+def shown_verdict(row: dict) -> str:
+    """What a benchmark prints beside a ratio: its verdict, or nothing judged in a --quick run."""
+    return "(quick: not judged)" if _dry_run else verdict(row)
+
+
 def add_quick(parser, argv=None, **quick_defaults) -> None:
     """Give a benchmark's parser --quick: a smoke test at its smallest size, in seconds. With
     --quick in argv, quick_defaults replace the parser's defaults (flags given still win);
