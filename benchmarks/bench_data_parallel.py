@@ -1,7 +1,7 @@
 """Data-parallel step time: the course's DDP against torch's DistributedDataParallel, and
 naive per-parameter all-reduce against bucketed DDP, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_data_parallel.py [--world-size 4] [--steps 6] [--rounds 9]
+    .venv/bin/python benchmarks/bench_data_parallel.py [--world-size 4] [--steps 6] [--rounds 9] [--quick]
 
 4 gloo ranks train the course GPT (d_model 256, 4 layers: about 3.2M parameters, 12.2 MiB of
 fp32 gradients per step) with the same data.
@@ -77,7 +77,8 @@ def main(argv=None):
     kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False)
     start = time.perf_counter()
     warm = TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False)
-    per_round = run_rounds(one_round, names, args.rounds, (config, cfg), (config, warm), **kw)
+    per_round = run_rounds(one_round, names, args.rounds, (config, cfg),
+                           None if args.quick else (config, warm), **kw)  # --quick: no warm-up call
     report("bench_data_parallel", per_round, RATIOS, save=not args.no_record)
     print(f"(measured in {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.1f})")
 

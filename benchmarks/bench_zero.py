@@ -1,7 +1,7 @@
 """ZeRO step time: the course's stage 3 against torch's FSDP2, stage 1 against torch's
 ZeroRedundancyOptimizer (under torch DDP), and stages 0-3 against each other, in one run.
 
-    .venv/bin/python benchmarks/bench_zero.py [--world-size 4] [--steps 6] [--rounds 5]
+    .venv/bin/python benchmarks/bench_zero.py [--world-size 4] [--steps 6] [--rounds 5] [--quick]
 
 4 gloo ranks train the course GPT (d_model 256, 4 layers: about 3.2M parameters) with AdamW on
 the same data. Method as bench_data_parallel.py: a step's time is the slowest rank's, a run's
@@ -72,7 +72,8 @@ def main(argv=None):
     kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False, backend="gloo")
     start = time.perf_counter()
     warm = TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False)
-    per_round = run_rounds(one_round, names, args.rounds, (config, cfg), (config, warm), **kw)
+    per_round = run_rounds(one_round, names, args.rounds, (config, cfg),
+                           None if args.quick else (config, warm), **kw)  # --quick: no warm-up call
     report("bench_zero", per_round, RATIOS, save=not args.no_record, started=start)
 
 
