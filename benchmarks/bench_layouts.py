@@ -1,6 +1,6 @@
 """Several layouts of one model on 8 ranks: step time and traffic per step, side by side.
 
-    .venv/bin/python benchmarks/bench_layouts.py [--steps 5] [--rounds 5]
+    .venv/bin/python benchmarks/bench_layouts.py [--steps 5] [--rounds 5] [--quick]
 
 8 gloo ranks train the same GPT (d_model 128, 4 layers, global batch 16 x 64 tokens) as pure
 DP, DP x TP, DP x PP, 3D (dp2 x tp2 x pp2) and 3D with ZeRO-1, through
@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
+from summary import add_quick, quick_mode  # noqa: E402
 
 from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
@@ -62,9 +63,11 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    add_quick(parser, argv, steps=WARMUP + 1, rounds=1)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1:
         parser.error(f"need --steps > {WARMUP} and --rounds >= 1")
+    quick_mode(args)
     config = GPTConfig.tiny(CharDataset("train").vocab_size, d_model=128, n_layer=4, n_head=4)
     cfg = TrainConfig(steps=args.steps, batch_size=16, progress=False)
     for dims in LAYOUTS.values():
@@ -82,7 +85,8 @@ def main(argv=None):
               + f"{fmt_bytes(sum(sums.values())):>12}")
     print("(bytes sent per step, summed over the 8 ranks)")
     warm = TrainConfig(steps=WARMUP + 1, batch_size=cfg.batch_size, progress=False)
-    per_round = run_rounds(one_round, list(LAYOUTS), args.rounds, (config, cfg), (config, warm), **kw)
+    per_round = run_rounds(one_round, list(LAYOUTS), args.rounds, (config, cfg),
+                           None if args.quick else (config, warm), **kw)  # --quick: no warm-up call
     report("bench_layouts", per_round, RATIOS, save=not args.no_record, started=start)
     print(f"(load average now {os.getloadavg()[0]:.1f})")
 

@@ -1,7 +1,7 @@
 """Pipeline step time: every course schedule against the course's GPipe, and the course's
 1F1B against torch.distributed.pipelining's Schedule1F1B on the same stages, in one run.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--world-size 4] [--microbatches 8] [--rounds 5]
+    .venv/bin/python benchmarks/bench_pipeline.py [--world-size 4] [--microbatches 8] [--rounds 5] [--quick]
 
 p = 4 gloo ranks train the course GPT (d_model 128, 8 blocks, 2 per stage) with m = 8
 micro-batches per step. Method as bench_data_parallel: a step's time is the slowest rank's,
@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
+from summary import add_quick, quick_mode  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
@@ -73,9 +74,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--action-ms", type=float, default=0.0)
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    add_quick(parser, argv, world_size=2, microbatches=4, micro_batch=1, steps=WARMUP + 1, rounds=1)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or args.action_ms < 0:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --world-size >= 2, --action-ms >= 0")
+    quick_mode(args)
     config = GPTConfig.tiny(CharDataset("train").vocab_size, d_model=128, n_layer=2 * args.world_size, n_head=4)
     m = args.microbatches
     cfg = TrainConfig(steps=args.steps, batch_size=m * args.micro_batch, progress=False)
@@ -94,7 +97,8 @@ def main(argv=None):
     kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False)
     start = time.perf_counter()
     warm = TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False)
-    per_round = run_rounds(one_round, names, args.rounds, (config, cfg, m, pad), (config, warm, m, pad), **kw)
+    per_round = run_rounds(one_round, names, args.rounds, (config, cfg, m, pad),
+                           None if args.quick else (config, warm, m, pad), **kw)  # --quick: no warm-up call
     report("bench_pipeline", per_round, RATIOS, save=not args.no_record, started=start)
 
 

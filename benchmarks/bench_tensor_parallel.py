@@ -1,7 +1,7 @@
 """Tensor-parallel step time: the course's Megatron layers against DTensor's parallelize_module
 on the same model and ranks, and sequence parallelism against none, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_tensor_parallel.py [--tp 2] [--steps 6] [--rounds 7]
+    .venv/bin/python benchmarks/bench_tensor_parallel.py [--tp 2] [--steps 6] [--rounds 7] [--quick]
 
 tp gloo ranks train the course GPT (d_model 256, 4 layers, 8 heads) on the same batches.
 The DTensor version splits the blocks exactly as the course does (2 all-reduces per layer and
@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
+from summary import add_quick, quick_mode  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
@@ -61,9 +62,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    add_quick(parser, argv, steps=WARMUP + 1, rounds=1, batch_size=1)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.tp not in (2, 4, 8) or args.batch_size < 1:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --tp in (2, 4, 8), --batch-size >= 1")
+    quick_mode(args)
 
     config = GPTConfig.tiny(CharDataset("train").vocab_size, d_model=256, n_layer=4, n_head=8)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, progress=False)
@@ -77,7 +80,8 @@ def main(argv=None):
     kw = dict(world_size=args.tp, timeout_s=600, check_collectives=False)
     start = time.perf_counter()
     warm = TrainConfig(steps=1, batch_size=args.batch_size, progress=False)
-    per_round = run_rounds(one_round, names, args.rounds, (config, cfg), (config, warm), **kw)
+    per_round = run_rounds(one_round, names, args.rounds, (config, cfg),
+                           None if args.quick else (config, warm), **kw)  # --quick: no warm-up call
     report("bench_tensor_parallel", per_round, RATIOS, save=not args.no_record, started=start)
 
 
