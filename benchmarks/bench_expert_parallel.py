@@ -1,7 +1,7 @@
 """Expert-parallel step time against the same MoE with every expert on every rank (data
 parallel only), and the all-to-all's share of the expert-parallel step, in one run.
 
-    .venv/bin/python benchmarks/bench_expert_parallel.py [--world-size 4] [--steps 5] [--rounds 5]
+    .venv/bin/python benchmarks/bench_expert_parallel.py [--world-size 4] [--steps 5] [--rounds 5] [--quick]
 
 4 gloo ranks train an MoE GPT (d_model 256, 2 layers, 8 experts, top-2, capacity factor 1.25)
 on the same data both ways; the two give the same parameters (tests/test_expert_parallel.py).
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import quartiles  # noqa: E402
-from summary import record  # noqa: E402  (benchmarks/ is not a package)
+from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402  (benchmarks/ is not a package)
 
 from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
@@ -67,9 +67,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    add_quick(parser, argv, world_size=2, steps=WARMUP + 1, rounds=1, micro_batch=1)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or 8 % args.world_size:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, and --world-size in (2, 4, 8) to divide 8 experts")
+    quick_mode(args)
 
     config = GPTConfig.tiny(CharDataset("train").vocab_size, d_model=256, n_layer=2, n_head=8,
                             n_experts=8, top_k=2, capacity_factor=1.25)
@@ -80,7 +82,8 @@ def main(argv=None):
           f"{config.n_experts} experts top-{config.top_k}: {n_params / 1e6:.2f}M params; "
           f"{args.micro_batch} x {config.block_size} tokens per rank per step; {args.rounds} rounds")
     kw = dict(world_size=args.world_size, timeout_s=600, check_collectives=False)
-    run_on_ranks(one_round, config, TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False), LAYOUTS, **kw)
+    if not args.quick:  # warm-up
+        run_on_ranks(one_round, config, TrainConfig(steps=1, batch_size=cfg.batch_size, progress=False), LAYOUTS, **kw)
     per_round = []
     start = time.perf_counter()
     for r in range(args.rounds):
@@ -105,7 +108,8 @@ def main(argv=None):
     for label, (values, target, better) in ratios.items():
         lo, mid, hi = quartiles(values)
         goal = "" if target is None else f"target <= {target:g}"
-        print(f"  {label:<50} {mid:6.3f}   ({lo:.3f}-{hi:.3f})  {goal}")
+        row = {"ratio": mid, "target": target, "better": better, "spread": [lo, hi]}
+        print(f"  {label:<50} {mid:6.3f}   ({lo:.3f}-{hi:.3f})  {goal:<14} {shown_verdict(row)}")
         if not args.no_record:
             record("bench_expert_parallel", label, mid, target=target, better=better, spread=(lo, hi))
     print(f"(measured in {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.1f})")
