@@ -1,6 +1,6 @@
 """Memory techniques on the course GPT: what they save, what they cost (single process, CPU).
 
-    .venv/bin/python benchmarks/bench_memory.py [--reps 7] [--threads 1]
+    .venv/bin/python benchmarks/bench_memory.py [--reps 7] [--threads 1] [--quick]
 
 1. Activation checkpointing every k blocks vs none: saved-activation bytes after forward and
    the backward peak (kept + one recomputed segment), against forward+backward time.
@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from summary import record  # noqa: E402  (benchmarks/ is not a package)
+from summary import add_quick, quick_mode, record  # noqa: E402  (benchmarks/ is not a package)
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
@@ -54,13 +54,15 @@ def make_batch():
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    add_quick(ap, argv, reps=1)
     args = ap.parse_args(argv)
     if args.reps < 1 or args.threads < 1:
         raise ValueError(f"--reps={args.reps} and --threads={args.threads} must be >= 1")
+    quick_mode(args)
     torch.set_num_threads(args.threads)
     x, y = make_batch()
     model = GPT(CFG)
