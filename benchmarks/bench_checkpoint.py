@@ -1,6 +1,6 @@
 """Checkpoint save and load: time and bytes against the size of the training state (2 gloo ranks, ZeRO-1).
 
-    .venv/bin/python benchmarks/bench_checkpoint.py [--reps 3] [--sizes 64 128 256]
+    .venv/bin/python benchmarks/bench_checkpoint.py [--reps 3] [--sizes 64 128 256] [--quick]
 
 For GPTs of growing width, on 2 ranks (every rank owns half of the flat parameters and of
 Adam's moments), side by side in one run:
@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from summary import record  # noqa: E402  (benchmarks/ is not a package)
+from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402  (benchmarks/ is not a package)
 
 from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
@@ -111,7 +111,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
+    add_quick(p, argv, reps=1, sizes=[64])
     args = p.parse_args(argv)
+    if args.reps < 1 or not args.sizes or any(d < 1 for d in args.sizes):
+        p.error(f"need --reps >= 1 and every --sizes >= 1 (got {args.reps}, {args.sizes})")
+    quick_mode(args)
     vocab = CharDataset("train", 64).vocab_size
     print(f"{'d_model':>7} {'state':>10} {'on disk':>10} {'sync save':>10} {'async wait':>10} {'load':>8} "
           f"{'load@1':>8} {'DCP save':>9} {'DCP load':>9} {'torch.save':>10}")
@@ -143,8 +148,11 @@ def main(argv=None):
     }
     print()
     for what, (ratio, target) in ratios.items():
-        print(f"{what:<52} {ratio:6.3f}" + (f"   target <= {target:g}" if target else ""))
-        record("bench_checkpoint", what, ratio, target=target)
+        row = {"ratio": ratio, "target": target, "better": "lower", "spread": None}
+        goal = f"target <= {target:g}" if target is not None else ""
+        print(f"{what:<52} {ratio:6.3f}   {goal:<14} {shown_verdict(row)}")
+        if not args.no_record:
+            record("bench_checkpoint", what, ratio, target=target)
 
 
 if __name__ == "__main__":
