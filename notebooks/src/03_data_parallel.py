@@ -123,7 +123,7 @@ for epoch, ranks in enumerate(per_epoch):
           f"{len(union):,} of {len(DATA):,} windows covered")
 for rank in range(N):
     same = len(set(per_epoch[0][rank]) & set(per_epoch[1][rank])) / len(per_epoch[0][rank])
-    assert same < 0.5
+    assert same < 0.5  # a fresh shuffle overlaps the last one by about 1/N (a count: no rounding involved)
     print(f"rank {rank}: {same:.1%} of its epoch-1 shard was also in its epoch-0 shard (chance: 1/{N})")
 
 # %%
@@ -182,7 +182,8 @@ print(inspect.getsource(naive_all_reduce_gradients))
 # <details><summary>Answer</summary>
 #
 # Equal up to float rounding: the same sums are added in another order (per shard, then over
-# ranks). The losses agree to about 1e-7; the parameters to a few 1e-6 after AdamW.
+# ranks). The losses agree to about 1e-7; most parameters to about 1e-6 after AdamW, a few
+# by more (see below).
 # </details>
 
 # %% tags=["nbval-ignore-output"]
@@ -191,15 +192,23 @@ ref = train_reference(CONFIG, TRAIN)
 ref_params = torch.cat([p.detach().reshape(-1) for p in ref.model.parameters()])
 ref_grads = torch.cat([p.grad.reshape(-1) for p in ref.model.parameters()])
 
+def rms(t):
+    """Root mean square: one outlying element of size x adds only x / sqrt(numel)."""
+    return t.pow(2).mean().sqrt().item()
+
 def compare(per_rank, label):
-    """Global loss per step and max differences to the reference; asserts the claim."""
+    """Global loss per step and differences to the reference; asserts the claim."""
     n = len(per_rank)
     losses = [sum(r.train_losses[s] for r in per_rank) / n for s in range(len(ref.train_losses))]
     d_loss = max(abs(a - b) for a, b in zip(losses, ref.train_losses))
-    d_param = (per_rank[0].final_params - ref_params).abs().max().item()
+    diff = per_rank[0].final_params - ref_params
     same = all(torch.equal(r.final_params, per_rank[0].final_params) for r in per_rank)
-    assert same and d_loss < 1e-5 and d_param < 2e-5, (label, d_loss, d_param)
-    return f"{label:<40} max|Δloss| {d_loss:.1e}   max|Δθ| {d_param:.1e}   replicas identical: {same}"
+    # Losses: means of fp32 sums taken in another order, ~1e-7 apart. Parameters: in RMS, against a
+    # hundredth of one AdamW step (lr): rounding in a gradient near zero can move a single parameter
+    # by up to ~lr (below), while a wrong gradient moves most of them by ~lr.
+    assert same and d_loss < 1e-5 and rms(diff) < TRAIN.lr / 100, (label, d_loss, rms(diff))
+    return (f"{label:<40} max|Δloss| {d_loss:.1e}   max|Δθ| {diff.abs().max().item():.1e}   "
+            f"RMS Δθ {rms(diff) / TRAIN.lr:.0e} lr   replicas identical: {same}")
 
 naive = run_data_parallel(2, CONFIG, TRAIN, "naive", **RANKS)
 print("reference losses:", [f"{x:.4f}" for x in ref.train_losses])
@@ -209,9 +218,14 @@ print("naive DP losses: ", [f"{(a + b) / 2:.4f}" for a, b in zip(naive[0].train_
 print(compare(naive, "naive DP, 2 ranks"))
 
 # %% [markdown]
-# The differences are at the level of float rounding (about `1e-7` for the loss; the
-# parameters differ by a few `1e-6` after AdamW, which divides by $\sqrt{v}$ and so magnifies
-# rounding in tiny gradients). The assert in the cell above is the claim.
+# The differences are at the level of float rounding: about `1e-7` for the loss. The parameters
+# agree as closely almost everywhere, but AdamW magnifies the rounding of gradients near zero:
+# its step $\text{lr}\cdot m/(\sqrt{v} + \varepsilon)$ has slope $\text{lr}/\varepsilon$ there
+# ($\varepsilon = 10^{-8}$), so a gradient of $10^{-8}$ that one run rounds differently from the
+# other moves its parameter by a visible amount, up to about lr in the worst case. That is why
+# the largest parameter difference is a few `1e-6` rather than `1e-7`, and why the assert in the
+# cell above compares the parameters in RMS, against a hundredth of one step (lr/100), not
+# element by element. (Notebook 04 works out the bound for one step.)
 #
 # ## 4. What naive DP costs: calls and bytes
 #
@@ -402,19 +416,21 @@ for n in (2, 4):
         results[(n, strategy, accum)] = runs[0]
         rows.append(compare(runs, f"{n} ranks {strategy:<5} accum={accum} {kw}"[:40]))
     for accum in (1, 2):
-        d = (results[(n, "ddp", accum)].final_params - results[(n, "torch", accum)].final_params).abs().max().item()
-        assert d < 2e-5
-        rows.append(f"{n} ranks: ours vs torch DDP, accum={accum}: max|Δθ| {d:.1e}")
+        diff = results[(n, "ddp", accum)].final_params - results[(n, "torch", accum)].final_params
+        # 2 ranks: x/2 + y/2 is exact in either order, so bit for bit; 4 ranks: sums of four in
+        # another order, then AdamW (RMS against lr/100, as in compare)
+        assert (diff == 0).all() if n == 2 else rms(diff) < TRAIN.lr / 100
+        rows.append(f"{n} ranks: ours vs torch DDP, accum={accum}: max|Δθ| {diff.abs().max().item():.1e}")
 
 # %% tags=["nbval-ignore-output"]
 print("\n".join(rows))
 
 # %% [markdown]
-# On 2 ranks ours and PyTorch's agree bit for bit (`0.0`): both pre-divide by `N` and sum two
-# numbers, which is exact in any order. On 4 ranks gloo adds four numbers per element, in an
-# order that depends on where the element sits in the buffer, so different bucket layouts
-# round differently: `1e-6`-level differences, the same size as between either and the
-# reference.
+# On 2 ranks ours and PyTorch's agree bit for bit (`0.0`, asserted): both pre-divide by `N`
+# (exact for a power of two) and add two numbers, and $a + b = b + a$ holds in floating point
+# too. On 4 ranks gloo adds four numbers per element, in an order that depends on where the
+# element sits in the buffer, so different bucket layouts round differently: differences of
+# the same size as between either and the reference.
 #
 # A parameter comparison alone can hide a bug: with clipping *and* AdamW — both blind to the
 # gradient's scale — a DDP that forgot to divide by `N` would still produce the right
@@ -721,6 +737,8 @@ for flag in (True, False):
     sent_total = ef[0][flag][0]
     held_back = ef[0][flag][1] + ef[1][flag][1]
     gap = (sent_total + held_back - truth).abs().max().item()
+    # with error feedback: the same 40 numbers of size ~1 summed in another order, so within ~40 fp32
+    # roundings (~1e-5); without it, whole gradients are missing (a gap of order 1)
     assert (gap < 1e-4) == flag
     print(f"error feedback={flag!s:>5}: max |sent + held back - sum of gradients| = {gap:.1e}" if flag else
           f"error feedback={flag!s:>5}: max |sent - sum of gradients| = {(sent_total - truth).abs().max().item():.2f}")
@@ -739,6 +757,8 @@ def loss_curves(config, cfg):
 curves = run_on_ranks(loss_curves, CONFIG, LONG, world_size=2, **RANKS, timeout_s=120)
 curves = {name: [(a + b) / 2 for a, b in zip(curves[0][name], curves[1][name])] for name in curves[0]}
 tail = {name: sum(c[-10:]) / 10 for name, c in curves.items()}
+# Training outcomes after 60 steps: rounding differences between CPUs move these means by ~0.01;
+# the effects asserted are 10 times larger (bf16's 2^-8 relative rounding of the gradient is ~0.001)
 assert abs(tail["bf16 all-reduce"] - tail["fp32 (no compression)"]) < 0.05  # bf16: indistinguishable
 assert tail["top-1%, no error feedback"] > tail["fp32 (no compression)"] + 0.1  # top-1%: slower
 assert tail["top-1% + error feedback"] > tail["top-1%, no error feedback"]  # EF does not help AdamW here
@@ -832,6 +852,7 @@ for (b, rule, w) in BATCH_RUNS:
 print(f"({time.perf_counter() - t0:.1f} s on 2 ranks)")
 best16 = min(final[(16, r, 0)] for r in ("linear", "sqrt"))
 best64 = min(v for (b, _, _), v in final.items() if b == 64)
+# Training outcomes: rounding differences between CPUs move these losses by ~0.02; each margin is 0.05-0.2
 assert best16 < final[(16, "none", 0)] - 0.05 and best16 < final[(4, "none", 0)] + 0.15  # scaling recovers batch 16
 assert best64 < final[(64, "none", 0)] - 0.2  # scaling matters at batch 64...
 assert final[(64, "linear", 0)] > final[(64, "linear", WARMUP)] + 0.2  # ...and linear needs warm-up
@@ -903,6 +924,7 @@ for name, est in (("at initialisation", at_init), ("after the batch-4 run", trai
 for b in (4, 16, 64):  # McCandlish et al.: examples needed E = E_min (1 + B / B_noise), with B_noise ~ B_simple
     print(f"batch {b:>2} = {b / trained.b_simple:4.2f} x B_simple: about {1 + b / trained.b_simple:.1f} x "
           f"the minimal number of training examples")
+# statistical estimates (1.4 and ~15 here), far from these bounds; rounding moves them by far less
 assert at_init.b_simple < 5 and trained.b_simple > 3 * at_init.b_simple
 assert 8 < trained.b_simple < 32
 
