@@ -9,6 +9,9 @@ course_lib.estimate.step_time and prints both side by side: the rank correlation
 
 The measurement is stored in course_lib/assets/planner_validation.json (notebook 10 reads it
 rather than spending minutes re-measuring): `python benchmarks/bench_planner.py --store`.
+`--quick` (2 steps, 1 round, QUICK_LAYOUTS only, the collective table at QUICK_PROBE_SIZES,
+nothing recorded or stored) is a smoke test of the same calls: every kind of run and every
+option train_as takes, in seconds.
 Calibration and layouts alternate over --rounds; a layout's time is the slowest rank's time of
 a step, the fastest of the steps after the first over all rounds, and the calibration keeps its
 highest rates and lowest times: on a shared machine every value at its least disturbed, as
@@ -26,7 +29,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from summary import record  # noqa: E402
+from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.estimate.calibrate import cluster_to_dict  # noqa: E402
@@ -58,6 +61,12 @@ LAYOUTS = [
     ("dp2 x tp2 x pp2 ZeRO-1 m2", Layout(dp=2, tp=2, pp=2, m=2, micro_batch=4, zero_stage=1),
      ("hybrid", {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "microbatches": 2})),
 ]
+# --quick: one layout per kind of run that still uses every option (accumulation, ZeRO stage,
+# sequence_parallel, schedule and m, a hybrid mesh with ZeRO and micro-batches)
+QUICK_LAYOUTS = ["DDP dp8, 2 micro-batches", "ZeRO-2 dp8, 2 micro-batches", "TP tp8", "1F1B pp8 m8",
+                 "dp2 x tp2 x pp2 ZeRO-1 m2"]
+QUICK_PROBE_SIZES = (4, 1 << 16, 1 << 20)  # bytes; the full run measures calibrate.TABLE_SIZES
+assert set(QUICK_LAYOUTS) <= {label for label, _, _ in LAYOUTS}, "QUICK_LAYOUTS names a layout not in LAYOUTS"
 
 
 def model_config() -> GPTConfig:
@@ -65,7 +74,7 @@ def model_config() -> GPTConfig:
     return GPTConfig(vocab_size=vocab, block_size=SEQ, n_layer=8, n_head=8, d_model=64)
 
 
-def _time_layouts(config, train_cfg, how_list, rounds):
+def _time_layouts(config, train_cfg, how_list, rounds, probe_sizes=None):
     """Rank code: `rounds` times, calibrate (probe) then run every layout in turn on the world.
     Returns (probes per round, per round and layout the step seconds)."""
     from course_lib.estimate.calibrate import probe
@@ -73,14 +82,15 @@ def _time_layouts(config, train_cfg, how_list, rounds):
 
     probes, times = [], []
     for _ in range(rounds):
-        probes.append(probe(config, 2, config.block_size))
+        probes.append(probe(config, 2, config.block_size, probe_sizes))
         times.append([train_as(how, config, train_cfg).step_seconds for how in how_list])
     return probes, times
 
 
-def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600):
+def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600, layouts=LAYOUTS, probe_sizes=None):
     """(Cluster, raw calibration, runs): runs = [{"label", "layout", "step_seconds" (per round, the
-    slowest rank per step), "measured"}] for LAYOUTS. Calibration and layouts alternate over
+    slowest rank per step), "measured"}] for `layouts` (default LAYOUTS). Calibration (its
+    collective table at probe_sizes, default calibrate.TABLE_SIZES) and layouts alternate over
     `rounds`, and each quantity keeps its least disturbed value: the calibration's highest
     rates and lowest times (best_of_rounds), each layout's fastest step after the first."""
     from course_lib.estimate.calibrate import best_of_rounds, cluster_from_probes
@@ -88,27 +98,35 @@ def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600):
 
     train_cfg = TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0)
     # check_collectives=False: its extra check before every collective would be timed too
-    per_rank = run_on_ranks(_time_layouts, config, train_cfg, [how for _, _, how in LAYOUTS], rounds,
+    per_rank = run_on_ranks(_time_layouts, config, train_cfg, [how for _, _, how in layouts], rounds, probe_sizes,
                             world_size=WORLD, timeout_s=timeout_s, check_collectives=False)
     cluster, raw = cluster_from_probes([best_of_rounds(probes) for probes, _ in per_rank], config, 2, SEQ)
     runs = []
-    for i, (label, lay, _) in enumerate(LAYOUTS):
+    for i, (label, lay, _) in enumerate(layouts):
         slowest = [[max(times[k][i][s] for _, times in per_rank) for s in range(steps)] for k in range(rounds)]
         runs.append({"label": label, "layout": dataclasses.asdict(lay), "step_seconds": slowest,
                      "measured": min(t for per_round in slowest for t in per_round[1:])})
     return cluster, raw, runs
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--store", action="store_true", help=f"write {DEFAULT_PATH.name} for notebook 10")
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_PATH, help="where --store writes")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    args = parser.parse_args()
+    add_quick(parser, argv, steps=2, rounds=1)
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.rounds < 1:
+        parser.error("need --steps >= 2 (the first step of a layout is not timed) and --rounds >= 1")
+    if args.quick and args.store:
+        parser.error("--quick measures nothing worth storing: leave out --store")
+    quick_mode(args)
     config = model_config()
-    cluster, raw, runs = measure(config, args.steps, args.rounds)
+    layouts = [lay for lay in LAYOUTS if lay[0] in QUICK_LAYOUTS] if args.quick else LAYOUTS
+    cluster, raw, runs = measure(config, args.steps, args.rounds, layouts=layouts,
+                                 probe_sizes=QUICK_PROBE_SIZES if args.quick else None)
     result = compare(config, cluster, runs, SEQ, "fp32")
     print(f"calibrated: {cluster.achievable_flops / 1e9:.3g} GFLOP/s per rank, "
           f"{cluster.layer_overhead * 1e3:.3g} ms per layer and micro-batch, "
@@ -119,12 +137,15 @@ def main():
         print(f"{r['label']:<28}{r['measured'] * 1e3:12.1f}{r['predicted'] * 1e3:14.1f}{r['error']:8.0%}")
     print(f"rank correlation {result['spearman']:.2f}, median |error| {result['median_error']:.0%}, "
           f"planner's pick {result['pick']!r}: {result['pick_over_best']:.2f} x the fastest measured")
-    if not args.no_record:
-        record("bench_planner", "rank correlation, predicted vs measured step time", result["spearman"],
-               target=0.9, better="higher")
-        record("bench_planner", "planner's pick / fastest measured step time", result["pick_over_best"],
-               target=1.10, better="lower")
-        record("bench_planner", "median |predicted - measured| / measured", result["median_error"])
+    ratios = [("rank correlation, predicted vs measured step time", result["spearman"], 0.9, "higher"),
+              ("planner's pick / fastest measured step time", result["pick_over_best"], 1.10, "lower"),
+              ("median |predicted - measured| / measured", result["median_error"], None, "lower")]
+    for what, ratio, target, better in ratios:
+        goal = "" if target is None else f"target {'<=' if better == 'lower' else '>='} {target:g}"
+        print(f"  {what:<52} {ratio:6.3f}   {goal:<14} "
+              f"{shown_verdict({'ratio': ratio, 'target': target, 'better': better, 'spread': None})}")
+        if not args.no_record:
+            record("bench_planner", what, ratio, target=target, better=better)
     if args.store:
         load = os.getloadavg()
         data = {"config": dataclasses.asdict(config), "batch": BATCH, "seq": SEQ, "world_size": WORLD,
