@@ -1,6 +1,6 @@
 """Several layouts of one model on 8 ranks: step time and traffic per step, side by side.
 
-    .venv/bin/python benchmarks/bench_layouts.py [--steps 5] [--rounds 5] [--quick]
+    .venv/bin/python benchmarks/bench_layouts.py [--steps 5] [--rounds 5] [--batch-size 16] [--quick]
 
 8 gloo ranks train the same GPT (d_model 128, 4 layers, global batch 16 x 64 tokens) as pure
 DP, DP x TP, DP x PP, 3D (dp2 x tp2 x pp2) and 3D with ZeRO-1, through
@@ -62,16 +62,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, steps=WARMUP + 1, rounds=1)
+    add_quick(parser, argv, steps=WARMUP + 1, rounds=1, batch_size=8)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1:
         parser.error(f"need --steps > {WARMUP} and --rounds >= 1")
     quick_mode(args)
     config = GPTConfig.tiny(CharDataset("train").vocab_size, d_model=128, n_layer=4, n_head=4)
-    cfg = TrainConfig(steps=args.steps, batch_size=16, progress=False)
-    for dims in LAYOUTS.values():
-        dims.check(8, config, cfg.batch_size)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, progress=False)
+    try:
+        for dims in LAYOUTS.values():
+            dims.check(8, config, cfg.batch_size)
+    except ValueError as err:
+        parser.error(str(err))
     print(f"8 gloo ranks on {os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f}), torch "
           f"{torch.__version__}; GPT d_model {config.d_model}, {config.n_layer} layers, batch {cfg.batch_size} x "
           f"{config.block_size} tokens; {args.rounds} rounds of {args.steps} steps")
