@@ -81,7 +81,10 @@ X, A = torch.randn(4, 6), torch.randn(6, 8)
 Y = X @ A
 by_columns = torch.cat([X @ A[:, :4], X @ A[:, 4:]], dim=1)  # rank 0 | rank 1, side by side
 by_rows = X[:, :3] @ A[:3] + X[:, 3:] @ A[3:]                 # rank 0 + rank 1, summed
-assert torch.allclose(by_columns, Y, atol=1e-6) and torch.allclose(by_rows, Y, atol=1e-6)
+# Each entry is a sum of 6 products, here added in another order: each order is within 6ε·Σ|x·a| of
+# the exact value (fp32 ε = 1.2e-7; notebook 02's bound), so the two within twice that
+tol = 2 * 6 * torch.finfo(torch.float32).eps * (X.abs() @ A.abs())
+assert ((by_columns - Y).abs() <= tol).all() and ((by_rows - Y).abs() <= tol).all()
 print("column split: concatenate the slices;  row split: add the partial sums;  both give X @ A")
 
 # %% [markdown]
@@ -134,7 +137,9 @@ def mlp_on_ranks():
         out = row(F.gelu(col(xr)))
     with CommTracer() as backward:
         out.sum().backward()
-    assert torch.allclose(out, reference, atol=1e-6) and torch.allclose(xr.grad, x.grad, atol=1e-6)
+    # fp32 sums of up to 32 products, split in two partial sums plus the all-reduce: another order of the
+    # same additions (~1e-7 apart here; the worst case 32ε·Σ|h·w| is a few 1e-6)
+    assert torch.allclose(out, reference, rtol=1e-5, atol=1e-5) and torch.allclose(xr.grad, x.grad, rtol=1e-5, atol=1e-5)
     return (tuple(col.weight.shape), tuple(row.weight.shape), forward.summary(), backward.summary())
 
 for rank, (cw, rw, fwd, bwd) in enumerate(run_on_ranks(mlp_on_ranks, world_size=2, **RANKS)):
@@ -190,6 +195,7 @@ for name, shape in res[0][2].items():
 single, tp_loss, _ = res[0]
 bad = run_on_ranks(loss_vs_single_process, True, world_size=2, **RANKS)[0][1]
 print(f"loss: single process {single:.4f}, heads split {tp_loss:.4f}, contiguous qkv split {bad:.4f}")
+# the right split: the same loss up to fp32 summation order (~1e-7 here); the wrong one mixes heads (~6e-3 off)
 assert abs(tp_loss - single) < 1e-5 and abs(bad - single) > 1e-3
 
 # %% [markdown]
@@ -233,6 +239,7 @@ gather_bytes = 4 * CONFIG.block_size * 98 * 4  # every rank receiving the (4, 64
 for rank, (shape, dloss, dlogits, ar) in enumerate(run_on_ranks(vocabulary_parallel, world_size=2, **RANKS)):
     print(f"rank {rank}: local logits {shape}; the loss: {ar['calls']} all-reduces of {ar['bytes_sent']:,} bytes "
           f"in all (an all-gather of the logits: {gather_bytes:,} bytes)")
+    # fp32: the same sums in another order (a loss of ~4.6 and logits of ~1, ~1e-7 apart here)
     assert abs(dloss) < 1e-5 and dlogits < 1e-5 and ar["calls"] == 3
 
 # %% [markdown]
@@ -269,11 +276,14 @@ print(f"{'':<14}" + "".join(f"{'step ' + str(s + 1):>9}" for s in range(TRAIN.st
 print(f"{'1 process':<14}" + "".join(f"{v:>9.3f}" for v in reference.train_losses))
 for name, per_rank in runs.items():
     print(f"{name:<14}" + "".join(f"{v:>9.3f}" for v in per_rank[0].train_losses))
-    for out in per_rank:  # every rank, every step: the single-process loss
+    for out in per_rank:  # every rank, every step: the single-process loss, up to fp32 summation order
         assert max(abs(a - b) for a, b in zip(out.train_losses, reference.train_losses)) < 1e-5
 for name in ("tp=2", "tp=2 + SP"):  # the gathered parameters after 5 AdamW steps
-    assert torch.allclose(runs[name][0].final_params, flat_params(reference.model), atol=3e-4)
-print("losses equal on every rank and to the single process; gathered parameters equal too")
+    diff = runs[name][0].final_params - flat_params(reference.model)
+    # in RMS, against a hundredth of one AdamW step (lr): AdamW magnifies the rounding of gradients near zero,
+    # which can move a single parameter by up to ~lr (notebooks 03 and 04); a wrong gradient moves most of them
+    assert diff.pow(2).mean().sqrt() < TRAIN.lr / 100
+print("losses equal on every rank and to the single process; gathered parameters equal up to rounding")
 
 # %% [markdown]
 # ## 6. Communication, counted
