@@ -67,7 +67,8 @@ def verdict(row: dict) -> str:
 
 def shown_verdict(row: dict) -> str:
     """What a benchmark prints beside a ratio: its verdict, or nothing judged in a --quick run."""
-    return "(quick: not judged)" if _dry_run else verdict(row)
+    judged = verdict(row)  # computed either way: a --quick run exercises it too
+    return "(quick: not judged)" if _dry_run else judged
 
 
 def add_quick(parser, argv=None, **quick_defaults) -> None:
