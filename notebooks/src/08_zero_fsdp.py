@@ -159,17 +159,25 @@ print("step  single process   " + "   ".join(f"stage {s}" for s in range(4)))
 for i, ref in enumerate(reference.train_losses):
     means = [sum(r[s].train_losses[i] for r in runs) / N for s in range(4)]
     print(f"{i + 1:>4} {ref:>15.6f} " + " ".join(f"{m:>9.6f}" for m in means))
-for s in range(4):
+def same_training(a, b):
+    """Parameters in RMS against a hundredth of one AdamW step (lr): AdamW magnifies the rounding of
+    gradients near zero and can move a single parameter by up to ~lr (notebook 04). The last step's
+    gradients are taken at those parameters: in norm, to 1e-4 of their size."""
+    rms = (a.final_params - b.final_params).pow(2).mean().sqrt()
+    return rms < TRAIN.lr / 100 and (a.final_grads - b.final_grads).norm() < 1e-4 * b.final_grads.norm()
+
+for s in range(4):  # losses: fp32 sums in another order, ~1e-7 apart
     assert max(abs(sum(r[s].train_losses[i] for r in runs) / N - ref)
                for i, ref in enumerate(reference.train_losses)) < 1e-5
-    assert torch.allclose(runs[0][s].final_params, reference.final_params, atol=1e-4)
-    assert torch.allclose(runs[0][s].final_grads, reference.final_grads, rtol=1e-3, atol=1e-5)
+    assert same_training(runs[0][s], reference)
 print("every stage: parameters and gradients equal the single process's after", TRAIN.steps, "steps")
 
 # %% [markdown]
-# The parameters agree to about 1e-5 and the gradients too. Comparing gradients matters: Adam
-# divides by $\sqrt{v}$, so a gradient wrongly averaged twice (divided by $N^2$) gives almost
-# the same parameters; the gradient check catches it.
+# The losses agree to rounding, the gradients too (in norm), and the parameters in RMS: AdamW
+# magnifies the rounding of gradients near zero, so single parameters may differ by more
+# (notebook 04). Comparing gradients matters: Adam divides by $\sqrt{v}$, so a gradient wrongly
+# averaged twice (divided by $N^2$) gives almost the same parameters; the gradient check
+# catches it.
 #
 # ## 4. Measured memory against the formula
 #
@@ -318,6 +326,7 @@ for s in range(4):
     calls = ", ".join(f"{op} x{v['calls']}" for op, v in comm[s].items())
     print(f"stage {s}: {ring_bytes(comm[s], N):>10,.0f} bytes on the ring = {ring_bytes(comm[s], N) / ddp:.3f} x DDP"
           f"   ({calls})")
+# byte counts: stages 1 and 2 differ from DDP only by a few padding elements; stage 3 is about 1.45 x (below)
 assert abs(ring_bytes(comm[1], N) / ddp - 1) < 1e-3 and abs(ring_bytes(comm[2], N) / ddp - 1) < 1e-3
 assert 1.4 < ring_bytes(comm[3], N) / ddp < 1.5
 
@@ -342,7 +351,7 @@ both = run_on_ranks(ours_and_torch, CONFIG, TRAIN, world_size=2, **RANKS)[0]
 for ours, theirs in (("course stage 1", "ZeroRedundancyOptimizer"), ("course stage 3", "FSDP2")):
     diff = (both[ours].final_params - both[theirs].final_params).abs().max().item()
     print(f"{ours} vs {theirs}: largest parameter difference {diff:.1e}")
-    assert diff < 1e-4 and torch.allclose(both[ours].final_grads, both[theirs].final_grads, rtol=1e-3, atol=1e-5)
+    assert same_training(both[ours], both[theirs])  # as in section 3
 print("course stage 3 per step:", {op: v["calls"] // TRAIN.steps for op, v in both["course stage 3"].comm_summary.items()})
 print("FSDP2 per step:         ", {op: v["calls"] // TRAIN.steps for op, v in both["FSDP2"].comm_summary.items()})
 
