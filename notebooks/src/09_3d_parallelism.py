@@ -141,15 +141,18 @@ for step, (a, b) in enumerate(zip(results[0].train_losses, reference.train_losse
     print(f"step {step}: 3D loss {a:.6f}   single process {b:.6f}   global grad norm "
           f"{results[0].grad_norms[step]:.6f} vs {reference.grad_norms[step]:.6f}")
 params = merged_params(results)
-worst = max((params[n] - p).abs().max().item() for n, p in reference.named_params.items())
-print(f"largest parameter difference after {TRAIN.steps} steps: {worst:.1e}")
+diff = torch.cat([(params[n] - p).flatten() for n, p in reference.named_params.items()])
+print(f"largest parameter difference after {TRAIN.steps} steps: {diff.abs().max():.1e}")
 
 # %% tags=["nbval-ignore-output"]
 assert all(r.train_losses == results[0].train_losses for r in results)  # the loss reported once
+# losses and global norms: fp32 sums in another order (~1e-7 relative here)
 torch.testing.assert_close(torch.tensor(results[0].train_losses), torch.tensor(reference.train_losses),
                            rtol=1e-5, atol=1e-6)
 torch.testing.assert_close(torch.tensor(results[0].grad_norms), torch.tensor(reference.grad_norms), rtol=1e-5, atol=0)
-assert worst < 1e-4 and min(reference.grad_norms) > TRAIN.grad_clip
+# parameters: in RMS, against a hundredth of one AdamW step (lr): AdamW magnifies the rounding of gradients
+# near zero and can move a single parameter by up to ~lr (notebook 04); a wrong gradient moves most of them
+assert diff.pow(2).mean().sqrt() < TRAIN.lr / 100 and min(reference.grad_norms) > TRAIN.grad_clip
 
 # %% [markdown]
 # **One global norm.** Each strategy had its own clip; composed, a rank holds pieces of
@@ -214,7 +217,7 @@ meas_4d, model_4d = traffic_table(results_moe, DIMS_4D, MOE)
 
 # %% tags=["nbval-ignore-output"]
 torch.testing.assert_close(torch.tensor(results_moe[0].train_losses), torch.tensor(reference_moe.train_losses),
-                           rtol=1e-5, atol=1e-6)
+                           rtol=1e-5, atol=1e-6)  # fp32 sums in another order
 assert meas_4d["ep"] == TRAIN.steps * model_4d["ep"]["bytes_sent"]
 
 # %% [markdown]
