@@ -176,7 +176,6 @@ print(f"achievable {cluster2.achievable_flops / 1e9:.2f} GFLOP/s per rank "
       f"(bare matmul at the MLP's shape: {max(raw2['matmul_flops_per_rank']) / 1e9:.2f}), "
       f"{cluster2.layer_overhead * 1e3:.2f} ms per layer and micro-batch, "
       f"{cluster2.tensor_overhead * 1e6:.0f} us per optimizer tensor")
-assert cluster2.achievable_flops > 0 and cluster2.layer_overhead > 0
 
 # %% [markdown]
 # Why a table instead of one $\alpha$ and $\beta$? On a real network the measured times follow
@@ -203,14 +202,13 @@ at = dict(zip(sizes, seconds))
 growth = at[1 << 20] / at[1 << 12]
 print(f"8 ranks: 1 MiB takes {growth:.1f} x the time of 4 KiB (256 x the bytes); "
       f"the line misses a measured point by up to {worst:.0%}")
-assert growth < 2  # "nearly flat", below
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# Not steadily: from 4 KiB to 1 MiB the 8-rank curve stays nearly flat (the ratio printed
-# above, for 256 times the bytes), where the line keeps rising; the line misses some measured
-# points by the percentage printed. So the model reads the table: between two measured sizes it uses the straight line
+# Not steadily, on a machine like this one: compare the ratio printed above with the 256 times
+# more bytes. Where the measured curve stays nearly flat over such a range, the line, which
+# keeps rising, misses measured points (by the percentage printed). So the model reads the table: between two measured sizes it uses the straight line
 # through them, which is again $T = \alpha_i + S/\beta_i$, one $(\alpha, \beta)$ pair per size
 # range, much as NCCL keeps one latency and bandwidth per protocol and picks by size
 # (`course_lib.comm.measured.CollectiveTable`). On GPUs, `calibrate` with NCCL measures the
@@ -240,9 +238,9 @@ for r in result["rows"]:
     print(f"{r['label']:<30}{r['measured'] * 1e3:12.1f}{r['predicted'] * 1e3:13.1f}{r['error']:8.0%}   {biggest}")
 print(f"rank correlation {result['spearman']:.2f}, median |error| {result['median_error']:.0%}; "
       f"the pick ({result['pick']}) runs {result['pick_over_best']:.2f} x the fastest measured")
-slowest = max(result["rows"], key=lambda r: r["measured"])
-assert result["spearman"] >= 0.9 and result["pick_over_best"] <= 1.1  # what the answer below says
-assert slowest["label"] == max(result["rows"], key=lambda r: r["predicted"])["label"] == "TP tp8"
+# measured times and what the model fitted to them: printed, not asserted (they change with every measurement)
+print(f"slowest layout measured: {max(result['rows'], key=lambda r: r['measured'])['label']}; "
+      f"predicted: {max(result['rows'], key=lambda r: r['predicted'])['label']}")
 fig, ax = plt.subplots(figsize=(7, 4.5))
 plot_predicted_vs_measured(ax, result)
 plt.show()
@@ -266,17 +264,17 @@ print(f"{'(nothing: the full model)':<38}{result['spearman']:11.2f}{result['medi
 for name, change in without.items():
     r = compare(data["config"], replace(calibrated, **change), data["runs"], data["seq"], "fp32")
     print(f"{name:<38}{r['spearman']:11.2f}{r['median_error']:16.0%}{r['pick_over_best']:13.2f}")
-    assert r["spearman"] < result["spearman"] or r["median_error"] > result["median_error"]
 
 # %% [markdown]
 # <details><summary>Answer, and what it took</summary>
 #
-# Yes, closely: the rank correlation printed above is at least 0.9, the layout the model
-# picks runs within 10% of the fastest measured, and tensor parallelism over all 8 ranks is
-# the slowest, predicted and measured. Individual errors remain (the median is printed), and
-# two runs of the benchmark differ by tens of percent on some layouts, as the machine is
-# shared. The table above shows what it took: take out any ingredient and the ordering or the
-# errors get worse; take out all three and the model is the textbook one, with FLOPs, one
+# Read it off the printout, which is measured and so changes from one measurement to the
+# next: the rank correlation (1 is the measured order exactly, 0 no relation), how the layout
+# the model picks compares with the fastest measured (1.00 would be the fastest itself), and
+# the slowest layout, predicted and measured. Individual errors remain (the median is
+# printed), and two runs of the benchmark differ by tens of percent on some layouts, as the
+# machine is shared. The table above shows what it took: compare each row with the full
+# model's; take out all three ingredients and the model is the textbook one, with FLOPs, one
 # $\alpha$-$\beta$ line and a full bubble. Each is something this machine charges for:
 #
 # * **fixed costs**: a tiny layer costs about as much to launch as to compute, so splitting it
