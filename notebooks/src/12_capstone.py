@@ -126,6 +126,8 @@ print(f"largest |difference| {run.max_difference:.1e} (tolerance {config.toleran
 fp32_single = train_single(config.model, config.train, "fp32", config.activation_checkpointing).train_losses
 drift = max(abs(a - b) for a, b in zip(run.single_losses, fp32_single))
 print(f"for scale: bf16 against fp32, both in one process: {drift:.1e}")
+# run.equal: every loss within config.tolerance = 1e-2 of the single process's. bf16 keeps 8 significant
+# bits (2^-8 ≈ 4e-3 relative per rounding) and the layouts round in different places: ~1e-3 here
 assert run.equal and run.max_difference > 0
 
 # %% [markdown]
@@ -151,7 +153,7 @@ raw["train"]["precision"] = "fp32"  # the same run, recomputation included, in f
 fp32_config = config_from_dict(raw)
 fp32_run = run_capstone(fp32_config, tempfile.mkdtemp(prefix="capstone-fp32-"), timeout_s=240)
 print(f"fp32 + recomputation, saved at 8 ranks, resumed at 4: largest |difference| {fp32_run.max_difference:.1e}")
-assert fp32_run.max_difference < 1e-4
+assert fp32_run.max_difference < 1e-4  # fp32: only the order of sums differs (~1e-6); fp32_config.tolerance
 
 # %% [markdown]
 # Recomputation changes nothing in the numbers: `torch.utils.checkpoint` replays the same
@@ -231,7 +233,7 @@ print(report_text(run, cluster))
 k = compare(run, cluster)
 per_rank = k["memory_measured"]
 print("activations:     ", " ".join(fmt_bytes(m["activations"]) for m in per_rank))
-assert k["measured_s"] > 0 and all(m["state"] == m["state_estimated"] for m in per_rank)
+assert all(m["state"] == m["state_estimated"] for m in per_rank)  # bytes: exact (times are only printed)
 
 # %% [markdown]
 # How to read the gaps:
