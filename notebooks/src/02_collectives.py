@@ -76,15 +76,24 @@ NUMEL = 840  # = lcm(1..8): every world size used below divides it, so byte coun
 # </details>
 
 # %%
+def sum_tolerance(x):
+    """Rank code: how far two all-reduces of x, adding in different orders, may differ. Any order
+    of N additions is within (N-1)·ε·Σ|x_r| of the exact sum (section 4), so two orders are
+    within twice that; exact (0) for integers."""
+    bound = x.abs().double()
+    dist.all_reduce(bound)  # Σ over the ranks of |x_r|, element by element
+    eps = torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 0
+    return 2 * (dist.get_world_size() - 1) * eps * bound
+
 def traced_all_reduce(algorithm, numel=NUMEL):
     """Rank code: run one course all-reduce on a random float32 tensor, check it against
     the built-in, and return this rank's traced summary."""
     x = torch.randn(numel)
-    expected = x.clone()
+    expected, tol = x.clone(), sum_tolerance(x)
     dist.all_reduce(expected)
     with CommTracer() as tracer:
         comm.ALL_REDUCE_ALGORITHMS[algorithm](x)
-    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+    assert ((x.double() - expected.double()).abs() <= tol).all()  # equal up to the order of the additions
     return tracer.summary()
 
 def totals(per_rank, field):
@@ -183,15 +192,12 @@ for n in (4, 5):
 # %%
 def check_dtypes(sizes=(3, 11, 40)):
     """Rank code: every course all-reduce vs dist.all_reduce for several dtypes and sizes."""
-    n, rows = dist.get_world_size(), []
+    rows = []
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
         for numel in sizes:
             x = (torch.randint(-100, 100, (numel,)) if dtype == torch.int64 else torch.randn(numel)).to(dtype)
-            expected = x.clone()
+            expected, tol = x.clone(), sum_tolerance(x)
             dist.all_reduce(expected)
-            bound = x.abs().double()
-            dist.all_reduce(bound)
-            tol = 2 * (n - 1) * (torch.finfo(dtype).eps if dtype.is_floating_point else 0) * bound
             for name, fn in comm.ALL_REDUCE_ALGORITHMS.items():
                 y = fn(x.clone())
                 ok = bool(((y.double() - expected.double()).abs() <= tol).all())
@@ -294,11 +300,11 @@ assert sent == [3 * S, 3 * S, 2 * S, 2 * S, S, S]  # log2(4) = 2 rounds, + S for
 def halving_doubling_messages(numel=NUMEL):
     """Rank code: the size of every message Rabenseifner's all-reduce sends, in order."""
     x = torch.randn(numel)
-    expected = x.clone()
+    expected, tol = x.clone(), sum_tolerance(x)
     dist.all_reduce(expected)
     with CommTracer() as tracer:
         comm.rabenseifner_all_reduce(x)
-    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+    assert ((x.double() - expected.double()).abs() <= tol).all()  # equal up to the order of the additions
     return [record.bytes_sent for record in tracer.records if record.op == "isend"]
 
 messages = run_on_ranks(halving_doubling_messages, world_size=8)
@@ -457,7 +463,7 @@ for size, t in zip(SIZES_PP, one_way):
 print("sizes more than 2x off the fit:", [fmt_bytes(s) for s in off] or "none")
 
 # %%
-assert link.alpha >= 0 and link.beta > 0  # fit_alpha_beta raises if the data make no sense
+# (fit_alpha_beta raises if the data make no sense: times that do not grow with size)
 fig, ax = plt.subplots(figsize=(6, 3.5))
 xs = [2**k for k in range(3, 25)]
 ax.loglog(SIZES_PP, [t * 1e6 for t in one_way], "o", label="ping-pong (one way)")
@@ -514,12 +520,6 @@ ax.set_title("4 ranks on this machine: α-β model (lines) vs measurement (marke
 ax.legend(fontsize=7, ncol=2)
 ax.grid(alpha=0.3, which="both")
 plt.show()
-# Loose sanity only (timings on a shared machine are noisy): every algorithm takes longer on
-# 16 MiB than on 4 KiB, and at 16 MiB the model is within about an order of magnitude.
-for name in TIMED:
-    assert timed[name, SIZES[-1]] > timed[name, SIZES[0]], name
-ratio = timed["ring", SIZES[-1]] / costmodel.predict_time("ring", SIZES[-1], 4, link)
-assert 0.1 < ratio < 30, ratio
 
 # %% [markdown]
 # How to read it (your numbers vary with the machine and its load; the stored run had 4
