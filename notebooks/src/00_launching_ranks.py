@@ -103,7 +103,6 @@ for _ in range(10):
     run_on_ranks(whoami, world_size=4)
 again = (time.perf_counter() - t0) / 10
 print(f"first call on 4 ranks: {first:.2f} s;  each later call: {again * 1e3:.0f} ms")
-assert again < first  # the pool is warm
 
 # %% [markdown]
 # ## 2. Hello, all-reduce
@@ -192,16 +191,22 @@ def unequal_work_then_reduce():
 events = run_on_ranks(unequal_work_then_reduce, world_size=4, check_collectives=False)
 plot_gantt(events, title="all-reduce waits for the slowest rank")
 plt.show()
-(_, start0, end0, _), (_, c_start, c_end, _) = events[0]          # rank 0: compute, all_reduce
 slowest_compute_end = max(ev[0][2] for ev in events)
-assert all(ev[1][2] >= slowest_compute_end for ev in events)     # no rank finishes before rank 3 joins
-assert c_end - c_start > 0.5 * (slowest_compute_end - end0)     # rank 0 mostly waits in its all-reduce
+# Causality, not timing (one system-wide clock): no rank's all-reduce ends before rank 3 has joined it
+assert all(ev[1][2] >= slowest_compute_end for ev in events)
+
+# %% tags=["nbval-ignore-output"]
+(_, start0, end0, _), (_, c_start, c_end, _) = events[0]  # rank 0: compute, all_reduce
+print(f"rank 0: all-reduce bar {(c_end - c_start) * 1e3:.0f} ms, of which {(slowest_compute_end - c_start) * 1e3:.0f} ms "
+      f"before rank 3 joined; rank 3's bar: {(events[3][1][2] - events[3][1][1]) * 1e3:.0f} ms")
 
 # %% [markdown]
-# Rank 0's red bar is the longest: it reached the all-reduce first and spent most of the bar
-# *waiting* for rank 3; rank 3's bar is short. All four bars end together. That is the first
-# lesson about synchronous training: the step runs at the pace of the slowest rank, and
-# every faster rank idles for the difference.
+# Rank 0 reached the all-reduce first, and its red bar cannot end before rank 3 has joined
+# (the first cell asserts this for every rank): rank 0 spends the difference in work, about
+# 120 ms, *waiting* (the cell above prints this run's times); rank 3's bar is short, and the
+# four bars end at about the same moment. That is the first lesson about synchronous
+# training: the step runs at the pace of the slowest rank, and every faster rank idles for
+# the difference.
 #
 # ## 3. When a rank fails, or gets stuck
 #
@@ -369,6 +374,8 @@ first, last = result.val_losses[0][1], result.val_losses[-1][1]
 print(f"trained in {result.seconds:.1f} s")
 print(f"validation loss: {first:.2f} at step 0 (ln {config.vocab_size} = {math.log(config.vocab_size):.2f}) "
       f"-> {last:.2f} at step {result.val_losses[-1][0]}")
+# model properties, not rounding: a fresh model is near uniform (4.41 against ln 97 = 4.57 here) and 200
+# steps more than halve the loss (2.15 here); fp32 rounding moves these by ~1e-6
 assert abs(first - math.log(config.vocab_size)) < 0.3 and last < 0.6 * first
 
 # %%
