@@ -93,10 +93,15 @@ def both(config, cfg):
 for world_size in (2, 4):
     res = run_on_ranks(both, CONFIG, TRAIN, world_size=world_size, backend="gloo", timeout_s=60)
     mine, theirs = res[0]
-    check_close(f"{world_size} ranks: last averaged gradients = torch DDP's", mine.final_grads, theirs.final_grads,
-                rtol=1e-4, atol=1e-6)
-    check_close(f"{world_size} ranks: parameters after {TRAIN.steps} steps = torch DDP's", mine.final_params,
-                theirs.final_params, rtol=1e-4, atol=1e-5)
+    # Compared in norm, not element by element: on 4 ranks gloo adds in an order set by the bucket layout, and
+    # AdamW magnifies that rounding where a gradient is near zero (notebook 04), up to ~lr for a single
+    # parameter. So: the last gradients to 1e-4 of their norm (a DDP that forgets to divide by N is off by
+    # N - 1), the parameters in RMS to a hundredth of one AdamW step (a wrong gradient moves most by ~lr).
+    check_close(f"{world_size} ranks: last averaged gradients = torch DDP's (|difference| / |gradient|)",
+                ((mine.final_grads - theirs.final_grads).norm() / theirs.final_grads.norm()).item(), 0.0,
+                rtol=0, atol=1e-4)
+    check_close(f"{world_size} ranks: parameters after {TRAIN.steps} steps = torch DDP's (RMS of the difference)",
+                (mine.final_params - theirs.final_params).pow(2).mean().sqrt().item(), 0.0, rtol=0, atol=TRAIN.lr / 100)
     check_equal(f"{world_size} ranks: every replica identical",
                 all(torch.equal(r[0].final_params, mine.final_params) for r in res), True)
 

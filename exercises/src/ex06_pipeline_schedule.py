@@ -20,6 +20,8 @@
 # `student.py`, then *Kernel → Restart and run all*.
 
 # %%
+import torch
+
 from course_lib.data import CharDataset
 from course_lib.grading import check_close, check_equal, load_student
 from course_lib.model import GPTConfig
@@ -62,7 +64,7 @@ for p, m in ((2, 8), (4, 2), (4, 8), (4, 16)):
     check_equal(f"p={p}, m={m}: at most p - r in flight on rank r",
                 [k <= p - r for r, k in enumerate(in_flight(sched))], [True] * p)
     bubble = measured_bubble(schedule_events(sched, t_forward=1.0, t_backward=1.0, t_weight=1.0))
-    check_close(f"p={p}, m={m}: bubble", bubble, formula_for("1f1b", p, m), rtol=1e-9, atol=1e-9)
+    check_close(f"p={p}, m={m}: bubble", bubble, formula_for("1f1b", p, m), rtol=1e-9, atol=1e-9)  # float64 rounding
 
 # %% [markdown]
 # ## Check 3: your schedule trains a GPT on 4 real ranks
@@ -78,12 +80,17 @@ ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
 ref_grads = {n: p.grad for n, p in ref.model.named_parameters()}
 for m in (8, 2):
     results = run_pipeline(4, config, cfg, learner_schedule(4, m), m, timeout_s=60)
+    # losses: fp32 sums in another order (the micro-batches), ~1e-7 apart
     check_close(f"m={m}: losses of the 3 steps", results[0].train_losses, ref.train_losses, rtol=1e-5, atol=1e-5)
     grads, params = stage_tensors(results, "final_grads"), stage_tensors(results, "final_params")
+    # Gradients and parameters after 3 AdamW steps, compared in norm: AdamW magnifies the rounding of gradients
+    # near zero (notebook 04) and can move a single parameter by up to ~lr, which a wrong schedule does to most.
     for name in ("tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.4.mlp.proj.weight", "ln_f.weight"):
-        check_close(f"m={m}: gradient of {name}", grads[name], ref_grads[name], rtol=1e-4, atol=2e-6)
-    worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
-    check_close(f"m={m}: largest parameter difference after 3 steps", worst, 0.0, rtol=0, atol=2e-5)
+        check_close(f"m={m}: gradient of {name} (|difference| / |gradient|)",
+                    ((grads[name] - ref_grads[name]).norm() / ref_grads[name].norm()).item(), 0.0, rtol=0, atol=1e-4)
+    diff = torch.cat([(params[n] - ref_params[n]).flatten() for n in ref_params])
+    check_close(f"m={m}: parameters after 3 steps (RMS of the difference)", diff.pow(2).mean().sqrt().item(), 0.0,
+                rtol=0, atol=cfg.lr / 100)
 
 # %% [markdown]
 # ## Going further
