@@ -135,6 +135,7 @@ for ep, n_experts, top_k, cf in [(2, 4, 1, None), (2, 4, 2, 1.0), (4, 8, 2, 1.25
     label = f"ep={ep}, {n_experts} experts, top-{top_k}, capacity {cf}"
     got = run_on_ranks(run_student, n_experts, top_k, cf, world_size=ep, backend="gloo", timeout_s=60)
     want, want_experts = single_process(ep, n_experts, top_k, cf)
+    # one forward and backward: the same products, summed over the tokens in another order (fp32, ~1e-7)
     for i, what in enumerate(("outputs y", "gradients of the tokens x", "router gradients (through the gates)")):
         check_close(f"{label}: {what}, every rank", flat(g[i] for g in got), flat(w[i] for w in want),
                     rtol=1e-4, atol=1e-5)

@@ -96,6 +96,7 @@ for n in (2, 4):
     shards = torch.cat(run_on_ranks(one_step, CONFIG, world_size=n, **RANKS))
     pad = -(-N_PARAMS // n) * n - N_PARAMS
     check_equal(f"{n} ranks: the shards cover the padded vector", shards.numel(), N_PARAMS + pad)
+    # one backward: fp32 sums over the batch in another order (per rank, then the reduce-scatter), ~1e-7
     check_close(f"{n} ranks: gradient shards = the whole batch's gradient", shards[:N_PARAMS], mean_grad,
                 rtol=1e-4, atol=1e-6)
     check_equal(f"{n} ranks: zero gradient in the padding", bool((shards[N_PARAMS:] == 0).all()), True)
@@ -122,9 +123,10 @@ reference = train_single(CONFIG, TRAIN, torch.optim.AdamW, dict(ADAMW, foreach=F
 for n in (2, 4):
     out = run_on_ranks(train, CONFIG, world_size=n, **RANKS)
     for rank, (params, state, grads_left) in enumerate(out):
-        # AdamW moves an element whose gradient is ~0 by up to lr either way: rounding shows there
-        check_close(f"{n} ranks, rank {rank}: parameters after {TRAIN.steps} steps", params, reference,
-                    rtol=0, atol=1e-4)
+        # In RMS, against a hundredth of one AdamW step: AdamW magnifies the rounding of a gradient near zero
+        # (notebook 04) and can move that one parameter by up to ~lr; a wrong step moves most of them by ~lr.
+        check_close(f"{n} ranks, rank {rank}: parameters after {TRAIN.steps} steps (RMS of the difference)",
+                    (params - reference).pow(2).mean().sqrt().item(), 0.0, rtol=0, atol=TRAIN.lr / 100)
     check_equal(f"{n} ranks: AdamW state bytes per rank = 8 x ceil(P / N)", [o[1] for o in out],
                 [8 * -(-N_PARAMS // n)] * n)
     check_equal(f"{n} ranks: no full gradient left after step()", [o[2] for o in out], [0] * n)

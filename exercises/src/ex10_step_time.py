@@ -45,7 +45,8 @@ for config, cluster, seq, kw in cases:
     got = student.step_time_dp_tp(config, cluster, seq=seq, **kw)
     ref = step_time(config, Layout(**kw), cluster, seq)
     name = f"{'GPT-3' if config is GPT3_175B else 'Llama-3 70B'} dp={kw['dp']} tp={kw['tp']}"
-    check_close(f"{name}: compute (s)", got["compute"], ref["compute"], rtol=1e-6, atol=1e-9)
+    check_close(f"{name}: compute (s)", got["compute"], ref["compute"], rtol=1e-6, atol=1e-9)  # the same formula
+    # yours leaves out what the reference also counts (the loss's all-reduces, DDP's buckets): a few %
     for term in ("tp", "dp_total", "dp_exposed"):
         check_close(f"{name}: {term} (s)", got[term], ref[term], rtol=0.03, atol=1e-6)
     check_close(f"{name}: total without a pipeline (s)", got["total"],
@@ -62,32 +63,39 @@ for m in (8, 16, 64):
     kw = dict(dp=16, tp=8, pp=8, micro_batch=1, m=m)
     got = student.step_time_dp_tp(GPT3_175B, cluster, seq=2048, **kw)
     ref = step_time(GPT3_175B, Layout(**kw), cluster, 2048)
-    check_close(f"pp=8, m={m}: compute (s)", got["compute"], ref["compute"], rtol=1e-6, atol=1e-9)
-    for term in ("tp", "dp_total"):
+    check_close(f"pp=8, m={m}: compute (s)", got["compute"], ref["compute"], rtol=1e-6, atol=1e-9)  # same formula
+    for term in ("tp", "dp_total"):  # as in check 1, and the reference also counts the stage-boundary terms
         check_close(f"pp=8, m={m}: {term} (s)", got[term], ref[term], rtol=0.06, atol=1e-6)
     check_close(f"pp=8, m={m}: bubble fraction", got["bubble"] / (got["compute"] + got["tp"] + got["bubble"]),
-                7 / (m + 7), rtol=1e-6, atol=1e-9)
+                7 / (m + 7), rtol=1e-6, atol=1e-9)  # a formula: float64 rounding only
 
 # %% [markdown]
-# ## Check 3: the ordering of measured runs
+# ## Check 3: the two measured runs, predicted
 # Notebook 10, section 4 timed DDP and tensor parallelism on 8 emulated ranks (16 sequences of
 # 32 tokens, fp32) and calibrated the cluster there: a fixed cost per layer, FLOP/s, and a
 # table of measured all-reduce times (which `collective_time` reads). Your model, fed that
-# calibration, must rank the two measured runs as they ran, and come within 30% of the full
-# model's prediction (which also counts the optimizer, DDP's buckets and the loss).
+# calibration, must come within 30% of the full model's prediction (which also counts the
+# optimizer, DDP's buckets and the loss) and rank the two layouts as the full model does.
+# How they really ran is printed below the checks: measured times are not graded.
 
 # %%
 data = load_validation()
 runs = {r["label"]: r for r in data["runs"]}
-predicted = {}
+predicted, full_model = {}, {}
 for label, kw in (("DDP dp8", dict(dp=8, tp=1, micro_batch=2)), ("TP tp8", dict(dp=1, tp=8, micro_batch=16))):
     predicted[label] = student.step_time_dp_tp(data["config"], data["cluster"], seq=data["seq"], recipe="fp32",
                                                **kw)["total"]
     ref = step_time(data["config"], Layout(**kw), data["cluster"], data["seq"], "fp32")
+    full_model[label] = ref["total"]
+    # a simpler model than the reference (no optimizer, DDP's buckets or loss): within 30% of it
     check_close(f"{label}: predicted step time without the optimizer (s)", predicted[label],
                 ref["total"] - ref["optimizer"], rtol=0.3, atol=1e-6)
-check_equal("layouts from fastest to slowest: predicted = measured", sorted(predicted, key=predicted.get),
-            sorted(predicted, key=lambda k: runs[k]["measured"]))
+check_equal("layouts from fastest to slowest: yours = the full model's", sorted(predicted, key=predicted.get),
+            sorted(full_model, key=full_model.get))
+
+# %% tags=["nbval-ignore-output"]
+print("as measured in notebook 10:", ", ".join(f"{k} {runs[k]['measured'] * 1e3:.0f} ms"
+                                              for k in sorted(predicted, key=lambda k: runs[k]["measured"])))
 
 # %% [markdown]
 # ## Going further

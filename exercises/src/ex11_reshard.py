@@ -120,6 +120,10 @@ for u, unit in enumerate(old[0]["units"]):
 resumed = run_on_ranks(train_zero3_flat, CONFIG, TrainConfig(steps=6, batch_size=8, progress=False),
                        resume=new, world_size=2, timeout_s=120)[0]
 check_equal("steps 1-3 restored from the shards", resumed.train_losses[:3], full.train_losses[:3])
+# 2 ranks add the gradient in another order than 4: losses ~1e-7 apart; the parameters in RMS, against a
+# hundredth of one AdamW step, since AdamW magnifies the rounding of gradients near zero (notebook 04)
 check_close("steps 4-6 on 2 ranks equal the uninterrupted 4-rank run", resumed.train_losses[3:],
             full.train_losses[3:], rtol=0, atol=1e-5)
-check_close("final parameters equal the uninterrupted run", resumed.final_params, full.final_params, rtol=0, atol=1e-5)
+check_close("final parameters equal the uninterrupted run (RMS of the difference)",
+            (resumed.final_params - full.final_params).pow(2).mean().sqrt().item(), 0.0,
+            rtol=0, atol=TrainConfig().lr / 100)
