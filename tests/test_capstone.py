@@ -91,8 +91,14 @@ def test_saved_at_8_ranks_resumed_at_4_equals_the_single_process(tmp_path):
     config, seen = load_config(TINY), []
     run = run_capstone(config, tmp_path, timeout_s=240, on_loss=lambda *a: seen.append(a[:2]))
     assert len(run.losses) == len(run.single_losses) == 4
-    assert run.max_difference < config.tolerance, (run.losses, run.single_losses)  # bf16: 1e-2
-    assert run.max_difference > 0  # bf16 sums in another order: not bit-equal (fp32 is, to 1e-6: test_hybrid)
+    # capstone.config.TOLERANCE["bf16"] = 1e-2, reasoned there: bf16 keeps 8 bits (2^-8 relative) and
+    # the tensor-parallel partial sums are rounded before the all-reduce; AdamW at lr = 1e-2 then moves
+    # the elements whose gradient is below that rounding by up to ±lr, which the next losses see
+    # (~1e-3 measured). A wrong shard, batch or optimizer state moves the curve by far more.
+    assert run.max_difference < config.tolerance, (run.losses, run.single_losses)
+    # not a tolerance: the two curves are really two computations (bf16 sums in another order are
+    # never bit-equal over 4 steps), so the comparison above is not of a curve with itself
+    assert run.max_difference > 0
     assert run.first.train_losses == run.losses[:2]  # the resumed run carried the saved curve
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000004"]
     # every step's loss reached the parent while the ranks ran, in order
@@ -109,10 +115,12 @@ def test_saved_at_8_ranks_resumed_at_4_equals_the_single_process(tmp_path):
         kinds = {e[3] for e in events}
         assert {"comm", "optimizer"} <= kinds and len(events) >= 5, events
     # memory measured on every rank; the report names the layout and says MFU needs a GPU peak
-    assert all(r.memory["total"] > 0 and r.memory["activations"] > 0 for r in run.first_ranks)
+    assert all(r.memory["total"] > 0 and r.memory["activations"] > 0 for r in run.first_ranks)  # bytes
     from course_lib.estimate.validation import load_validation
 
     cluster = load_validation()["cluster"]
+    # the step-time model on the stored calibration (fixed inputs): a formula, not a measurement;
+    # the measured seconds, tokens/s and MFU that compare() also returns are not asserted
     assert compare(run, cluster)["predicted_s"] > 0
     text = report_text(run, cluster)
     assert "dp2 x tp2 x pp2 (8 ranks, ZeRO-1)" in text and "bf16, recomputation on" in text
@@ -124,7 +132,7 @@ def test_saved_at_8_ranks_resumed_at_4_equals_the_single_process(tmp_path):
 def test_the_moe_capstone_resumes_at_another_ep_and_equals_the_single_process(tmp_path):
     """dp2 x ep2 x pp2 (8 ranks) saved, resumed at ep4 (4 ranks): experts saved by name."""
     run = run_capstone(load_config(MOE), tmp_path, timeout_s=240)
-    assert run.max_difference < run.config.tolerance, (run.losses, run.single_losses)
+    assert run.max_difference < run.config.tolerance, (run.losses, run.single_losses)  # bf16: as above
     assert "ep" in run.traffic[0] and run.traffic[0]["ep"]["bytes_sent"] > 0
     assert "blocks.1.mlp.experts.mlps.3.fc.weight" in run.params
 
@@ -147,7 +155,7 @@ def test_torchrun_capstone_at_8_gloo_ranks_killed_then_resumed_at_4(tmp_path):
     assert ("dp1 x tp2 x pp2 (4 ranks, ZeRO-0), bf16, recomputation on, steps 3..4, resumed from step 2"
             in second.stdout), second.stdout
     assert len(re.findall(r"step \d  loss \S+  single process \S+", second.stdout)) == 4, second.stdout
-    assert "(tolerance 1e-02): OK" in second.stdout
+    assert "(tolerance 1e-02): OK" in second.stdout  # the demo's check, capstone.config.TOLERANCE["bf16"]
 
 
 @pytest.mark.parametrize("world, edit, line", [
