@@ -45,6 +45,8 @@ def test_killed_rank_restart_resume_and_another_world_size(tmp_path):
     proc = torchrun(1, 0, "--steps", 9, "--checkpoint-every", 3, "--checkpoint-dir", d, "--check")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "resumed from step_00000006 (saved at 2 ranks) on 1 ranks" in proc.stdout
+    # the demo's loss tolerance (demos.elastic.TOLERANCE): 2 ranks sum the gradient in another order
+    # than 1, and AdamW magnifies that rounding near g = 0 (tests/_tolerances.adamw_loss_atol: 7e-5)
     assert "within 0.0001 (the world size changed)" in proc.stdout
     assert [s for s, _ in complete_checkpoints(d)] == [3, 6, 9]
 

@@ -269,6 +269,8 @@ def test_run_arguments_are_checked_in_the_parent():
 
 def test_young_daly_interval_minimises_the_waste():
     delta, mtbf = 30.0, llama3_job_mtbf_hours() * 3600
+    # float64 formulas evaluated in another order: ~1e-16 relative apart; approx's default 1e-6
+    # relative is far above that and far below any wrong formula (a factor, a missing sqrt)
     assert llama3_job_mtbf_hours() == pytest.approx(54 * 24 / 466)
     tau = young_daly_interval(delta, mtbf)
     assert tau == pytest.approx(math.sqrt(2 * delta * mtbf))
