@@ -16,6 +16,8 @@ from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, make_optimizer, train_step
 
+from _tolerances import adamw_loss_atol, assert_adamw_params_close
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 
 T = 16
@@ -62,8 +64,16 @@ def test_resharding_continues_as_if_never_interrupted(saved, loaded, tmp_path):
     run(n0, c, 3, tmp_path / "cut", 3, lay0, st0)
     resumed = run(n1, c, 6, tmp_path / "cut", 0, lay1, st1)
     assert resumed[0].train_losses[:3] == full[0].train_losses[:3]  # restored from the checkpoint
-    assert resumed[0].train_losses[3:] == pytest.approx(full[0].train_losses[3:], abs=1e-5)
-    assert torch.allclose(resumed[0].final_params, full[0].final_params, atol=1e-5, rtol=0)
+    # Steps 4-6 from the same state, the gradient summed over n1 ranks instead of n0: fp32
+    # rounding, which AdamW magnifies near g = 0 (tests/_tolerances). Losses within what such a
+    # moved element can shift them by; parameters bounded by AdamW's step and in RMS to lr/100
+    # (a lost optimizer state or a wrong shard moves most elements by ~lr).
+    lr, betas = cfg(6).lr, cfg(6).betas
+    assert resumed[0].train_losses[3:] == pytest.approx(full[0].train_losses[3:], abs=adamw_loss_atol(lr))
+    assert_adamw_params_close(resumed[0].final_params, full[0].final_params, lr, steps=3, betas=betas, first_step=4,
+                              msg=f"{saved} -> {loaded}")
+    # not a tolerance: the runs really summed in another order (some element is >= 1 ulp apart,
+    # ~2e-9 at 0.02), so the comparison above is not of a run with itself
     assert not torch.allclose(resumed[0].final_params, full[0].final_params, atol=1e-9, rtol=0)
 
 
@@ -140,8 +150,12 @@ def test_tensor_parallel_checkpoint_round_trip_and_into_one_process(tmp_path):
     ds = CharDataset("train", T)
     for _ in range(2):
         train_step(model, opt, *get_batch(ds, 8, gen), 1.0)
-    for name, p in model.named_parameters():  # Adam's moments came back too: training continues alike
-        assert torch.allclose(p, final[name], atol=1e-5, rtol=0), name
+    # Adam's moments came back too: training continues alike, up to the tp ranks' other order of
+    # sums, magnified by AdamW near g = 0 (bounded by AdamW's step, in RMS to lr/100)
+    names = [n for n, _ in model.named_parameters()]
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    want = torch.cat([final[n].reshape(-1) for n in names])
+    assert_adamw_params_close(got, want, cfg(1).lr, steps=2, betas=cfg(1).betas, first_step=3, msg="tp2 -> 1")
 
 
 # ------------------------------------------------------------------ torch.distributed.checkpoint
