@@ -38,6 +38,12 @@ def _gradients():
     return out
 
 
+def exact(got, want, msg=None):
+    """Every value here is a small integer (arange, rank multiples, their weighted sums < 2^24),
+    which fp32 holds and adds exactly in any order: compared bit for bit, not to a tolerance."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=msg)
+
+
 def test_autograd_collectives_match_single_process():
     n = 2
     res = run_on_ranks(_gradients, world_size=n, timeout_s=60)
@@ -65,20 +71,20 @@ def test_autograd_collectives_match_single_process():
         replicated_input = name in ("copy", "split")  # one tensor: every rank gets its whole gradient
         for r in range(n):
             if name == "copy":
-                torch.testing.assert_close(res[r][name][0], xs[r].detach(), msg=name)
+                exact(res[r][name][0], xs[r].detach(), msg=name)
             elif name == "split":
-                torch.testing.assert_close(res[r][name][0], xs[r].detach().chunk(n, 0)[r], msg=name)
+                exact(res[r][name][0], xs[r].detach().chunk(n, 0)[r], msg=name)
             else:
-                torch.testing.assert_close(res[r][name][0], ys[r], msg=name)
-            torch.testing.assert_close(res[r][name][1], gs[0] if replicated_input else gs[r], msg=name)
+                exact(res[r][name][0], ys[r], msg=name)
+            exact(res[r][name][1], gs[0] if replicated_input else gs[r], msg=name)
     # all-to-all: rank s sends s+1 rows to every rank
     for r in range(n):
         y, g = res[r]["a2a"]
         sent = [torch.arange(float(n * (s + 1) * 2)).reshape(-1, 2) + 100 * s for s in range(n)]
-        torch.testing.assert_close(y, torch.cat([sent[s][r * (s + 1):(r + 1) * (s + 1)] for s in range(n)]))
+        exact(y, torch.cat([sent[s][r * (s + 1):(r + 1) * (s + 1)] for s in range(n)]))
         # the gradient of row i on rank r is the multiplier of the rank it was sent to
         sent_to = torch.arange(n).repeat_interleave(r + 1)
-        torch.testing.assert_close(g, (sent_to + 1).float().unsqueeze(1).expand(-1, 2))
+        exact(g, (sent_to + 1).float().unsqueeze(1).expand(-1, 2))
 
 
 def _bad_split():
