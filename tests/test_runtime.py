@@ -77,10 +77,11 @@ def test_exception_names_rank_and_traceback_and_pool_recovers():
         dist.barrier()  # the others are stuck waiting for rank 2
         return "ok"
 
-    start = time.monotonic()
+    # The caller learns at once, not after timeout_s: with timeout_s far beyond pytest's own
+    # timeout (300 s, pyproject), a pool that waited for the stuck ranks would hang the test until
+    # pytest stops it. No wall-clock assert: how long 4 ranks take to start depends on the load.
     with pytest.raises(RankError) as info:
-        run_on_ranks(fail_on_rank_2, world_size=4, timeout_s=60)
-    assert time.monotonic() - start < 10 + 5  # the caller learns quickly, not after timeout_s
+        run_on_ranks(fail_on_rank_2, world_size=4, timeout_s=3600)
     assert list(info.value.failures) == [2]
     assert "ValueError: boom on two" in str(info.value) and "rank 2" in str(info.value)
     assert run_on_ranks(rank_and_size, world_size=4) == [(r, 4) for r in range(4)]
