@@ -10,7 +10,6 @@ parameter check.
 """
 
 import sys
-import time
 
 import cloudpickle
 import pytest
@@ -37,6 +36,8 @@ from course_lib.parallel.pp import (
 from course_lib.parallel.pp.bubble import formula_for, measured_bubble
 from course_lib.parallel.pp.native import run_native
 from course_lib.train import TrainConfig, train_reference
+
+from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 torch.set_num_threads(1)
@@ -65,21 +66,28 @@ def reference(config, cfg):
     return _REFERENCES[key]
 
 
-def assert_equal_to_reference(results, config, cfg, atol=2e-6, param_atol=1e-5):
+def assert_equal_to_reference(results, config, cfg):
+    """The stages' sums run in another order than the single process's (micro-batches, stage
+    boundaries), and AdamW magnifies that rounding near g = 0 (tests/_tolerances): losses within
+    adamw_loss_atol, the last step's gradients (taken after 2 AdamW steps) in norm per tensor,
+    parameters bounded by AdamW's step and in RMS against lr/100. A wrongly scaled gradient is
+    off by O(1) in norm; a wrong update moves most elements by ~lr."""
     losses, params, grads = reference(config, cfg)
     for r, res in enumerate(results):
-        assert res.train_losses == pytest.approx(losses, abs=1e-5), f"rank {r} losses"
+        assert res.train_losses == pytest.approx(losses, abs=adamw_loss_atol(cfg.lr)), f"rank {r} losses"
     got_p, got_g = stage_tensors(results, "final_params"), stage_tensors(results, "final_grads")
     assert sorted(got_p) == sorted(params), "the stages together must hold every parameter once"
+
+    def params_close(got, want, msg):
+        assert_adamw_params_close(got, want, cfg.lr, cfg.steps, cfg.betas, msg=msg)
+
     for res in results:  # the last stage's copy of a tied matrix must stay equal to the reference too
         mine = stage_tensors([res], "final_params")
         if "tok_emb.weight" in mine:
-            torch.testing.assert_close(mine["tok_emb.weight"], params["tok_emb.weight"], rtol=1e-4, atol=param_atol)
-    for name in params:
-        torch.testing.assert_close(got_g[name], grads[name], rtol=1e-4, atol=atol, msg=lambda m: f"grad {name}: {m}")
-        # Adam divides by sqrt(v): on a near-zero gradient element rounding moves the parameter by
-        # ~1e-6; a wrong gradient moves it by ~lr = 3e-3.
-        torch.testing.assert_close(got_p[name], params[name], rtol=1e-4, atol=param_atol, msg=lambda m: f"param {name}: {m}")
+            params_close(mine["tok_emb.weight"], params["tok_emb.weight"], "tied tok_emb.weight")
+    assert_grads_close_after_adamw(got_g, grads, "grad")
+    names = sorted(params)
+    params_close(*(torch.cat([d[n].reshape(-1) for n in names]) for d in (got_p, params)), "params")
 
 
 # ---------------------------------------------------------------- schedules as data (no ranks)
@@ -193,13 +201,16 @@ def test_torch_pipelining_on_the_same_stages_gives_the_same_training(world, sche
     ours = run_pipeline(world, config, cfg, schedule, m, v, timeout_s=90)
     theirs = run_native(world, config, cfg, schedule, m, v, timeout_s=90)
     assert_equal_to_reference(theirs, config, cfg)
-    for a, b in zip(ours, theirs):
-        assert a.train_losses == pytest.approx(b.train_losses, abs=1e-6)
+    for a, b in zip(ours, theirs):  # two implementations' sums, after AdamW steps: as above
+        assert a.train_losses == pytest.approx(b.train_losses, abs=adamw_loss_atol(cfg.lr))
 
 
-def test_bad_input_is_rejected_in_the_parent_before_any_rank_waits():
+def test_bad_input_is_rejected_in_the_parent_before_any_rank_waits(monkeypatch):
+    import course_lib.runtime as runtime
+
+    # no rank may start: run_on_ranks fails the test if called (no wall-clock assert)
+    monkeypatch.setattr(runtime, "run_on_ranks", lambda *a, **k: pytest.fail("ranks were started"))
     cfg = train_cfg()
-    start = time.perf_counter()
     with pytest.raises(ValueError, match="n_layer=2 blocks cannot fill 4 stages"):
         run_pipeline(2, small_config(2), cfg, "interleaved_1f1b", 4, 2)
     with pytest.raises(ValueError, match="batch size 8 must be divisible by n_microbatches=3"):
@@ -210,7 +221,6 @@ def test_bad_input_is_rejected_in_the_parent_before_any_rank_waits():
         run_pipeline(2, small_config(), cfg, "zb2", 4)
     with pytest.raises(ValueError, match="for torch.distributed.pipelining"):
         run_native(2, small_config(), cfg, "zero_bubble", 4)
-    assert time.perf_counter() - start < 5, "validation must not start ranks"  # generous: no rank may wait
 
 
 def _run_one_step(schedules_and_m, micro_batch=2, n_layer=4):
@@ -271,8 +281,8 @@ def test_pipeline_demo_under_torchrun_with_gloo():
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = re.findall(r"step (\d): pipeline loss (\S+)  single process (\S+)", proc.stdout)
     assert [s[0] for s in steps] == ["1", "2"], proc.stdout
-    for _, ours, ref in steps:
-        assert abs(float(ours) - float(ref)) < 1e-5
+    for _, ours, ref in steps:  # printed to 6 decimals (1e-6), step 2 after an AdamW step
+        assert abs(float(ours) - float(ref)) < adamw_loss_atol(TrainConfig().lr) + 1e-6
     assert "bubble formula 0.200" in proc.stdout
 
 
