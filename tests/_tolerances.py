@@ -108,3 +108,14 @@ def adamw_loss_atol(lr: float) -> float:
     gradient at the next step is up to ~1e-2, moves the loss by <= 2·lr·1e-2 (6e-5 at lr = 3e-3).
     A wrong batch, shard or reduction moves it by > 1e-2."""
     return 1e-5 + 2 * lr * 1e-2
+
+
+def by_name(flat: torch.Tensor, model: torch.nn.Module) -> dict:
+    """{name: slice} of a flat vector laid out like model.parameters() (a tied weight once), to
+    compare gradients tensor by tensor."""
+    out, offset = {}, 0
+    for name, p in model.named_parameters():
+        out[name] = flat[offset:offset + p.numel()]
+        offset += p.numel()
+    assert offset == flat.numel(), (offset, flat.numel())
+    return out

@@ -24,7 +24,7 @@ from course_lib.parallel.dp.ddp import AllReduceHandle
 from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig, make_optimizer, train_reference, train_step
 
-from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw
+from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw, by_name
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 torch.set_num_threads(1)
@@ -46,16 +46,6 @@ def reference(config, clip):
     res = train_reference(config, cfg)
     params = list(res.model.parameters())
     return cfg, res.train_losses, flat(params), flat(p.grad for p in params)
-
-
-def by_name(config, flat_tensor):
-    """{name: tensor} of a flat vector laid out like GPT(config).parameters() (a tied weight once)."""
-    out, offset = {}, 0
-    for name, p in GPT(config).named_parameters():
-        out[name] = flat_tensor[offset:offset + p.numel()]
-        offset += p.numel()
-    assert offset == flat_tensor.numel()
-    return out
 
 
 def forgot_to_average(bucket_index, flat_grad, group=None):
@@ -99,7 +89,7 @@ def test_equals_reference_and_torch_ddp(config, world_size):
         losses = [sum(per_rank[r][(name, clip)].train_losses[s] for r in range(world_size)) / world_size
                   for s in range(STEPS)]
         assert losses == pytest.approx(ref_losses, abs=adamw_loss_atol(cfg_lr)), (name, clip)
-        assert_grads_close_after_adamw(by_name(config, out.final_grads), by_name(config, ref_grads),
+        assert_grads_close_after_adamw(by_name(out.final_grads, GPT(config)), by_name(ref_grads, GPT(config)),
                                        f"{name} clip={clip}")
         assert_adamw_params_close(out.final_params, ref_params, cfg_lr, STEPS, msg=f"{name} clip={clip}")
     for clip in (0.0, 1.0):
@@ -109,7 +99,7 @@ def test_equals_reference_and_torch_ddp(config, world_size):
     # The comparison can fail: summing instead of averaging gives N-times larger gradients.
     wrong = per_rank[0][("wrong_sum", 0.0)].final_grads
     with pytest.raises(AssertionError):
-        assert_grads_close_after_adamw(by_name(config, wrong), by_name(config, refs[0.0][3]))
+        assert_grads_close_after_adamw(by_name(wrong, GPT(config)), by_name(refs[0.0][3], GPT(config)))
     # N times the gradient, up to the runs' differences (<= 1e-3 in norm, as above): 1e-2 relative
     assert (wrong.norm() / refs[0.0][3].norm()).item() == pytest.approx(world_size, rel=1e-2)
 

@@ -19,6 +19,8 @@ from course_lib.parallel.ep import (apply_expert_parallel, check_expert_parallel
                                     traffic_matrix, train_moe_reference)
 from course_lib.train import TrainConfig, flat_params
 
+from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw, by_name
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 V = 97
 
@@ -31,15 +33,17 @@ def moe(**kw):
 TC = TrainConfig(steps=3, batch_size=8, lr=1e-2, progress=False)
 
 
-def assert_matches_reference(results, ref):
+def assert_matches_reference(results, ref, cfg):
+    """The ranks sum in another order than the reference, and AdamW (lr = 1e-2) magnifies that
+    rounding near g = 0 (e.g. the key bias, whose true gradient is 0, is pure rounding noise):
+    losses within adamw_loss_atol, the last step's gradients in norm per tensor, parameters
+    bounded by AdamW's step and in RMS against lr/100 (tests/_tolerances)."""
     steps = len(ref.train_losses)
     mean_losses = [sum(r.train_losses[i] for r in results) / len(results) for i in range(steps)]
-    assert mean_losses == pytest.approx(ref.train_losses, rel=1e-5, abs=1e-6)
+    assert mean_losses == pytest.approx(ref.train_losses, abs=adamw_loss_atol(TC.lr))
     for r in results:
-        torch.testing.assert_close(r.final_grads, ref.final_grads, rtol=1e-4, atol=1e-6)
-        # atol 1e-4 (steps of lr = 1e-2): the key bias's true gradient is 0 (softmax ignores a shift
-        # of all scores), so its gradient is rounding noise, and Adam divides noise by its own size.
-        torch.testing.assert_close(r.final_params, ref.final_params, rtol=1e-4, atol=1e-4)
+        assert_grads_close_after_adamw(by_name(r.final_grads, GPT(cfg)), by_name(ref.final_grads, GPT(cfg)), "grad")
+        assert_adamw_params_close(r.final_params, ref.final_params, TC.lr, TC.steps, TC.betas, msg="params")
 
 
 @pytest.mark.parametrize("ep,n_experts,top_k,capacity_factor", [
@@ -49,7 +53,7 @@ def test_expert_parallel_equals_single_process(ep, n_experts, top_k, capacity_fa
     cfg = moe(n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor)
     ref = train_moe_reference(cfg, TC, shares=ep)
     results = run_expert_parallel(ep, cfg, TC, timeout_s=120)
-    assert_matches_reference(results, ref)
+    assert_matches_reference(results, ref, cfg)
     if capacity_factor is not None:  # the case really drops tokens
         model = GPT(cfg, seed=0)
         model(torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0)))
@@ -58,14 +62,14 @@ def test_expert_parallel_equals_single_process(ep, n_experts, top_k, capacity_fa
 
 def test_replicated_experts_baseline_equals_single_process_too():
     cfg = moe(capacity_factor=1.0)
-    assert_matches_reference(run_expert_parallel(2, cfg, TC, experts="replicated"), train_moe_reference(cfg, TC, 2))
+    assert_matches_reference(run_expert_parallel(2, cfg, TC, experts="replicated"), train_moe_reference(cfg, TC, 2), cfg)
 
 
 def test_expert_by_data_parallel_on_a_2d_mesh():
     cfg = moe(top_k=2, capacity_factor=1.25)
     ref = train_moe_reference(cfg, TC, shares=4)
     results = run_expert_parallel(4, cfg, TC, dp=2, timeout_s=120)
-    assert_matches_reference(results, ref)
+    assert_matches_reference(results, ref, cfg)
 
 
 def _one_step_traced(cfg):
@@ -154,8 +158,10 @@ def test_apply_rejects_dense_models_and_double_application():
 
 
 def test_expert_parallel_demo_under_torchrun_with_gloo():
+    # the demo compares losses after an AdamW step at lr = 1e-2: allowed adamw_loss_atol(1e-2) (its
+    # default 1e-4 is below what a rounding-flipped element can move a loss by, tests/_tolerances)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "course_lib.demos.expert_parallel", "--steps", "2"]
+           "-m", "course_lib.demos.expert_parallel", "--steps", "2", "--tolerance", str(adamw_loss_atol(1e-2))]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
