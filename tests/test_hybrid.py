@@ -11,6 +11,8 @@ from course_lib.parallel import mesh_groups, topology
 from course_lib.parallel.hybrid import ParallelDims, merged_params, run_hybrid, train_single
 from course_lib.train import TrainConfig
 
+from _tolerances import ADAMW_GRAD_REL_NORM, FP32_SUM_RTOL, adamw_loss_atol, assert_adamw_params_close
+
 SEQ = 16
 
 
@@ -29,15 +31,22 @@ def moe(dense):
 TRAIN = TrainConfig(steps=3, batch_size=8, lr=1e-2, grad_clip=0.05, progress=False)
 
 
-def _assert_equal_to_single(results, reference, atol=1e-5):
+def _assert_equal_to_single(results, reference):
+    """The mesh sums in another order than one process, and AdamW (lr = 1e-2) magnifies that
+    rounding near g = 0 (tests/_tolerances): losses within adamw_loss_atol; the global gradient
+    norm of step 1 (before any update) to fp32 sums, of later steps to the gradients' difference
+    after AdamW steps (| |a| - |b| | <= |a - b|); parameters bounded by AdamW's step and in RMS
+    against lr/100. A wrong shard, a missing reduction or a wrong clip is off by far more."""
     for r in results:  # the loss reported once: the global loss, the same on every rank
-        assert r.train_losses == pytest.approx(reference.train_losses, rel=1e-5, abs=1e-6)
-        assert r.grad_norms == pytest.approx(reference.grad_norms, rel=1e-5)
+        assert r.train_losses == pytest.approx(reference.train_losses, abs=adamw_loss_atol(TRAIN.lr))
+        assert r.grad_norms[0] == pytest.approx(reference.grad_norms[0], rel=FP32_SUM_RTOL)
+        assert r.grad_norms[1:] == pytest.approx(reference.grad_norms[1:], rel=ADAMW_GRAD_REL_NORM)
     assert min(reference.grad_norms) > TRAIN.grad_clip  # clipping happened at every step
     params = merged_params(results)
     assert set(params) == set(reference.named_params)
-    for name, full in reference.named_params.items():
-        torch.testing.assert_close(params[name], full, rtol=1e-4, atol=atol, msg=name)
+    names = sorted(params)
+    got, want = (torch.cat([d[n].detach().reshape(-1) for n in names]) for d in (params, reference.named_params))
+    assert_adamw_params_close(got, want, TRAIN.lr, TRAIN.steps, TRAIN.betas, msg="merged parameters")
 
 
 @pytest.mark.parametrize("zero", [1, 0])
@@ -96,7 +105,7 @@ def test_bf16_autocast_3d_run_is_close_to_the_bf16_single_process(request, which
     results = run_hybrid(dims, config, TRAIN, timeout_s=240)
     reference = train_single(config, TRAIN, precision="bf16", activation_checkpointing=True)
     fp32 = train_single(config, TRAIN)
-    assert results[0].train_losses == pytest.approx(reference.train_losses, abs=1e-2)
+    assert results[0].train_losses == pytest.approx(reference.train_losses, abs=1e-2)  # bf16: see the docstring
     assert reference.train_losses != fp32.train_losses  # bf16 really ran: it rounds differently
 
 
@@ -166,9 +175,13 @@ def test_train_3d_demo_under_torchrun_at_8_gloo_ranks_matches_the_single_process
     import subprocess
     import sys
 
+    # The demo's fixed loss tolerance (demos.train_3d.TOLERANCE = 1e-4) holds after an AdamW step
+    # only where adamw_loss_atol(lr) <= 1e-4 (tests/_tolerances): lr 3e-3 (7e-5), not the default 1e-2.
+    lr = 3e-3
+    assert adamw_loss_atol(lr) <= 1e-4
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
            "-m", "course_lib.demos.train_3d", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1",
-           "--microbatches", "2", "--steps", "2", "--check"]
+           "--microbatches", "2", "--steps", "2", "--lr", str(lr), "--check"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(re.findall(r"step \d  loss \S+  single process \S+", proc.stdout)) == 2, proc.stdout
@@ -222,6 +235,7 @@ def test_topology_aware_order_beats_the_naive_one_on_a_1024_gpu_cluster():
     from course_lib.estimate.params import LLAMA3_405B
 
     dims = ParallelDims(dp=8, tp=8, pp=16, microbatches=16)
+    # the step-time model on the model cluster's made-up link speeds: a formula, not a measurement
     times = topology.compare_orders(LLAMA3_405B, dims, batch_size=128, seq=8192)
     assert times["topology_aware"] < times["naive"] / 5
     rows = {r["dim"]: r for r in topology.placement(LLAMA3_405B, dims, 128, seq=8192)}
@@ -271,6 +285,4 @@ def test_mesh_widget_offers_only_valid_layouts_and_rejects_others():
 def test_tensor_parallel_stages_under_every_kind_of_schedule(dense, schedule, v):
     config = replace(dense, n_layer=4)
     dims = ParallelDims(pp=2, tp=2, schedule=schedule, virtual_stages=v, microbatches=2)
-    # 4 layers: Adam divides by sqrt(v), so elements with tiny gradients magnify fp32 rounding
-    # (sums in another order) to ~1e-5 after 3 steps, with or without tp (pp x dp shows the same).
-    _assert_equal_to_single(run_hybrid(dims, config, TRAIN, timeout_s=240), train_single(config, TRAIN), atol=5e-5)
+    _assert_equal_to_single(run_hybrid(dims, config, TRAIN, timeout_s=240), train_single(config, TRAIN))
