@@ -1,6 +1,7 @@
 """MFU reported by the trainer: TrainResult.flops_per_step / tokens_per_step, filled by the
 reference loop and every strategy's loop, tokens_per_second() and mfu(peak_flops, n_devices)."""
 
+import math
 import sys
 from dataclasses import replace
 
@@ -36,6 +37,8 @@ def test_reference_records_the_model_flops_of_a_step(config):
     with FlopCounterMode(display=False) as counter:
         model(x, x)[1].backward()
     assert counter.get_total_flops() == result.flops_per_step
+    # Formulas on whatever seconds were measured (never how many): float64 in another order,
+    # rounding only (approx's default 1e-6 relative)
     mean = sum(result.step_seconds) / len(result.step_seconds)
     assert result.tokens_per_second() == pytest.approx(BATCH * SEQ / mean)
     assert result.mfu(1e12, 1) == pytest.approx(profile_mfu(result.flops_per_step, mean, 1, 1e12))
@@ -83,7 +86,9 @@ def test_every_strategy_reports_the_flops_of_the_global_batch(config):
         for name, (tokens, flops, steps, mfu) in rank.items():
             want = flops_per_token(moe_config if name == "ep" else config, SEQ) * BATCH * SEQ
             assert (tokens, flops, steps) == (BATCH * SEQ, want, 1), name
-            assert 0 < mfu < 1, name
+            # MFU comes from measured seconds: only its type and finiteness, and >= 0 (FLOPs > 0 over
+            # a monotonic-clock duration); its size depends on the machine and its load
+            assert isinstance(mfu, float) and math.isfinite(mfu) and mfu >= 0, name
     assert len(per_rank[0]) == 8
     # an MoE step multiplies top_k of the experts' MLPs per token: more FLOPs than the dense model
     assert per_rank[0]["ep"][1] > per_rank[0]["dp"][1]
