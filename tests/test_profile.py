@@ -22,7 +22,9 @@ def test_profiles_a_strategy_and_reads_its_collectives_back(tiny_config, tmp_pat
         names = {e[0] for e in events if e[3] == "communication"}
         assert any("all_reduce" in n for n in names), names  # DDP's gradient all-reduce
         assert {"compute", "backward"} <= {e[3] for e in events}
-        # top level only: no two compute events of the timeline overlap
+        # top level only: no two compute events of the timeline overlap (an ordering the reader
+        # guarantees in the trace's microseconds, not a duration; + 1e-9 s for their float rounding
+        # when converted to seconds, ~1e-16 relative of timestamps up to ~1e6 s)
         main = [e for e in events if e[3] != "communication"]
         assert all(a[2] <= b[1] + 1e-9 for a, b in zip(main, main[1:]))
 
@@ -30,7 +32,7 @@ def test_profiles_a_strategy_and_reads_its_collectives_back(tiny_config, tmp_pat
 def test_classify_and_mfu():
     assert classify("gloo:all_reduce") == "communication" and classify("aten::mm") == "compute"
     assert classify("autograd::engine::evaluate_function: MmBackward0") == "backward"
-    assert mfu(4e12, 2.0, 2, 1e12) == 1.0
+    assert mfu(4e12, 2.0, 2, 1e12) == 1.0  # made-up seconds: a formula, exact in float64
     assert step_mfu(TrainResult(step_seconds=[1.0, 2.0]), 1e12, 1, 1e12) == [1.0, 0.5]
     with pytest.raises(ValueError, match="seconds=0"):
         mfu(1.0, 0, 1, 1.0)

@@ -1,5 +1,7 @@
 """Tests for course_lib.train: the reference trainer everything else is checked against."""
 
+import math
+
 import pytest
 import torch
 
@@ -37,7 +39,9 @@ def test_train_step_clips_and_updates(vocab_size):
     loss = train_step(model, opt, x, y, grad_clip=1e-3)
     assert isinstance(loss, float) and loss > 0
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
-    assert norm.item() == pytest.approx(1e-3, rel=1e-4)  # gradients were clipped to the limit
+    # gradients were clipped to the limit: clip_grad_norm_ scales by max_norm / (norm + 1e-6), so the
+    # new norm is short by 1e-6 / norm relative (norm ~1 here), plus the fp32 rounding of the norms
+    assert norm.item() == pytest.approx(1e-3, rel=1e-4)
     assert not torch.equal(before, model.blocks[0].mlp.fc.weight)
 
 
@@ -47,8 +51,9 @@ def test_training_reduces_val_loss(vocab_size):
     assert len(result.train_losses) == 150
     assert [s for s, _ in result.val_losses] == [0, 75, 150]
     first, last = result.val_losses[0][1], result.val_losses[-1][1]
-    assert last < 0.85 * first
-    assert result.seconds > 0
+    assert last < 0.85 * first  # learning, not rounding: 150 steps take the val loss far below 0.85x
+    # measured wall time: only its type and finiteness, >= 0 (a monotonic-clock duration)
+    assert isinstance(result.seconds, float) and math.isfinite(result.seconds) and result.seconds >= 0
 
 
 def test_same_seed_same_losses(vocab_size):
@@ -78,7 +83,7 @@ def test_vocab_mismatch_is_reported():
 
 
 def test_smooth_and_plot():
-    assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # bias-corrected
+    assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # bias-corrected (float64 rounding only)
     import matplotlib
 
     matplotlib.use("Agg")
