@@ -119,3 +119,12 @@ def by_name(flat: torch.Tensor, model: torch.nn.Module) -> dict:
         offset += p.numel()
     assert offset == flat.numel(), (offset, flat.numel())
     return out
+
+
+def bf16_loss_atol(losses) -> float:
+    """|loss difference| allowed between two bf16 runs: the losses are bf16 numbers, 2^-7 * 2^e
+    apart in [2^e, 2^(e+1)) (0.031 for losses in [4, 8)), so two runs may round one spacing apart
+    (<= 2^-7 of the largest loss), plus ~1e-2 for the bf16 rounding (2^-8 relative) of the
+    activations averaged over the tokens and the elements AdamW moves differently where a bf16
+    gradient's sign is within its rounding. A wrong shard or reduction moves a loss by > 0.1."""
+    return 2.0**-7 * max(abs(x) for x in losses) + 1e-2
