@@ -62,7 +62,8 @@ def test_expert_parallel_equals_single_process(ep, n_experts, top_k, capacity_fa
 
 def test_replicated_experts_baseline_equals_single_process_too():
     cfg = moe(capacity_factor=1.0)
-    assert_matches_reference(run_expert_parallel(2, cfg, TC, experts="replicated"), train_moe_reference(cfg, TC, 2), cfg)
+    results = run_expert_parallel(2, cfg, TC, experts="replicated")
+    assert_matches_reference(results, train_moe_reference(cfg, TC, 2), cfg)
 
 
 def test_expert_by_data_parallel_on_a_2d_mesh():

@@ -207,8 +207,9 @@ def test_zero_demo_runs_from_a_notebook_too():
                        TrainConfig(steps=2, batch_size=8, grad_clip=1.0, progress=False)).train_losses
     # the same single-process run in rank 0 and here: a rank's thread count may block its GEMMs
     # differently, and step 2 follows an AdamW step, so both within adamw_loss_atol (tests/_tolerances)
-    assert out[0]["reference"] == pytest.approx(ref, abs=adamw_loss_atol(TrainConfig().lr)) and out[1]["reference"] is None
-    assert out[0]["losses"] == pytest.approx(ref, abs=adamw_loss_atol(TrainConfig().lr))
+    atol = adamw_loss_atol(TrainConfig().lr)
+    assert out[0]["reference"] == pytest.approx(ref, abs=atol) and out[1]["reference"] is None
+    assert out[0]["losses"] == pytest.approx(ref, abs=atol)
     assert all(o["measured"] == {k: o["formula"].get(k, 0) for k in o["measured"]} for o in out)
 
 
