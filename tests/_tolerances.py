@@ -21,6 +21,9 @@ import math
 
 import torch
 
+# |loss difference| after AdamW steps: the demos print checks against it too (its reason is there).
+from course_lib.tolerances import adamw_loss_atol  # noqa: F401  (re-exported for the tests)
+
 FP32_EPS = torch.finfo(torch.float32).eps  # 2^-23 ~ 1.19e-7: the spacing of fp32 numbers at 1
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2^-7: bf16 keeps 8 significant bits (rounding <= 2^-8 relative)
 FP16_EPS = torch.finfo(torch.float16).eps  # 2^-10: fp16 keeps 11 significant bits (rounding <= 2^-11 relative)
@@ -103,14 +106,6 @@ def assert_grads_close_after_adamw(got, want, msg: str = "") -> None:
         return
     rel = relative_norm(got, want)
     assert rel <= ADAMW_GRAD_REL_NORM, f"{msg}: |difference| / |gradient| = {rel:.3g} > {ADAMW_GRAD_REL_NORM}"
-
-
-def adamw_loss_atol(lr: float) -> float:
-    """|loss difference| allowed after AdamW steps: the fp32 loss (~4.6, ulp 4.8e-7) summed in
-    another order differs by a few ulps; an element AdamW moved by up to 2·lr on rounding, whose
-    gradient at the next step is up to ~1e-2, moves the loss by <= 2·lr·1e-2 (6e-5 at lr = 3e-3).
-    A wrong batch, shard or reduction moves it by > 1e-2."""
-    return 1e-5 + 2 * lr * 1e-2
 
 
 def by_name(flat: torch.Tensor, model: torch.nn.Module) -> dict:

@@ -216,6 +216,23 @@ def test_best_of_rounds_keeps_the_least_disturbed_values():
                                                                             "n_tensors": 5, "numel": 9}}
 
 
+def test_calibration_without_a_fitting_line_falls_back_to_the_largest_probe(tiny_config):
+    """Model times that do not grow with the work (a loaded machine) fit no line: the rate is the
+    largest micro-batch's FLOP/s and no fixed part is claimed (was a ValueError from the fit)."""
+    from course_lib.estimate.calibrate import MICRO_BATCHES, cluster_from_probes
+    from course_lib.estimate.compute import flops_per_token
+
+    seq = tiny_config.block_size
+    flat = {"tensors": 2.0, "flat": 1.0, "n_tensors": 5, "numel": 9}
+    table = {"all_reduce": {"2": [[4, 8], [1.0, 1.0]]}}
+    rank = {"matmul": 1.0, "bandwidth": 1.0, "model": [4.0, 3.0, 2.0, 1.0], "optimizer": flat, "table": table}
+    cluster, raw = cluster_from_probes([rank, rank], tiny_config, 1, seq, memory_bytes=1.0)
+    largest = flops_per_token(tiny_config, seq) * MICRO_BATCHES[-1] * seq
+    assert cluster.achievable_flops == largest / 1.0  # the same division
+    assert cluster.layer_overhead == 0.0 and raw["model_fixed_seconds"] == 0.0
+    assert cluster.intra.fit is None  # the all-reduce times do not grow either
+
+
 def test_calibration_on_two_ranks_feeds_the_model(tiny_config):
     cluster, raw = calibrate(2, tiny_config, micro_batch=2, timeout_s=120, sizes=(4, 1 << 14, 1 << 18))
 

@@ -186,8 +186,13 @@ def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,
     world_size = len(out)
     model = [max(r["model"][i] for r in out) for i in range(len(MICRO_BATCHES))]
     flops = [flops_per_token(config, seq) * mb * seq for mb in MICRO_BATCHES]
-    fit = fit_alpha_beta(flops, model, name="forward+backward: fixed seconds, FLOP/s")
-    layer_overhead, rate = fit.alpha / (config.n_layer + 1), fit.beta
+    try:
+        fit = fit_alpha_beta(flops, model, name="forward+backward: fixed seconds, FLOP/s")
+        fixed, rate = fit.alpha, fit.beta
+    except ValueError:  # times that do not grow with the work (a loaded machine): no line fits, so
+        # no fixed part can be told apart; the largest probe's throughput is the sustained rate
+        fixed, rate = 0.0, flops[-1] / model[-1]
+    layer_overhead = fixed / (config.n_layer + 1)
     opt = {k: max(r["optimizer"][k] for r in out) for k in ("tensors", "flat")}
     n_tensors, numel = out[0]["optimizer"]["n_tensors"], out[0]["optimizer"]["numel"]
     tensor_overhead = max(0.0, (opt["tensors"] - opt["flat"]) / (n_tensors - 1))
@@ -212,7 +217,7 @@ def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,
            "matmul_flops_per_rank": [r["matmul"] for r in out],
            "copy_bandwidth_per_rank": [r["bandwidth"] for r in out],
            "micro_batches": list(MICRO_BATCHES), "model_seconds": model, "model_flops": flops,
-           "model_fixed_seconds": fit.alpha, "optimizer_seconds": opt, "optimizer_tensors": n_tensors,
+           "model_fixed_seconds": fixed, "optimizer_seconds": opt, "optimizer_tensors": n_tensors,
            "optimizer_numel": numel}
     return cluster, raw
 
