@@ -32,25 +32,44 @@ LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks $(LAB_FLAGS)
 
-# pytest for course_lib, then nbval over every notebook and every graded exercise notebook
+# pytest for course_lib, and nbval over every notebook and every graded exercise notebook
 # (graded with the reference solutions; tests/test_grading.py proves the stubs fail), on this
-# machine's own CPU path, as a learner's kernel runs them.
+# machine's own CPU path, as a learner's kernel runs them. The two run at the same time (ranks
+# starting and waiting on each other leave cores idle; no result depends on the load): the
+# notebooks' log goes to $(TEST_LOGS)/notebooks.log and is printed after the tests'.
+TEST_LOGS := build/test
 test: $(STAMP)
-	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q tests notebooks exercises $(NBVAL)
+	@rm -rf $(TEST_LOGS) && mkdir -p $(TEST_LOGS)
+	@( COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q notebooks exercises $(NBVAL) \
+		> $(TEST_LOGS)/notebooks.log 2>&1; echo $$? > $(TEST_LOGS)/notebooks.rc ) & \
+	echo "== pytest tests (the notebooks and exercises run beside it: $(TEST_LOGS)/notebooks.log)"; \
+	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q tests; status=$$?; wait; \
+	echo "== nbval notebooks exercises"; cat $(TEST_LOGS)/notebooks.log; \
+	test "$$(cat $(TEST_LOGS)/notebooks.rc)" = 0 || status=1; exit $$status
 
 # nbval again over every notebook and exercise on the CPU paths a learner may have that differ
 # most from the one that stored the outputs (AVX-512, all cores): PyTorch's scalar kernels
 # (ATEN_CPU_CAPABILITY=default) on one thread, and its AVX2 kernels on two. A stored output that
 # depends on the CPU fails here, not on a learner's machine (CONTRIBUTING.md, "Notebooks";
 # tests/test_portability.py checks that the paths cover both kernels and both thread counts and
-# that they change low-precision results here). Each entry is CAPABILITY:THREADS.
+# that they change low-precision results here). Each entry is CAPABILITY:THREADS. The paths run
+# at the same time (most of a notebook's time is ranks starting and waiting on each other, which
+# leaves cores idle; the outputs do not depend on the load), each into its own log under
+# $(PORTABILITY_LOGS), printed when both are done.
 PORTABLE_PATHS := default:1 avx2:2
+PORTABILITY_LOGS := build/portability
 test-portability: $(STAMP)
+	@rm -rf $(PORTABILITY_LOGS) && mkdir -p $(PORTABILITY_LOGS)
 	@for p in $(PORTABLE_PATHS); do \
+		( ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:} COURSE_GRADE_WITH=solutions \
+			$(PY) -m pytest -p no:cacheprovider -q notebooks exercises $(NBVAL) \
+			> $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.log 2>&1; echo $$? > $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.rc ) & \
+	done; wait
+	@status=0; for p in $(PORTABLE_PATHS); do \
 		echo "== nbval with ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:}"; \
-		ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:} COURSE_GRADE_WITH=solutions \
-			$(PY) -m pytest -p no:cacheprovider -q notebooks exercises $(NBVAL) || exit 1; \
-	done
+		cat $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.log; \
+		test "$$(cat $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.rc)" = 0 || status=1; \
+	done; exit $$status
 
 # For maintainers: the whole suite against the newest releases of every dependency (torch stays
 # at TORCH: a newer one is a separate decision), in its own .venv-latest. When it is green,

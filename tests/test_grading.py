@@ -34,8 +34,10 @@ def test_exercise_is_complete(exercise):
 @pytest.mark.parametrize("exercise", EXERCISES)
 def test_exercise_notebook_fails_with_the_stubs(exercise):
     env = {k: v for k, v in os.environ.items() if k != grading.GRADE_WITH_ENV}
+    # -x: stop at the first failing cell, as Run All does for a learner (the cells after it would
+    # only fail again on the same stubs)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--nbval",
          "--nbval-sanitize-with", "tools/nbval_sanitize.cfg", f"exercises/{exercise}.ipynb"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:]

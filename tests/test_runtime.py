@@ -94,9 +94,9 @@ def test_stuck_rank_times_out_naming_the_stuck_ranks():
         return dist.get_rank()
 
     with pytest.raises(RankTimeout) as info:
-        run_on_ranks(rank_0_skips_the_barrier, world_size=3, timeout_s=2)
+        run_on_ranks(rank_0_skips_the_barrier, world_size=3, timeout_s=5)
     assert info.value.stuck_ranks == [1, 2]
-    assert "timeout_s=2" in str(info.value)
+    assert "timeout_s=5" in str(info.value)
     assert run_on_ranks(rank_and_size, world_size=3) == [(0, 3), (1, 3), (2, 3)]
 
 
@@ -210,3 +210,37 @@ def test_every_forkserver_preload_name_imports():
     assert "course_lib.runtime.worker" in FORKSERVER_PRELOAD
     for name in FORKSERVER_PRELOAD:
         importlib.import_module(name)
+
+
+def _rank_and_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_a_port_taken_before_rank_0_listens_is_replaced_by_another(monkeypatch):
+    """free_port() can only find a port that was free a moment ago; when another program takes it
+    first, rank 0 cannot listen (EADDRINUSE) and the group starts again on a fresh port."""
+    import socket
+
+    from course_lib.runtime import pool
+
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    blocker.bind(("0.0.0.0", 0))
+    blocker.listen()
+    taken = blocker.getsockname()[1]
+    ports = iter([taken])
+    real = pool.free_port
+    tried = []
+
+    def free_port():
+        port = next(ports, None) or real()
+        tried.append(port)
+        return port
+
+    monkeypatch.setattr(pool, "free_port", free_port)
+    pool.shutdown_pools()
+    try:
+        assert run_on_ranks(_rank_and_world, world_size=2, timeout_s=60) == [(0, 2), (1, 2)]
+    finally:
+        blocker.close()
+        pool.shutdown_pools()
+    assert tried[0] == taken and len(tried) == 2 and tried[1] != taken

@@ -82,6 +82,10 @@ class RankTimeout(TimeoutError):
         )
 
 
+PORT_ATTEMPTS = 3  # ports tried before a group that cannot listen is an error
+ADDRESS_IN_USE = "address already in use"  # how torch's TCPStore reports EADDRINUSE (lowercased)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -141,8 +145,23 @@ class RankPool:
 
     def __init__(self, world_size: int, backend: str, check_collectives: bool):
         self.world_size, self.backend = world_size, backend
+        # free_port() only finds a port that was free a moment ago: another program (a second
+        # notebook, a test run) may take it before rank 0 listens on it. Then rank 0 fails with
+        # EADDRINUSE and the group starts again on another port; any other error is raised.
+        for attempt in range(PORT_ATTEMPTS):
+            errors = self._start(free_port(), check_collectives)
+            if not errors:
+                return
+            if attempt + 1 < PORT_ATTEMPTS and any(ADDRESS_IN_USE in m.lower() for m in errors.values()):
+                continue
+            raise RankError(errors, world_size)
+
+    def _start(self, port: int, check_collectives: bool) -> dict[int, str]:
+        """Start the ranks on `port` and wait until every one has joined the process group:
+        {} then, else {rank: error} (the ranks killed). A rank that neither joins nor fails in
+        STARTUP_TIMEOUT_S raises RankTimeout."""
+        world_size, backend = self.world_size, self.backend
         ctx = _mp_context()
-        port = free_port()
         n_threads = threads_per_rank(world_size)
         self.conns, self.procs = [], []
         for rank in range(world_size):
@@ -158,14 +177,13 @@ class RankPool:
             child_end.close()
             self.conns.append(parent_end)
             self.procs.append(p)
-        # Wait until every rank has joined the process group.
         replies = self._collect(STARTUP_TIMEOUT_S)
         errors = {r: msg[1] for r, msg in replies.items() if msg[0] != "ready"}
         if errors or len(replies) < world_size:
             self.kill()
-            if errors:
-                raise RankError(errors, world_size)
-            raise RankTimeout([r for r in range(world_size) if r not in replies], world_size, STARTUP_TIMEOUT_S)
+            if not errors:
+                raise RankTimeout([r for r in range(world_size) if r not in replies], world_size, STARTUP_TIMEOUT_S)
+        return errors
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
