@@ -16,7 +16,7 @@ NBVAL  := --nbval --nbval-sanitize-with tools/nbval_sanitize.cfg --nbval-cell-ti
 CONSTRAINTS ?= constraints.txt
 PIP     = $(PY) -m pip install --quiet --disable-pip-version-check $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
 
-.PHONY: lab test setup notebooks exercises bench bench-quick clean-venv test-portability test-latest lock
+.PHONY: browser-deps lab test setup notebooks exercises bench bench-quick clean-venv test-portability test-latest lock
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -101,15 +101,19 @@ bench-quick: $(STAMP)
 clean-venv:
 	rm -rf $(VENV)
 
+# What test-browser needs beyond .venv: Chromium, and playwright installed into .venv (CI runs
+# this first, so that nothing is installed into .venv while other targets run from it).
+browser-deps: $(STAMP)
+	@bash tools/ensure_chromium.sh
+	@$(PY) -c "import playwright" 2>/dev/null || $(PIP) -e ".[dev,browser]"
+
 # The widgets and the exercises' check cells in JupyterLab in headless Chromium (tests/browser/,
-# CONTRIBUTING.md "Widgets"). Installs what it needs: Debian's chromium through apt-get when no
+# CONTRIBUTING.md "Widgets"). browser-deps installs what it needs: Debian's chromium through apt-get when no
 # Chromium is on PATH, and playwright into .venv, pointed at that Chromium (no browser download).
 # Screenshots of every state: build/browser-artifacts/ (kept by CI).
 BROWSER_ARTIFACTS ?= build/browser-artifacts
 .PHONY: test-browser html
-test-browser: $(STAMP)
-	@bash tools/ensure_chromium.sh
-	@$(PY) -c "import playwright" 2>/dev/null || $(PIP) -e ".[dev,browser]"
+test-browser: browser-deps
 	@rm -rf $(BROWSER_ARTIFACTS)
 	COURSE_BROWSER_TEST=1 COURSE_BROWSER_ARTIFACTS=$(BROWSER_ARTIFACTS) timeout -k 30 1800 \
 		$(PY) -m pytest -p no:cacheprovider -q -o timeout=480 tests/browser
