@@ -23,7 +23,9 @@ Failure handling (the kernel must never hang):
   * a collective whose shapes/ops differ between ranks -> an error on the ranks
     (course_lib/observe/checks.py compares every collective's fingerprint), so a `RankError`
     rather than silently wrong numbers.
-In every failure case the pool is killed, and the next call starts a fresh one.
+In every failure case the pool is killed, and the next call starts a fresh one. A port
+taken by another program before rank 0 listens on it (EADDRINUSE) is not a failure: the
+group starts again on another port.
 
 (A little over 300 lines: the pool, its failure handling and run_on_ranks are read together.)
 """
