@@ -11,7 +11,7 @@ How data flows, and where each part lives:
     observe/      records what happened: collective checks, CommTracer, timelines, memory
     comm/         collectives from send/recv, their alpha-beta cost, differentiable collectives
     estimate/     pure formulas: memory, FLOPs, time (no processes)
-    grading.py    the graded exercises' loader and checks;  demos/: the torchrun demos
+    grading/      the graded exercises' loader, checks and per-exercise checkers;  demos/: the torchrun demos
     units.py      one byte-unit convention (KiB/MiB/GiB);  _validate.py: argument checks
 
 Names the notebooks, exercises and graders rely on (kept stable):

@@ -54,12 +54,50 @@ def test_load_student_switches_to_the_solutions(monkeypatch):
 
 
 def test_checks_pass_and_fail(capsys):
-    grading.check_close("close", [1.0, 2.0], [1.0, 2.0 + 1e-9])
+    grading.check_close("close", [1.0, 2.0], [1.0, 2.0 + 1e-9], rtol=1e-8, atol=0)
     grading.check_equal("equal", (1, "a"), (1, "a"))
     assert capsys.readouterr().out == "PASS  close\nPASS  equal\n"
     with pytest.raises(grading.CheckFailed, match="largest difference"):
-        grading.check_close("far", [1.0], [1.1])
+        grading.check_close("far", [1.0], [1.1], rtol=1e-2, atol=0)
     with pytest.raises(grading.CheckFailed, match="got shape"):
-        grading.check_close("shape", [1.0, 2.0], [1.0])
+        grading.check_close("shape", [1.0, 2.0], [1.0], rtol=0, atol=0)
+    with pytest.raises(TypeError):  # no default tolerance: every check states its own
+        grading.check_close("no tolerance", [1.0], [1.0])
     with pytest.raises(grading.CheckFailed, match="expected: 2"):
         grading.check_equal("neq", 1, 2)
+
+
+REFUSE = ("course_lib.estimate.planner", "course_lib.estimate.plan", "course_lib.parallel.topology.groups")
+
+
+@pytest.mark.parametrize("source, line, name", [
+    ("from course_lib.estimate import plan\n", 1, "course_lib.estimate.plan"),
+    ("import course_lib.estimate.planner as p\n", 1, "course_lib.estimate.planner"),
+    ("x = 1\nfrom course_lib.estimate.planner import plan as search\n", 2, "course_lib.estimate.planner.plan"),
+    ("import course_lib\n\ndef f():\n    return course_lib.estimate.plan(1)\n", 4, "course_lib.estimate.plan"),
+    ("from course_lib import estimate as est\nest.plan(1)\n", 2, "course_lib.estimate.plan"),
+    ("from course_lib.parallel import topology\ntopology.groups({})\n", 2, "course_lib.parallel.topology.groups"),
+    ("import importlib\nm = importlib.import_module('course_lib.estimate.planner')\n", 2,
+     "course_lib.estimate.planner"),
+])
+def test_a_student_module_reaching_for_the_answer_is_refused(source, line, name):
+    assert grading.refused_uses(source, REFUSE)[0] == (line, name)
+
+
+def test_what_the_exercise_does_not_refuse_is_allowed():
+    source = ("import torch\nfrom course_lib.parallel import topology\nfrom course_lib.estimate import Layout\n"
+              "topology.link_of('dp', {}, 8)\nplan = 3\n")
+    assert grading.refused_uses(source, REFUSE) == []
+    assert grading.refused_uses("from course_lib.estimate import plan\n", ()) == []
+
+
+def test_load_student_refuses_before_running_the_module(tmp_path, monkeypatch):
+    (tmp_path / "ex98_refusal").mkdir()
+    (tmp_path / "ex98_refusal" / "student.py").write_text(
+        "raise RuntimeError('the module ran')\nfrom course_lib.estimate import plan\n")
+    monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
+    monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
+    with pytest.raises(grading.CheckFailed, match=r"student.py, line 2 uses course_lib.estimate.plan"):
+        grading.load_student("ex98_refusal", refuse=REFUSE)
+    with pytest.raises(RuntimeError, match="the module ran"):  # without the refusal it runs
+        grading.load_student("ex98_refusal")

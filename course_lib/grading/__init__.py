@@ -7,15 +7,23 @@ Layout of an exercise `exNN_name`:
                                           what correct code prints)
     exercises/exNN_name/student.py        the stubs the learner fills in
     exercises/solutions/exNN_name.py      the reference solution, kept apart from the stubs
+    course_lib/grading/exNN_name.py       the exercise's checkers, where they need more than
+                                          check_equal / check_close (one module per exercise)
 
 The notebook calls `load_student("exNN_name")`, which imports the learner's `student.py`, or
 the reference solution when COURSE_GRADE_WITH=solutions (how CI proves the graders pass on
 correct code). nbval then compares every check cell's output with the stored one: a wrong
 answer raises in the cell (or prints something else), and the notebook fails.
+
+An exercise whose answer the library already holds (the planner, the mesh bookkeeping, the
+step-time model ...) names those modules or functions in `load_student(..., refuse=...)`: a
+student module that imports or reaches for one of them is refused with `CheckFailed` before any
+check runs, so a check can only pass on the learner's own code.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import pathlib
@@ -26,18 +34,29 @@ import torch
 
 from course_lib.runtime.modules import share_with_ranks
 
-EXERCISES_DIR = pathlib.Path(os.environ.get("COURSE_EXERCISES_DIR", pathlib.Path(__file__).resolve().parent.parent / "exercises"))
+EXERCISES_DIR = pathlib.Path(os.environ.get("COURSE_EXERCISES_DIR", pathlib.Path(__file__).resolve().parents[2] / "exercises"))
 GRADE_WITH_ENV = "COURSE_GRADE_WITH"
 
 
-def load_student(exercise: str):
-    """Import the module the learner writes for `exercise` (see module docstring)."""
+def load_student(exercise: str, refuse: tuple[str, ...] = ()):
+    """Import the module the learner writes for `exercise` (see module docstring).
+
+    `refuse`: dotted names (`"course_lib.estimate.planner"`, `"course_lib.parallel.topology.groups"`)
+    that hold this exercise's answer; a module that imports any of them, or anything below one,
+    raises `CheckFailed` naming the line (see `refused_uses`).
+    """
     if os.environ.get(GRADE_WITH_ENV) == "solutions":
         path = EXERCISES_DIR / "solutions" / f"{exercise}.py"
     else:
         path = EXERCISES_DIR / exercise / "student.py"
     if not path.exists():
         raise FileNotFoundError(f"no module for exercise {exercise!r} at {path}")
+    show_failures_briefly()
+    uses = refused_uses(path.read_text(), refuse)
+    if uses:
+        line, name = uses[0]
+        raise CheckFailed(f"{path.name}, line {line} uses {name}, which already holds this exercise's "
+                          f"answer: write it yourself, then compare with the library's")
     spec = importlib.util.spec_from_file_location(f"course_exercise_{exercise}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # re-loading replaces the learner's previous version
@@ -45,8 +64,69 @@ def load_student(exercise: str):
     # Ranks cannot import a module loaded from a file path: they get its source and run it under
     # its real file name, so a rank's traceback still names student.py and the line.
     share_with_ranks(module)
-    show_failures_briefly()
     return module
+
+
+def _dotted(node) -> str | None:
+    """`a.b.c` for an attribute chain on a plain name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def refused_uses(source: str, refuse: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, dotted name) for every place `source` reaches a name in `refuse`, in line order.
+
+    Read from the syntax tree, not by running the code: `import m`, `from m import f` and
+    `from pkg import m` are resolved to full dotted names, and so are attribute chains on an
+    imported name (`course_lib.estimate.plan(...)`, `est.plan(...)` after `import ... as est`).
+    `importlib.import_module("...")` and `__import__` with a refused literal are caught too.
+    A name is refused when it equals an entry of `refuse` or lies below one.
+    """
+    if not refuse:
+        return []
+
+    def hit(name: str) -> bool:
+        return any(name == r or name.startswith(r + ".") for r in refuse)
+
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}  # local name -> dotted name it was imported as
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:  # import a.b as x: x is a.b
+                    aliases[a.asname] = a.name
+                else:  # import a.b: binds a
+                    aliases[a.name.split(".")[0]] = a.name.split(".")[0]
+                if hit(a.name):
+                    found.append((node.lineno, a.name))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                aliases[a.asname or a.name] = full
+                if hit(node.module) or hit(full):
+                    found.append((node.lineno, full))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and _dotted(node.func) in (
+                    "importlib.import_module", "import_module", "__import__"):
+            if hit(node.args[0].value):
+                found.append((node.lineno, node.args[0].value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            name = _dotted(node)
+            if name is None:
+                continue
+            head, _, rest = name.partition(".")
+            if head in aliases:
+                full = aliases[head] + ("." + rest if rest else "")
+                if hit(full):
+                    found.append((node.lineno, full))
+    return sorted(set(found))
 
 
 # ---------------------------------------------------------------- how a failing check looks
@@ -136,8 +216,9 @@ def _as_tensor(x):
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.float64)
 
 
-def check_close(label: str, got, expected, rtol: float = 1e-5, atol: float = 1e-6):
-    """Pass when `got` matches `expected` elementwise (tensors, numbers or nested lists)."""
+def check_close(label: str, got, expected, *, rtol: float, atol: float):
+    """Pass when |got - expected| <= atol + rtol·|expected| elementwise (tensors, numbers or nested
+    lists). No default tolerance: each check states the one its numerics justify, beside it."""
     g, e = _as_tensor(got), _as_tensor(expected)
     if g.shape != e.shape:
         raise CheckFailed(f"{label}: got shape {tuple(g.shape)}, expected {tuple(e.shape)}")
