@@ -17,6 +17,7 @@ Cell tags are nbval's (see CONTRIBUTING.md): "nbval-ignore-output" (run, output 
     python tools/nb.py build notebooks/src/00_launching_ranks.py     # -> notebooks/00_launching_ranks.ipynb, executed
     COURSE_GRADE_WITH=solutions python tools/nb.py build exercises/src/ex00_all_reduce.py
     python tools/nb.py build --no-execute SRC                          # just convert
+    python tools/nb.py build --prose-only SRC      # only markdown changed: keep the stored outputs
     python tools/nb.py time notebooks/*.ipynb                         # re-execute and print seconds
 
 Executing stores the outputs, so the committed notebook is what nbval compares against.
@@ -84,6 +85,25 @@ def execute(nb, cwd: pathlib.Path) -> float:
     return time.perf_counter() - start
 
 
+def keep_outputs(nb, stored) -> None:
+    """Give `nb`'s code cells the outputs of `stored`'s, which must hold the same code cells.
+
+    Only markdown may differ: a code cell whose source or tags changed must be executed again,
+    so any difference raises instead of storing outputs that the new code might not print.
+    """
+    new = [c for c in nb.cells if c.cell_type == "code"]
+    old = [c for c in stored.cells if c.cell_type == "code"]
+    for i, (n, o) in enumerate(zip(new, old)):
+        if n.source != o.source or n.metadata.get("tags", []) != o.metadata.get("tags", []):
+            raise ValueError(f"code cell {i} changed (first line {n.source.splitlines()[0]!r}): "
+                             "build it without --prose-only so it is executed")
+    if len(new) != len(old):
+        raise ValueError(f"{len(new)} code cells against {len(old)} stored: build without --prose-only")
+    for n, o in zip(new, old):
+        n.outputs, n.execution_count, n.metadata = o.outputs, o.execution_count, o.metadata
+    nb.metadata = stored.metadata  # the kernel's language_info, as the executed build stored it
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -91,6 +111,8 @@ def main(argv=None):
     b.add_argument("sources", nargs="+")
     b.add_argument("--out", help="output path (only with one source)")
     b.add_argument("--no-execute", action="store_true")
+    b.add_argument("--prose-only", action="store_true",
+                   help="only markdown changed: reuse the stored notebook's outputs (checked)")
     t = sub.add_parser("time")
     t.add_argument("notebooks", nargs="+")
     args = parser.parse_args(argv)
@@ -98,7 +120,10 @@ def main(argv=None):
         for src in map(pathlib.Path, args.sources):
             out = pathlib.Path(args.out) if args.out else src.parent.parent / (src.stem + ".ipynb")
             nb = percent_to_notebook(src.read_text())
-            if not args.no_execute:
+            if args.prose_only:
+                keep_outputs(nb, nbformat.read(out, as_version=4))
+                print(f"{out}: markdown rebuilt, stored outputs kept", flush=True)
+            elif not args.no_execute:
                 print(f"{out}: executed in {execute(nb, out.parent.resolve()):.1f} s", flush=True)
             nbformat.write(nb, out)
     else:
