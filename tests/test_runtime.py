@@ -187,6 +187,11 @@ def test_interrupting_the_caller_stops_the_ranks_and_the_next_call_works():
     import threading
 
     pids = run_on_ranks(os.getpid, world_size=2)
+    # SIGINT is what a kernel interrupt sends; Python turns it into KeyboardInterrupt only under
+    # its default handler, and a process started in the background by a shell without job
+    # control (`cmd &` in a script) inherits SIGINT ignored. Install the default handler so the
+    # test exercises the pool, not how the test run was launched.
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -194,6 +199,7 @@ def test_interrupting_the_caller_stops_the_ranks_and_the_next_call_works():
             run_on_ranks(time.sleep, 30, world_size=2, timeout_s=60)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, saved)
     for pid in pids:  # the interrupted pool's processes are gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
