@@ -218,6 +218,17 @@ print(f"rank 0: all-reduce bar {(c_end - c_start) * 1e3:.0f} ms, of which {(slow
 # * ranks still running after `timeout_s` raise `RankTimeout`, naming the stuck ranks.
 #
 # Either way the ranks are stopped and the next call starts fresh: the kernel never hangs.
+#
+# *Predict first:* below, rank 2 raises before a barrier that ranks 0, 1 and 3 call. Which
+# ranks does the `RankError` name, and does the notebook sit out the whole `timeout_s=30`?
+#
+# <details><summary>Answer</summary>
+#
+# Only rank 2: ranks 0, 1 and 3 raised nothing, they were waiting in the barrier. And no
+# 30-second wait: as soon as one rank reports an exception, the others get a short grace
+# period (a couple of seconds) to report too, then they are stopped and the error is raised.
+# The timeout is only for ranks that neither finish nor fail.
+# </details>
 
 # %%
 def fails_on_rank_2():
@@ -414,6 +425,34 @@ plt.show()
 # 5. A collective matches the calls of all ranks one by one: a missing call leaves the others
 #    waiting, and a different shape either fails or silently combines the wrong data.
 # </details>
+
+# %% [markdown]
+# ## References
 #
-# **Next:** notebook 01 asks how much memory and compute a *real* model of this shape needs,
-# and why one GPU is not enough.
+# What this notebook relies on:
+#
+# * PyTorch documentation, [*Distributed communication package: torch.distributed*](https://pytorch.org/docs/stable/distributed.html):
+#   process groups, the gloo, NCCL and MPI backends, and every collective called here.
+# * PyTorch documentation, [*torchrun (Elastic Launch)*](https://pytorch.org/docs/stable/elastic/run.html):
+#   the launcher of section 5 and the environment variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, …)
+#   it gives each process.
+# * NVIDIA, [nccl-tests, *doc/PERFORMANCE.md*](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+#   the definitions of algorithm bandwidth and bus bandwidth printed in section 5.
+# * Radford et al. (2019). *Language Models are Unsupervised Multitask Learners* (GPT-2), OpenAI:
+#   the decoder that the reference model of section 6 follows, at a tiny size.
+#
+# Further reading:
+#
+# * S. Arnold, [*Writing Distributed Applications with PyTorch*](https://pytorch.org/tutorials/intermediate/dist_tuto.html)
+#   (PyTorch tutorials): the same ideas written with raw `init_process_group`, `send`/`recv` and
+#   collectives; read it to see what `run_on_ranks` does for you.
+# * Chen, Pan, Monga, Bengio & Jozefowicz (2016). *Revisiting Distributed Synchronous SGD*,
+#   arXiv:1604.00981: how much stragglers cost synchronous training (section 2's lesson) at
+#   scale, and backup workers as a remedy.
+# * Li et al. (2020). *PyTorch Distributed: Experiences on Accelerating Data Parallel Training*,
+#   PVLDB 13(12): how PyTorch's process groups and `DistributedDataParallel` are built, the
+#   design notebook 03 rebuilds.
+#
+# **Next:** exercise 00 (`exercises/ex00_all_reduce.ipynb`) has you write your first all-reduce
+# and run it on ranks yourself. Then notebook 01 asks how much memory and compute a *real*
+# model of this shape needs, and why one GPU is not enough.

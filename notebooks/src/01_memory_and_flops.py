@@ -638,7 +638,47 @@ show_interactive(lambda: calculator.calculator_view(), lambda: calculator.Memory
 # 5. $6 \times 70\cdot10^9 \times 15\cdot10^{12} = 6.3\cdot10^{24}$ FLOPs, divided by
 #    $4096 \times 989\cdot10^{12} \times 0.4$ FLOP/s = 3.9·10⁶ s ≈ 45 days.
 # </details>
+
+# %% [markdown]
+# ## References
 #
-# Next: exercise 01 (`exercises/ex01_memory_math.ipynb`) asks you to plan a real training
+# What this notebook relies on:
+#
+# * Brown et al. (2020). *Language Models are Few-Shot Learners*, NeurIPS 2020: GPT-3's shape
+#   (section 1) and its 300 billion training tokens (section 5).
+# * Dubey et al. (2024). *The Llama 3 Herd of Models*, arXiv:2407.21783: the Llama 3 shapes
+#   (RMSNorm, SwiGLU, grouped-query attention, untied head) counted in section 1.
+# * Kingma & Ba (2015). *Adam: A Method for Stochastic Optimization*, ICLR 2015, and Loshchilov &
+#   Hutter (2019). *Decoupled Weight Decay Regularization*, ICLR 2019: the two moments $m$, $v$
+#   that AdamW keeps per parameter (section 2).
+# * Micikevicius et al. (2018). *Mixed Precision Training*, ICLR 2018: fp32 master weights and
+#   loss scaling, the recipe behind the 16 bytes/param of section 2.
+# * Kalamkar et al. (2019). *A Study of BFLOAT16 for Deep Learning Training*, arXiv:1905.12322:
+#   bf16 (fp32's range, 8 significant bits) as a training format.
+# * Rajbhandari et al. (2020). *ZeRO: Memory Optimizations Toward Training Trillion Parameter
+#   Models*, SC20: $K = 12$ and the bytes per parameter of stages 1-3.
+# * Ren et al. (2021). *ZeRO-Offload: Democratizing Billion-Scale Model Training*, USENIX ATC
+#   2021: optimizer state in CPU memory, the calculator's offload option.
+# * Korthikanti et al. (2022). *Reducing Activation Recomputation in Large Transformer Models*,
+#   arXiv:2205.05198 (MLSys 2023): $sbh(34 + 5as/h)$ and selective recomputation (section 3).
+# * Dao et al. (2022). *FlashAttention: Fast and Memory-Efficient Exact Attention with
+#   IO-Awareness*, NeurIPS 2022: fused attention keeps a log-sum-exp per row instead of the
+#   $s \times s$ weights.
+# * Kaplan et al. (2020). *Scaling Laws for Neural Language Models*, arXiv:2001.08361: about
+#   $6N$ training FLOPs per token, and the attention term beside it (section 4).
+# * Chowdhery et al. (2022). *PaLM: Scaling Language Modeling with Pathways*, arXiv:2204.02311:
+#   model FLOPs utilisation (MFU), the efficiency measure of section 5.
+#
+# Further reading:
+#
+# * Anthony, Biderman & Schoelkopf (2023). [*Transformer Math 101*](https://blog.eleuther.ai/transformer-math/),
+#   EleutherAI blog: this notebook's memory and FLOPs accounting on one page, a handy
+#   checklist when sizing a run.
+# * Korthikanti et al. (2022), its activation-memory section: the inventory of section 3 term by
+#   term for a 16-bit GPU run, extended to tensor, sequence and pipeline parallelism.
+# * Chowdhery et al. (2022), Appendix B: how MFU is computed from measured throughput, and why
+#   it differs from hardware FLOPs utilisation when activations are recomputed.
+#
+# **Next:** exercise 01 (`exercises/ex01_memory_math.ipynb`) asks you to plan a real training
 # layout with these formulas; then the following notebooks build the parallel strategies that
 # make the numbers of section 6 real.

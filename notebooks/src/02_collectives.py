@@ -268,6 +268,17 @@ print("reduce-scatter + all-gather = all-reduce, byte for byte")
 # When N is not a power of two, let p be the largest power of two below N. The N-p extra
 # ranks first hand their tensor to a partner among the first p (which adds it), wait out the
 # butterfly, and get the answer back at the end: two more steps. On 6 ranks (p = 4):
+#
+# *Predict first:* on 6 ranks, how many bytes does each rank send, in units of $S$? Which
+# ranks send the most?
+#
+# <details><summary>Answer</summary>
+#
+# Ranks 4 and 5 send $S$ (their tensor, handed to ranks 0 and 1), then wait. Ranks 2 and 3 send
+# $2S$: one full tensor in each of the $\log_2 4 = 2$ butterfly rounds. Ranks 0 and 1 send
+# $3S$: the two rounds, plus the answer sent back to their extra partner. Unlike the ring,
+# the load is uneven.
+# </details>
 
 # %%
 sent = totals(run_on_ranks(traced_all_reduce, "tree", world_size=6), "bytes_sent")
@@ -691,6 +702,42 @@ plt.show()
 #    distant ranks whose messages share links on a real network, while a ring uses only
 #    neighbour links.
 # </details>
+
+# %% [markdown]
+# ## References
+#
+# What this notebook relies on:
+#
+# * Dean et al. (2012). *Large Scale Distributed Deep Networks*, NeurIPS 2012, and Li et al.
+#   (2014). *Scaling Distributed Machine Learning with the Parameter Server*, OSDI 2014: the
+#   parameter server of section 2 and its uses (asynchronous and sparse updates, section 9).
+# * Patarasuk & Yuan (2009). *Bandwidth optimal all-reduce algorithms for clusters of
+#   workstations*, Journal of Parallel and Distributed Computing 69(2): the lower bound of
+#   section 5 and the ring that meets it.
+# * Gibiansky (2017). *Bringing HPC Techniques to Deep Learning*, Baidu Research blog, and
+#   Sergeev & Del Balso (2018). *Horovod: fast and easy distributed deep learning in
+#   TensorFlow*, arXiv:1802.05799: the ring all-reduce brought to gradient averaging.
+# * Rabenseifner (2004). *Optimization of Collective Reduction Operations*, ICCS 2004 (LNCS
+#   3036), and Thakur, Rabenseifner & Gropp (2005). *Optimization of Collective Communication
+#   Operations in MPICH*, International Journal of High Performance Computing Applications
+#   19(1): recursive halving and doubling, recursive doubling with the fold-in for $N$ not a
+#   power of two, and their α-β costs (sections 4 and 7).
+# * Hockney (1994). *The communication challenge for MPP: Intel Paragon and Meiko CS-2*,
+#   Parallel Computing 20(3): the model $T(S) = \alpha + S/\beta$ of section 7.
+# * Sanders, Speck & Träff (2009). *Two-tree algorithms for full bandwidth broadcast, reduction
+#   and scan*, Parallel Computing, and Jeaugey (2019). *Massively Scale Your Deep Learning
+#   Training with NCCL 2.4*, NVIDIA Technical Blog: the double binary trees of section 9.
+#
+# Further reading:
+#
+# * Chan, Heimlich, Purkayastha & van de Geijn (2007). *Collective communication: theory,
+#   practice, and experience*, Concurrency and Computation: Practice and Experience 19(13):
+#   lower bounds and costs for every collective in the α-β model plus a γ per reduced byte,
+#   and how to combine algorithms; the place to go after this notebook.
+# * Thakur, Rabenseifner & Gropp (2005): short and practical, which algorithm a real MPI
+#   library picks at which message size, and why.
+# * NVIDIA, [nccl-tests, *doc/PERFORMANCE.md*](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+#   how to read the algorithm and bus bandwidths of a collective benchmark on a real cluster.
 #
 # **Next: exercise 02** (`exercises/ex02_ring_all_reduce.ipynb`): write the ring yourself.
 # Then notebook 03 uses all-reduce for data parallelism, and later notebooks use

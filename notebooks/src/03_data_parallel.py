@@ -400,6 +400,19 @@ for n in (2, 4):
 # gradient accumulation (2 micro-batches per rank), without overlap — against the same
 # reference, and against `torch.nn.parallel.DistributedDataParallel` on the same data, on 2
 # and 4 ranks. Every row asserts its claim; the numbers are the largest differences.
+#
+# **Predict first.** Our DDP and PyTorch's both average the same gradients over the same
+# data. On 2 ranks, do their parameters after 5 steps agree bit for bit or only up to
+# rounding? And on 4 ranks?
+#
+# <details><summary>Answer</summary>
+#
+# Bit for bit on 2 ranks: both divide by $N = 2$ (exact for a power of two) and then add two
+# numbers, and $a + b = b + a$ in floating point (the cell asserts equality). On 4 ranks only
+# up to rounding: gloo adds four numbers per element in an order that depends on where the
+# element sits in the buffer, so buckets that place it differently round differently (the
+# cell asserts a bound, not equality).
+# </details>
 
 # %%
 VARIANTS = [("ddp", 1, {}), ("ddp", 2, {"bucket_cap_mb": 0.05}), ("ddp", 1, {"bucket_cap_mb": 0.05, "overlap": False}),
@@ -1030,5 +1043,44 @@ for line in run_on_ranks(bad_replicas, world_size=2, **RANKS)[0]:
 #    or lengthen the warm-up. The global batch is too large when it exceeds the measured
 #    noise scale $B_\text{simple}$: then the loss per token gets worse, whatever the schedule.
 # </details>
+
+# %% [markdown]
+# ## References
 #
-# Next: write the bucketed, overlapped DDP yourself in `exercises/ex03_ddp.ipynb`.
+# What this notebook relies on:
+#
+# * Li et al. (2020). *PyTorch Distributed: Experiences on Accelerating Data Parallel
+#   Training*, PVLDB 13(12): the design of PyTorch's `DistributedDataParallel` (buckets in
+#   reverse order, gradient hooks, overlap, `no_sync`) that section 5 rebuilds.
+# * Li et al. (2014). *Scaling Distributed Machine Learning with the Parameter Server*, OSDI
+#   2014, and Patarasuk & Yuan (2009). *Bandwidth optimal all-reduce algorithms for clusters of
+#   workstations*, Journal of Parallel and Distributed Computing 69(2): the two ways of
+#   averaging of section 1 (notebook 02 builds both).
+# * Seide et al. (2014). *1-Bit Stochastic Gradient Descent and its Application to
+#   Data-Parallel Distributed Training of Speech DNNs*, Interspeech 2014, and Stich, Cordonnier
+#   & Jaggi (2018). *Sparsified SGD with Memory*, NeurIPS 2018: error feedback, and top-k
+#   sparsification with it (section 10).
+# * Tang et al. (2021). *1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+#   Convergence Speed*, ICML 2021: why compression for Adam needs special care (section 10).
+# * Goyal et al. (2017). *Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour*,
+#   arXiv:1706.02677: the linear scaling rule and warm-up (section 11).
+# * Krizhevsky (2014). *One weird trick for parallelizing convolutional neural networks*,
+#   arXiv:1404.5997, and Hoffer, Hubara & Soudry (2017). *Train longer, generalize better:
+#   closing the generalization gap in large batch training of neural networks*, NeurIPS 2017:
+#   the square-root rule.
+# * Malladi et al. (2022). *On the SDEs and Scaling Rules for Adaptive Gradient Algorithms*,
+#   NeurIPS 2022: why the square-root rule is the one that fits Adam.
+# * McCandlish et al. (2018). *An Empirical Model of Large-Batch Training*, arXiv:1812.06162:
+#   the gradient-noise scale and the critical batch size (section 11.1).
+#
+# Further reading:
+#
+# * Li et al. (2020): read it whole for what this notebook leaves out, such as finding unused
+#   parameters, and how bucket size and overlap behave at scale on real GPUs.
+# * McCandlish et al. (2018): how to estimate the critical batch size of your own model
+#   before paying for a large-batch run.
+# * Shallue et al. (2019). *Measuring the Effects of Data Parallelism on Neural Network
+#   Training*, Journal of Machine Learning Research 20: a large measured study of how the
+#   number of steps to a target falls (or stops falling) as the batch grows.
+#
+# **Next:** write the bucketed, overlapped DDP yourself in `exercises/ex03_ddp.ipynb`.

@@ -302,6 +302,16 @@ print("skipped:   ", [i for i, s in enumerate(mine_skips) if s])
 # weights *live* in bf16 stops learning in exactly the parameters that need fine adjustment. The
 # cure: keep an fp32 **master copy** for the optimizer, and use the 16-bit weights only for
 # forward and backward.
+#
+# **Predict first.** A weight of 1.0 receives 100 updates of $+10^{-3}$, once stored in bf16
+# and once in fp32. What does each end at?
+#
+# <details><summary>Answer</summary>
+#
+# The bf16 weight stays at exactly 1.0: each update is below $2^{-8} \approx 0.0039$, so every
+# single sum rounds back to 1.0, and the hundred updates never accumulate. The fp32 weight ends
+# at 1.1, up to fp32 rounding.
+# </details>
 
 # %%
 w16, w32 = torch.ones((), dtype=torch.bfloat16), torch.ones(())
@@ -819,6 +829,18 @@ plt.show()
 # The techniques compose: accumulate over micro-batches, run each under bf16 autocast, and
 # checkpoint every block. Checkpointing replays the forward under the same autocast state. For
 # an effective batch of 16 sequences of the 8-layer GPT, saved activations per micro-batch:
+#
+# **Predict first.** Starting from one batch of 16 in fp32, add in turn 4 micro-batches of 4,
+# then checkpointing every block, then bf16 autocast. Which step shrinks the saved bytes the
+# most, and which the least?
+#
+# <details><summary>Answer</summary>
+#
+# Accumulation divides them by about 4 (a quarter of the sequences per forward).
+# Checkpointing every block divides them by much more: a block saves about 20 times its
+# input, and only the input is kept. Autocast helps least here: what checkpointing keeps (the
+# residual stream between blocks, and the loss side) autocast leaves in fp32.
+# </details>
 
 # %%
 def plain_loss(model, x, y):
@@ -906,3 +928,41 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #    (a factor that now changes from step to step, which Adam does feel), and with SGD the
 #    step would be 8 times too large.
 # </details>
+
+# %% [markdown]
+# ## References
+#
+# What this notebook relies on:
+#
+# * Micikevicius et al. (2018). *Mixed Precision Training*, ICLR 2018: fp32 master weights,
+#   loss scaling, and the small-gradient regime that §1.3 emulates.
+# * Kalamkar et al. (2019). *A Study of BFLOAT16 for Deep Learning Training*, arXiv:1905.12322:
+#   bf16, with fp32's range and 8 significant bits, as a training format (§1.1, §1.5).
+# * PyTorch documentation, [*Automatic Mixed Precision package: torch.amp*](https://pytorch.org/docs/stable/amp.html):
+#   `torch.autocast` and `GradScaler`, the references of §1.2 and §1.4.
+# * Rajbhandari et al. (2020). *ZeRO: Memory Optimizations Toward Training Trillion Parameter
+#   Models*, SC20: counting the fp32 master copy as optimizer state, $K = 12$ (§1.6).
+# * Chen et al. (2016). *Training Deep Nets with Sublinear Memory Cost*, arXiv:1604.06174:
+#   activation checkpointing and the $\sqrt{L}$ segment length (§2.3).
+# * PyTorch documentation, [*torch.utils.checkpoint*](https://pytorch.org/docs/stable/checkpoint.html):
+#   the non-reentrant checkpoint used to build `checkpointed_forward`.
+# * Korthikanti et al. (2022). *Reducing Activation Recomputation in Large Transformer Models*,
+#   arXiv:2205.05198 (MLSys 2023): selective recomputation of the attention part (§2.3).
+# * Kingma & Ba (2015). *Adam: A Method for Stochastic Optimization*, ICLR 2015, and Loshchilov &
+#   Hutter (2019). *Decoupled Weight Decay Regularization*, ICLR 2019: the AdamW step whose
+#   $\text{lr}\cdot g/(|g| + \varepsilon)$ first move §3 analyses.
+#
+# Further reading:
+#
+# * PyTorch documentation, [*Automatic Mixed Precision examples*](https://pytorch.org/docs/stable/notes/amp_examples.html):
+#   `GradScaler` together with gradient accumulation and gradient clipping, the combinations of
+#   §3 and §4 written with PyTorch's own tools.
+# * Micikevicius et al. (2018): short, and still the clearest account of why each part of the
+#   mixed-precision recipe is needed.
+# * Korthikanti et al. (2022): how large trainers decide which activations to recompute and
+#   which to keep, once checkpointing every block costs too much compute.
+#
+# **Next:** exercise 04 (`exercises/ex04_memory_techniques.ipynb`) has you write the
+# mixed-precision optimizer step yourself: unscale, skip on overflow, step the fp32 masters,
+# copy them back. Then notebook 05 splits the model itself across devices, starting with
+# tensor parallelism.
