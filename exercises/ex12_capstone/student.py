@@ -1,26 +1,52 @@
-"""Exercise 12: the capstone's layout, your choice. Fill in `choose_layout`, then run the check
-cells of ex12_capstone.ipynb. There is no single right answer: any layout that passes all four
-checks is a good one.
+"""Exercise 12: the capstone's layout, your choice and your reasons. Fill in the three functions,
+then run the check cells of ex12_capstone.ipynb.
 
-Tools you may use (all imported below): `plan(config, cluster, global_batch, seq, recipe)`
-(every fitting layout, fastest first: `.ranked`, `.best`, `.explain()`), `search(...)` (every
-layout, fitting or not: Candidate(layout, time, memory, fits)), `step_time(config, layout,
-cluster, seq, recipe)["total"]`, `memory_per_rank(config, layout, seq, recipe)["total"]`, and
-`Layout(dp, tp, pp, m, micro_batch, zero_stage, ...)`.
+Every function gets the stated problem: `config` (the course GPT), `cluster` (its n_gpus,
+memory_bytes per device, links and measured rates), `global_batch` (sequences per step), `seq`
+(tokens per sequence) and `recipe` (the precision recipe of the estimator).
+
+You may use the estimator's formulas (imported below): `memory_per_rank(config, layout, seq,
+recipe)["total"]` (bytes on the busiest rank) and `step_time(config, layout, cluster, seq,
+recipe)` (seconds per step, by term, and "total"). Not the planner (course_lib.estimate.planner):
+it holds the answer, and the checks refuse a module that uses it.
+
+A layout here is one the course's 3D trainer runs: `Layout(dp, tp, pp, m, micro_batch,
+zero_stage, recompute)` with ep = 1, v = 1, schedule "1f1b", no sequence parallelism, zero_stage
+0 or 1, recompute "none" or "full"; dp * tp * pp = cluster.n_gpus and dp * m * micro_batch =
+global_batch. Which of those are valid for this model is part of the exercise.
 """
 
-from course_lib.estimate.planner import plan, search  # noqa: F401
 from course_lib.estimate.step_time import Layout, memory_per_rank, step_time  # noqa: F401
 
 
 def choose_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> Layout:
-    """A Layout of `config` on all of cluster.n_gpus devices that this course's 3D trainer can
-    run and that the checks accept:
-
-        runnable here   ep = 1, v = 1, schedule "1f1b", recompute "none" or "full", no
-                        sequence parallelism, zero_stage 0 or 1 (the stages composed with tp and pp),
-                        dp * tp * pp = cluster.n_gpus, dp * m * micro_batch = global_batch
-        fits            memory_per_rank(...)["total"] <= cluster.memory_bytes
-        fast            step_time(...)["total"] <= planner's best predicted step time / FRACTION
-    """
+    """The layout you would run: one the 3D trainer runs (above), that fits the device's memory by
+    the estimator, and whose predicted throughput is at least the notebook's FRACTION of the
+    best fitting layout's."""
     raise NotImplementedError("exercise 12: write choose_layout")
+
+
+def binding_constraint(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> tuple[str, float]:
+    """(name, number): what stops any layout of the 3D trainer from being faster than the fastest
+    one that fits.
+
+        ("memory", bytes per rank)    when the fastest layout, memory ignored, does not fit; the
+                                      number is the memory per device at which memory would
+                                      stop binding
+        (group, seconds per step)     otherwise: the largest group of the best layout's step-time
+                                      terms, one of "compute" (with recomputation), "overhead",
+                                      "communication" (tp, pp, ep and exposed dp), "bubble",
+                                      "optimizer"; the number is that group's seconds
+    """
+    raise NotImplementedError("exercise 12: write binding_constraint")
+
+
+def rejected_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> tuple[Layout, str, float]:
+    """(layout, reason, number): a layout the 3D trainer could run for this problem, other than
+    yours, that you rejected, and why:
+
+        "memory"       it does not fit; number: its bytes per rank minus the device's
+        "throughput"   it fits but is too slow; number: the best fitting layout's predicted step
+                       time over its own (below FRACTION)
+    """
+    raise NotImplementedError("exercise 12: write rejected_layout")

@@ -1,16 +1,64 @@
-"""Exercise 12, reference solution: the planner's fastest fitting layout that the course's 3D
-trainer can run (one solution of many)."""
+"""Exercise 12, reference solution: list the layouts the course's 3D trainer can run, price each
+with the estimator's formulas, choose the fastest that fits, and read off what binds and what
+was given up. (One solution of several: any layout within the throughput budget passes.)"""
 
-from course_lib.estimate.planner import plan
-from course_lib.estimate.step_time import Layout
+from course_lib.estimate.step_time import Layout, memory_per_rank, step_time
 
 
-def runnable(layout: Layout) -> bool:
-    """What course_lib.parallel.hybrid composes: dp x tp x pp, 1F1B, ZeRO 0 or 1, whole-block recomputation or none."""
-    return (layout.ep == 1 and layout.v == 1 and layout.schedule == "1f1b" and layout.recompute in ("none", "full")
-            and not layout.sequence_parallel and layout.zero_stage in (0, 1))
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(config, cluster, global_batch: int, seq: int, recipe: str):
+    """(layout, seconds, bytes per rank) of every layout the 3D trainer runs here: dp * tp * pp =
+    every device, tp dividing the heads (and so d_model and the MLP), pp dividing the layers,
+    dp * m * micro_batch = the batch, m >= pp for 1F1B, ZeRO 0 or 1 (1 only with dp > 1),
+    whole-block recomputation or none."""
+    out = []
+    for tp in divisors(config.n_head):
+        for pp in divisors(config.n_layer):
+            if cluster.n_gpus % (tp * pp):
+                continue
+            dp = cluster.n_gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            for micro_batch in divisors(global_batch // dp):
+                m = global_batch // dp // micro_batch
+                if m < pp:  # 1F1B needs a micro-batch for every stage
+                    continue
+                for zero in (0, 1) if dp > 1 else (0,):
+                    for recompute in ("none", "full"):
+                        layout = Layout(dp=dp, tp=tp, pp=pp, m=m, micro_batch=micro_batch, zero_stage=zero,
+                                        recompute=recompute)
+                        out.append((layout, step_time(config, layout, cluster, seq, recipe)["total"],
+                                    memory_per_rank(config, layout, seq, recipe)["total"]))
+    return sorted(out, key=lambda row: row[1])  # fastest first
 
 
 def choose_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> Layout:
-    ranked = plan(config, cluster, global_batch, seq, recipe).ranked  # fitting, fastest first
-    return next(c.layout for c in ranked if runnable(c.layout))
+    rows = candidates(config, cluster, global_batch, seq, recipe)
+    return next(layout for layout, _, memory in rows if memory <= cluster.memory_bytes)
+
+
+def binding_constraint(config, cluster, global_batch: int, seq: int, recipe: str = "fp32"):
+    # The fastest layout of all does not fit (the stated problem's case): memory binds until
+    # the device holds what that layout needs.
+    fastest, _, memory = candidates(config, cluster, global_batch, seq, recipe)[0]
+    if memory > cluster.memory_bytes:
+        return "memory", memory
+    t = step_time(config, fastest, cluster, seq, recipe)  # it fits: the largest group of terms binds
+    groups = {"compute": t["compute"] + t["recompute"], "overhead": t["overhead"],
+              "communication": t["tp"] + t["pp"] + t["ep"] + t["dp_exposed"], "bubble": t["bubble"],
+              "optimizer": t["optimizer"]}
+    name = max(groups, key=groups.get)
+    return name, groups[name]
+
+
+def rejected_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32"):
+    # The faster layout that came closest to fitting: what the chosen one gave up, and for how
+    # few bytes.
+    rows = candidates(config, cluster, global_batch, seq, recipe)
+    chosen = choose_layout(config, cluster, global_batch, seq, recipe)
+    faster = [(layout, memory) for layout, _, memory in rows[:[r[0] for r in rows].index(chosen)]]
+    layout, memory = min(faster, key=lambda row: row[1])
+    return layout, "memory", memory - cluster.memory_bytes

@@ -1,91 +1,104 @@
 # %% [markdown]
-# # Exercise 12: choose the capstone's layout, and prove it
+# # Exercise 12: choose the capstone's layout, and say why
 #
-# **Goal.** An open capstone: no fixed answer, four checks. In
-# `exercises/ex12_capstone/student.py`, write `choose_layout(config, cluster, global_batch, seq)`
-# returning the layout you would run: a `Layout` of the model on the cluster's 8 devices.
-# Here the device memory is tight on purpose (120 KiB per rank, a scaled-down version of the
-# real problem), so the planner's fastest layouts do not all fit.
+# **Goal.** A layout is a decision, and a decision comes with reasons. For the problem printed
+# below (a model, 8 devices and their memory, a global batch, a throughput budget), write three
+# functions in `exercises/ex12_capstone/student.py`:
 #
-# Work it out first: list a few layouts by hand, estimate their memory and step time with
-# `memory_per_rank` and `step_time`, then ask `plan` and read `.explain()`. Which constraint
-# binds? **Re-read:** notebook 10, sections on the step-time model and the planner (what each
-# term means, why memory binds); notebook 09 on what dp, tp and pp split; notebook 12, section 2
-# (choosing a layout and saying why).
+# 1. `choose_layout(...)`: the layout you would run, one the course's 3D trainer composes
+#    (dp x tp x pp, 1F1B, ZeRO 0 or 1, whole-block recomputation or none). It must fit each
+#    device's memory and reach at least `FRACTION` of the predicted throughput of the best
+#    layout that fits.
+# 2. `binding_constraint(...)`: what stops *any* layout from being faster than the best one
+#    that fits, with the number that binds (memory: the bytes per device at which it would stop
+#    binding; otherwise the largest group of step-time terms and its seconds).
+# 3. `rejected_layout(...)`: one layout you considered and rejected, the reason ("memory" or
+#    "throughput") and by how much it fails.
 #
-# **How grading works.**
+# Work with the estimator's formulas, `memory_per_rank` and `step_time`, by hand or in a loop
+# of your own; the stub's docstrings give the exact definitions. The planner is not allowed:
+# it answers the first question by itself, and the checks refuse a module that uses it.
 #
-# 1. *Runnable here:* the course's 3D trainer composes dp x tp x pp with the 1F1B schedule,
-#    ZeRO 0 or 1, and recomputation of whole blocks or none; all 8 devices used; the global
-#    batch is respected.
-# 2. *Fits:* the estimator's memory per rank is within the device's memory.
-# 3. *Runs and matches:* your layout trains 2 steps on 8 real ranks, and its losses equal the
-#    single process's on the same batches (to float rounding).
-# 4. *Fast:* its predicted step time is within `1 / FRACTION` of the planner's best (fitting)
-#    layout, i.e. it reaches at least `FRACTION` of the best predicted throughput.
+# **Re-read:** notebook 10, section 2 (the step-time model, term by term) and section 5 (what a
+# search must cover); notebook 09, sections 1 and 9 (what dp, tp and pp split, and the layouts
+# that cannot work); notebook 04 (what recomputation saves and costs); notebook 08 (what ZeRO-1
+# shards).
 #
-# A check prints `PASS  ...` or raises `CheckFailed`. Edit `student.py`, then *Kernel → Restart
-# and run all*.
+# **How grading works.** Every check prices layouts with the same estimator, over every layout
+# the 3D trainer can run for this problem; the last one trains your layout for real.
+#
+# 1. *Runnable:* your layout is one the 3D trainer runs on all devices with the global batch.
+# 2. *Fits:* the estimator's bytes per rank are within the device's memory.
+# 3. *Fast enough:* its predicted throughput is at least `FRACTION` of the best fitting layout's.
+# 4. *Binding constraint:* the name and the number match the estimator's.
+# 5. *Rejected layout:* it is a layout of this problem, other than yours, and fails for the
+#    reason you give, by the amount you give.
+# 6. *Trains:* your layout trains 2 steps on 8 real ranks, and its losses equal the single
+#    process's on the same batches (to float rounding).
+#
+# A check prints `PASS  ...` or stops with a short message saying what is wrong (never the
+# answer). Edit `student.py`, then *Kernel → Restart and run all*.
 
-# %% tags=["nbval-ignore-output"]
-from dataclasses import replace
+# %%
+from course_lib.grading import ex12_capstone as grade
+from course_lib.grading import load_student
 
-from course_lib.data import CharDataset
-from course_lib.estimate.planner import plan
-from course_lib.estimate.step_time import memory_per_rank, step_time
-from course_lib.estimate.validation import load_validation
-from course_lib.grading import check_close, check_equal, load_student
-from course_lib.model import GPTConfig
-from course_lib.parallel.hybrid import ParallelDims, run_hybrid, train_single
-from course_lib.train import TrainConfig
-from course_lib.units import fmt_bytes
-
-student = load_student("ex12_capstone")
-SEQ, BATCH, FRACTION = 16, 16, 0.8
-MODEL = GPTConfig(vocab_size=CharDataset("train", SEQ).vocab_size, block_size=SEQ, n_layer=2, n_head=2, d_model=16)
-CLUSTER = replace(load_validation()["cluster"], memory_bytes=120 * 1024)  # 8 gloo ranks, tight memory
-best = plan(MODEL, CLUSTER, BATCH, SEQ, "fp32").best
-print(f"{CLUSTER.n_gpus} devices of {fmt_bytes(CLUSTER.memory_bytes)}; the planner's best: {best.layout.label()}, "
-      f"{best.time['total'] * 1e3:.3g} ms")
+student = load_student("ex12_capstone", refuse=grade.REFUSE)
+problem = grade.stated_problem()
+FRACTION = problem.fraction
+print(problem.describe())
 
 # %% [markdown]
-# ## Check 1: your layout is one the course's 3D trainer runs
+# ## Check 1: the 3D trainer runs your layout
 
-# %% tags=["nbval-ignore-output"]
-layout = student.choose_layout(MODEL, CLUSTER, BATCH, SEQ, "fp32")
-print("your layout:", layout.label())
-check_equal("all 8 devices: dp * tp * pp * ep", layout.n_gpus, CLUSTER.n_gpus)
-check_equal("global batch: dp * m * micro_batch", layout.dp * layout.m * layout.micro_batch, BATCH)
-check_equal("composed here: (ep, v, schedule, sequence_parallel)",
-            (layout.ep, layout.v, layout.schedule, layout.sequence_parallel), (1, 1, "1f1b", False))
-check_equal("ZeRO stage 0 or 1", layout.zero_stage in (0, 1), True)
-check_equal("recompute 'none' or 'full' (whole blocks)", layout.recompute in ("none", "full"), True)
-dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero_stage, microbatches=layout.m,
-                    activation_checkpointing=layout.recompute == "full")
-dims.check(CLUSTER.n_gpus, MODEL, BATCH)
+# %%
+layout = grade.ask(student.choose_layout, problem)
+grade.check_runnable(layout, problem)
 
 # %% [markdown]
 # ## Check 2: it fits, by the estimator
 
-# %% tags=["nbval-ignore-output"]
-memory = memory_per_rank(MODEL, layout, SEQ, "fp32")["total"]
-print(f"{fmt_bytes(memory)} per rank of {fmt_bytes(CLUSTER.memory_bytes)}")
-check_equal("memory per rank <= device memory", memory <= CLUSTER.memory_bytes, True)
+# %%
+grade.check_fits(layout, problem)
 
 # %% [markdown]
-# ## Check 3: it runs on 8 real ranks and matches the single process
+# ## Check 3: it is fast enough
 
 # %%
-train = TrainConfig(steps=2, batch_size=BATCH, lr=1e-2, progress=False)
-ranks = run_hybrid(dims, MODEL, train, timeout_s=240)
-check_close("losses of 2 steps on 8 ranks = the single process's", ranks[0].train_losses,  # fp32 summation order
-            train_single(MODEL, train, activation_checkpointing=dims.activation_checkpointing).train_losses,
-            rtol=0, atol=1e-4)
+grade.check_fast(layout, problem)
 
 # %% [markdown]
-# ## Check 4: it reaches the throughput asked for
+# ## Check 4: what binds, and at which number
 
-# %% tags=["nbval-ignore-output"]
-ratio = best.time["total"] / step_time(MODEL, layout, CLUSTER, SEQ, "fp32")["total"]
-print(f"predicted throughput: {ratio:.0%} of the planner's best")
-check_equal(f"at least {FRACTION:.0%} of the best predicted throughput", ratio >= FRACTION, True)
+# %%
+grade.check_binding(grade.ask(student.binding_constraint, problem), problem)
+
+# %% [markdown]
+# ## Check 5: a layout you rejected, and why
+
+# %%
+grade.check_rejected(grade.ask(student.rejected_layout, problem), layout, problem)
+
+# %% [markdown]
+# ## Check 6: it trains on 8 real ranks and matches the single process
+
+# %%
+grade.check_trains(layout, problem)
+
+# %% [markdown]
+# ## Having chosen: compare with the planner
+#
+# Once every check passes, set your reasoning beside notebook 10's planner, in a new cell:
+#
+# ```python
+# from course_lib.estimate.planner import plan
+# p = plan(*problem.args())
+# print(p.table(5)); print(p.explain())
+# ```
+#
+# Does it name the same binding constraint? Its best layout may be one you could not choose:
+# the planner also searches selective recomputation, ZeRO-2 and 3, interleaved schedules and
+# sequence parallelism, which the course's 3D trainer does not compose. How much faster does it
+# predict that layout to be, and which of its features buys the difference? Then call your own
+# `binding_constraint` on a cluster whose devices hold exactly the number you gave
+# (`dataclasses.replace(problem.cluster, memory_bytes=...)`): what binds now, and why?

@@ -1,0 +1,288 @@
+"""Checkers of exercise 12 (the capstone's layout: choose it, say what binds, reject one).
+
+The learner writes three functions of the stated problem (`PROBLEM`: a model, a cluster of 8
+ranks with tight memory, a global batch, a precision recipe and a throughput budget):
+
+    choose_layout(...)       a Layout the course's 3D trainer runs, that fits and is fast enough
+    binding_constraint(...)  (name, number): what stops any layout from being faster than the
+                             fastest one that fits, and the number at which it would stop binding
+    rejected_layout(...)     (Layout, reason, number): a layout of the problem that fails, why
+                             ("memory" or "throughput") and by how much
+
+Everything is graded against the course's estimator (course_lib.estimate.step_time:
+memory_per_rank and step_time, notebook 10's formulas), over the layouts the 3D trainer
+composes (`runnable_layouts`, enumerated here, never with the planner), and the chosen layout
+is trained for real on 8 ranks against the single process. The planner holds the answer, so
+REFUSE keeps it out of the learner's module, and `ask` runs the learner's functions with the
+planner's entry points replaced by a refusal (a call that reaches them by a route the syntax
+tree does not show raises while the checks run).
+
+The definitions the checks apply:
+
+* fits: memory_per_rank(...)["total"] <= cluster.memory_bytes;
+* fast enough: best_time / its step time >= PROBLEM.fraction, best = the fastest fitting layout;
+* binding: if the fastest runnable layout (memory ignored) does not fit, "memory", with that
+  layout's bytes per rank (below them memory binds); else the largest group of step-time terms
+  of the best layout (GROUPS: "compute", "overhead", "communication", "bubble", "optimizer"),
+  with its seconds per step;
+* a rejection for "memory": the layout's bytes per rank minus the device's; for "throughput":
+  it fits, and best_time / its time (< fraction) is the number.
+
+Each check prints `PASS  ...`; a failure raises CheckFailed naming the rule, never the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, replace
+
+from course_lib.estimate.layout import Cluster, Layout
+from course_lib.estimate.step_time import memory_per_rank, step_time
+from course_lib.grading import CheckFailed, check_close
+
+# The planner and everything that wraps it (the widget of notebook 10), under every name a
+# module could reach it by; course_lib.estimate.plan / search guard a future re-export.
+# This module is refused too: facts() computes the answers the checks compare with.
+REFUSE = ("course_lib.estimate.planner", "course_lib.estimate.planner_figures", "course_lib.estimate.plan",
+          "course_lib.estimate.search", "course_lib.grading.ex12_capstone")
+
+# Step-time terms (course_lib.estimate.step_time.TERMS) grouped by what a layout can trade
+GROUPS = {"compute": ("compute", "recompute"), "overhead": ("overhead",),
+          "communication": ("tp", "pp", "ep", "dp_exposed"), "bubble": ("bubble",), "optimizer": ("optimizer",)}
+REASONS = ("memory", "throughput")
+# Numbers the learner may have read off printed output: fmt_bytes prints 0.1 KiB (a rounding
+# of up to 51 bytes), a fraction printed as a percentage is read to 0.5%.
+BYTES_ATOL = 64
+FRACTION_ATOL = 0.005
+SECONDS_RTOL = 0.01  # a time printed to 3 significant figures
+
+
+@dataclass(frozen=True)
+class Problem:
+    config: object  # a course GPTConfig
+    cluster: Cluster
+    global_batch: int
+    seq: int
+    recipe: str
+    fraction: float  # the throughput budget: at least this share of the best fitting layout's
+
+    def args(self) -> tuple:
+        return self.config, self.cluster, self.global_batch, self.seq, self.recipe
+
+    def describe(self) -> str:
+        c, k = self.config, self.cluster
+        return (f"model: the course GPT, {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
+                f"vocabulary {c.vocab_size}\n"
+                f"cluster: {k.name}, calibrated in notebook 10; {k.n_gpus} devices of "
+                f"{k.memory_bytes / 1024:g} KiB each\n"
+                f"budget: a global batch of {self.global_batch} sequences of {self.seq} tokens, recipe "
+                f"{self.recipe!r}; at least {self.fraction:.0%} of the best fitting layout's predicted throughput")
+
+
+def stated_problem() -> Problem:
+    """The exercise's problem: notebook 10's measured 8-rank cluster with 120 KiB per device."""
+    from course_lib.data import CharDataset
+    from course_lib.estimate.validation import load_validation
+    from course_lib.model import GPTConfig
+
+    seq = 16
+    model = GPTConfig(vocab_size=CharDataset("train", seq).vocab_size, block_size=seq, n_layer=2, n_head=2,
+                      d_model=16)
+    cluster = replace(load_validation()["cluster"], memory_bytes=120 * 1024)
+    return Problem(model, cluster, global_batch=16, seq=seq, recipe="fp32", fraction=0.75)
+
+
+# ------------------------------------------------------------------ what the 3D trainer runs
+def dims_of(layout: Layout):
+    from course_lib.parallel.hybrid import ParallelDims
+
+    return ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero_stage, microbatches=layout.m,
+                        activation_checkpointing=layout.recompute == "full")
+
+
+def why_not_runnable(layout, p: Problem) -> str | None:
+    """The first rule of course_lib.parallel.hybrid (and of the problem) that `layout` breaks, or None."""
+    if not isinstance(layout, Layout):
+        return f"{layout!r} is not a course_lib.estimate.step_time.Layout"
+    if (layout.ep, layout.v, layout.schedule, layout.sequence_parallel) != (1, 1, "1f1b", False):
+        return ("the 3D trainer composes ep=1, v=1, schedule '1f1b', no sequence parallelism; got "
+                f"ep={layout.ep}, v={layout.v}, schedule={layout.schedule!r}, "
+                f"sequence_parallel={layout.sequence_parallel}")
+    if layout.zero_stage not in (0, 1):
+        return f"zero_stage={layout.zero_stage}: the 3D trainer composes ZeRO stage 0 or 1"
+    if layout.recompute not in ("none", "full"):
+        return f"recompute={layout.recompute!r}: the 3D trainer recomputes whole blocks ('full') or nothing"
+    if layout.n_gpus != p.cluster.n_gpus:
+        return f"dp*tp*pp = {layout.n_gpus} must use all {p.cluster.n_gpus} devices"
+    if layout.dp * layout.m * layout.micro_batch != p.global_batch:
+        return (f"dp*m*micro_batch = {layout.dp * layout.m * layout.micro_batch} must be the global batch "
+                f"{p.global_batch}")
+    try:
+        dims_of(layout).check(p.cluster.n_gpus, p.config, p.global_batch)
+        memory_per_rank(p.config, layout, p.seq, p.recipe)  # the estimator's own rules (pp | n_layer, ...)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def runnable_layouts(p: Problem) -> list[Layout]:
+    """Every layout of the problem the 3D trainer runs: all degrees and micro-batch sizes whose
+    products match, ZeRO 0 or 1, recomputation of whole blocks or none."""
+    n, out = p.cluster.n_gpus, []
+    for dp, tp, mb, zero, rc in itertools.product(range(1, n + 1), range(1, n + 1), range(1, p.global_batch + 1),
+                                                  (0, 1), ("none", "full")):
+        if n % (dp * tp) or p.global_batch % (dp * mb) or (zero and dp == 1):
+            continue
+        try:
+            lay = Layout(dp=dp, tp=tp, pp=n // (dp * tp), m=p.global_batch // (dp * mb), micro_batch=mb,
+                         zero_stage=zero, recompute=rc)
+        except ValueError:  # m < pp under 1F1B
+            continue
+        if why_not_runnable(lay, p) is None:
+            out.append(lay)
+    return out
+
+
+def predicted(p: Problem, layout: Layout) -> tuple[float, int]:
+    """(step seconds, bytes per rank) by the estimator."""
+    return (step_time(p.config, layout, p.cluster, p.seq, p.recipe)["total"],
+            memory_per_rank(p.config, layout, p.seq, p.recipe)["total"])
+
+
+def facts(p: Problem) -> dict:
+    """What the checks compare with, by the estimator: {"best_time": the fastest fitting layout's
+    step seconds, "binding": (name, number) as the module docstring defines it}."""
+    rows = [(lay, *predicted(p, lay)) for lay in runnable_layouts(p)]
+    fastest = min(rows, key=lambda r: r[1])
+    fitting = [r for r in rows if r[2] <= p.cluster.memory_bytes]
+    if not fitting:
+        raise ValueError(f"no runnable layout fits {p.cluster.memory_bytes} bytes per device: "
+                         f"the problem has no answer")
+    best = min(fitting, key=lambda r: r[1])
+    if fastest[2] > p.cluster.memory_bytes:
+        binding = ("memory", fastest[2])
+    else:
+        t = step_time(p.config, best[0], p.cluster, p.seq, p.recipe)
+        name = max(GROUPS, key=lambda g: sum(t[k] for k in GROUPS[g]))
+        binding = (name, sum(t[k] for k in GROUPS[name]))
+    return {"best_time": best[1], "binding": binding}
+
+
+# ------------------------------------------------------------------ asking the learner
+@contextlib.contextmanager
+def planner_unavailable():
+    """The planner's entry points raise while the learner's functions run."""
+    from course_lib.estimate import planner, planner_figures
+
+    def refused(*args, **kwargs):
+        raise CheckFailed("the planner is not available in this exercise: choose with the estimator's formulas "
+                          "(memory_per_rank, step_time), then compare with plan(...) afterwards")
+
+    saved = (planner.plan, planner.search, planner_figures.plan)
+    planner.plan = planner.search = planner_figures.plan = refused
+    try:
+        yield
+    finally:
+        planner.plan, planner.search, planner_figures.plan = saved
+
+
+def ask(function, p: Problem):
+    """Call one of the learner's functions on the problem, with the planner unavailable."""
+    with planner_unavailable():
+        return function(*p.args())
+
+
+# ------------------------------------------------------------------ the checks
+def _fail_unless(ok: bool, label: str, message: str):
+    if not ok:
+        raise CheckFailed(f"{label}: {message}")
+    print(f"PASS  {label}")
+
+
+def check_runnable(layout, p: Problem):
+    reason = why_not_runnable(layout, p)
+    _fail_unless(reason is None, "the 3D trainer runs your layout on all devices with the global batch", reason or "")
+
+
+def check_fits(layout, p: Problem):
+    _, memory = predicted(p, layout)
+    _fail_unless(memory <= p.cluster.memory_bytes, "it fits: the estimator's bytes per rank <= the device's memory",
+                 f"your layout needs {memory} bytes per rank, the device holds {p.cluster.memory_bytes:g}")
+
+
+def check_fast(layout, p: Problem):
+    share = facts(p)["best_time"] / predicted(p, layout)[0]
+    _fail_unless(share >= p.fraction - 1e-12,  # 1e-12: float rounding of a ratio that sits on the budget
+                 f"it reaches at least {p.fraction:.0%} of the best fitting layout's predicted throughput",
+                 f"your layout reaches {share:.1%}: a faster layout fits")
+
+
+def _close_enough(label: str, number: float, expected: float, tol: float):
+    """Pass when |number - expected| <= tol; a failure says which side, not the value."""
+    _fail_unless(abs(number - expected) <= tol, label, f"{number:g} is {'above' if number > expected else 'below'} "
+                 f"the estimator's by more than {tol:g}")
+
+
+def _number(label: str, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckFailed(f"{label}: {value!r} must be a number")
+    return float(value)
+
+
+def check_binding(answer, p: Problem):
+    """answer = (name, number); see the module docstring for what binds."""
+    if not (isinstance(answer, tuple) and len(answer) == 2):
+        raise CheckFailed(f"binding_constraint must return (name, number), got {answer!r}")
+    name, number = answer
+    names = ("memory", *GROUPS)
+    if name not in names:
+        raise CheckFailed(f"binding constraint {name!r} must be one of {names}")
+    expected_name, expected = facts(p)["binding"]
+    _fail_unless(name == expected_name, "the binding constraint",
+                 f"{name!r} is not what stops a faster layout, by the estimator: look again at the fastest "
+                 f"layout the 3D trainer could run, memory ignored")
+    number = _number("the binding number", number)
+    tol = BYTES_ATOL if name == "memory" else SECONDS_RTOL * expected
+    unit = "bytes per rank" if name == "memory" else "seconds per step"
+    _close_enough(f"the number at which it would stop binding ({unit})", number, expected, tol)
+
+
+def check_rejected(answer, chosen, p: Problem):
+    """answer = (layout, reason, number): a runnable layout of the problem that fails for `reason`."""
+    if not (isinstance(answer, tuple) and len(answer) == 3):
+        raise CheckFailed(f"rejected_layout must return (layout, reason, number), got {answer!r}")
+    layout, reason, number = answer
+    why = why_not_runnable(layout, p)
+    if why is not None:
+        raise CheckFailed(f"the rejected layout must be one the 3D trainer could run for this problem: {why}")
+    if layout == chosen:
+        raise CheckFailed("the rejected layout is the one you chose")
+    if reason not in REASONS:
+        raise CheckFailed(f"reason {reason!r} must be one of {REASONS}")
+    number = _number("the rejection's number", number)
+    seconds, memory = predicted(p, layout)
+    excess = memory - p.cluster.memory_bytes
+    if reason == "memory":
+        _fail_unless(excess > 0, "the rejected layout exceeds the device's memory",
+                     "by the estimator it fits: pick one that does not, or another reason")
+        _close_enough("by how many bytes per rank it exceeds it", number, excess, BYTES_ATOL)
+    else:
+        share = facts(p)["best_time"] / seconds
+        _fail_unless(excess <= 0 and share < p.fraction, "the rejected layout fits but misses the throughput budget",
+                     "by the estimator it " + ("does not fit (reason 'memory')" if excess > 0 else
+                                               f"reaches at least {p.fraction:.0%} of the best"))
+        _close_enough("the share of the best throughput it reaches", number, share, FRACTION_ATOL)
+
+
+def check_trains(layout, p: Problem, steps: int = 2, timeout_s: float = 240):
+    """Train `steps` steps of the chosen layout on real ranks, against the single process."""
+    from course_lib.parallel.hybrid import run_hybrid, train_single
+    from course_lib.train import TrainConfig
+
+    dims = dims_of(layout)
+    train = TrainConfig(steps=steps, batch_size=p.global_batch, lr=1e-2, progress=False)
+    ranks = run_hybrid(dims, p.config, train, timeout_s=timeout_s)
+    single = train_single(p.config, train, activation_checkpointing=dims.activation_checkpointing)
+    check_close(f"losses of {steps} steps on {dims.world_size} ranks = the single process's", ranks[0].train_losses,
+                single.train_losses, rtol=0, atol=1e-4)  # fp32: only the order of the sums differs (~1e-6)
