@@ -1,18 +1,29 @@
-"""Exercise 08: one ZeRO-2 optimizer step with AdamW. Fill in the parts marked TODO, then run
-the check cells of ex08_zero2_step.ipynb. Each check prints PASS when your code is right.
+"""Exercise 08: a ZeRO-2 optimizer with AdamW. Write the parts that raise NotImplementedError,
+then run the check cells of ex08_zero2_step.ipynb. Each check prints PASS when your code is right.
+
+The goal: train exactly as one process with torch.optim.AdamW on the whole batch would, while
+no rank ever holds the full gradient of the model (ZeRO stage 2). Every rank runs the same
+model on its own share of the batch; the caller does zero_grad(), forward, loss.backward(),
+step(), as with any torch optimizer.
 
 The rules (notebook 08 explains why):
-  * the parameters are laid end to end in one flat fp32 vector, padded with zeros to a multiple
-    of the world size N, and cut into N equal shards; rank r owns shard r;
-  * each rank keeps the fp32 master weights and AdamW's state of ITS shard only;
-  * a step: reduce-scatter the (padded, flattened) gradients so that rank r receives the MEAN
-    gradient of shard r; drop the full gradients; update the shard with AdamW; all-gather the
-    updated shards and copy them back into the parameters.
+  * each parameter is sharded on its own: flattened, padded with zeros to a multiple of the
+    world size N, cut into N equal pieces; rank r owns piece r (`shard_bounds`);
+  * a rank keeps, for its pieces only, the fp32 master weights and AdamW's state, updated with
+    torch.optim.AdamW(..., foreach=False);
+  * gradients: a rank may hold its gradient shards plus the ONE full gradient that backward has
+    just produced. As soon as a parameter's gradient exists, rank r must end up with piece r of
+    the MEAN of that gradient over the ranks, and the full gradient must be gone. Wait until
+    backward ends and the rank has held them all: that is stage 1, and the check measures it;
+  * step() updates the shards, brings every parameter back whole on every rank, keeps no
+    gradient afterwards, and returns this rank's gradient shards (one per parameter, in the
+    order of `params`, each S_i = ceil(P_i / N) elements, zeros in the padding).
 
-Collectives (torch 2.13 names, with fallbacks): from course_lib.comm.compat import
-reduce_scatter_single, all_gather_single
-    reduce_scatter_single(output, input, group=group)   input: N*S elements, output: S
-    all_gather_single(output, input, group=group)       input: S elements,   output: N*S
+Tools you may want (torch 2.13 names, with fallbacks): from course_lib.comm.compat import
+reduce_scatter_single, all_gather_single (see notebook 08, §3 and §7), and torch's
+Tensor.register_post_accumulate_grad_hook. Every rank's backward produces the gradients in the
+same order. The course's own ZeRO (course_lib.parallel.zero), torch's ZeroRedundancyOptimizer
+and FSDP are refused: write it yourself, then compare.
 """
 
 import torch
@@ -22,7 +33,7 @@ from course_lib.comm.compat import all_gather_single, reduce_scatter_single  # n
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of rank's shard of a flat vector of `numel` elements padded to N * S,
+    """[start, stop) of rank's piece of a flat tensor of `numel` elements padded to N * S,
     S = ceil(numel / N). Example: numel 10, N 4 -> S 3: rank 0 (0, 3), ..., rank 3 (9, 12)."""
     raise NotImplementedError("exercise 08: write shard_bounds")
 
@@ -34,30 +45,13 @@ class Zero2AdamW:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        # TODO 1: this rank's shard bounds over the total number of parameter elements.
-        # TODO 2: self.master = an fp32 COPY of this rank's slice of the flattened, padded
-        #         parameters (a plain tensor, not a view of the model).
-        # TODO 3: self.optimizer = torch.optim.AdamW([self.master], lr=lr, betas=betas,
-        #         weight_decay=weight_decay, eps=eps, foreach=False): it only ever sees the shard.
         raise NotImplementedError("exercise 08: write Zero2AdamW.__init__")
 
     def zero_grad(self, set_to_none: bool = True):
-        for p in self.params:
-            p.grad = None
+        """Forget every gradient this rank holds (full or shard), before the next backward."""
+        raise NotImplementedError("exercise 08: write Zero2AdamW.zero_grad")
 
     @torch.no_grad()
-    def step(self) -> torch.Tensor:
-        """After backward. Returns this rank's shard of the MEAN gradient (S elements).
-
-        1. flatten every p.grad into one padded fp32 vector (zeros in the padding), divide by N,
-           reduce-scatter it: rank r receives the sum over ranks of shard r;
-        2. set every p.grad to None (only the shard stays);
-        3. self.master.grad = the gradient shard; self.optimizer.step();
-        4. all-gather the updated master shards into one padded vector and copy each
-           parameter's slice back into it (p.copy_(...)).
-        """
+    def step(self) -> list[torch.Tensor]:
+        """After backward: update, bring the parameters back whole, return the gradient shards."""
         raise NotImplementedError("exercise 08: write Zero2AdamW.step")
-
-    def state_bytes(self) -> int:
-        """Bytes of AdamW's per-element state this rank holds (m and v; not the 0-dim step)."""
-        raise NotImplementedError("exercise 08: write Zero2AdamW.state_bytes")

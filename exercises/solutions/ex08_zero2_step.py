@@ -1,4 +1,4 @@
-"""Exercise 08, reference solution: one ZeRO-2 optimizer step with AdamW."""
+"""Exercise 08, reference solution: a ZeRO-2 optimizer, each gradient reduce-scattered as backward makes it."""
 
 import torch
 import torch.distributed as dist
@@ -7,7 +7,7 @@ from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    size = -(-numel // world_size)  # ceil: the buffer is padded to world_size * size
+    size = -(-numel // world_size)  # ceil: the tensor is padded to world_size * size
     return rank * size, (rank + 1) * size
 
 
@@ -16,46 +16,50 @@ class Zero2AdamW:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.numel = sum(p.numel() for p in self.params)
-        self.start, self.stop = shard_bounds(self.numel, self.world_size, self.rank)
-        self.padded = (self.stop - self.start) * self.world_size
+        self.bounds = [shard_bounds(p.numel(), self.world_size, self.rank) for p in self.params]
         with torch.no_grad():
-            flat = self._flatten([p.detach() for p in self.params])
-            self.master = flat[self.start:self.stop].clone()  # fp32 master weights of my shard only
-        self.optimizer = torch.optim.AdamW([self.master], lr=lr, betas=betas, weight_decay=weight_decay, eps=eps,
+            # fp32 master weights of my shard of each parameter only (a copy, not a view of the model)
+            self.master = [self._padded(p.detach())[start:stop].clone().float()
+                           for p, (start, stop) in zip(self.params, self.bounds)]
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps,
                                            foreach=False)
+        # Hooks run in the order backward produces the gradients, the same on every rank, so the
+        # ranks' reduce-scatters pair up one parameter at a time.
+        self.hooks = [p.register_post_accumulate_grad_hook(self._reduce_scatter) for p in self.params]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
 
-    def _flatten(self, tensors):
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.params[0].device)
-        offset = 0
-        for t, p in zip(tensors, self.params):
-            if t is not None:
-                flat[offset:offset + p.numel()] = t.reshape(-1)
-            offset += p.numel()
-        return flat
+    def _padded(self, t: torch.Tensor) -> torch.Tensor:
+        """t flattened and zero-padded to world_size * shard size (the padding stays 0 under AdamW)."""
+        flat = t.reshape(-1)
+        pad = -(-flat.numel() // self.world_size) * self.world_size - flat.numel()
+        return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+
+    @torch.no_grad()
+    def _reduce_scatter(self, p: torch.Tensor) -> None:
+        i = self.index[id(p)]
+        start, stop = self.bounds[i]
+        full = self._padded(p.grad.float()).div(self.world_size)  # sum over ranks of g/N = the mean
+        p.grad = None  # the full gradient leaves now: only the shard stays
+        shard = torch.empty(stop - start, dtype=full.dtype, device=full.device)
+        reduce_scatter_single(shard, full, group=self.group)
+        master = self.master[i]
+        master.grad = shard if master.grad is None else master.grad.add_(shard)  # a second backward adds
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
             p.grad = None
+        for m in self.master:
+            m.grad = None
 
     @torch.no_grad()
     def step(self):
-        grads = self._flatten([p.grad for p in self.params]).div_(self.world_size)
-        shard = torch.empty(self.stop - self.start, dtype=grads.dtype, device=grads.device)
-        reduce_scatter_single(shard, grads, group=self.group)
-        for p in self.params:
-            p.grad = None  # the full gradient is no longer needed: only the shard stays
-        self.master.grad = shard
+        shards = [m.grad if m.grad is not None else torch.zeros_like(m) for m in self.master]
+        for m, g in zip(self.master, shards):
+            m.grad = g
         self.optimizer.step()
-        full = torch.empty(self.padded, dtype=self.master.dtype, device=self.master.device)
-        all_gather_single(full, self.master.detach().clone(), group=self.group)
-        offset = 0
-        for p in self.params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.master.grad = None
-        return shard
-
-    def state_bytes(self) -> int:
-        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
-                   if torch.is_tensor(v) and v.dim() > 0)
+        for p, m in zip(self.params, self.master):
+            full = torch.empty(m.numel() * self.world_size, dtype=m.dtype, device=m.device)
+            all_gather_single(full, m, group=self.group)
+            p.copy_(full[:p.numel()].view_as(p))
+            m.grad = None  # after the update the rank keeps no gradient at all
+        return shards

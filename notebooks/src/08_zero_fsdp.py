@@ -16,7 +16,7 @@
 #
 # and it still computes exactly what one process would: this notebook proves it on real ranks,
 # measures the memory of each stage against notebook 01's formula, and counts what each stage
-# sends. The code lives in `course_lib/parallel/zero/` (files of under 300 lines each).
+# sends. Exercise 08 then has you write stage 2 yourself.
 #
 # **After this notebook you can**
 #
@@ -486,3 +486,39 @@ show_interactive(lambda: viz.zero_view(), lambda: viz.zero_widget())
 # 5. The free after forward (the forward post-hook): each block stays gathered until its
 #    backward, so the full model piles up, as in section 6's trace but without the drops.
 # </details>
+#
+# ## References
+#
+# * Rajbhandari, S., Rasley, J., Ruwase, O., He, Y. (2020). *ZeRO: Memory Optimizations Toward
+#   Training Trillion Parameter Models.* SC20, arXiv:1910.02054. The three stages, the
+#   per-GPU formulas and the 7.5B-parameter table of section 1, and the communication volumes
+#   of section 7.
+# * Ren, J., Rajbhandari, S., Aminabadi, R. Y., Ruwase, O., Yang, S., Zhang, M., Li, D., He, Y.
+#   (2021). *ZeRO-Offload: Democratizing Billion-Scale Model Training.* USENIX ATC '21,
+#   arXiv:2101.06840. The optimizer state and step on the host, section 8.
+# * Rajbhandari, S., Ruwase, O., Rasley, J., Smith, S., He, Y. (2021). *ZeRO-Infinity: Breaking
+#   the GPU Memory Wall for Extreme Scale Deep Learning.* SC21, arXiv:2104.07857. Stage 3
+#   offloaded to host memory and NVMe, and what bandwidth each needs.
+# * Zhao, Y., Gu, A., Varma, R., Luo, L., Huang, C.-C., Xu, M., et al. (2023). *PyTorch FSDP:
+#   Experiences on Scaling Fully Sharded Data Parallel.* PVLDB 16(12), arXiv:2304.11277. FSDP's
+#   units, prefetching, the rate limiter and hybrid sharding, in PyTorch.
+# * Wang, G., Qin, H., Jacobs, S. A., Holmes, C., Rajbhandari, S., Ruwase, O., et al. (2023).
+#   *ZeRO++: Extremely Efficient Collective Communication for Giant Model Training.*
+#   arXiv:2306.10209. Hierarchical partitioning and quantised gathers, section 10.
+#
+# Further reading:
+#
+# * Xu, Y., Lee, H., Chen, D., Choi, H., Hechtman, B., Wang, S. (2020). *Automatic
+#   Cross-Replica Sharding of Weight Update in Data-Parallel Training.* arXiv:2004.13336. The
+#   same sharded weight update (reduce-scatter, update a shard, all-gather), applied
+#   automatically by the XLA compiler on TPUs.
+# * PyTorch tutorial, *Getting Started with Fully Sharded Data Parallel (FSDP2)*
+#   (docs.pytorch.org/tutorials/intermediate/FSDP_tutorial.html): `fully_shard`, per-parameter
+#   sharding with DTensor, mixed precision and prefetching.
+# * DeepSpeed, *Zero Redundancy Optimizer* tutorial (deepspeed.ai/tutorials/zero): the
+#   `zero_optimization` config of section 10 on a real model.
+#
+# Next: write a ZeRO-2 step yourself in `exercises/ex08_zero2_step.ipynb`: every gradient
+# reduce-scattered and dropped as backward produces it, so that no rank ever holds the whole
+# gradient, checked against one process and against the bytes each rank holds. Once its
+# checks pass, its last cell points to the course's own implementation to compare with.
