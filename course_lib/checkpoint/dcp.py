@@ -20,14 +20,21 @@ ShardedTensor deprecated in favour of DTensor; DCP still reads and writes it, an
 only that warning. Limitation: the boxes of a sharded tensor must not overlap between ranks
 (true for ZeRO and for pure tensor parallelism; a 2-D layout where two ranks hold the same
 slice would pass it once, as format.py does when saving).
+
+The second half runs DCP the way production code does, on FSDP2's own DTensor state dict
+(notebook 11, section 7): fsdp2_dcp_save (rank code: train, dcp.save, dcp.async_save),
+fsdp2_dcp_load (rank code, any world size: dcp.load into a fresh model), dcp_chunks (the
+saved chunks of one tensor, from the .metadata file).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from course_lib.checkpoint.format import _all_gather_object, _world
 from course_lib.checkpoint.layouts import Piece
@@ -111,3 +118,116 @@ def load_with_dcp(path, pieces: list[Piece], objects: dict | None = None, group=
             if s.tensor is not p.tensor:
                 p.tensor.copy_(s.tensor)
     return {k: state[k] for k in (objects or {})}
+
+
+# ------------------------------------------------------------ DCP on FSDP2's own state dict
+# The functions above feed DCP the course's boxes. Production code hands it FSDP2's state dict
+# instead: every parameter a DTensor sharded on dim 0 (rank r holds rows [r*c, (r+1)*c),
+# c = ceil(rows / N), the last ranks fewer or none), and Adam's moments sharded the same way.
+# DCP writes each rank's rows once with their global offsets and, on load, reads the saved
+# rows that overlap each new rank's rows: the box intersection of reshard.py, in PyTorch.
+
+def _flat_values(tree, prefix: str = "") -> dict:
+    """{"model.tok_emb.weight": tensor, "optim.state.tok_emb.weight.exp_avg": tensor, ...}."""
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat_values(v, f"{prefix}{k}."))
+        return out
+    if isinstance(tree, (list, tuple)):
+        return _flat_values(dict(enumerate(tree)), prefix)
+    return {prefix[:-1]: tree}
+
+
+def _fsdp2_run(model_config, train_cfg, seed: int, group=None):
+    """The course GPT under FSDP2 (fully_shard per block and root) with AdamW, after
+    train_cfg.steps data-parallel steps (0: a fresh model whose optimizer state is empty)."""
+    from course_lib.data import CharDataset, collate, sample_indices
+    from course_lib.model import GPT
+    from course_lib.parallel.zero.native import fsdp2_model
+    from course_lib.train import train_step
+
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    if train_cfg.steps and train_cfg.batch_size % n:
+        raise ValueError(f"batch_size={train_cfg.batch_size} must be divisible by world_size={n}")
+    model = fsdp2_model(GPT(model_config, seed=seed), group)
+    opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
+                            weight_decay=train_cfg.weight_decay)
+    dataset, gen, share = CharDataset("train", model_config.block_size), torch.Generator().manual_seed(seed), \
+        train_cfg.batch_size // n
+    with warnings.catch_warnings():  # FSDP2's two harmless warnings for GPT (see parallel/zero/native.py)
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        for _ in range(train_cfg.steps):
+            idx = sample_indices(len(dataset), train_cfg.batch_size, gen)[rank * share:(rank + 1) * share]
+            train_step(model, opt, *collate(dataset, idx), train_cfg.grad_clip,
+                       clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
+    return model, opt
+
+
+def _full_values(model, opt) -> dict:
+    """Collective: the whole state as plain CPU tensors and numbers on rank 0 ({} elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    m, o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _flat_values({"model": m, "optim": o})
+
+
+def fsdp2_dcp_save(model_config, train_cfg, path, async_path, group=None) -> dict:
+    """Rank code: train FSDP2 for train_cfg.steps steps, then dcp.save its sharded state dict
+    (DTensors) into `path` and dcp.async_save the same into `async_path`. Returns {"values": the
+    full state on rank 0 (see _full_values), "save_s": the blocking save, "async_blocked_s": until
+    async_save returns (the copy to host memory), "async_total_s": until its write has finished}."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _fsdp2_run(model_config, train_cfg, train_cfg.seed, group)
+    m, o = get_state_dict(model, opt)
+    state = {"model": m, "optim": o}
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(path), process_group=group)
+    t1 = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=str(async_path), process_group=group)
+    t2 = time.perf_counter()
+    # a training loop would run its next steps here (the staged copy is what gets written); torch
+    # returns a future, or an AsyncSaveResponse holding one, depending on the stager
+    getattr(future, "upload_completion", future).result()
+    t3 = time.perf_counter()
+    return {"values": _full_values(model, opt), "save_s": t1 - t0, "async_blocked_s": t2 - t1,
+            "async_total_s": t3 - t1}
+
+
+def fsdp2_dcp_load(model_config, train_cfg, paths, group=None) -> list[dict]:
+    """Rank code, at any world size: for each DCP checkpoint in `paths`, a fresh FSDP2 model and
+    AdamW (another seed, so nothing matches by accident) whose DTensor state dict dcp.load fills;
+    returns the full state of each on rank 0 (see _full_values)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out = []
+    for path in paths:
+        model, opt = _fsdp2_run(model_config, dataclasses.replace(train_cfg, steps=0), train_cfg.seed + 1, group)
+        m, o = get_state_dict(model, opt)  # DTensors of this world's layout; creates Adam's state
+        state = {"model": m, "optim": o}
+        dcp.load(state, checkpoint_id=str(path), process_group=group)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        out.append(_full_values(model, opt))
+    return out
+
+
+def dcp_chunks(path, key: str) -> list[tuple[str, list[int], list[int]]]:
+    """(file, offsets, lengths) of every chunk DCP saved of tensor `key` ("model.tok_emb.weight"),
+    read from the checkpoint's .metadata, in file order."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata()
+    if key not in meta.state_dict_metadata:
+        raise KeyError(f"{key!r} is not in the DCP checkpoint at {path}")
+    out = []
+    for index, info in meta.storage_data.items():
+        if index.fqn == key:
+            chunk = next(c for c in meta.state_dict_metadata[key].chunks if list(c.offsets) == list(index.offset))
+            out.append((info.relative_path, list(chunk.offsets), list(chunk.sizes)))
+    return sorted(out)

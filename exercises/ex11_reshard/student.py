@@ -24,9 +24,9 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
 
 def read_plan(numel: int, old_world: int, new_world: int, new_rank: int) -> list[tuple[int, int, int, int]]:
     """What new rank `new_rank` of `new_world` reads from the shards saved by `old_world` ranks:
-    a list of (old_rank, src_start, src_stop, dst_start), in increasing old_rank, where
-    old shard [src_start, src_stop) (offsets LOCAL to that old shard) goes to position dst_start
-    of the new shard (LOCAL to the new shard). Only real elements (global offset < numel):
+    a list of (old_rank, src_start, src_stop, dst_start), one per old rank it reads from, in
+    increasing old_rank, where old shard [src_start, src_stop) (offsets LOCAL to that old shard)
+    goes to position dst_start of the new shard (LOCAL to the new shard). Only real elements (global offset < numel):
     padding is never read, and old ranks that do not overlap do not appear.
 
     Example: numel=10, 4 old ranks (S=3: [0,3) [3,6) [6,9) [9,12)), 3 new ranks (S'=4):
