@@ -9,7 +9,8 @@ async saves, the full training state, and elastic recovery.
     atomic.py      temp directory + rename; the newest complete checkpoint
     async_save.py  the copy to host blocks, the write does not
     state.py       the full training state: model, optimizer, step, data position, every rank's RNG
-    dcp.py         the same pieces through torch.distributed.checkpoint as the storage layer
+    dcp.py         the same pieces through torch.distributed.checkpoint as the storage layer;
+                   DCP on FSDP2's DTensor state dict, saved and resharded (notebook 11, section 7)
     training.py    the training loop with periodic checkpoints, resumption and a kill on purpose
     interval.py    failures at scale and the Young/Daly checkpoint interval
     flat.py        ZeRO-3 flat shards saved as they are (exercise 11);  viz.py: notebook 11's figures
