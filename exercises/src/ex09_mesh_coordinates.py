@@ -25,81 +25,82 @@
 # </details>
 #
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
-# `CheckFailed` (or your own error) when it is not. Your coordinates and groups are compared
-# with what `make_mesh` builds on 8 real ranks; your links and network bytes with the course's
-# traffic model on a 1024-GPU layout (no processes). Edit `student.py`, then *Kernel → Restart
-# and run all*.
+# `CheckFailed` (or your own error) when it is not. Your functions are compared with three
+# things, never with a reference answer shown here: values worked out by hand (like the
+# answer above); a real device mesh on 8 ranks (make_mesh's, and torch's `init_device_mesh`
+# with the dimensions listed in another order); and properties every right answer has (the
+# groups of a dimension hold every rank exactly once, `sizes[dim]` ranks each, differing only
+# along that dimension; a link is `"intra"` exactly when every group of the dimension sits in one
+# node). Write it yourself: a `student.py` that imports the course's own mesh bookkeeping is
+# refused before any check runs. Edit `student.py`, then *Kernel → Restart and run all*.
 
 # %%
-import torch.distributed as dist
+from course_lib.grading import ex09_mesh_coordinates as grade
+from course_lib.grading import load_student
 
-from course_lib import run_on_ranks
-from course_lib.estimate.params import LLAMA3_405B
-from course_lib.grading import check_close, check_equal, load_student
-from course_lib.parallel import make_mesh, topology
-from course_lib.parallel.hybrid import ParallelDims
-
-student = load_student("ex09_mesh_coordinates")
-NAIVE = ("tp", "ep", "dp", "pp")
+student = load_student("ex09_mesh_coordinates", refuse=grade.REFUSE)
 
 # %% [markdown]
-# ## Check 1: coordinates, by hand and against make_mesh on 8 ranks
+# ## Check 1: coordinates
+#
+# By hand, then on layouts of 24 ranks (a size of 3 catches a modulo by the wrong size), then
+# every rank against a real mesh on 8 ranks (the first check that starts processes).
 
 # %%
-SIZES = dict(pp=2, dp=2, ep=1, tp=2)
-check_equal("rank 5 of pp 2 x dp 2 x tp 2", student.coordinates(5, SIZES), {"pp": 1, "dp": 0, "ep": 0, "tp": 1})
-check_equal("rank 6 (make_mesh's order)", student.coordinates(6, SIZES), {"pp": 1, "dp": 1, "ep": 0, "tp": 0})
-check_equal("rank 6, order (tp, ep, dp, pp): pp varies fastest", student.coordinates(6, SIZES, NAIVE),
-            {"pp": 0, "dp": 1, "ep": 0, "tp": 1})
-
-
-def mesh_facts(sizes):
-    """Rank code: this rank's coordinates and groups, as make_mesh builds them."""
-    mesh = make_mesh(**sizes)
-    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    ranks = {d: sorted(dist.get_process_group_ranks(mesh[d].get_group())) for d in mesh.mesh_dim_names}
-    return coords, ranks
-
-
-for sizes in (SIZES, dict(pp=1, dp=2, ep=2, tp=2), dict(pp=2, dp=1, ep=4, tp=1)):
-    facts = run_on_ranks(mesh_facts, sizes, world_size=8, timeout_s=120)
-    check_equal(f"coordinates of every rank, {sizes}", [student.coordinates(r, sizes) for r in range(8)],
-                [c for c, _ in facts])
+grade.check_coordinates(student)
 
 # %% [markdown]
 # ## Check 2: the groups of every dimension
 
 # %%
-for sizes in (SIZES, dict(pp=1, dp=2, ep=2, tp=2), dict(pp=2, dp=1, ep=4, tp=1)):
-    facts = run_on_ranks(mesh_facts, sizes, world_size=8, timeout_s=120)
-    mine = student.groups(sizes)
-    for dim in ("pp", "dp", "ep", "tp"):
-        expected = sorted({tuple(r[dim]) for _, r in facts})
-        check_equal(f"{dim} groups of {sizes}", [tuple(g) for g in mine[dim]], expected)
-check_equal("groups in another order: (tp, ep, dp, pp)", student.groups(SIZES, NAIVE),
-            topology.groups(SIZES, NAIVE))
+grade.check_groups(student)
 
 # %% [markdown]
-# ## Check 3: links on a 1024-GPU cluster, and the bytes that leave the node
+# ## Check 3: which link each dimension crosses
 #
-# Megatron-style layout tp 8 × pp 16 × dp 8 on nodes of 8 GPUs, make_mesh's order and the
-# naive one. The bytes per rank and step come from the course's traffic model for Llama 3 405B
-# (bf16, 128 sequences of 8192 tokens).
+# The Megatron-style layout tp 8 × pp 16 × dp 8 on nodes of 8 GPUs (1024 ranks) in both
+# orders, a small one on nodes of 4, and layouts whose groups fit a node in size but can
+# straddle two (tp 3 on nodes of 4).
 
 # %%
-BIG = dict(pp=16, dp=8, ep=1, tp=8)
-dims = ParallelDims(**BIG, microbatches=16)
-traffic = {d: row["bytes_per_rank"] for d, row in
-           topology.traffic_per_step(LLAMA3_405B, dims, 128, seq=8192, dtype_bytes=2).items()}
-for order in (topology.TOPOLOGY_AWARE, NAIVE):
-    check_equal(f"links, order {order}", {d: student.link_of(d, BIG, 8, order) for d in BIG},
-                {d: topology.link_of(d, BIG, 8, order) for d in BIG})
-    expected = sum(r["bytes_per_rank"] for r in topology.placement(LLAMA3_405B, dims, 128, seq=8192, order=order)
-                   if r["link"] == "inter")
-    check_close(f"bytes per rank crossing the network, order {order}",
-                student.inter_node_bytes(traffic, BIG, 8, order), expected, rtol=1e-9, atol=0)  # float64 sums
+grade.check_links(student)
 
 # %% [markdown]
-# All checks passed? Compare your two network totals: the naive order sends about 10 times
-# more bytes per rank over InfiniBand. Back in notebook 09 (§7), how many seconds per step is
-# that for Llama 3 405B, and which dimension would you move off the network first?
+# ## Check 4: the bytes that leave the node
+#
+# First with made-up bytes per dimension, then with the course's traffic model for Llama 3
+# 405B on the 1024-GPU layout (bf16, 128 sequences of 8192 tokens, 16 micro-batches; notebook
+# 09, §7 prints these bytes per dimension).
+
+# %%
+grade.check_network_bytes(student)
+
+# %% [markdown]
+# ## After the checks
+#
+# Put your two network totals side by side:
+#
+# ```python
+# traffic = grade.llama3_traffic()
+# student.inter_node_bytes(traffic, grade.BIG, 8, grade.NAIVE) / student.inter_node_bytes(traffic, grade.BIG, 8)
+# ```
+#
+# How many times more bytes per rank does the naive order send over InfiniBand, and which
+# dimension accounts for the difference? Back in notebook 09 (§7), how many seconds per step
+# is that for Llama 3 405B, and which dimension would you move off the network first?
+#
+# <details><summary>Answer</summary>
+#
+# In make_mesh's order only pp and dp leave the node; the naive order also sends tp's
+# activation all-reduces over the network, so the factor is `(tp + pp + dp) / (pp + dp)` of
+# the bytes above. tp's traffic is the largest of the step (notebook 09, §7, prints all
+# three), so tp is the one to bring back inside the node: that is why it goes innermost.
+# </details>
+#
+# **Having written it, compare with the library.** `course_lib.parallel.mesh.make_mesh` builds
+# the same numbering with torch's `init_device_mesh` (and `mesh_groups` lists its groups
+# without processes); `course_lib.parallel.topology` has `coordinates`, `groups` and
+# `link_of`. Its `link_of` looks at no group: a group of a dimension is `{base + k·stride}`, so
+# on a mesh that fills whole nodes every group stays in one node exactly when the span
+# `stride · size` divides the GPUs per node. Where does your version look at more than it needs
+# to?
