@@ -79,13 +79,15 @@ REFUSE = ("course_lib.estimate.planner", "course_lib.estimate.plan", "course_lib
     ("from course_lib.parallel import topology\ntopology.groups({})\n", 2, "course_lib.parallel.topology.groups"),
     ("import importlib\nm = importlib.import_module('course_lib.estimate.planner')\n", 2,
      "course_lib.estimate.planner"),
+    ("from course_lib.estimate import *\n", 1, "course_lib.estimate.*"),
+    ("from course_lib import *\n", 1, "course_lib.*"),
 ])
 def test_a_student_module_reaching_for_the_answer_is_refused(source, line, name):
     assert grading.refused_uses(source, REFUSE)[0] == (line, name)
 
 
 def test_what_the_exercise_does_not_refuse_is_allowed():
-    source = ("import torch\nfrom course_lib.parallel import topology\nfrom course_lib.estimate import Layout\n"
+    source = ("import torch\nfrom torch import *\nfrom course_lib.parallel import topology\nfrom course_lib.estimate import Layout\n"
               "topology.link_of('dp', {}, 8)\nplan = 3\n")
     assert grading.refused_uses(source, REFUSE) == []
     assert grading.refused_uses("from course_lib.estimate import plan\n", ()) == []

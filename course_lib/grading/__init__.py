@@ -85,7 +85,8 @@ def refused_uses(source: str, refuse: tuple[str, ...]) -> list[tuple[int, str]]:
     `from pkg import m` are resolved to full dotted names, and so are attribute chains on an
     imported name (`course_lib.estimate.plan(...)`, `est.plan(...)` after `import ... as est`).
     `importlib.import_module("...")` and `__import__` with a refused literal are caught too.
-    A name is refused when it equals an entry of `refuse` or lies below one.
+    A name is refused when it equals an entry of `refuse` or lies below one; `from m import *`
+    is refused when m or anything below it is.
     """
     if not refuse:
         return []
@@ -107,6 +108,10 @@ def refused_uses(source: str, refuse: tuple[str, ...]) -> list[tuple[int, str]]:
                     found.append((node.lineno, a.name))
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
+                if a.name == "*":  # brings in whatever the module exports: refused if anything below is
+                    if hit(node.module) or any(r.startswith(node.module + ".") for r in refuse):
+                        found.append((node.lineno, f"{node.module}.*"))
+                    continue
                 full = f"{node.module}.{a.name}"
                 aliases[a.asname or a.name] = full
                 if hit(node.module) or hit(full):
