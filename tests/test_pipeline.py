@@ -3,8 +3,10 @@
 The central claims: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1 zero bubble) trained
 on 2 and 4 real ranks equals the single-process GPT over several AdamW steps (uneven block
 split, tied embeddings), as does torch.distributed.pipelining on the same stages; the
-schedules' simulated bubbles equal the formulas; GPipe's saved activations grow with m while
-1F1B's stay bounded by p in-flight micro-batches. Equality runs use grad_clip=0 and compare
+schedules' simulated bubbles equal the formulas (for ZB-H1 and 1F1B also Qi et al.'s idle time
+per rank at unequal F, B, W times); GPipe's saved activations grow with m while 1F1B's stay
+bounded by p in-flight micro-batches, and ZB-H1 never holds more than p on any rank (1F1B's
+peak) with rank 0 exactly at 1F1B's. Equality runs use grad_clip=0 and compare
 raw gradients: AdamW is scale-invariant, so a wrongly scaled gradient could still pass a
 parameter check.
 """
@@ -119,10 +121,44 @@ def test_gpipe_holds_all_m_in_flight_and_1f1b_at_most_p_minus_rank(p, m):
     assert max(in_flight(make_schedule("zero_bubble", p, m))) <= p
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_zero_bubble_is_zb_h1_with_the_memory_of_1f1b(p, m):
+    """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B's graphs per rank, and at most p micro-batches
+    waiting for their W on any rank (p M_B, 1F1B's peak); rank 0 defers no W, so its peak is
+    1F1B's; rank r defers at most r. A schedule that defers W's on every rank by the same rule
+    (rank 0 holding 2p - 1) fails here."""
+    zb, ref = make_schedule("zero_bubble", p, m), make_schedule("1f1b", p, m)
+    assert in_flight(zb) == in_flight(ref)  # whole graphs: p - r on rank r, as 1F1B
+    assert in_flight(zb, until="W") == [min(p, m)] * p  # 1F1B's peak, p (or all m), on every rank
+    for r, acts in enumerate(zb.actions):
+        waiting_w = most = 0  # B done, W not yet: at most r besides the one just back
+        for a in acts:
+            waiting_w += (a.kind == "B") - (a.kind == "W")
+            most = max(most, waiting_w)
+        assert most <= r + 1
+    assert in_flight(ref, until="W") == in_flight(ref)  # no W in 1F1B: B ends the micro-batch
+    with pytest.raises(ValueError, match="until='F' must be 'B' or 'W'"):
+        in_flight(zb, until="F")
+
+
+@pytest.mark.parametrize("t_f, t_b, t_w", [(1, 1, 1), (1, 2, 1), (1, 1.5, 0.5), (2, 1, 0.5)])
+def test_idle_time_per_rank_is_table_2_of_the_zero_bubble_paper(t_f, t_b, t_w):
+    """Qi et al. 2023, Table 2: every rank idles (p-1)(T_F+T_B+T_W) under 1F1B and
+    (p-1)(T_F+T_B-T_W) under ZB-H1 (m >= p). Simulated times are sums of these binary fractions:
+    exact up to float64 rounding, abs 1e-9."""
+    for p, m in ((2, 4), (4, 8), (4, 16), (8, 24)):
+        for name, idle in (("1f1b", (p - 1) * (t_f + t_b + t_w)), ("zero_bubble", (p - 1) * (t_f + t_b - t_w))):
+            ranks = simulate(make_schedule(name, p, m), t_f, t_b, t_w)
+            span = max(e for rank in ranks for *_, e in rank) - min(s for rank in ranks for _, s, _ in rank)
+            for rank in ranks:
+                assert span - sum(e - s for _, s, e in rank) == pytest.approx(idle, abs=1e-9), (name, p, m)
+
+
 def test_the_schedule_is_printable_data():
     sched = make_schedule("1f1b", 2, 3)
     assert sched.table() == "rank 0: F0 F1 B0 F2 B1 B2\nrank 1: F0 B0 F1 B1 F2 B2"
-    assert str(make_schedule("zero_bubble", 2, 2).actions[1]) == "[F0, B0, F1, B1, W0, W1]"
+    assert str(make_schedule("zero_bubble", 2, 2).actions) == "[[F0, F1, B0, W0, B1, W1], [F0, B0, F1, B1, W0, W1]]"
 
 
 def test_checker_catches_missing_duplicated_and_deadlocking_actions():
@@ -261,9 +297,12 @@ def test_real_timeline_follows_the_schedule_and_activation_memory_follows_in_fli
         peaks = {run: res[2] for run, res in zip(runs, results)}
         assert peaks[("gpipe", 4)] == 4 * one_mb  # GPipe grows with m
         assert peaks[("1f1b", 8)] == peaks[("1f1b", 4)] == (4 - r) * one_mb  # 1F1B: bounded by p - r
-        # ZB-H1: at most p - r whole graphs plus p - 1 deferred W's (inputs and output gradients
-        # of the Linears): bounded, independent of m, and well below GPipe's m graphs.
-        assert peaks[("zero_bubble", 16)] == peaks[("zero_bubble", 8)] < 8 * one_mb
+        # ZB-H1: p - r whole graphs plus at most r deferred W's (each Linear's input and output
+        # gradient, less than a graph): independent of m and within p graphs of this stage, 1F1B's
+        # peak p M_B (Qi et al. 2023, Table 2); rank 0 defers none, so its peak is 1F1B's exactly.
+        assert peaks[("zero_bubble", 16)] == peaks[("zero_bubble", 8)] <= 4 * one_mb
+        if r == 0:
+            assert peaks[("zero_bubble", 8)] == peaks[("1f1b", 8)]
 
 
 # ---------------------------------------------------------------- the instructor path

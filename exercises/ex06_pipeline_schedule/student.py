@@ -1,5 +1,5 @@
-"""Exercise 06: the 1F1B pipeline schedule, as data. Fill in `one_f_one_b`, then run the
-check cells of ex06_pipeline_schedule.ipynb. Each check prints PASS when your code is right.
+"""Exercise 06: pipeline schedules as data. Fill in `one_f_one_b`, then `capped_1f1b`, and run
+the check cells of ex06_pipeline_schedule.ipynb. Each check prints PASS when your code is right.
 
 A schedule is, for each rank, the ordered list of actions it runs:
 
@@ -9,7 +9,11 @@ A schedule is, for each rank, the ordered list of actions it runs:
 Rank r holds stage r of p. A rank can run F(j) only after rank r-1 ran F(j) (it needs the
 activation), and B(j) only after its own F(j) and rank r+1's B(j) (it needs the gradient);
 the last rank starts B(j) right after its F(j). Every rank runs its list strictly in order,
-waiting in each receive.
+waiting in each receive. A micro-batch is "in flight" on a rank from its F to its B there: the
+rank holds its activations all that time.
+
+Write the lists yourself from `Action`: the grader refuses a module that uses the library's
+schedule generators.
 """
 
 from course_lib.parallel.pp import Action
@@ -18,14 +22,21 @@ from course_lib.parallel.pp import Action
 def one_f_one_b(p: int, m: int) -> list[list[Action]]:
     """The 1F1B schedule for p ranks and m micro-batches: a list of p lists of Actions.
 
-    Every rank runs F(j) and B(j) once for each micro-batch j = 0..m-1, forwards and backwards
-    each in increasing j. The schedule must never deadlock, must keep at most p - r
-    micro-batches in flight on rank r (forward done, backward not yet), whatever m is, and
-    must keep GPipe's bubble (p-1)/(m+p-1): no rank may wait longer than it has to.
-
-    Plan it in three phases per rank: some warm-up forwards, a steady phase alternating one
-    forward and one backward, and a drain of the remaining backwards. How many warm-up
-    forwards does rank r need so that its first backward arrives just as it is needed?
-    What happens when m is smaller than that number?
+    Every rank runs F(j) and B(j) once for each micro-batch j = 0..m-1, forwards in increasing
+    j and backwards in increasing j. The lists must never deadlock, must keep at most p - r
+    micro-batches in flight on rank r whatever m is, and the step must be no longer than
+    GPipe's, (m + p - 1)(t_F + t_B): no rank may wait longer than the pipeline forces it to.
     """
     raise NotImplementedError("exercise 06: write one_f_one_b")
+
+
+def capped_1f1b(p: int, m: int, caps: list[int]) -> list[list[Action]]:
+    """The same 1F1B pattern under a memory cap per rank: rank r may hold at most caps[r]
+    micro-batches in flight (caps[r] may be smaller or larger than p - r).
+
+    Same rules as one_f_one_b (every action once, no deadlock), in flight at most caps[r] on
+    rank r, and a step as short as the 1F1B pattern allows under these caps. caps that cannot
+    be a cap (not one int >= 1 per rank) raise ValueError naming the value, before anything
+    is built.
+    """
+    raise NotImplementedError("exercise 06: write capped_1f1b")

@@ -10,7 +10,7 @@
 #
 # Everything below runs real stages on real ranks (gloo processes) with real `send`/`recv`,
 # and every schedule is first written down as **data** (the ordered list of actions each rank
-# runs) so we can draw it before running it. The code is in `course_lib/parallel/pp/`.
+# runs) so we can draw it before running it.
 #
 # **After this notebook you can**
 #
@@ -22,7 +22,7 @@
 # * explain why 1F1B bounds activation memory by $p$ micro-batches while GPipe's grows with $m$,
 #   and measure both;
 # * say what interleaving costs (more messages) and how splitting the backward into B and W
-#   (zero bubble) fills the bubble;
+#   (ZB-H1) cuts the bubble to about a third at 1F1B's peak memory;
 # * write a schedule as per-rank action lists and check it for missing actions and deadlocks;
 # * place PP in a 3D layout and estimate its communication with the α-β model.
 
@@ -36,7 +36,7 @@ from course_lib.comm.costmodel import CLUSTERS
 from course_lib.data import CharDataset
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.pp import (Action, Schedule, ScheduleError, check_schedule, in_flight, make_schedule,
-                                    run_pipeline, schedule_events, split_blocks, stage_tensors)
+                                    run_pipeline, schedule_events, simulate, split_blocks, stage_tensors)
 from course_lib.parallel.pp.bubble import formula_for, measure_schedules, measured_bubble
 from course_lib.parallel.pp.native import run_native
 from course_lib.parallel.pp.viz import messages_per_step, plot_schedule
@@ -128,7 +128,8 @@ assert abs(simulated_bubble("gpipe", 4, 1) - 0.75) < 1e-12  # the schedule itsel
 #
 # <details><summary>Answer</summary>
 #
-# $3/11 \approx 0.27$. It falls with $m$: $m \ge 4p$ brings it under 16%.
+# $3/11 \approx 0.27$. It falls with $m$: $m = 4p$ gives $\frac{p-1}{5p-1}$, under 16% for
+# $p \le 4$ ($3/19$ at $p = 4$) but $7/39 \approx 17.9\%$ at $p = 8$: under 20% for any $p$.
 # </details>
 
 # %%
@@ -155,8 +156,9 @@ assert abs(simulated_bubble("gpipe", 4, 8) - formula_for("gpipe", 4, 8)) < 1e-12
 TC = TrainConfig(steps=3, batch_size=8, grad_clip=1.0, eval_every=10**6, eval_batches=1, progress=False)
 ref = train_reference(CONFIG, TC)
 ref_params = dict(ref.model.named_parameters())
+OURS = {}  # kept for section 8
 for schedule, m, v in (("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 4, 2), ("zero_bubble", 4, 1)):
-    results = run_pipeline(4, CONFIG, TC, schedule, m, v)
+    results = OURS[schedule] = run_pipeline(4, CONFIG, TC, schedule, m, v)
     params = stage_tensors(results)
     diff = torch.cat([(params[k] - ref_params[k].detach()).flatten() for k in ref_params])
     loss_gap = max(abs(a - b) for a, b in zip(results[0].train_losses, ref.train_losses))
@@ -203,14 +205,17 @@ plt.show()
 #
 # GPipe keeps the activations of **all** $m$ micro-batches until their backwards start, so its
 # activation memory grows with $m$, exactly the lever that shrinks the bubble. **1F1B**
-# (PipeDream-Flush; Narayanan et al. 2019, 2021) starts each micro-batch's backward as early as
-# possible: rank $r$ runs $p-r-1$ warm-up forwards, then alternates one forward and one
-# backward, then drains. A micro-batch's activations are freed by its backward, so rank $r$
-# never holds more than $p - r$ of them, whatever $m$. The bubble is unchanged: the same
-# fill and drain.
+# starts each micro-batch's backward as early as possible: a few warm-up forwards, then one
+# forward and one backward in turn, then a drain of the backwards still owed. PipeDream
+# (Narayanan et al. 2019) introduced the one-forward-one-backward order for asynchronous
+# training; its synchronous form, flushed at the end of every step so that the update equals
+# the single-process one, is DAPPLE's early-backward schedule (Fan et al. 2021) and Megatron's
+# PipeDream-Flush (Narayanan et al. 2021). A micro-batch's activations are freed by its
+# backward, so what a rank holds is bounded by its warm-up, whatever $m$: the counts below.
+# The bubble is unchanged: the same fill and drain. (How many warm-up forwards each rank
+# needs, and why, is exercise 06: the chart shows the shape of the answer.)
 
 # %%
-print(make_schedule("1f1b", 4, 8).table())
 for name in ("gpipe", "1f1b"):
     print(f"{name:>5}: micro-batches in flight per rank, m = 8: {in_flight(make_schedule(name, 4, 8))}")
 
@@ -261,7 +266,9 @@ for key in (("gpipe", 8), ("1f1b", 8), ("interleaved_1f1b", 8), ("zero_bubble", 
 #
 # The price: a micro-batch now crosses $pv - 1$ stage boundaries instead of $p - 1$, so there
 # are about $v$ times as many messages, and each rank holds more chunks in flight. Megatron
-# needs $m$ to be a multiple of $p$ (micro-batches enter the chunks in rounds of $p$).
+# needs $m$ to be a multiple of $p$ (micro-batches enter the chunks in rounds of $p$); Llama 3's
+# training changed the interleaved schedule so that the number of micro-batches per round can
+# be set freely instead of being tied to the number of stages (Dubey et al. 2024, §3.3.2).
 
 # %%
 print(make_schedule("interleaved_1f1b", 4, 8, 2).table())
@@ -287,37 +294,105 @@ print(f"measured bubble: interleaved {run['bubble']:.2f}, 1F1B {BY[('1f1b', 8)][
 #
 # A layer's backward computes two things: the gradient of its **input** (B), which the previous
 # stage is waiting for, and the gradient of its **weights** (W), which nobody waits for until
-# the optimizer step. Qi et al. (2023) split them: B goes back up the pipeline at once, and the
-# W's are deferred into the time 1F1B leaves idle. Their ZB-H1 schedule keeps 1F1B's number of
-# micro-batches waiting for B; with $t_F = t_B = t_W$ the fill-and-drain costs $(p-1)t_B$
-# instead of $(p-1)(t_F + t_B + t_W)$: a third of 1F1B's bubble,
-# $\frac{p-1}{3m+p-1}$ for $m \ge p$. Here every `nn.Linear` computes only $dY\,W$ in B and
-# stashes $(X, dY)$; W adds $dY^\top X$ to the weight's gradient.
+# the optimizer step. Qi et al. (2023) split them, so that B can travel back up the pipeline
+# at once and the W's can be moved into time that would otherwise be idle. Here every
+# `nn.Linear` computes only $dY\,W$ in B and stashes $(X, dY)$; W adds $dY^\top X$ to the
+# weight's gradient.
+#
+# Their memory-efficient schedule **ZB-H1** (§2.1) keeps 1F1B's order of F and B, so each rank
+# holds as many whole graphs as under 1F1B, and moves only the W's: the fewer warm-up
+# forwards a rank has, the later its W's start. Rank $r$ keeps up to $r$ W's waiting (rank 0
+# none, the last rank $p-1$), and runs the waiting ones at the end, where 1F1B's drain leaves
+# it idle. So no rank ever has more than $p$ micro-batches whose W has not run: $p - r$ whole
+# graphs plus $r$ stashes, and a stash (inputs and output gradients of the Linears) is smaller
+# than a graph. Their Table 2, in the time of one micro-batch's F, B and W on one stage
+# ($T_F$, $T_B$, $T_W$) and the activation memory $M_B$ one micro-batch holds until its B:
+#
+# | schedule | bubble (idle time per rank) | peak activation memory |
+# |---|---|---|
+# | 1F1B | $(p-1)(T_F+T_B+T_W)$ | $p\,M_B$ |
+# | ZB-H1 | $(p-1)(T_F+T_B-T_W)$ | $p\,M_B$ |
+#
+# With $T_F = T_B = T_W$ a step lasts $3m$ actions plus the idle time, so ZB-H1's bubble is
+# $\frac{p-1}{3m+p-1}$ ($m \ge p$), about a third of 1F1B's. (Their ZB-H2 removes most of the
+# rest with more warm-up forwards, at a peak of $(2p-1)\,M_B$. Not run here.) The cell checks
+# the table's bubbles on the schedules as data, at equal and unequal times:
 
 # %%
-print(make_schedule("zero_bubble", 4, 8).table())
-print(f"formula: {formula_for('zero_bubble', 4, 8):.3f} (1F1B: {formula_for('1f1b', 4, 8):.3f})")
+zb, ref_1f1b = make_schedule("zero_bubble", 4, 8), make_schedule("1f1b", 4, 8)
+print("whole graphs held per rank (F done, B not yet):", in_flight(zb), "   1F1B:", in_flight(ref_1f1b))
+print("micro-batches whose W has not run, per rank:  ", in_flight(zb, until="W"))
 
-# %% tags=["nbval-ignore-output"]
-side_by_side(BY[("zero_bubble", 8)], "zero bubble (ZB-H1), m = 8")
-assert abs(simulated_bubble("zero_bubble", 4, 8) - formula_for("zero_bubble", 4, 8)) < 1e-12  # float64 rounding
-print(f"measured bubble: zero bubble {BY[('zero_bubble', 8)]['bubble']:.2f}, 1F1B {BY[('1f1b', 8)]['bubble']:.2f}")
+
+def idle_per_rank(sched, t_f, t_b, t_w):
+    ranks = simulate(sched, t_f, t_b, t_w)
+    span = max(e for rank in ranks for *_, e in rank) - min(s for rank in ranks for _, s, _ in rank)
+    return [span - sum(e - s for _, s, e in rank) for rank in ranks]
+
+
+for t_f, t_b, t_w in ((1, 1, 1), (1, 2, 1), (1, 1.5, 0.5)):
+    row = []
+    for sched, table2 in ((ref_1f1b, 3 * (t_f + t_b + t_w)), (zb, 3 * (t_f + t_b - t_w))):
+        idle = idle_per_rank(sched, t_f, t_b, t_w)
+        assert all(abs(i - table2) < 1e-9 for i in idle)  # sums of binary fractions: float64 rounding only
+        row.append(f"{sched.name} {idle[0]:g}")
+    print(f"T_F, T_B, T_W = {t_f}, {t_b}, {t_w}: idle time on every rank: " + ", ".join(row))
+print(f"bubble at equal times: {formula_for('zero_bubble', 4, 8):.3f} (1F1B: {formula_for('1f1b', 4, 8):.3f})")
 
 # %% [markdown]
-# The W's hold each Linear's input and output gradient until they run, so the first ranks
-# hold somewhat more than under 1F1B (the peaks printed in section 5), still bounded in $m$.
+# **Predict.** Against 1F1B with the same $p = 4$, $m = 8$: whose measured peak of saved
+# activations stays exactly the same under ZB-H1, and whose grows?
+#
+# <details><summary>Answer</summary>
+#
+# Rank 0 defers no W: its peak is 1F1B's, to the byte. Rank $r > 0$ adds up to $r$ stashes to
+# its $p - r$ graphs, so it holds more than under 1F1B, but never more than $p$ micro-batches
+# of its own stage, which is what 1F1B's peak is ($p\,M_B$, on rank 0).
+# </details>
+
+# %%
+one = BY[("gpipe", 1)]["peak_bytes"]  # one micro-batch's graph on each stage (M_B of that stage)
+zb_peak, ref_peak = BY[("zero_bubble", 8)]["peak_bytes"], BY[("1f1b", 8)]["peak_bytes"]
+assert zb_peak[0] == ref_peak[0] == 4 * one[0]  # rank 0 defers no W
+for r in range(4):  # p - r graphs plus r stashes, each smaller than a graph: at most p graphs of the stage
+    assert ref_peak[r] <= zb_peak[r] <= 4 * one[r]
+    print(f"rank {r}: ZB-H1 {zb_peak[r] / 2**10:5.0f} KiB, 1F1B {ref_peak[r] / 2**10:5.0f} KiB, "
+          f"p x one micro-batch of this stage {4 * one[r] / 2**10:5.0f} KiB")
+
+# %% [markdown]
+# Every rank stays within $p\,M_B$ of its own stage, and rank 0, the one 1F1B loads most, is
+# unchanged. The paper's $p\,M_B$ assumes equal stages; here the last stage's micro-batch also
+# keeps the logits (and its stash their gradient), which is why its bound is the largest.
+
+# %% tags=["nbval-ignore-output"]
+side_by_side(BY[("zero_bubble", 8)], "ZB-H1, m = 8")
+assert abs(simulated_bubble("zero_bubble", 4, 8) - formula_for("zero_bubble", 4, 8)) < 1e-12  # float64 rounding
+zb_run, f1b_run = BY[("zero_bubble", 8)], BY[("1f1b", 8)]
+print(f"measured bubble: ZB-H1 {zb_run['bubble']:.2f} (formula {zb_run['formula']:.2f}), "
+      f"1F1B {f1b_run['bubble']:.2f} (formula {f1b_run['formula']:.2f})")
+
+# %% [markdown]
+# The formula assumes $T_F = T_B = T_W$ and nothing between the actions. On this CPU neither
+# holds. W is replayed by Python after autograd has finished: one matrix product and one sum
+# per stashed Linear, each a separate call with a fixed cost that a tiny model cannot hide, so
+# the W's are not the equal third of the work the schedule was laid out for. And every action
+# pays the runner's fixed cost between the timed spans (posting receives, sending, bookkeeping),
+# which the chart counts as idle; ZB-H1 runs $3m$ actions per rank where 1F1B runs $2m$, so it
+# pays that more often. Both costs shrink relative to the work as the model grows, which is
+# where the paper measures its gains.
 #
 # ## 8. The same stages in PyTorch
 #
 # `torch.distributed.pipelining` ships the same schedules. Wrapping our stage chunks in its
 # `PipelineStage` and driving them with `ScheduleGPipe`, `Schedule1F1B` and
-# `ScheduleInterleaved1F1B` trains to the same losses:
+# `ScheduleInterleaved1F1B` trains to the same losses as our runs of section 3. (It also ships
+# zero-bubble schedules, `ScheduleInterleavedZeroBubble` and `ScheduleZBVZeroBubble`, which
+# need several chunks per rank: not compared here.)
 
 # %%
-for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
-    ours = run_pipeline(4, CONFIG, TC, schedule, 4, v)
+for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
     theirs = run_native(4, CONFIG, TC, schedule, 4, v)
-    gap = max(abs(a - b) for a, b in zip(ours[0].train_losses, theirs[0].train_losses))
+    gap = max(abs(a - b) for a, b in zip(OURS[schedule][0].train_losses, theirs[0].train_losses))
     assert gap < 1e-5  # the same sums in another order: fp32 rounding (~1e-7 on a loss of ~4)
     print(f"{schedule:>17}: torch.distributed.pipelining's losses within 1e-5 of ours over {TC.steps} steps")
 
@@ -359,7 +434,12 @@ except ScheduleError as err:
 # Tensor parallelism (notebook 05) all-reduces activations inside every layer; data
 # parallelism all-reduces the gradients once per step; pipelining sends one activation per
 # micro-batch per stage boundary, point to point. So the usual layout (Narayanan et al. 2021)
-# puts TP inside a node (NVLink), PP across nodes, DP outermost. With the α-β model
+# puts TP inside a node (NVLink) and PP and DP across nodes. Which of those two is outermost
+# (its groups spread over the machines farthest apart) is a choice, and both are in use:
+# Megatron-LM orders its groups tp-cp-ep-dp-pp, pipeline outermost, the order notebook 09
+# uses; Llama 3 orders them [TP, CP, PP, DP], data parallel outermost, because its sharded
+# data parallelism prefetches parameters ahead of use and so tolerates the longest latency
+# (Dubey et al. 2024, §3.3.2). With the α-β model
 # (notebook 02), the message of a GPT-3-sized stage boundary (hidden 12288, 2048 tokens,
 # one sequence per micro-batch, bf16) against the compute it must hide behind:
 
@@ -383,7 +463,8 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # * PP cuts the model by depth; stages exchange one activation/gradient per micro-batch,
 #   point to point. Tied embeddings need one extra exchange between the first and last stage.
 # * Bubble $\frac{p-1}{m+p-1}$ for GPipe and 1F1B; $\frac{p-1}{vm+p-1}$ interleaved (for $v$
-#   times the messages); zero bubble (B/W split) fills most of it with deferred W's.
+#   times the messages); ZB-H1 (B/W split) $\frac{p-1}{3m+p-1}$ at equal F, B, W times, with
+#   1F1B's peak memory $p\,M_B$.
 # * GPipe holds $m$ micro-batches of activations, 1F1B at most $p - r$ on rank $r$.
 # * A schedule is data: per-rank lists of F, B, W. It runs without deadlock exactly when each
 #   rank can run its list in order under the dependencies F(j,s-1) → F(j,s), B(j,s+1) → B(j,s).
@@ -396,6 +477,7 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # 4. In the zero-bubble schedule, why can W wait but B cannot?
 # 5. You forget to sum the tied embedding's gradient between the first and last stage. What
 #    happens to the two copies after one optimizer step?
+# 6. Under ZB-H1, why does rank 0 defer no W at all, while the last rank defers $p - 1$?
 #
 # <details><summary>Answers</summary>
 #
@@ -407,6 +489,35 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 #    optimizer at the end of the step.
 # 5. Each copy is updated with only its own half of the gradient: they drift apart, and
 #    neither equals the single-process model.
+# 6. Rank 0 already holds $p$ graphs at 1F1B's peak: a deferred W would add a stash on top of
+#    them. The last rank holds one graph, so it has room for $p - 1$ stashes within $p\,M_B$,
+#    and deferring its W's lets every B travel back without waiting behind a W.
 # </details>
 #
-# Next: write the 1F1B generator yourself in `exercises/ex06_pipeline_schedule.ipynb`.
+# ## References
+#
+# * Huang et al. (2019), *GPipe: Efficient Training of Giant Neural Networks using Pipeline
+#   Parallelism*, NeurIPS: micro-batches and the bubble $\frac{p-1}{m+p-1}$.
+# * Narayanan et al. (2019), *PipeDream: Generalized Pipeline Parallelism for DNN Training*,
+#   SOSP: the one-forward-one-backward order.
+# * Fan et al. (2021), *DAPPLE: A Pipelined Data Parallel Approach for Training Large Models*,
+#   PPoPP: synchronous pipelining with early backward (1F1B with a flush).
+# * Narayanan et al. (2021), *Efficient Large-Scale Language Model Training on GPU Clusters
+#   Using Megatron-LM*, SC: PipeDream-Flush, the interleaved schedule, 3D layouts.
+# * Qi et al. (2023), *Zero Bubble Pipeline Parallelism* (ICLR 2024): the B/W split, ZB-H1 and
+#   ZB-H2 (§2, Table 2).
+# * Dubey et al. (2024), *The Llama 3 Herd of Models*, §3.3.2: 4D parallelism, the [TP, CP, PP, DP]
+#   order and a pipeline schedule with a flexible number of micro-batches.
+#
+# Further reading:
+#
+# * The PyTorch documentation of `torch.distributed.pipelining`: stages and schedules, including
+#   the zero-bubble ones.
+# * Qi et al. (2024), *Pipeline Parallelism with Controllable Memory* (NeurIPS): schedules as a
+#   repeated building block, and memory below 1F1B's.
+# * DeepSeek-AI (2024), *DeepSeek-V3 Technical Report*, §3.2.1: DualPipe, which overlaps the
+#   pipeline's messages with computation.
+#
+# Next: write the 1F1B schedule yourself, and a variant under a memory cap per rank, in
+# `exercises/ex06_pipeline_schedule.ipynb`. Having written it, compare with the library's
+# `course_lib/parallel/pp/schedules.py`.

@@ -11,8 +11,10 @@ Interleaving v chunks per rank shrinks the fill and drain to (p - 1)/v stage-tim
 
     bubble = (p - 1) / (v m + p - 1)                      (Narayanan et al., 2021)
 
-ZB-H1 splits the backward into B and W; with t_F = t_B = t_W only the B's are on the critical
-path back, so the fill-and-drain costs (p - 1) t_B instead of (p - 1)(t_F + t_B + t_W):
+ZB-H1 splits the backward into B and W and defers W (schedules.zero_bubble). Qi et al. (2023,
+Table 2) give the idle time per rank as (p - 1)(T_F + T_B - T_W) against 1F1B's
+(p - 1)(T_F + T_B + T_W), with the same peak activation memory p M_B. With t_F = t_B = t_W = t
+that is (p - 1) t in a step of 3 m t + (p - 1) t:
 
     bubble = (p - 1) / (3 m + p - 1)      for m >= p      (Qi et al., 2023)
 

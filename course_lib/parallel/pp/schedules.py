@@ -123,52 +123,40 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 
 def zero_bubble(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al., 2023): the backward is split into B (input gradient: what the previous
-    stage waits for) and W (weight gradient: nobody waits for it). Built by list scheduling with
-    unit times for F, B and W. Whenever rank r is free it runs, in order of preference:
-      a ready B;
-      a forward, if fewer than p - r micro-batches wait for their B (1F1B's in-flight count)
-        and fewer than 2p - 1 - r wait for their W (the deferred W's are bounded whatever m is;
-        a W keeps only the Linears' inputs and output gradients, less than the graph B frees);
-      a deferred W, which fills time 1F1B leaves idle.
-    With t_F = t_B = t_W and m >= p the bubble is (p-1)/(3m+p-1): the fill and drain cost
-    (p-1) t_B instead of 1F1B's (p-1)(t_F+t_B+t_W), a third."""
+    """ZB-H1 (Qi et al., 2023, section 2.1): the backward is split into B (input gradient: what
+    the previous stage waits for) and W (weight gradient: nobody waits for it until the
+    optimizer). F and B run in 1F1B's order (p - r - 1 warm-up forwards on rank r), so each
+    rank holds at most p - r whole graphs, as in 1F1B, and B travels back without waiting for
+    any W. The W's start later the fewer warm-up forwards a rank has: rank r keeps up to
+    r = p - 1 - (its warm-up) W's pending, runs the oldest after a B that would leave r + 1,
+    and the rest at the end, where they fill 1F1B's drain. So every rank holds at most p
+    micro-batches whose W has not run: p - r graphs plus r stashes (each Linear's input and
+    output gradient, less than a graph). Rank 0 defers none: its peak is 1F1B's, p graphs
+    (Table 2: peak memory p M_B for both).
+
+    With t_F = t_B = t_W and m >= p every rank idles (p - 1) t_B where 1F1B idles
+    (p - 1)(t_F + t_B + t_W) (Table 2: (p - 1)(T_F + T_B - T_W) against (p - 1)(T_F + T_B + T_W)):
+    the bubble is (p - 1)/(3m + p - 1), about a third of 1F1B's (p - 1)/(m + p - 1) for m >> p."""
     _check_counts(p, m)
-    done: dict[tuple, int] = {}  # (kind, j, rank) -> end time
-    acts: list[list[Action]] = [[] for _ in range(p)]
-    next_f, next_b, pending_w = [0] * p, [0] * p, [[] for _ in range(p)]
-    free_at, t = [0] * p, 0
+    acts = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        ranks, next_w = [Action("F", j) for j in range(warmup)], 0
 
-    def ready(key):
-        return key in done and done[key] <= t
+        def backward(j):
+            nonlocal next_w
+            ranks.append(Action("B", j))
+            if j + 1 - next_w > r:  # r + 1 W's would be pending: run the oldest now
+                ranks.append(Action("W", next_w))
+                next_w += 1
 
-    while any(len(a) < 3 * m for a in acts):
-        for r in range(p):
-            if free_at[r] > t:
-                continue
-            j, j_f = next_b[r], next_f[r]
-            b_ok = j < m and ready(("F", j, r)) and (r == p - 1 or ready(("B", j, r + 1)))
-            waiting_b = j_f - next_b[r]  # forwards whose B has not run
-            waiting_w = j_f - (next_b[r] - len(pending_w[r]))  # forwards whose W has not run
-            f_ok = (j_f < m and waiting_b < p - r and waiting_w < 2 * p - 1 - r
-                    and (r == 0 or ready(("F", j_f, r - 1))))
-            if b_ok:
-                act = Action("B", j)
-                next_b[r] += 1
-                pending_w[r].append(j)
-            elif f_ok:
-                act = Action("F", j_f)
-                next_f[r] += 1
-            elif pending_w[r]:
-                act = Action("W", pending_w[r].pop(0))
-            else:
-                continue
-            acts[r].append(act)
-            done[(act.kind, act.microbatch, r)] = t + 1
-            free_at[r] = t + 1
-        t += 1
-        if t > 10 * (3 * m + p):  # cannot happen for the rules above; guards the loop
-            raise RuntimeError("zero_bubble list scheduling made no progress")
+        for j in range(m - warmup):
+            ranks.append(Action("F", warmup + j))
+            backward(j)
+        for j in range(m - warmup, m):
+            backward(j)
+        ranks += [Action("W", j) for j in range(next_w, m)]
+        acts.append(ranks)
     return Schedule("zero_bubble", p, m, 1, acts)
 
 
@@ -264,14 +252,18 @@ def simulate(sched: Schedule, t_forward: float = 1.0, t_backward: float = 1.0, t
     return out
 
 
-def in_flight(sched: Schedule) -> list[int]:
+def in_flight(sched: Schedule, until: str = "B") -> list[int]:
     """Per rank, the most micro-batch chunks whose forward has run and whose B has not: each
-    holds its whole autograd graph (a deferred W keeps only a part of it)."""
+    holds its whole autograd graph. until="W": those whose W has not run either (a deferred W
+    keeps a stash, less than a graph; without W in the schedule, B ends the micro-batch)."""
+    if until not in ("B", "W"):
+        raise ValueError(f"until={until!r} must be 'B' or 'W'")
+    end = "W" if until == "W" and sched.split_backward else "B"
     peaks = []
     for acts in sched.actions:
         live = peak = 0
         for a in acts:
-            live += (a.kind == "F") - (a.kind == "B")
+            live += (a.kind == "F") - (a.kind == end)
             peak = max(peak, live)
         peaks.append(peak)
     return peaks

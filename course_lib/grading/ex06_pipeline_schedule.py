@@ -1,0 +1,142 @@
+"""Checkers of exercise 06: pipeline schedules written by the learner, as per-rank action lists.
+
+Graded by properties, never against the library's own schedules:
+
+  * valid       every F and B of every micro-batch exactly once per rank, and no deadlock when
+                each rank runs its list in order (the course's simulator, schedules.simulate);
+  * memory      at most p - r micro-batches in flight on rank r (1F1B), or caps[r] (the variant);
+  * time        on the idealised machine (a forward 1 unit, a backward 2) the step ends no later
+                than (m + p - 1)(t_F + t_B), GPipe's and 1F1B's, or no later than the stored
+                time of the 1F1B pattern under the same caps (STEP_UNDER_CAPS);
+  * training    the lists drive a real pipelined training on 4 ranks whose losses, gradients and
+                parameters equal the single-process training.
+
+STEP_UNDER_CAPS holds measured numbers of the simulator, not schedules: each is the step time of
+the 1F1B pattern (warm-up forwards, then one forward and one backward in turn, then the drain)
+with the most warm-up forwards the caps allow without a deadlock. A faster schedule passes too.
+"""
+
+from __future__ import annotations
+
+from course_lib.grading import CheckFailed, check_close, check_equal
+from course_lib.parallel.pp.schedules import Action, Schedule, ScheduleError, check_schedule, in_flight, simulate
+
+# The student module may not reach for the library's schedules (they hold the answer): the
+# generators, and every module that builds a Schedule from a name.
+REFUSE = ("course_lib.parallel.pp.schedules", "course_lib.parallel.pp.make_schedule",
+          "course_lib.parallel.pp.runner", "course_lib.parallel.pp.training", "course_lib.parallel.pp.viz",
+          "course_lib.parallel.hybrid")
+
+T_F, T_B = 1.0, 2.0  # simulate(..., t_forward=1, t_backward=1, t_weight=1): a backward without W takes 2
+
+# (p, m, caps) -> step time (units of one forward) of the 1F1B pattern under those caps
+STEP_UNDER_CAPS = {
+    (4, 8, (2, 2, 2, 2)): 69.0,
+    (4, 8, (2, 3, 2, 1)): 69.0,
+    (4, 8, (4, 1, 4, 4)): 75.0,
+    (4, 8, (1, 1, 1, 1)): 96.0,
+    (4, 8, (3, 9, 9, 9)): 48.0,
+    (4, 8, (4, 3, 2, 1)): 33.0,
+    (3, 5, (2, 2, 2)): 30.0,
+    (3, 7, (5, 1, 2)): 45.0,
+    (4, 2, (3, 3, 3, 3)): 15.0,
+    (2, 6, (1, 2)): 36.0,
+}
+
+
+def as_schedule(lists, p: int, m: int, name: str) -> Schedule:
+    """The learner's lists as a Schedule, or CheckFailed saying what shape was expected."""
+    if not isinstance(lists, (list, tuple)) or len(lists) != p:
+        raise CheckFailed(f"{name}(p={p}, m={m}) must return a list of {p} lists (one per rank), got {lists!r:.200}")
+    for r, acts in enumerate(lists):
+        if not isinstance(acts, (list, tuple)) or not all(isinstance(a, Action) for a in acts):
+            raise CheckFailed(f"{name}(p={p}, m={m}): rank {r}'s entry must be a list of Action, got {acts!r:.200}")
+    return Schedule(name, p, m, 1, [list(acts) for acts in lists])
+
+
+def step_time(sched: Schedule) -> float:
+    """When the last rank finishes, on the idealised machine (F 1 unit, B 2 units, no messages)."""
+    return max((end for rank in simulate(sched) for *_, end in rank), default=0.0)
+
+
+def _valid(build, cases) -> dict:
+    problems = {}
+    for args in cases:
+        try:
+            check_schedule(build(*args))
+        except ScheduleError as err:
+            problems[", ".join(f"{k}={v}" for k, v in zip(("p", "m", "caps"), args))] = str(err)
+    return problems
+
+
+def check_one_f_one_b(one_f_one_b) -> None:
+    """Every property of the 1F1B schedule, for the learner's one_f_one_b(p, m)."""
+    def build(p, m):
+        return as_schedule(one_f_one_b(p, m), p, m, "one_f_one_b")
+
+    cases = [(p, m) for p in (2, 3, 4) for m in range(1, 10)]
+    check_equal("one_f_one_b, p = 2..4, m = 1..9: lists with a missing or repeated action, or a deadlock",
+                _valid(build, cases), {})
+    over = {f"p={p}, m={m}": in_flight(build(p, m)) for p, m in cases
+            if any(k > p - r for r, k in enumerate(in_flight(build(p, m))))}
+    check_equal("one_f_one_b: ranks holding more than p - r micro-batches in flight (in flight per rank)", over, {})
+    slow = {f"p={p}, m={m}": f"{step_time(build(p, m)):g} units, at most {(m + p - 1) * (T_F + T_B):g}"
+            for p, m in cases if step_time(build(p, m)) > (m + p - 1) * (T_F + T_B)}
+    check_equal("one_f_one_b: steps longer than (m + p - 1)(t_F + t_B), the bubble (p-1)/(m+p-1)", slow, {})
+
+
+def check_capped(capped_1f1b) -> None:
+    """Bad caps refused; then, per stored case, valid lists, in flight within the caps, and a step
+    no longer than the 1F1B pattern's under the same caps."""
+    for caps, rule in (([2, 0, 1, 1], "an entry below 1"), ([2, 2], "2 caps for 4 ranks"),
+                       ([2, 1.5, 1, 1], "an entry that is not an int")):
+        try:
+            capped_1f1b(4, 8, caps)
+        except ValueError:
+            print(f"PASS  capped_1f1b(4, 8, {caps}) raises ValueError ({rule})")
+        else:
+            raise CheckFailed(f"capped_1f1b(4, 8, {caps}) must raise ValueError: {rule} cannot be a memory cap")
+
+    def build(p, m, caps):
+        return as_schedule(capped_1f1b(p, m, list(caps)), p, m, "capped_1f1b")
+
+    check_equal("capped_1f1b: lists with a missing or repeated action, or a deadlock",
+                _valid(build, list(STEP_UNDER_CAPS)), {})
+    over, slow = {}, {}
+    for (p, m, caps), best in STEP_UNDER_CAPS.items():
+        sched, key = build(p, m, caps), f"p={p}, m={m}, caps={list(caps)}"
+        if any(k > c for k, c in zip(in_flight(sched), caps)):
+            over[key] = in_flight(sched)
+        if step_time(sched) > best:
+            slow[key] = f"{step_time(sched):g} units, the 1F1B pattern takes {best:g}"
+    check_equal("capped_1f1b: ranks holding more micro-batches in flight than their cap (in flight per rank)", over, {})
+    check_equal("capped_1f1b: steps longer than the 1F1B pattern's under the same caps", slow, {})
+
+
+def check_training(lists, m: int, label: str, timeout_s: float = 90) -> None:
+    """The lists (for 4 ranks, m micro-batches) run the pipelined training of a 5-block GPT
+    (blocks split 2-1-1-1, tied embeddings) for 3 AdamW steps: equal to the single process."""
+    import torch
+
+    from course_lib.data import CharDataset
+    from course_lib.model import GPTConfig
+    from course_lib.parallel.pp import run_pipeline, stage_tensors
+    from course_lib.train import TrainConfig, train_reference
+
+    config = GPTConfig.tiny(CharDataset("train").vocab_size, n_layer=5, d_model=32, n_head=2, block_size=16)
+    cfg = TrainConfig(steps=3, batch_size=16, grad_clip=0.0, eval_every=10**6, eval_batches=1, progress=False)
+    ref = train_reference(config, cfg)
+    ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
+    ref_grads = {n: p.grad for n, p in ref.model.named_parameters()}
+    results = run_pipeline(4, config, cfg, as_schedule(lists, 4, m, label), m, timeout_s=timeout_s)
+    # losses: fp32 sums in another order (the micro-batches), ~1e-7 apart
+    check_close(f"{label}: losses of the 3 steps", results[0].train_losses, ref.train_losses, rtol=1e-5, atol=1e-5)
+    grads, params = stage_tensors(results, "final_grads"), stage_tensors(results, "final_params")
+    # Gradients and parameters after 3 AdamW steps, compared in norm: AdamW magnifies the rounding of gradients
+    # near zero (notebook 04) and can move a single parameter by up to ~lr, which a wrong schedule does to most.
+    for name in ("tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.4.mlp.proj.weight", "ln_f.weight"):
+        rel = ((grads[name] - ref_grads[name]).norm() / ref_grads[name].norm()).item()
+        check_close(f"{label}: gradient of {name} (|difference| / |gradient|)", rel, 0.0, rtol=0, atol=1e-4)
+    diff = torch.cat([(params[n] - ref_params[n]).flatten() for n in ref_params])
+    check_close(f"{label}: parameters after 3 steps (RMS of the difference)", diff.pow(2).mean().sqrt().item(), 0.0,
+                rtol=0, atol=cfg.lr / 100)
