@@ -1,17 +1,20 @@
-"""Exercise 05: Megatron's f and g, and the column- and row-parallel linear layers. Fill in the
-parts marked TODO, then run the check cells of ex05_tensor_parallel.ipynb. Each check prints
-PASS when your code is right.
+"""Exercise 05: tensor parallelism's two operators, f and g, and the column- and row-parallel
+linear layers built on them. Replace every `raise NotImplementedError` below with your code, then
+run the check cells of ex05_tensor_parallel.ipynb: each prints PASS when your code is right.
 
-Rules of the game (notebook 05 explains why):
-  * f (CopyToGroup): forward returns its input unchanged; backward all-reduces (sums) the gradient
-    over the group.
-  * g (ReduceFromGroup): forward all-reduces (sums) over the group; backward passes the gradient
-    through unchanged.
-  * A column-parallel layer keeps some OUTPUT features of the full layer (rows of nn.Linear's
-    weight, and the matching bias entries) and enters its region with f.
-  * A row-parallel layer keeps a contiguous 1/tp of the INPUT features (columns of the weight),
-    sums the partial results with g, then adds the whole bias once.
-  * Never all-reduce in place into a tensor autograd may still need: clone first.
+What your code is held to (notebook 05, sections 1 to 3, explains why):
+
+  * tp ranks of a process group (`group`; None means every rank) start from the same full
+    nn.Linear. Each keeps a share of it. An MLP `fc -> GELU -> proj` built from your layers
+    (fc column-parallel, proj row-parallel) must give, on every rank, the output the full layers
+    give, the same gradient for its input, and for each weight shard exactly the matching slice
+    of the full weight's gradient. The same holds for attention split by heads, and for the
+    course GPT with every block's layers replaced by yours.
+  * It communicates only where it must: one all-reduce of the input's size in forward, one in
+    backward, per column-then-row pair.
+
+You may use torch, torch.distributed and torch.nn freely. The course library's own tensor
+parallelism is off limits (the notebook refuses a module that imports it) until your checks pass.
 """
 
 import torch
@@ -21,30 +24,39 @@ import torch.nn.functional as F
 
 
 class CopyToGroup(torch.autograd.Function):
-    """f: identity forward, all-reduce of the gradient backward."""
+    """f: where a tensor-parallel region begins (before a column-parallel layer).
+
+    Every rank of `group` holds the same tensor x, and each feeds it into its own share of the
+    layer. Forward: the output on each rank equals x. Backward: the gradient that reaches x on
+    each rank must be the gradient of the whole computation with respect to x, that is, the sum
+    over the group's ranks of the gradients arriving at f's output.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
-        # TODO: remember the group (ctx.group = group) and return x unchanged (x.view_as(x)).
         raise NotImplementedError("exercise 05: write CopyToGroup.forward")
 
     @staticmethod
     def backward(ctx, grad):
-        # TODO: return (the gradient summed over the group's ranks, None for the group).
         raise NotImplementedError("exercise 05: write CopyToGroup.backward")
 
 
 class ReduceFromGroup(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: where a tensor-parallel region ends (after a row-parallel layer).
+
+    Each rank of `group` holds a partial result x_r of the same shape. Forward: the output on
+    every rank is the sum of x_r over the group's ranks, and x itself is left unchanged (autograd
+    may still need it). Backward: the gradient of the loss with respect to this rank's x_r, given
+    that every rank already holds the whole gradient arriving at g's output (each rank computes
+    the same loss from the same sum). Work out what that is before you write it.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
-        # TODO: return x summed over the group's ranks (a new tensor: clone, then dist.all_reduce).
         raise NotImplementedError("exercise 05: write ReduceFromGroup.forward")
 
     @staticmethod
     def backward(ctx, grad):
-        # TODO: return (the gradient unchanged, None).
         raise NotImplementedError("exercise 05: write ReduceFromGroup.backward")
 
 
@@ -57,42 +69,56 @@ def g(x, group=None):
 
 
 def qkv_rows_for_rank(d_model: int, n_head: int, tp: int, rank: int) -> list[int]:
-    """Rows of the fused qkv weight that rank `rank` keeps when attention is split by heads.
+    """The rows of the fused qkv weight (3*d_model rows, one per output feature) that rank `rank`
+    keeps when attention is split over tp ranks by heads.
 
-    The fused weight has 3 * d_model rows: [Q rows | K rows | V rows], d_model rows each, and
-    head h occupies rows h*d_head ... (h+1)*d_head - 1 inside each part (d_head = d_model / n_head).
-    Rank r takes heads r*n_head/tp ... (r+1)*n_head/tp - 1: return their Q rows, then their K rows,
-    then their V rows, in increasing order within each part.
-    Example: d_model=8, n_head=2, tp=2, rank=1 -> [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23].
+    The fused layer's output features are [q (d_model) | k (d_model) | v (d_model)]; inside each
+    part, head h owns the d_head = d_model/n_head features starting at h*d_head. On each rank the
+    unchanged attention module cuts that rank's qkv output into three equal parts, q, k and v, and
+    each part into heads of d_head features, in order. After attention, the row-parallel attn.proj
+    on rank r reads the r-th contiguous 1/tp block of attention features (the heads' outputs side
+    by side). Return the row indices, as a list of ints, that make both of those right.
     """
     raise NotImplementedError("exercise 05: write qkv_rows_for_rank")
 
 
 class ColumnParallelLinear(nn.Module):
-    """This rank's output features of `full` (rows: which ones; None means a contiguous 1/tp)."""
+    """This rank's share of `full` (an nn.Linear, identical on every rank of `group`), split by
+    output features.
+
+    `rows`: the output features this rank computes (a list of indices); None means the rank's
+    contiguous block, the r-th of tp equal blocks. `self.weight` and `self.bias` must be
+    nn.Parameters holding exactly those features' weights and biases, copied from `full` (bias
+    None if `full` has none); training the shard must leave `full` unchanged.
+
+    forward(x): x is the full input, the same on every rank. Return this rank's output features
+    of full(x), such that backward gives x its whole gradient (every rank's share used all of x).
+    """
 
     def __init__(self, full: nn.Linear, group=None, rows=None):
         super().__init__()
-        self.group = group
-        # TODO: self.weight = nn.Parameter(copy of the chosen rows of full.weight)
-        #       self.bias = nn.Parameter(copy of the chosen entries of full.bias), or None
         raise NotImplementedError("exercise 05: write ColumnParallelLinear.__init__")
 
     def forward(self, x):
-        # TODO: enter the region with f, then a linear layer with this rank's weight and bias.
         raise NotImplementedError("exercise 05: write ColumnParallelLinear.forward")
 
 
 class RowParallelLinear(nn.Module):
-    """This rank's contiguous 1/tp of the input features of `full`; the bias whole, added once."""
+    """This rank's share of `full` (an nn.Linear, identical on every rank of `group`), split by
+    input features.
+
+    Rank r keeps the r-th of tp contiguous blocks of input features: `self.weight` (an
+    nn.Parameter) holds those input features' weights, copied from `full`; `self.bias` holds the
+    whole bias (None if `full` has none).
+
+    forward(x): x holds only this rank's block of input features (what a ColumnParallelLinear
+    before it produced). Return what `full` returns on the whole input: the complete output, the
+    same on every rank, with the bias counted once.
+    """
 
     def __init__(self, full: nn.Linear, group=None):
         super().__init__()
-        self.group = group
-        # TODO: self.weight = nn.Parameter(copy of this rank's columns of full.weight)
-        #       self.bias = nn.Parameter(copy of full.bias), or None
         raise NotImplementedError("exercise 05: write RowParallelLinear.__init__")
 
     def forward(self, x):
-        # TODO: the partial product with this rank's weight, summed with g, then + the bias.
         raise NotImplementedError("exercise 05: write RowParallelLinear.forward")

@@ -6,14 +6,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def _all_reduce(t, group):
-    t = t.contiguous().clone()  # never sum into a tensor autograd may still need
+def _summed(t, group):
+    """The sum of t over the group's ranks, in a new tensor (t itself may still be needed by autograd)."""
+    t = t.contiguous().clone()
     dist.all_reduce(t, group=group)
     return t
 
 
 class CopyToGroup(torch.autograd.Function):
-    """f: identity forward, all-reduce of the gradient backward."""
+    """f: identity forward; backward, the gradient summed over the group (every rank used x)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -22,15 +23,15 @@ class CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _summed(grad, ctx.group), None
 
 
 class ReduceFromGroup(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: the sum over the group forward; backward, each term's gradient is the sum's (identity)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -46,8 +47,9 @@ def g(x, group=None):
 
 
 def qkv_rows_for_rank(d_model: int, n_head: int, tp: int, rank: int) -> list[int]:
-    """Rows of the fused qkv weight [Q | K | V] (d_model rows each) that rank `rank` keeps:
-    the rows of its n_head/tp whole heads in Q, then in K, then in V."""
+    """Rows of the fused qkv weight [Q | K | V] (d_model rows each) that rank `rank` keeps: the
+    rows of its n_head/tp whole heads in Q, then in K, then in V. Rank r's heads are the r-th
+    contiguous block, whose outputs are the input features of its attn.proj shard."""
     local = d_model // tp
     mine = list(range(rank * local, (rank + 1) * local))
     return [part * d_model + i for part in range(3) for i in mine]

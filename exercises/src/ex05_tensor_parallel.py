@@ -1,118 +1,79 @@
 # %% [markdown]
 # # Exercise 05: Megatron's f and g, column- and row-parallel layers
 #
-# **Goal.** Write the core of tensor parallelism in `exercises/ex05_tensor_parallel/student.py`:
+# **Goal.** Write the core of tensor parallelism yourself, in
+# `exercises/ex05_tensor_parallel/student.py`: two operators and two layers that let `tp` ranks
+# share every linear layer of a transformer block and still compute exactly what one process
+# computes. Each stub's docstring says what it must do; how is up to you.
 #
-# 1. `CopyToGroup` (**f**) and `ReduceFromGroup` (**g**) as `torch.autograd.Function`s:
-#    f is the identity forward and all-reduces the gradient backward; g all-reduces forward and
-#    is the identity backward (notebook 05, section 2).
+# 1. **f** (`CopyToGroup`) and **g** (`ReduceFromGroup`), as `torch.autograd.Function`s: f
+#    opens a tensor-parallel region, g closes it. Their forward and backward are each other's
+#    transpose (notebook 05, section 2).
 # 2. `qkv_rows_for_rank(d_model, n_head, tp, rank)`: which rows of the fused QKV weight a rank
-#    keeps so that it holds whole heads of Q, K and V (section 3).
-# 3. `ColumnParallelLinear(full, group, rows=None)`: keeps some output features of a full
-#    `nn.Linear` and enters its region with f.
-# 4. `RowParallelLinear(full, group)`: keeps a contiguous `1/tp` of the input features, sums
-#    the partial products with g and adds the whole bias once.
+#    keeps so that attention, unchanged, runs on whole heads (section 3).
+# 3. `ColumnParallelLinear(full, group=None, rows=None)`: a rank's share of a layer, split by
+#    output features.
+# 4. `RowParallelLinear(full, group=None)`: a rank's share, split by input features, whose
+#    output is the full layer's.
 #
-# Before you start, work out on paper, for `Z = GELU(X A) B` on 2 ranks: which matrix is split
-# by columns, which by rows, and where the one all-reduce of the forward pass goes.
+# **Think first**, on paper, for `Z = GELU(X A) B` on 2 ranks: which matrix is split by columns,
+# which by rows, where the one all-reduce of the forward pass goes, and where the one of the
+# backward pass goes. Then: after your row-parallel layer, every rank holds the same `Z` and
+# computes the same loss. What gradient does each rank's partial result need?
+#
+# <details><summary>Answer</summary>
+#
+# $A$ by columns (GELU then acts on complete values), $B$ by rows. Forward: one all-reduce of
+# the partial products $\mathrm{GELU}(XA_r)B_r$, after $B$ (that is g). Backward: $X$ fed every
+# rank's columns, so its gradient is the sum over ranks of $\partial L/\partial Y_r A_r^\top$: one
+# all-reduce before $A$ (that is f's backward). Each partial product is a term of the sum $Z$, so
+# its gradient is $\partial L/\partial Z$ itself, which every rank already holds: g's backward
+# sends nothing.
+# </details>
 #
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
-# `CheckFailed` (or your own error) when it is not. Your layers run on 2 and 4 real ranks and
-# are compared with the single-process layers: outputs, input gradients and weight gradients.
-# Edit `student.py`, then *Kernel → Restart and run all*.
+# `CheckFailed` (or your own error) when it is not. Your code runs on 2 and 4 real ranks and is
+# compared with values worked out by hand (f and g), with what the attention module needs
+# (the QKV rows), and with the same layers and the same GPT run in a single process (your
+# layers): outputs, input gradients and weight gradients. Edit `student.py`, then
+# *Kernel → Restart and run all*.
 
 # %%
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+from course_lib.grading import ex05_tensor_parallel as checks
+from course_lib.grading import load_student
 
-from course_lib import CommTracer, run_on_ranks
-from course_lib.data import CharDataset, get_batch
-from course_lib.grading import check_close, check_equal, load_student
-from course_lib.model import GPT, GPTConfig
-from course_lib.parallel.tp import qkv_rows
-
-student = load_student("ex05_tensor_parallel")
-RANKS = dict(backend="gloo", timeout_s=60)
+# Your module may not import the library's tensor parallelism (checks.REFUSE lists it):
+# the checks must pass on your own code.
+student = load_student("ex05_tensor_parallel", refuse=checks.REFUSE)
 
 # %% [markdown]
 # ## Check 1: f and g
-# Rank `r` holds `x = [r+1, r+1, r+1]` and weights its output by `r+1` in the loss. Through f the
-# output is `x` itself and the gradient is the sum of every rank's weight; through g the output is
-# the sum over ranks and the gradient is the rank's own weight. (If these fail, re-read
-# notebook 05's section 2: which of the two sums in forward?)
+# Rank `r` holds `x = [r+1, r+1, r+1]` and weights its output by `r+1` in the loss, so the
+# answer on every rank follows from the rules by hand: work out what f and g must return forward
+# and backward on 2 ranks before you run it. (If it fails, re-read notebook 05's section 2:
+# which of the two sums in forward?)
 
 # %%
-def f_and_g():
-    r = dist.get_rank()
-    x = torch.full((3,), float(r + 1), requires_grad=True)
-    y = student.f(x)
-    (y * (r + 1)).sum().backward()
-    x2 = torch.full((3,), float(r + 1), requires_grad=True)
-    z = student.g(x2)
-    (z * (r + 1)).sum().backward()
-    return y.tolist(), x.grad.tolist(), z.tolist(), x2.grad.tolist(), x2.tolist()
-
-
-for n in (2, 4):
-    total = n * (n + 1) / 2
-    for r, (y, gx, z, gx2, x2_after) in enumerate(run_on_ranks(f_and_g, world_size=n, **RANKS)):
-        check_equal(f"{n} ranks, rank {r}: f forward is the identity", y, [r + 1.0] * 3)
-        check_equal(f"{n} ranks, rank {r}: f backward sums the gradients", gx, [total] * 3)
-        check_equal(f"{n} ranks, rank {r}: g forward sums", z, [total] * 3)
-        check_equal(f"{n} ranks, rank {r}: g backward is the identity", gx2, [r + 1.0] * 3)
-        check_equal(f"{n} ranks, rank {r}: g left its input unchanged", x2_after, [r + 1.0] * 3)
+checks.check_f_and_g(student)
 
 # %% [markdown]
 # ## Check 2: whole heads of the fused QKV weight
-# (Section 3 of notebook 05 draws the fused rows.)
+# For several shapes (up to 12 heads over 4 ranks): the ranks together keep every fused row
+# once, and each rank's rows are the Q, K and V rows of whole heads, the heads whose outputs its
+# row-parallel `attn.proj` reads. (Section 3 of notebook 05 draws the fused rows.)
 
 # %%
-check_equal("d_model=8, 2 heads, tp=2, rank 1", student.qkv_rows_for_rank(8, 2, 2, 1),
-            [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23])
-for d_model, n_head, tp in ((64, 4, 2), (64, 4, 4), (96, 12, 3)):
-    check_equal(f"d_model={d_model}, {n_head} heads, tp={tp}: every rank",
-                [student.qkv_rows_for_rank(d_model, n_head, tp, r) for r in range(tp)], qkv_rows(d_model, tp).tolist())
+checks.check_qkv_rows(student)
 
 # %% [markdown]
 # ## Check 3: a column-then-row MLP equals the full one
 # `Z = proj(GELU(fc(X)))` with `fc` column-parallel and `proj` row-parallel, on 2 and 4 ranks:
-# the output and the gradient of `X` must equal the single-process ones, each rank's weight
-# gradients must be its slice of the full gradients, and the pair must cost exactly one
-# all-reduce forward and one backward, each of X's size.
+# each shard holds its slice of the full layer; the output and the gradient of `X` equal the
+# single-process ones; each rank's weight gradients are its slice of the full gradients; and
+# the pair costs exactly one all-reduce forward and one backward, each of X's size.
 
 # %%
-def mlp_check():
-    r, n = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # the same full layers and input on every rank
-    fc, proj = nn.Linear(16, 64), nn.Linear(64, 16)
-    x = torch.randn(2, 5, 16, requires_grad=True)
-    full = proj(F.gelu(fc(x)))
-    full.square().sum().backward()
-    col, row = student.ColumnParallelLinear(fc), student.RowParallelLinear(proj)
-    xr = x.detach().clone().requires_grad_(True)
-    with CommTracer() as forward:
-        out = row(F.gelu(col(xr)))
-    with CommTracer() as backward:
-        out.square().sum().backward()
-    k = 64 // n
-    return {"output": (out, full), "input gradient": (xr.grad, x.grad),
-            "fc weight gradient": (col.weight.grad, fc.weight.grad[r * k:(r + 1) * k]),
-            "fc bias gradient": (col.bias.grad, fc.bias.grad[r * k:(r + 1) * k]),
-            "proj weight gradient": (row.weight.grad, proj.weight.grad[:, r * k:(r + 1) * k]),
-            "proj bias gradient": (row.bias.grad, proj.bias.grad),
-            "calls": [(s.get("all_reduce", {}).get("calls", 0), s.get("all_reduce", {}).get("bytes_sent", 0))
-                      for s in (forward.summary(), backward.summary())]}
-
-
-for n in (2, 4):
-    for r, res in enumerate(run_on_ranks(mlp_check, world_size=n, **RANKS)):
-        for name, (got, want) in res.items():
-            if name != "calls":  # fp32 sums of up to 64 products split over the ranks: another order (~1e-7)
-                check_close(f"{n} ranks, rank {r}: {name}", got.detach(), want.detach(), rtol=1e-5, atol=1e-5)
-        check_equal(f"{n} ranks, rank {r}: (all-reduces, bytes) forward and backward", res["calls"],
-                    [(1, 2 * 5 * 16 * 4), (1, 2 * 5 * 16 * 4)])
+checks.check_mlp(student)
 
 # %% [markdown]
 # ## Check 4: your layers inside the course GPT
@@ -121,40 +82,27 @@ for n in (2, 4):
 # the single-process loss on both ranks and every shard's gradient the matching slice.
 
 # %%
-def gpt_check():
-    r, n = dist.get_rank(), dist.get_world_size()
-    config = GPTConfig.tiny(CharDataset("train").vocab_size)
-    x, y = get_batch(CharDataset("train", config.block_size), 4, torch.Generator().manual_seed(0))
-    ref = GPT(config, seed=0)
-    ref_loss = ref(x, y)[1]
-    ref_loss.backward()
-    model = GPT(config, seed=0)
-    for block in model.blocks:
-        rows = student.qkv_rows_for_rank(config.d_model, config.n_head, n, r)
-        block.attn.qkv = student.ColumnParallelLinear(block.attn.qkv, rows=rows)
-        block.attn.proj = student.RowParallelLinear(block.attn.proj)
-        block.mlp.fc = student.ColumnParallelLinear(block.mlp.fc)
-        block.mlp.proj = student.RowParallelLinear(block.mlp.proj)
-    loss = model(x, y)[1]
-    loss.backward()
-    rows = qkv_rows(config.d_model, n)[r]
-    k = config.d_model // n
-    return {"loss": (loss, ref_loss),
-            "qkv weight gradient (your heads)": (model.blocks[0].attn.qkv.weight.grad, ref.blocks[0].attn.qkv.weight.grad[rows]),
-            "attn.proj weight gradient": (model.blocks[1].attn.proj.weight.grad,
-                                          ref.blocks[1].attn.proj.weight.grad[:, r * k:(r + 1) * k]),
-            "embedding gradient": (model.tok_emb.weight.grad, ref.tok_emb.weight.grad)}
-
-
-for r, res in enumerate(run_on_ranks(gpt_check, world_size=2, **RANKS)):
-    for name, (got, want) in res.items():  # one forward and backward: fp32 sums in another order (~1e-7 relative)
-        check_close(f"rank {r}: {name}", got.detach(), want.detach(), rtol=1e-4, atol=1e-6)
+checks.check_gpt(student)
 
 # %% [markdown]
 # All checks passed? Then you have written Megatron's tensor parallelism for the transformer
-# block. Two questions to think about (notebook 05, sections 2 and 7 discuss them):
+# block. Having written it, compare with the library's version: `course_lib/comm/autograd.py`
+# (`copy_to_group` and `reduce_from_group`, your f and g), `course_lib/parallel/tp/layers.py`
+# (the layers, which also handle sequence parallelism and the padded vocabulary) and
+# `qkv_rows` in `course_lib/parallel/tp/apply.py`.
+#
+# Two questions to think about (notebook 05, sections 2 and 7 discuss them):
 #
 # * Your `proj` bias is whole on every rank and added after g. What would go wrong if each
 #   rank added it *before* g?
 # * With sequence parallelism, f becomes an all-gather along the sequence and g a
 #   reduce-scatter. What happens to the bias then, and to its gradient?
+#
+# <details><summary>Answers</summary>
+#
+# * g sums over the ranks, so a bias added before it would be counted `tp` times.
+# * After the reduce-scatter each rank holds only its share of the sequence, so each rank adds
+#   the (replicated) bias to its tokens only, and its gradient on one rank covers only those
+#   tokens: the bias enters through f, whose backward sums the ranks' parts into the whole
+#   gradient.
+# </details>

@@ -21,9 +21,6 @@
 #    its collectives against the formulas;
 # 5. measure what sequence parallelism saves, and why TP stays inside one node;
 # 6. run the same model through PyTorch's DTensor `parallelize_module` and compare.
-#
-# The code lives in `course_lib/parallel/tp/` (layers, loss, `apply_tensor_parallel`, the
-# DTensor version); the differentiable collectives in `course_lib/comm/autograd.py`.
 
 # %%
 %matplotlib inline
@@ -107,8 +104,8 @@ print(f"GELU(a) + GELU(b) = {(F.gelu(a) + F.gelu(b)).item():.4f}   GELU(a + b) =
 #
 # | operator | forward | backward | where |
 # |---|---|---|---|
-# | **f** (`copy_to_group`) | identity: every rank already holds $X$ | all-reduce of $\partial L/\partial X$ | entering the region (before the column-split layer) |
-# | **g** (`reduce_from_group`) | all-reduce of the partial sums | identity | leaving it (after the row-split layer) |
+# | **f** | identity: every rank already holds $X$ | all-reduce of $\partial L/\partial X$ | entering the region (before the column-split layer) |
+# | **g** | all-reduce of the partial sums | identity | leaving it (after the row-split layer) |
 #
 # Why f's backward sums: $X$ fed every rank's columns, so its gradient is the sum of every
 # rank's contribution, $\partial L/\partial X = \sum_r \partial L/\partial Y_r \, A_r^\top$. Why g's
@@ -207,9 +204,25 @@ assert abs(tp_loss - single) < 1e-5 and abs(bad - single) > 1e-3
 #
 # The embedding table ($V \times d$) and the output head ($d \times V$, here the same tied matrix)
 # are split by **vocabulary rows**: rank $r$ holds tokens $[rV'/tp, (r+1)V'/tp)$. The course's
-# 97-symbol vocabulary is not divisible by 2 or 4, so it is **padded** to $V' = 98$ (or 100)
-# with rows of zeros, as Megatron pads to a multiple of its `tp`.
-#
+# 97-symbol vocabulary is not divisible by 2 or 4, so it is **padded** with rows of zeros to
+# $V' = 98$ (or 100), the smallest multiple of `tp`. Megatron-LM pads further by default: to a
+# multiple of $128 \cdot tp$ (its `--make-vocab-size-divisible-by`, default 128, times the
+# tensor-parallel size), so that every rank's slice is a multiple of 128 rows, a shape GPU matmul
+# kernels handle well. What that costs, in padded rows:
+
+# %%
+def padded(vocab, multiple):
+    return -(-vocab // multiple) * multiple  # the smallest multiple of `multiple` that is >= vocab
+
+assert padded(CONFIG.vocab_size, 2) == 2 * res[0][2]["tok_emb.weight"][0]  # the 49 rows per rank measured above
+
+print(f"{'vocabulary':<22}{'tp':>4}{'course: multiple of tp':>26}{'Megatron: multiple of 128·tp':>32}")
+for name, vocab in (("course, 97 symbols", CONFIG.vocab_size), ("GPT-2, 50,257", 50257), ("Llama 3, 128,256", 128256)):
+    for tp in (2, 8):
+        ours, megatron = padded(vocab, tp), padded(vocab, 128 * tp)
+        print(f"{name:<22}{tp:>4}{f'{ours:,} (+{ours - vocab:,})':>26}{f'{megatron:,} (+{megatron - vocab:,})':>32}")
+
+# %% [markdown]
 # * **Embedding:** a rank looks up the tokens it owns and writes zeros for the others; g sums
 #   the ranks' outputs, and exactly one rank contributed each token's row.
 # * **Head:** column-parallel (f first); rank $r$ gets the logits of its vocabulary slice, $z_{i,V_r}$.
@@ -218,10 +231,89 @@ assert abs(tp_loss - single) < 1e-5 and abs(bad - single) > 1e-3
 #   $\sum_{j\in V_r} e^{z_{ij}-m_i}$ (all-reduce SUM) and the target logit if it owns $y_i$
 #   (all-reduce SUM). Padded columns are set to $-\infty$, so $e^{-\infty} = 0$ changes nothing.
 #   Sums go through g, so autograd hands each rank the gradient of its own slice,
-#   $(\mathrm{softmax}_{ij} - [j = y_i])/N$.
+#   $(\mathrm{softmax}_{ij} - [j = y_i])/N$ for $N$ tokens.
 #
-# Gathering the logits instead would move $N \cdot V$ numbers per rank; the three all-reduces move
-# $3N$. For Llama 3's 128,256-token vocabulary that is 42,752 times fewer.
+# ### The loss, worked by hand on 2 ranks
+#
+# Two tokens, a vocabulary of 6: rank 0 holds the logits of ids 0-2, rank 1 those of ids 3-5.
+# Token 0's target is id 3 (on rank 1), token 1's is id 1 (on rank 0). Follow one column of
+# the table at a time: each rank computes its local numbers from its three logits alone, and
+# each "all-reduce" line is what every rank holds after the collective.
+#
+# **Predict.** Token 0's largest logit, 3.0, lives on rank 0, but its target lives on rank 1.
+# Which rank ends up knowing token 0's loss?
+#
+# <details><summary>Answer</summary>
+#
+# Both. After the three all-reduces every rank holds the same $m$, $S$ and $t$ for every token,
+# so every rank computes the same loss (and the gradient of its own slice of the logits).
+# </details>
+
+# %%
+z = torch.tensor([[1.0, 3.0, 0.5, 2.0, -1.0, 0.0],    # token 0
+                  [0.0, 1.5, 1.0, 2.5, 4.0, -0.5]],   # token 1
+                 dtype=torch.float64)
+y = torch.tensor([3, 1])
+shards = {0: (0, z[:, :3]), 1: (3, z[:, 3:])}  # rank: (first vocabulary id it holds, its logits)
+
+local_max = {r: zr.amax(dim=1) for r, (_, zr) in shards.items()}
+m = torch.maximum(local_max[0], local_max[1])                                   # all-reduce MAX
+local_sum = {r: (zr - m[:, None]).exp().sum(dim=1) for r, (_, zr) in shards.items()}
+S = local_sum[0] + local_sum[1]                                                 # all-reduce SUM
+local_t = {}
+for r, (start, zr) in shards.items():
+    mine = (y >= start) & (y < start + zr.shape[1])  # does this rank hold the target's logit?
+    picked = zr.gather(1, (y - start).clamp(0, zr.shape[1] - 1)[:, None])[:, 0] - m
+    local_t[r] = torch.where(mine, picked, torch.zeros_like(picked))
+t = local_t[0] + local_t[1]                                                     # all-reduce SUM
+loss = S.log() - t
+full = F.cross_entropy(z, y, reduction="none")  # the single-process loss, from all 6 logits
+
+W = 40  # label width
+row = lambda label, v: print(f"{label:<{W}}" + "".join(f"{x:>20.4f}" for x in v.tolist()))
+print(f"{'':<{W}}{'token 0 (target 3)':>20}{'token 1 (target 1)':>20}")
+for r, (start, zr) in shards.items():
+    print(f"{f'rank {r}: logits of ids {start}-{start + 2}':<{W}}" + "".join(f"{str(v):>20}" for v in zr.tolist()))
+for r in shards:
+    row(f"rank {r}: local max", local_max[r])
+row("all-reduce MAX: m", m)
+for r in shards:
+    row(f"rank {r}: sum of exp(z - m) over its ids", local_sum[r])
+row("all-reduce SUM: S", S)
+for r in shards:
+    row(f"rank {r}: z[target] - m if it holds it", local_t[r])
+row("all-reduce SUM: t", t)
+row("loss = log S - t (every rank)", loss)
+row("cross-entropy of all 6 logits", full)
+# float64, the same terms summed in another order: equal to ~1e-16; a wrong step is off by 1e-2 or more
+assert torch.allclose(loss, full, rtol=1e-12, atol=0)
+print(f"mean over the 2 tokens: {loss.mean().item():.4f} = F.cross_entropy's {full.mean().item():.4f}")
+
+# %% [markdown]
+# Subtracting the global maximum makes every exponential at most 1, so nothing overflows; a rank
+# whose own maximum is smaller (rank 1 for token 0) just adds smaller terms. Three numbers per
+# token leave each rank (its maximum, its sum of exponentials, its target logit or 0); its
+# logits never do.
+#
+# **How much less it sends.** Gathering the logits instead would leave $N \cdot V$ numbers on
+# every rank; the three all-reduces carry $3N$. Both are **logical sizes**: what each rank ends
+# up holding (the all-gather) or hands to the collective (the all-reduces). On the wire, a ring
+# all-gather puts $\frac{tp-1}{tp}$ of its output on each rank's link, an all-reduce twice
+# $\frac{tp-1}{tp}$ of its payload (notebook 02), so on the wire the ratio is half the logical one:
+
+# %%
+V_LLAMA3 = 128256  # Llama 3's vocabulary (Llama Team 2024)
+tp = 8
+share = (tp - 1) / tp                          # cancels: the ratios hold for any tp
+logical = V_LLAMA3 / 3                         # N*V numbers against 3N
+wire = (share * V_LLAMA3) / (3 * 2 * share)    # a ring all-gather of N*V against 3 ring all-reduces of N
+assert logical == 42752 and wire == logical / 2
+print(f"Llama 3's vocabulary: the loss's all-reduces carry {logical:,.0f} times fewer numbers than an all-gather of "
+      f"the logits (logical size), and put {wire:,.0f} times fewer bytes on each rank's link (ring)")
+
+# %% [markdown]
+# On 2 real ranks, the course GPT's loss, counted by the tracer (logical payload) and on the
+# wire of a 2-rank ring:
 
 # %%
 def vocabulary_parallel():
@@ -235,10 +327,12 @@ def vocabulary_parallel():
     return (tuple(local_logits.shape), loss.item() - loss_ref.item(),
             (gathered - logits_ref).abs().max().item(), tracer.summary()["all_reduce"])
 
-gather_bytes = 4 * CONFIG.block_size * 98 * 4  # every rank receiving the (4, 64, 98) fp32 logits
-for rank, (shape, dloss, dlogits, ar) in enumerate(run_on_ranks(vocabulary_parallel, world_size=2, **RANKS)):
-    print(f"rank {rank}: local logits {shape}; the loss: {ar['calls']} all-reduces of {ar['bytes_sent']:,} bytes "
-          f"in all (an all-gather of the logits: {gather_bytes:,} bytes)")
+gather_bytes = 4 * CONFIG.block_size * 98 * 4  # logical: every rank holding the (4, 64, 98) fp32 logits
+n = 2  # ranks: a ring all-reduce puts 2(n-1)/n of its payload on each link, a ring all-gather (n-1)/n of its output
+for rank, (shape, dloss, dlogits, ar) in enumerate(run_on_ranks(vocabulary_parallel, world_size=n, **RANKS)):
+    print(f"rank {rank}: local logits {shape}; the loss: {ar['calls']} all-reduces, {ar['bytes_sent']:,} bytes "
+          f"logical, {2 * (n - 1) / n * ar['bytes_sent']:,.0f} on the wire; an all-gather of the logits instead: "
+          f"{gather_bytes:,} bytes logical, {(n - 1) / n * gather_bytes:,.0f} on the wire")
     # fp32: the same sums in another order (a loss of ~4.6 and logits of ~1, ~1e-7 apart here)
     assert abs(dloss) < 1e-5 and dlogits < 1e-5 and ar["calls"] == 3
 
@@ -291,8 +385,30 @@ print("losses equal on every rank and to the single process; gathered parameters
 # Per layer and per forward pass, plain TP runs **2 all-reduces** of the whole activation,
 # $b \cdot s \cdot h$ elements (g after `attn.proj` and after `mlp.proj`), and 2 more in backward
 # (f before `qkv` and `fc`). Outside the layers: g after the embedding, f before the head, and
-# the loss's 3 all-reduces of $b\cdot s$ numbers. `step_communication` writes this down as
-# formulas; the tracer counts what the ranks really sent:
+# the loss's 3 all-reduces of $b\cdot s$ numbers. With sequence parallelism each all-reduce
+# becomes an all-gather (entering the region) and a reduce-scatter (leaving it).
+#
+# There are two ways to count a collective's bytes, and they differ:
+#
+# * the **logical payload**, what the tracer records: the buffer a rank hands to the
+#   collective (an all-reduce's tensor $M$, an all-gather's input shard $M/tp$, a
+#   reduce-scatter's full input $M$);
+# * the **bytes on the wire**, what a ring algorithm actually puts on each rank's link
+#   (notebook 02): $2\frac{tp-1}{tp}M$ for an all-reduce, $\frac{tp-1}{tp}M$ for an all-gather
+#   (of its output $M$) or a reduce-scatter (of its input $M$).
+#
+# **Predict.** Replacing each all-reduce of $M$ by an all-gather plus a reduce-scatter: does the
+# tracer's logical payload grow, shrink or stay? And the bytes on the wire?
+#
+# <details><summary>Answer</summary>
+#
+# The logical payload grows, from $M$ to $M/tp + M$ (at tp = 2, by half). The bytes on the wire
+# stay the same: a ring all-reduce *is* a reduce-scatter followed by an all-gather (notebook 02),
+# $2\frac{tp-1}{tp}M$ against $\frac{tp-1}{tp}M + \frac{tp-1}{tp}M$.
+# </details>
+#
+# `step_communication` writes the counts down as formulas; the tracer counts what the ranks
+# really called, and the wire column applies the ring's factor to each logical payload:
 
 # %%
 def traced_step(sequence_parallel):
@@ -304,31 +420,47 @@ def traced_step(sequence_parallel):
         loss.backward()
     return forward.summary(), backward.summary()
 
+
+def ring_wire_bytes(op, logical, n):
+    """Bytes a ring puts on each rank's link, from the tracer's logical payload (bytes_sent) of n ranks."""
+    if op.startswith("all_reduce"):
+        return 2 * (n - 1) / n * logical  # reduce-scatter + all-gather of the tensor
+    if op.startswith("all_gather"):
+        return (n - 1) * logical          # the logical payload is the shard: n-1 shards pass each link
+    if op.startswith("reduce_scatter"):
+        return (n - 1) / n * logical      # the logical payload is the full input
+    raise ValueError(f"op={op!r}: no ring formula here")
+
+
 B, S, L = 8, CONFIG.block_size, CONFIG.n_layer
+totals = {}
 for sp in (False, True):
     fwd, bwd = run_on_ranks(traced_step, sp, world_size=2, **RANKS)[0]
     want = step_communication(CONFIG, B, S, 2, sp)
     assert fwd == want["forward"] and bwd == want["backward"]
-    print(f"sequence_parallel={sp}:  (calls, bytes sent by rank 0; equal to the formula)")
+    print(f"sequence_parallel={sp}:  (rank 0: calls, logical payload, bytes on the wire of a 2-rank ring; "
+          f"counts equal to the formula)")
     for phase, summary in (("forward", fwd), ("backward", bwd)):
+        logical = sum(s["bytes_sent"] for s in summary.values())
+        wire = sum(ring_wire_bytes(op, s["bytes_sent"], 2) for op, s in summary.items())
+        totals[sp, phase] = (logical, wire)
         print(f"   {phase:<9}" + "   ".join(f"{op} {s['calls']} x, {fmt_bytes(s['bytes_sent'])}"
                                            for op, s in summary.items()))
+        print(f"   {'':<9}in all {fmt_bytes(logical)} logical, {fmt_bytes(wire)} on the wire")
+assert totals[True, "forward"][0] > totals[False, "forward"][0]   # logical: SP counts more ...
+assert totals[True, "forward"][1] == totals[False, "forward"][1]  # ... on the wire, the same bytes
+assert totals[True, "backward"][1] > totals[False, "backward"][1]  # the re-gathers of section 7
 
 # %% [markdown]
 # With 2 layers, forward: $2 \cdot 2 + 1 = 5$ all-reduces of $8 \cdot 64 \cdot 64 \cdot 4$ bytes = 128 KiB
-# each, plus the loss's 3 small ones. With sequence parallelism each all-reduce becomes an
-# all-gather (entering the region) and a reduce-scatter (leaving it); the backward has a few
-# more all-gathers (section 7) and small all-reduces for the LayerNorm weights, which each
-# rank now applies to only its part of the sequence.
+# each, plus the loss's 3 small ones. Read the two columns apart: the logical payload of the
+# forward pass grows with sequence parallelism, by the all-gathers' shards, but the bytes on the
+# wire are exactly those of plain TP. The backward does send more on the wire with SP: one more
+# all-gather per column-parallel layer (the re-gather of the saved sequence shard, section 7,
+# which Megatron-LM launches asynchronously and overlaps with the input-gradient matmul) and small all-reduces for the
+# LayerNorm weights, which each rank now applies to only its part of the sequence.
 #
-# **Predict.** Does replacing an all-reduce by an all-gather plus a reduce-scatter put more or
-# fewer bytes on each rank's link?
-#
-# <details><summary>Answer</summary>
-#
-# The same. A ring all-reduce *is* a reduce-scatter followed by an all-gather (notebook 02):
-# $2\frac{N-1}{N}M$ bytes against $\frac{N-1}{N}M + \frac{N-1}{N}M$.
-# </details>
+# The same comparison at GPT-3's size, from the formulas, on the wire:
 
 # %%
 for tp in (2, 4, 8):
@@ -531,8 +663,9 @@ _ = run_on_ranks(misuse, world_size=2, **RANKS)
 # * Attention splits by whole heads (mind the fused QKV rows); the vocabulary splits the
 #   embedding, the head and the loss, which needs 3 numbers per token from each rank, never the logits.
 # * TP is exact: same loss on every rank, gradients are slices of the single-process ones.
-# * Sequence parallelism turns each all-reduce into an all-gather + reduce-scatter (same bytes)
-#   and divides the rest of the activations by `tp`.
+# * Sequence parallelism turns each all-reduce into an all-gather + reduce-scatter (the same
+#   bytes on the wire in forward, though a tracer's logical payload counts more) and divides the
+#   rest of the activations by `tp`.
 # * TP communicates inside every layer, on the critical path: keep it within NVLink.
 #
 # ## Self-check
@@ -543,6 +676,9 @@ _ = run_on_ranks(misuse, world_size=2, **RANKS)
 # 4. The vocabulary-parallel loss all-reduces the maximum without a gradient. Why is that allowed?
 # 5. With sequence parallelism, why do the LayerNorm weights need an all-reduce of their
 #    gradients, when they did not without it?
+# 6. A tracer reports an all-gather's input bytes and a reduce-scatter's input bytes. At tp = 4,
+#    a pair of them on an activation of $M$ bytes reports how many bytes, and how many does a
+#    ring put on each rank's link?
 #
 # <details><summary>Answers</summary>
 #
@@ -556,6 +692,41 @@ _ = run_on_ranks(misuse, world_size=2, **RANKS)
 #    does not depend on it and neither does its gradient; $m_i$ only keeps the exponentials finite.
 # 5. Each rank applies them to only $s/tp$ tokens, so each holds part of the gradient: the sum
 #    over ranks is the single-process gradient. Without SP every rank saw all tokens.
+# 6. Logical: $M/4 + M = 1.25M$. On the wire: $\frac{3}{4}M + \frac{3}{4}M = 1.5M$, exactly a ring
+#    all-reduce's $2\cdot\frac{3}{4}M$.
+# </details>
+#
+# ## References
+#
+# * Shoeybi, M., Patwary, M., Puri, R., LeGresley, P., Casper, J., Catanzaro, B. (2019).
+#   *Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism.*
+#   arXiv:1909.08053. The column and row splits, f and g, attention by heads, the
+#   vocabulary-parallel embedding and loss.
+# * Narayanan, D., Shoeybi, M., Casper, J., LeGresley, P., Patwary, M., Korthikanti, V., et al.
+#   (2021). *Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM.*
+#   SC '21, arXiv:2104.04473. Tensor parallelism inside a node, pipeline and data parallelism
+#   across nodes.
+# * Korthikanti, V., Casper, J., Lym, S., McAfee, L., Andersch, M., Shoeybi, M., Catanzaro, B.
+#   (2022). *Reducing Activation Recomputation in Large Transformer Models.* arXiv:2205.05198.
+#   Sequence parallelism, selective activation recomputation, and the activation formula of
+#   notebook 01.
+# * Llama Team, AI @ Meta (2024). *The Llama 3 Herd of Models.* arXiv:2407.21783. The
+#   128,256-token vocabulary of section 4.
+# * Megatron-LM (NVIDIA), `--make-vocab-size-divisible-by` (default 128) and the vocabulary
+#   padding to a multiple of it times `tp`: github.com/NVIDIA/Megatron-LM.
+#
+# Further reading:
+#
+# * W. Liang, T. Liu, *Large Scale Transformer model training with Tensor Parallel (TP)*, PyTorch
+#   tutorial (docs.pytorch.org/tutorials/intermediate/TP_tutorial.html): DTensor's
+#   `parallelize_module`, sequence parallelism and `loss_parallel`, composed with FSDP2.
+# * N. Tazi et al. (2025), *The Ultra-Scale Playbook: Training LLMs on GPU Clusters*, Hugging
+#   Face (huggingface.co/spaces/nanotron/ultrascale-playbook): tensor and sequence parallelism
+#   with measured throughput and memory.
+# * J. Austin et al. (2025), *How to Scale Your Model*, Google DeepMind
+#   (jax-ml.github.io/scaling-book): sharded matrix multiplications and their communication,
+#   from first principles.
 #
 # Next: write f, g and the column- and row-parallel layers yourself in
 # `exercises/ex05_tensor_parallel.ipynb`.
+# Once its checks pass, its last cell points to the library's own version to compare with.
