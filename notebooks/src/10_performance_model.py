@@ -67,17 +67,20 @@ def intensity(m, k, n, bytes_per=2):
 balance = H100.peak_flops / H100.memory_bandwidth
 for m in (4096, 1):
     i = intensity(m, 8192, 28672 // 8)
-    print(f"m = {m:5d}: {i:7.1f} FLOPs/byte -> {'compute' if i > balance else 'memory'}-bound "
-          f"(H100 balance {balance:.0f})")
+    print(f"m = {m:5d}: {i:7.1f} FLOPs/byte = {i / balance:.3g} x the H100's balance of {balance:.0f} -> "
+          f"{'compute' if i > balance else 'memory'}-bound")
+# what the answer below says
+assert 5 < intensity(4096, 8192, 28672 // 8) / balance < 6 and intensity(1, 8192, 28672 // 8) < 1.01
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# Training's matmuls have thousands of tokens per call: about 1600 FLOPs per byte, far above
-# the balance, so compute-bound, and the model may count their time as FLOPs over FLOP/s. One
-# token at a time is memory-bound (about 1 FLOP per byte): that is why inference needs
-# another model. The normalisations, softmax and the optimizer's update are memory-bound too;
-# the step-time model below charges the update to memory bandwidth.
+# Training's matmuls have thousands of tokens per call: the first line's intensity is more
+# than five times the balance, so compute-bound, and the model may count their time as FLOPs
+# over FLOP/s. One token at a time is memory-bound (about 1 FLOP per byte, the second line):
+# that is why inference needs another model. The normalisations, softmax and the
+# optimizer's update are memory-bound too; the step-time model below charges the update to
+# memory bandwidth.
 # </details>
 #
 # ## 2. The model, term by term
@@ -93,8 +96,8 @@ for m in (4096, 1):
 # | recompute | + one forward ($F/3$ per device) with full activation checkpointing |
 # | tp | 4 all-reduces of one activation per layer and micro-batch (+ the embedding's, the head's and the loss's), never hidden |
 # | pp | an activation forward and a gradient back per micro-batch and stage boundary |
-# | bubble | busy time $\times\, f/(1-f)$, $f = (p-1)/(vm+p-1)$ (notebook 06) |
-# | dp | the gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather; ZeRO-3: per block), minus what the last micro-batch's backward hides |
+# | bubble | the time a rank idles while the pipeline fills and drains: a fraction $f = (p-1)/(vm+p-1)$ of the step (notebook 06) |
+# | dp | the gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather; ZeRO-3: per block), of which only the part backward cannot hide is exposed |
 # | optimizer | a fixed cost per parameter tensor + the update's bytes / memory bandwidth |
 #
 # The model counts the calls each strategy of the course really makes (a neighbouring cell
@@ -104,7 +107,13 @@ for m in (4096, 1):
 # kernel launch costs a few microseconds), so the published clusters set them to zero. The
 # memory model is notebook 01's `per_gpu_memory` plus the schedule's in-flight micro-batches.
 #
-# Here is GPT-3 175B in the layout Narayanan et al. (2021) used on 1024 A100s:
+# Here is GPT-3 175B on 1024 A100s with a global batch of 1536 sequences, in the layout of the
+# Megatron-LM README's GPT-3 175B example: tp = 8, pp = 16 (so dp = 8), full recomputation.
+# The README reports about 32 s per step there, 138 TFLOP/s per GPU, 44% of peak; Narayanan
+# et al. (2021, §5.1) quote 140 TFLOP/s for GPT-3 175B on 1024 A100s at batch 1536 in their
+# training-time estimate. Neither gives the interleaving: $v = 2$ model chunks per rank is
+# this course's assumption. (Their Table 1 has no 175B row; its 140 TFLOP/s row is a 76.1B
+# model on 1024 GPUs with tp 8, pp 4.)
 
 # %%
 d = PUBLISHED["GPT-3 175B on 1024 A100"]
@@ -366,7 +375,8 @@ plt.show()
 # it and the memory it would need). The stages divide the weights and the activations in
 # flight, and cost a small bubble and a few point-to-point messages. The Pareto front shows
 # the trade: each step down in memory costs time, and the planner takes the fastest point
-# that still fits.
+# that still fits. (The widget of section 9 searches fewer layouts and answers this case
+# differently; section 9 shows why.)
 # </details>
 #
 # ## 6. Against the published runs
@@ -374,23 +384,37 @@ plt.show()
 # The planner's pick and its predicted MFU beside what two large runs chose and reported.
 
 # %%
-picks = {}
+picks, mfus = {}, {}
 for name, d in PUBLISHED.items():
     ours = plan(d["config"], d["cluster"], d["global_batch"], d["seq"])
     theirs = step_time(d["config"], d["layout"], d["cluster"], d["seq"])
     mem = memory_per_rank(d["config"], d["layout"], d["seq"])
     print(f"{name}\n  published: {d['layout'].label()}  predicted MFU {theirs['mfu']:.1%}, "
-          f"{fmt_bytes(mem['total'])} per GPU; reported MFU {d['reported_mfu']:.0%}\n    ({d['reported']})")
+          f"{fmt_bytes(mem['total'])} per GPU; reported MFU {d['reported_mfu']:.0%}")
     print(f"  planner:   {ours.best.layout.label()}  predicted MFU {ours.best.time['mfu']:.1%}, "
           f"{fmt_bytes(ours.best.memory['total'])} per GPU")
     assert ours.best.time["mfu"] >= theirs["mfu"] or mem["total"] > d["cluster"].memory_bytes
     picks[name] = ours.best.layout
+    mfus[name] = ours.best.time["mfu"]
 # what the prose below says of the two picks
 gpt3 = picks["GPT-3 175B on 1024 A100"]
 assert gpt3.tp < 8 and gpt3.pp < 16 and gpt3.dp > 8 and gpt3.sequence_parallel and gpt3.recompute == "none"
 assert picks["Llama 3 405B on 16k H100"].pp < 16 and picks["Llama 3 405B on 16k H100"].recompute == "full"
+assert 0.5 < mfus["GPT-3 175B on 1024 A100"] < 0.66 and 0.5 < p70.best.time["mfu"] < 0.66
 
 # %% [markdown]
+# Where the published layouts and reported MFUs come from:
+#
+# * **GPT-3 175B**: the layout (tp 8, pp 16, dp 8, 1536 sequences of 2048 tokens, full
+#   recomputation) is the Megatron-LM README's GPT-3 175B example; $v = 2$ is our assumption.
+#   The reported MFU is Narayanan et al. (2021, §5.1)'s 140 TFLOP/s per GPU for GPT-3 175B on
+#   1024 A100s at batch 1536, which is 45% of the A100's 312 TFLOP/s counting the recomputed
+#   forward ("hardware FLOPs"), so about 34% MFU (× 3/4, section 8); the README's 138 TFLOP/s
+#   (44%) gives 33%.
+# * **Llama 3 405B**: Dubey et al. (2024), Table 4: tp 8, cp 1, pp 16, dp 128 on 16,384 H100s,
+#   16M tokens per batch, 400 TFLOP/s per GPU; the table's three configurations span 38-43%
+#   BF16 MFU; the model uses 41%.
+#
 # What differs, and why:
 #
 # * **GPT-3 175B.** The published layout predicts above the reported MFU: the model assumes
@@ -412,28 +436,51 @@ assert picks["Llama 3 405B on 16k H100"].pp < 16 and picks["Llama 3 405B on 16k 
 # MFU), pessimistic where real runs tune schedules and memory beyond its formulas (Llama 3
 # below). A planner built on it is a good way to shortlist layouts, which are then measured.
 #
+# **Read the planner's MFUs as upper bounds.** For GPT-3 175B and Llama-3 70B, at batches
+# that give each GPU enough work, its picks predict MFUs between 50% and 66% (sections 5, 6
+# and 7). Published runs at this scale report less: Llama 3 405B 38-43% on 8,192 to 16,384
+# H100s (Dubey et al. 2024, Table 4); MegaScale 55.2% for a 175B model on 12,288 GPUs (Jiang
+# et al. 2024), after overlapping almost every collective and tuning its kernels and network. The gap is the
+# model's assumptions: 75% of peak for every matmul, ideal links, no stragglers and no
+# kernels other than matmuls.
+#
 # ## 7. What changes with sequence length, model size and cluster size
 
 # %%
-# (setting, model, GPU, GPUs per NVLink domain, GPUs, sequence length, sequences per step):
+from course_lib.units import GB
+
+# An NVL72 rack holds 72 GB200 GPUs in one NVLink domain (NVLink 5, as B200): about 186 GB of
+# HBM3e and 2.5 PFLOP/s dense bf16 each (NVIDIA's GB200 NVL72 specification, per rack: 13.4 TB,
+# 360 PFLOP/s bf16 with sparsity, so 180 dense), a little more of both than an HGX B200 (180 GB,
+# 2.25 PFLOP/s).
+b200 = gpu_cluster("B200 180 GB", 1152, 72)
+GB200_NVL72 = replace(b200, name="1152 x GB200 (NVL72)", memory_bytes=186 * GB, peak_flops=2.5e15,
+                      achievable_flops=b200.achievable_flops / b200.peak_flops * 2.5e15)  # same share of peak
+
+# (setting, model, cluster, sequence length, sequences per step):
 # H100 nodes of 8 and 4M tokens per step unless said
-H = ("H100 SXM 80 GB", 8)
-rows = [("Llama-3 70B", LLAMA3_70B, H, 1024, 4096, 1024), ("  sequence 8192", LLAMA3_70B, H, 1024, 8192, 512),
-        ("  4096 GPUs", LLAMA3_70B, H, 4096, 4096, 1024), ("  4096 GPUs, 16M", LLAMA3_70B, H, 4096, 4096, 4096),
-        ("  H200 nodes", LLAMA3_70B, ("H200 SXM 141 GB", 8), 1024, 4096, 1024),
-        ("  B200, NVL72", LLAMA3_70B, ("B200 180 GB", 72), 1152, 4096, 1152),
-        ("GPT-3 175B", GPT3_175B, H, 1024, 2048, 2048)]
+rows = [("Llama-3 70B", LLAMA3_70B, H100, 4096, 1024),
+        ("  sequence 8192", LLAMA3_70B, H100, 8192, 512),
+        ("  4096 GPUs", LLAMA3_70B, gpu_cluster("H100 SXM 80 GB", 4096), 4096, 1024),
+        ("  4096 GPUs, 16M", LLAMA3_70B, gpu_cluster("H100 SXM 80 GB", 4096), 4096, 4096),
+        ("  H200 nodes", LLAMA3_70B, gpu_cluster("H200 SXM 141 GB", 1024), 4096, 1024),
+        ("  GB200 NVL72", LLAMA3_70B, GB200_NVL72, 4096, 1152),
+        ("GPT-3 175B", GPT3_175B, H100, 2048, 2048)]
 print(f"{'setting':<18}{'best layout':<44}{'step s':>8}{'MFU':>7}  biggest term")
 bests = {}
-for label, cfg, (gpu, per_node), n, seq, batch in rows:
-    best = bests[label.strip()] = plan(cfg, gpu_cluster(gpu, n, per_node), batch, seq).best
+for label, cfg, cluster, seq, batch in rows:
+    best = bests[label.strip()] = plan(cfg, cluster, batch, seq).best
     print(f"{label:<18}{best.layout.label():<44}{best.time['total']:8.2f}{best.time['mfu']:7.1%}  {best.biggest_term}")
+print("published MFU at scale: Llama 3 405B 38-43% (Dubey et al. 2024, Table 4), "
+      "MegaScale 175B on 12,288 GPUs 55.2% (Jiang et al. 2024)")
 # what the prose below says
 base, mfu = bests["Llama-3 70B"], (lambda k: bests[k].time["mfu"])
 assert bests["sequence 8192"].layout.tp > base.layout.tp and bests["sequence 8192"].layout.pp < base.layout.pp
 assert bests["4096 GPUs"].time["total"] < base.time["total"] and mfu("4096 GPUs") < mfu("Llama-3 70B")
 assert mfu("4096 GPUs, 16M") > mfu("4096 GPUs") and base.layout.pp > 1
-assert bests["H200 nodes"].layout.pp == bests["B200, NVL72"].layout.pp == 1
+assert bests["H200 nodes"].layout.pp == bests["GB200 NVL72"].layout.pp == 1
+assert bests["GB200 NVL72"].time["total"] < base.time["total"] / 2
+assert all(0.5 < mfu(k) < 0.66 for k in bests if k != "4096 GPUs")  # section 6's "between 50% and 66%"
 
 # %% [markdown]
 # Read the table as the planner's reasoning. Doubling the sequence at the same tokens per step
@@ -442,9 +489,10 @@ assert bests["H200 nodes"].layout.pp == bests["B200, NVL72"].layout.pp == 1
 # fewer stages. Four times the GPUs at the same batch leave a quarter of the sequences per
 # replica, so the step gets shorter but MFU drops, as each GPU's backward has less work to
 # hide its all-reduce behind and pipelines get fewer micro-batches; growing the batch with
-# the cluster restores it. More memory per GPU (H200's 141 GB, B200's ~180 GB) lets the
-# layers fit without stages at all: the pipeline and its bubble go, and B200's faster
-# NVLink and FLOP/s halve the step.
+# the cluster restores it. More memory per GPU (H200's 141 GB, GB200's 186 GB) lets the
+# layers fit without stages at all: the pipeline and its bubble go, and GB200's faster
+# NVLink and FLOP/s cut the step to less than half. Every MFU in the table is the model's
+# upper bound (section 6): compare it with the published line printed below the table.
 #
 # ## 8. Profiling: a trace per rank, a timeline from it, MFU
 #
@@ -478,14 +526,33 @@ assert any(e[3] == "communication" for e in per_rank[0])
 #
 # ## 9. The planner for today's hardware
 #
-# Model, GPU kind (H100/H200 nodes of 8, B200 in an NVL72-class domain of 72), cluster size
-# and tokens per step: the planner's five best layouts with their cost breakdown, and its
-# explanation below the figure.
+# Model, GPU kind (A100/H100/H200 nodes of 8, or B200 GPUs in NVLink domains of 72), cluster
+# size and tokens per step: the planner's five best layouts with their cost breakdown, and its
+# explanation below the figure. The "B200 (NVL72 domain)" choice uses an HGX B200's memory and
+# FLOP/s (180 GB, 2.25 PFLOP/s) in a 72-GPU NVLink domain; a real NVL72 rack holds GB200s,
+# with a little more of both (section 7's last Llama row).
+#
+# **The widget searches fewer layouts than `plan` does by default**, so that it can answer
+# while you move the controls: micro-batches of 1 or 2 sequences, and no or full
+# recomputation. Its "binding constraint" is within that smaller space. For the first
+# state below (Llama-3 70B, 1024 H100s, 4M tokens, section 5's case) it picks section 5's
+# layout but says that memory does not bind: the faster layout that does not fit has
+# micro-batches of 4 sequences, outside the widget's search. The next cell checks that. Section
+# 5's answer, from the full search, is the one to believe: memory binds.
 
 # %%
 from course_lib.widgets import show_interactive
 
 show_interactive(lambda: planner_view(), lambda: planner_widget())
+
+# %%
+narrow = plan(LLAMA3_70B, H100, 1024, 4096, recomputes=("none", "full"), micro_batches=(1, 2))  # the widget's
+fastest = min(p70.candidates, key=lambda c: c.time["total"])  # section 5's full search
+print(f"widget's search: {len(narrow.candidates)} layouts; section 5's: {len(p70.candidates)}")
+print(f"both pick {narrow.best.layout.label()}; the fastest of all, {fastest.layout.label()}, does not fit and has "
+      f"micro-batches of {fastest.layout.micro_batch}")
+assert narrow.best.layout == p70.best.layout and not fastest.fits and fastest.layout.micro_batch not in (1, 2)
+assert "memory does not bind" in narrow.explain() and "binding constraint: memory" in p70.explain()
 
 # %% [markdown]
 # ## What to remember
@@ -524,3 +591,31 @@ show_interactive(lambda: planner_view(), lambda: planner_widget())
 #    GPU a kernel launch costs microseconds against milliseconds of matmul per layer of a 70B
 #    model, so tp = 8 divides the compute nearly 8 ways (its all-reduces are the price).
 # </details>
+#
+# ## References
+#
+# * Williams, Waterman and Patterson (2009). *Roofline: an insightful visual performance model
+#   for multicore architectures.* Communications of the ACM. (Section 1.)
+# * Narayanan et al. (2021). *Efficient large-scale language model training on GPU clusters
+#   using Megatron-LM.* SC21. The interleaved schedule, the bubble fraction and the throughput
+#   formula that counts the recomputed forward (§5.1: GPT-3 175B at 140 TFLOP/s per GPU).
+# * Korthikanti et al. (2022). *Reducing activation recomputation in large transformer
+#   models.* Sequence parallelism and selective recomputation; model against hardware FLOPs.
+# * Dubey et al. (2024). *The Llama 3 herd of models.* §3.3 and Table 4: 4D parallelism on
+#   16,384 H100s, 38-43% BF16 MFU.
+# * Jiang et al. (2024). *MegaScale: scaling large language model training to more than 10,000
+#   GPUs.* NSDI. 55.2% MFU for a 175B model on 12,288 GPUs.
+# * Zheng et al. (2022). *Alpa: automating inter- and intra-operator parallelism for
+#   distributed deep learning.* OSDI. The planner's two levels, searched with a cost model.
+# * Chowdhery et al. (2022). *PaLM: scaling language modeling with pathways.* The definition of
+#   MFU that section 8 uses.
+#
+# Further reading: the Megatron-LM README's performance tables and GPT-3 175B example (the
+# layout of section 2); the Hugging Face *Ultra-Scale Playbook* (Tazi et al. 2025), which
+# reports thousands of measured layouts of the same kind; and Isaev et al. (2023), *Calculon: a
+# methodology and tool for high-level codesign of systems and large language models* (SC23),
+# a step-time model like this one, taken further.
+#
+# **Next:** exercise 10 (`exercises/ex10_step_time.ipynb`): write the step-time model of a
+# dp x tp x pp layout yourself, including the two terms that need a derivation: the
+# data-parallel traffic backward cannot hide, and the bubble in seconds.
