@@ -54,8 +54,10 @@ PUBLISHED = {
         config=GPT3_175B, cluster=gpu_cluster("A100 SXM 80 GB", 1024), global_batch=1536, seq=2048,
         layout=Layout(dp=8, tp=8, pp=16, v=2, m=1536 // 8, micro_batch=1, recompute="full",
                       schedule="interleaved_1f1b", sequence_parallel=False),
-        reported="Narayanan et al. 2021, Table 1: tp 8, pp 16, dp 8, batch 1536, 140 TFLOP/s per GPU = 45% of "
-                 "peak counting the recomputed forward (x 3/4 without it: about 34% MFU)",
+        reported="Narayanan et al. 2021, §5.1: 140 TFLOP/s per GPU for GPT-3 175B on 1024 A100s at batch "
+                 "1536 = 45% of peak counting the recomputed forward (x 3/4 without it: about 34% MFU); "
+                 "layout tp 8, pp 16, dp 8 from the Megatron-LM README's GPT-3 175B example (Table 1 has "
+                 "no 175B row); v = 2 is the course's assumption",
         reported_mfu=0.45 * 3 / 4),
     "Llama 3 405B on 16k H100": dict(
         config=LLAMA3_405B_128, cluster=gpu_cluster("H100 SXM 80 GB", 16384), global_batch=2048, seq=8192,
