@@ -13,6 +13,8 @@ import pytest
 
 from course_lib import grading
 
+from _student import load_as_student
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXERCISES = sorted(p.stem for p in (ROOT / "exercises").glob("ex*.ipynb"))
 
@@ -94,12 +96,8 @@ def test_what_the_exercise_does_not_refuse_is_allowed():
 
 
 def test_load_student_refuses_before_running_the_module(tmp_path, monkeypatch):
-    (tmp_path / "ex98_refusal").mkdir()
-    (tmp_path / "ex98_refusal" / "student.py").write_text(
-        "raise RuntimeError('the module ran')\nfrom course_lib.estimate import plan\n")
-    monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
-    monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
+    source = "raise RuntimeError('the module ran')\nfrom course_lib.estimate import plan\n"
     with pytest.raises(grading.CheckFailed, match=r"student.py, line 2 uses course_lib.estimate.plan"):
-        grading.load_student("ex98_refusal", refuse=REFUSE)
+        load_as_student(tmp_path, monkeypatch, "ex98_refusal", source, refuse=REFUSE)
     with pytest.raises(RuntimeError, match="the module ran"):  # without the refusal it runs
-        grading.load_student("ex98_refusal")
+        load_as_student(tmp_path, monkeypatch, "ex98_refusal", source)

@@ -13,6 +13,8 @@ import pytest
 from course_lib import RankError, grading
 from course_lib.grading import ex05_tensor_parallel as checks
 
+from _student import load_as_student
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXERCISE = "ex05_tensor_parallel"
 SOLUTION = (ROOT / "exercises" / "solutions" / f"{EXERCISE}.py").read_text()
@@ -20,11 +22,7 @@ SOLUTION = (ROOT / "exercises" / "solutions" / f"{EXERCISE}.py").read_text()
 
 def _load(tmp_path, monkeypatch, source: str):
     """Load `source` as the learner's student.py, as the exercise notebook does (with its refusals)."""
-    (tmp_path / EXERCISE).mkdir(exist_ok=True)
-    (tmp_path / EXERCISE / "student.py").write_text(source)
-    monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
-    monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    return grading.load_student(EXERCISE, refuse=checks.REFUSE)
+    return load_as_student(tmp_path, monkeypatch, EXERCISE, source, refuse=checks.REFUSE)
 
 
 def test_the_stubs_fail(monkeypatch):

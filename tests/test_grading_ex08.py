@@ -14,6 +14,8 @@ import pytest
 from course_lib import RankError, grading, run_on_ranks
 from course_lib.grading import ex08_zero2_step as ex08
 
+from _student import load_as_student
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOLUTION = (ROOT / "exercises" / "solutions" / "ex08_zero2_step.py").read_text()
 HOOKS = "[p.register_post_accumulate_grad_hook(self._reduce_scatter) for p in self.params]"
@@ -42,12 +44,7 @@ NO_MEAN = _variant(SOLUTION, [(".div(self.world_size)", "")])
 
 def _load(tmp_path, monkeypatch, source=None, refuse=()):
     """load_student on `source` written as the learner's student.py (None: the real stub)."""
-    monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    if source is not None:
-        (tmp_path / "ex08_zero2_step").mkdir()
-        (tmp_path / "ex08_zero2_step" / "student.py").write_text(source)
-        monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
-    return grading.load_student("ex08_zero2_step", refuse=refuse)
+    return load_as_student(tmp_path, monkeypatch, "ex08_zero2_step", source, refuse=refuse)
 
 
 def _shards(student, n=2):
