@@ -141,22 +141,22 @@ def zero_bubble(p: int, m: int) -> Schedule:
     acts = []
     for r in range(p):
         warmup = min(p - r - 1, m)
-        ranks, next_w = [Action("F", j) for j in range(warmup)], 0
+        order, next_w = [Action("F", j) for j in range(warmup)], 0
 
         def backward(j):
             nonlocal next_w
-            ranks.append(Action("B", j))
+            order.append(Action("B", j))
             if j + 1 - next_w > r:  # r + 1 W's would be pending: run the oldest now
-                ranks.append(Action("W", next_w))
+                order.append(Action("W", next_w))
                 next_w += 1
 
         for j in range(m - warmup):
-            ranks.append(Action("F", warmup + j))
+            order.append(Action("F", warmup + j))
             backward(j)
         for j in range(m - warmup, m):
             backward(j)
-        ranks += [Action("W", j) for j in range(next_w, m)]
-        acts.append(ranks)
+        order += [Action("W", j) for j in range(next_w, m)]
+        acts.append(order)
     return Schedule("zero_bubble", p, m, 1, acts)
 
 
