@@ -42,7 +42,15 @@ def open_notebook(page, lab, path: str, timeout_s: float = 90) -> None:
     page.goto(lab.url(path), timeout=timeout_s * 1000)  # a fresh workspace: this notebook's tab only
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=timeout_s * 1000)
     # the kernel has started and answered: the status bar reads "Python 3 (ipykernel) | Idle"
-    page.get_by_text(re.compile(r"\| Idle$")).first.wait_for(timeout=timeout_s * 1000)
+    try:
+        page.get_by_text(re.compile(r"\| Idle$")).first.wait_for(timeout=timeout_s * 1000)
+    except Exception as e:  # say what the server knows: the kernel's state and its last log lines
+        try:
+            kernels = [(k["id"][:8], k["execution_state"]) for k in lab.api("kernels", timeout_s=5)]
+        except Exception as api_error:
+            kernels = f"(the server did not answer: {api_error})"
+        raise AssertionError(f"{path}: no idle kernel after {timeout_s:g} s; kernels {kernels}; "
+                             f"JupyterLab's log ends:\n{lab.log_tail()}") from e
     count = "document.querySelectorAll('.jp-Notebook .jp-OutputArea-output, .jp-Notebook img').length"
     deadline, last, stable_since = time.monotonic() + 30, -1, time.monotonic()
     while time.monotonic() < deadline:

@@ -162,7 +162,11 @@ class Lab:
                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
                f"--LabApp.user_settings_dir={self.tmp / 'settings'}",
                f"--LabApp.workspaces_dir={self.tmp / 'workspaces'}", "--LabApp.news_url=",
-               "--ServerApp.shutdown_no_activity_timeout=900", "--MappingKernelManager.cull_idle_timeout=0"]
+               "--ServerApp.shutdown_no_activity_timeout=900", "--MappingKernelManager.cull_idle_timeout=0",
+               # kernels on Unix sockets beside their connection files, not five TCP ports picked free
+               # and bound a second later, which a notebook's gloo ranks running beside (CI runs the
+               # portability suite at the same time) can take first: the kernel then dies unstarted
+               *(["--KernelManager.transport=ipc"] if os.name == "posix" else [])]
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         self.log = open(self.tmp / "jupyterlab.log", "w")
