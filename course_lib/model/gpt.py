@@ -10,7 +10,7 @@ Block diagram (pre-norm residual stream, B = batch, T = sequence, d = d_model)::
       +--> pos_emb (T x d) ---+
                                               |
       repeated n_layer times (Block):         v
-          x = x + attn(ln1(x))     attn: qkv -> causal softmax(Q K^T / sqrt(d_head)) V -> proj
+          x = x + attn(ln1(x))     attn: qkv -> attend: causal softmax(Q K^T / sqrt(d_head)) V -> proj
           x = x + mlp(ln2(x))      mlp:  fc (d -> d_ff) -> GELU -> proj (d_ff -> d)
                                               |
                                             ln_f --> head (d -> V) --> logits (B, T, V)
@@ -35,8 +35,11 @@ b = 1 if bias else 0 (LayerNorm has a weight, plus a bias when b = 1):
 `expected_num_params(config)` evaluates this formula and `GPT.num_params()`
 counts the real tensors; the tests check that the two agree.
 
-(A little over 300 lines: the derivation above and the MoE fields' checks are part of what a
-reader should see next to the model.)
+The attention formula itself is a submodule, `block.attn.attend` (layers.CausalAttention,
+q, k, v -> out), and the token positions are an argument, `forward(idx, targets, pos)`: the two
+seams a strategy that splits the sequence needs (it swaps the one and passes its shard's
+positions in the other). The MLP and the attention core live in layers.py, below this file and
+moe.py.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ATTN_IMPLS = ("naive", "fused")
+from course_lib.model.layers import ATTN_IMPLS, MLP, CausalAttention
+from course_lib.model.moe import MoELayer, auxiliary_loss
 
 
 @dataclass(frozen=True)
@@ -134,12 +138,28 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def sequence_positions(idx: torch.Tensor, block_size: int, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """The absolute positions of idx's T tokens: pos if given (checked to be (T,)), else
+    arange(T). Every module that embeds token ids (GPT.forward, a pipeline's first stage)
+    takes its positions from here, so a sequence shard can carry its own."""
+    _, T = idx.shape
+    if T > block_size:
+        raise ValueError(f"sequence length {T} exceeds block_size={block_size}")
+    if pos is None:
+        return torch.arange(T, device=idx.device)
+    if tuple(pos.shape) != (T,):
+        raise ValueError(f"pos of shape {tuple(pos.shape)} must be ({T},): one absolute position per token of idx")
+    return pos
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention.
 
     For each head h:  A_h = softmax(Q_h K_h^T / sqrt(d_head) + M) V_h, where the
     mask M is -inf above the diagonal so position t only sees positions <= t.
-    The heads are concatenated and mixed by `proj`.
+    The heads are concatenated and mixed by `proj`. The formula itself is the
+    submodule `attend` (a CausalAttention: q, k, v -> out), which a strategy that
+    splits the sequence replaces; qkv and proj are the weights around it.
     """
 
     def __init__(self, config: GPTConfig):
@@ -147,11 +167,9 @@ class CausalSelfAttention(nn.Module):
         d = config.d_model
         self.n_head = config.n_head
         self.d_head = config.d_head
-        self.attn_impl = config.attn_impl
-        self.dropout = config.dropout
         self.qkv = nn.Linear(d, 3 * d, bias=config.bias)  # Q, K, V in one matmul
         self.proj = nn.Linear(d, d, bias=config.bias)
-        self.attn_drop = nn.Dropout(config.dropout)
+        self.attend = CausalAttention(config.attn_impl, config.dropout)
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,38 +180,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-1)
         # (B, T, d) -> (B, n_head, T, d_head): every head attends independently.
         q, k, v = (t.view(B, T, -1, self.d_head).transpose(1, 2) for t in (q, k, v))
-
-        if self.attn_impl == "fused":
-            # Fused kernel: never stores the T x T score matrix (on GPU).
-            p = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            # Explicit version: materialises the (B, n_head, T, T) scores.
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-            weights = self.attn_drop(F.softmax(scores, dim=-1))
-            y = weights @ v
-
+        y = self.attend(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # concatenate the heads
         return self.resid_drop(self.proj(y))
-
-
-class MLP(nn.Module):
-    """Position-wise feed-forward: proj(GELU(fc(x))), d -> ff_dim -> d.
-
-    GELU uses the tanh approximation, as in the original GPT-2.
-    """
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.fc = nn.Linear(config.d_model, config.ff_dim, bias=config.bias)
-        self.act = nn.GELU(approximate="tanh")
-        self.proj = nn.Linear(config.ff_dim, config.d_model, bias=config.bias)
-        self.drop = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(self.act(self.fc(x))))
 
 
 class Block(nn.Module):
@@ -205,12 +194,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        if config.n_experts:
-            from course_lib.model.moe import MoELayer  # moe builds on this module's MLP
-
-            self.mlp = MoELayer(config)
-        else:
-            self.mlp = MLP(config)
+        self.mlp = MoELayer(config) if config.n_experts else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -275,13 +259,13 @@ class GPT(nn.Module):
         because `parameters()` yields each Parameter object only once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, pos: torch.Tensor | None = None):
         """idx: (B, T) token ids. Returns (logits (B, T, V), loss or None), where
-        loss = mean over all B*T positions of -log softmax(logits)[target]."""
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        loss = mean over all B*T positions of -log softmax(logits)[target].
+
+        pos: (T,) int64, the absolute position of each token (default 0..T-1); a process
+        holding one shard of a longer sequence passes its shard's positions."""
+        pos = sequence_positions(idx, self.config.block_size, pos)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B,T,d) + (T,d) broadcast
         for block in self.blocks:
             x = block(x)
@@ -290,8 +274,6 @@ class GPT(nn.Module):
         if targets is not None:
             loss = self.loss_fn(logits, targets)
             if self.config.n_experts:  # + the routers' load-balancing and z-losses (model/moe.py)
-                from course_lib.model.moe import auxiliary_loss
-
                 loss = loss + auxiliary_loss(self)
         return logits, loss
 

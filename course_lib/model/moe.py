@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.model.layers import MLP
+
 
 def expert_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
     """C = ceil(capacity_factor * top_k * tokens / n_experts), or None when there is no limit."""
@@ -116,8 +118,6 @@ class Experts(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        from course_lib.model.gpt import MLP  # gpt.py imports this module lazily too
-
         self.mlps = nn.ModuleList([MLP(config) for _ in range(config.n_experts)])
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -104,13 +104,14 @@ def recompute_in_place(blocks: Sequence[nn.Module]) -> None:
         block.recomputed = True
 
 
-def checkpointed_forward(model, idx: torch.Tensor, targets: torch.Tensor | None = None, every_k: int = 1):
-    """model(idx, targets) with the blocks checkpointed in segments of `every_k`: same
+def checkpointed_forward(model, idx: torch.Tensor, targets: torch.Tensor | None = None, every_k: int = 1,
+                         pos: torch.Tensor | None = None):
+    """model(idx, targets, pos) with the blocks checkpointed in segments of `every_k`: same
     (logits, loss), same gradients, fewer saved activations. Embeddings, ln_f, head and the
     loss run as GPT.forward runs them (it is GPT.forward)."""
     check_every_k(every_k, model.config.n_layer)
     with checkpointed_blocks(model, every_k):
-        return model(idx, targets)
+        return model(idx, targets, pos)
 
 
 class CheckpointedGPT(nn.Module):
@@ -123,8 +124,8 @@ class CheckpointedGPT(nn.Module):
         self.model, self.every_k = model, every_k
         self.config = model.config
 
-    def forward(self, idx, targets=None):
-        return checkpointed_forward(self.model, idx, targets, self.every_k)
+    def forward(self, idx, targets=None, pos=None):
+        return checkpointed_forward(self.model, idx, targets, self.every_k, pos)
 
 
 def checkpoint_memory(n_layer: int, every_k: int, per_layer_bytes: float, boundary_bytes: float) -> dict[str, float]:

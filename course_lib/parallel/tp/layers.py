@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.comm.autograd import copy_to_group
+from course_lib.dims import check_sequence_parallel
 from course_lib.parallel.tp.functions import SEQUENCE_DIM, enter_region, gathered_linear, leave_region
 
 
@@ -44,11 +45,6 @@ def padded_size(size: int, tp: int) -> int:
 
 def _group_info(group):
     return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _check_sequence(x: torch.Tensor, tp: int, sequence_parallel: bool, dim: int = SEQUENCE_DIM):
-    if sequence_parallel and x.shape[dim] % tp:
-        raise ValueError(f"sequence length {x.shape[dim]} must be divisible by tp={tp} under sequence parallelism")
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, dim: int):
@@ -92,8 +88,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            _check_sequence(x, self.tp, True)
+        if self.sequence_parallel:  # x is this rank's T/tp tokens: any length gathers back to T
             return gathered_linear(x, self.weight, self.bias, self.group)
         return F.linear(enter_region(x, self.group, False), self.weight, self.bias)
 
@@ -173,7 +168,9 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        _check_sequence(idx, self.tp, self.sequence_parallel)
+        # The model's entry, where every rank still holds the WHOLE sequence: the rule book's
+        # T % tp == 0, checked here (once) before the reduce-scatter below would wait on it.
+        check_sequence_parallel(self.sequence_parallel, self.tp, idx.shape[SEQUENCE_DIM])
         local = idx - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         partial = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -204,8 +201,9 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
 
 
 class SequenceParallelPositions(nn.Embedding):
-    """The position embedding under sequence parallelism: rank r returns the rows of its
-    sequence shard (positions [r*T/tp, (r+1)*T/tp)); the table goes through f, as above."""
+    """The position embedding under sequence parallelism: given the T positions of the whole
+    sequence (pos, default 0..T-1, T % tp == 0 checked at the token embedding), rank r returns
+    the rows of its sequence shard, pos[r*T/tp : (r+1)*T/tp]; the table goes through f, as above."""
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group=None):
@@ -215,6 +213,5 @@ class SequenceParallelPositions(nn.Embedding):
         return new
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        _check_sequence(pos, self.tp, True, dim=0)
         mine = pos.chunk(self.tp)[self.rank]  # integer ids: a local slice, nothing to send
         return F.embedding(mine, copy_to_group(self.weight, self.group))
