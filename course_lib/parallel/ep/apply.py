@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from course_lib.comm.compat import all_gather_single
 from course_lib.model.moe import Experts, moe_layers
+from course_lib.parallel.clip import clip_grad_norm_
 from course_lib.parallel.ep.dispatch import combine, dispatch, exchange_counts, run_local_experts
 
 
@@ -106,19 +107,12 @@ def reduce_gradients(model: nn.Module, group=None) -> None:
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> torch.Tensor:
-    """Scale every gradient by min(1, max_norm / (||g|| + 1e-6)), ||g||^2 = dense part (the same
-    on every rank) + the sum over the group of each rank's expert part. Returns ||g||."""
+    """Scale every gradient by min(1, max_norm / (||g|| + 1e-6)) and return ||g||: the one
+    weighted clip (course_lib.parallel.clip) with each expert weighted 1 (this rank's alone) and
+    each dense gradient 1/ep (after reduce_gradients, the same average on every rank of the group)."""
     dense, experts = _dense_and_expert(model)
-    sq = lambda ps: sum((p.grad.double().square().sum() for p in ps if p.grad is not None),  # noqa: E731
-                        torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device))
-    expert_sq = sq(experts)
-    dist.all_reduce(expert_sq, group=group)
-    norm = (sq(dense) + expert_sq).sqrt().float()
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in dense + experts:
-        if p.grad is not None:
-            p.grad.mul_(scale)
-    return norm
+    ep = dist.get_world_size(group)
+    return clip_grad_norm_([(p.grad, 1 / ep) for p in dense] + [(p.grad, 1) for p in experts], max_norm, group)
 
 
 def full_flat(model: nn.Module, group=None, grads: bool = False) -> torch.Tensor:

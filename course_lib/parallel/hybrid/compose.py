@@ -14,13 +14,14 @@ and ZeRO's engine averages over dp (stage 0: one all-reduce per flat group; stag
 reduce-scatter, then an all-gather of the updated shards).
 
 Global norm. ||g||^2 is a sum over the distinct elements of the single-process model. Every
-element lives on several ranks; rank r counts parameter p with weight
+element lives on several ranks, as identical copies; every rank counts parameter p with weight
+1 / (its number of copies), course_lib.parallel.clip's rule, a product over the dimensions:
 
-    w(p, r) = [p sharded over tp or tp_index = 0] * [p sharded over ep (an expert) or ep_index = 0]
-              * [p is not the last stage's copy of the tied matrix] * [zero=1 (dp shards) or dp_index = 0]
+    w(p) = 1/[tp if p is replicated over tp, 1 if tp-sharded] * 1/[ep if dense, 1 if an expert]
+           * 1/[2 for the tied matrix on the first and last stage, else 1] * 1/[dp at zero=0, 1 at zero=1]
 
-and one all-reduce (sum) over the whole world of sum_p w(p, r) * ||g_p||^2 gives ||g||^2, each
-shard counted exactly once. Every rank then scales by min(1, max_norm / (||g|| + 1e-6)).
+and one all-reduce (sum) over the whole world of sum_p w(p) * ||g_p||^2 gives ||g||^2, each
+element counted exactly once. Every rank then scales by min(1, max_norm / (||g|| + 1e-6)).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.model import GPT
+from course_lib.parallel.clip import clip_grad_norm_
 from course_lib.parallel.ep import apply_expert_parallel, expert_parameters, reduce_gradients
 from course_lib.parallel.mesh import make_mesh
 from course_lib.parallel.pp import build_stage
@@ -55,7 +57,7 @@ class HybridParts:
 def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
     """Rank code: the composition in the module docstring, on this rank. `dims` must have been
     checked in the parent (ParallelDims.check)."""
-    mesh = make_mesh(dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep)
+    mesh = make_mesh(dims)
     groups = {d: mesh[d].get_group() for d in ("pp", "dp", "ep", "tp")}
     coords = {d: dist.get_rank(groups[d]) for d in groups}
     model = GPT(model_config, seed=seed)
@@ -99,36 +101,29 @@ def sync_gradients(parts: HybridParts) -> None:
 
 
 def count_weights(parts: HybridParts) -> dict[int, float]:
-    """{id(p): w(p, r)} of the module docstring for this rank's parameters."""
-    module, c, dims = trained_module(parts), parts.coords, parts.dims
+    """{id(p): w(p)} of the module docstring for this rank's parameters: 1 / the number of ranks
+    of the world holding an identical copy of p's gradient (a product over the dimensions)."""
+    module, dims = trained_module(parts), parts.dims
     tp_sharded = {id(p) for p in sharded_parameters(parts.model)} if dims.tp > 1 else set()
     experts = {id(p) for p in expert_parameters(module)} if dims.ep > 1 else set()
     names = parts.stage.param_names if parts.stage is not None else [None] * len(list(module.parameters()))
     out = {}
     for name, p in zip(names, module.parameters()):
-        w = (id(p) in tp_sharded or c["tp"] == 0) and (id(p) in experts or c["ep"] == 0)
-        w = w and (parts.stage is None or parts.stage.owns_unique(name))
-        w = w and (dims.zero == 1 or c["dp"] == 0)
-        out[id(p)] = float(w)
+        copies = (1 if id(p) in tp_sharded else dims.tp) * (1 if id(p) in experts else dims.ep)
+        copies *= parts.stage.copies(name) if parts.stage is not None else 1
+        copies *= 1 if dims.zero == 1 else dims.dp
+        out[id(p)] = 1 / copies
     return out
 
 
 @torch.no_grad()
 def clip_grad_norm_hybrid(parts: HybridParts, max_norm: float) -> torch.Tensor:
-    """Clip by the global norm of the single-process gradient (module docstring); returns it."""
+    """Clip by the global norm of the single-process gradient (module docstring); returns it.
+    The one weighted clip over the whole world, on the dp-mean gradient shards: each piece of a
+    flat shard (one parameter's elements) weighted by count_weights."""
     weights = count_weights(parts)
-    dev = next(trained_module(parts).parameters()).device
-    sq = torch.zeros((), dtype=torch.float64, device=dev)
     opt = parts.optimizer
     opt.reduce_gradients()  # the dp mean: stage 1 this rank's shard of it, stage 0 all of it
-    grads = []
-    for s in opt.shards:
-        mask = s.unit.shard(s.unit.flatten([torch.full_like(p, weights[id(p)]) for p in s.params]))
-        sq += (s.grad_shard.double().square() * mask.double()).sum()
-        grads.append(s.grad_shard)  # stage 0: the parameters' .grad are views of it
-    dist.all_reduce(sq)  # the whole world: each shard was weighted to count once
-    norm = sq.sqrt().float()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
-    return norm
+    # stage 0: the parameters' .grad are views of grad_shard, so scaling its pieces scales them
+    pairs = [(piece, weights[id(s.params[i])]) for s in opt.shards for i, piece in s.unit.shard_pieces(s.grad_shard)]
+    return clip_grad_norm_(pairs, max_norm, group=None, device=next(trained_module(parts).parameters()).device)

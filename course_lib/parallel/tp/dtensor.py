@@ -17,10 +17,13 @@ Two things the plan cannot say by itself:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.parallel.clip import clip_grad_norm_ as weighted_clip_grad_norm_
 from course_lib.parallel.tp.apply import check_tensor_parallel, qkv_rows
 
 
@@ -80,14 +83,22 @@ def apply_dtensor_tensor_parallel(model: nn.Module, group_or_mesh=None, sequence
 
 @torch.no_grad()
 def clip_grad_norm_dtensor(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Global-norm clip over a model mixing DTensor and plain parameters (full_tensor() gives a
-    sharded gradient's whole value; a replicated one is the same on every rank)."""
-    from torch.distributed.tensor import DTensor
+    """Global-norm clip over a model mixing DTensor and plain parameters: the one weighted clip
+    (course_lib.parallel.clip) over the mesh's ranks, on each gradient's local piece. A Shard
+    piece is this rank's alone (weight 1); a Replicate piece and a plain gradient are the same on
+    every rank (1/tp); a Partial gradient (partial sums) is first reduced to Replicate."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = sum((g.full_tensor() if isinstance(g, DTensor) else g).float().pow(2).sum() for g in grads)
-    total = sq.sqrt()
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    for g in grads:
-        g.mul_(coef)
-    return total
+    mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+    pairs = []
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                replicated = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+                g = p.grad = g.redistribute(g.device_mesh, replicated)
+            copies = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+            pairs.append((g.to_local(), 1 / copies))
+        else:
+            pairs.append((g, 1 / mesh.size()))
+    return weighted_clip_grad_norm_(pairs, max_norm, mesh.get_group())

@@ -76,6 +76,16 @@ class FlatUnit:
         """This rank's slice [start, stop) of a padded flat vector (a view)."""
         return flat[self.start:self.stop]
 
+    def shard_pieces(self, shard: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(i, view of `shard` holding params[i]'s elements) for every parameter that this rank's
+        shard (S elements, [start, stop) of the flat vector) overlaps; the padding is in none."""
+        out = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(off, self.start), min(off + n, self.stop)
+            if lo < hi:
+                out.append((i, shard[lo - self.start:hi - self.start]))
+        return out
+
     def unflatten_into(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Copies of the real (unpadded) elements of `flat`, shaped like each parameter."""
         return [v.clone() for v in self.views(flat)]

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
+from course_lib.parallel.clip import THIS_RANK, clip_grad_norm_
 from course_lib.parallel.zero.flat import FlatUnit
 from course_lib.parallel.zero.offload import OffloadCounter
 
@@ -194,22 +195,18 @@ class ShardedOptimizer:
         return s.grad_shard.to(device=s.master.device, dtype=torch.float32)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale every shard's gradient by min(1, max_norm / (||g|| + 1e-6)), ||g|| over all
-        shards of all ranks (the padding is zero, so it adds nothing). Returns ||g||."""
+        """Scale every shard's gradient by min(1, max_norm / (||g|| + 1e-6)) and return ||g||: the
+        one weighted clip (course_lib.parallel.clip), each rank's shard weighted 1 (the padding is
+        zero, so it adds nothing); stage 0's full mean gradient, the same on every rank, needs no
+        all-reduce (THIS_RANK)."""
         self.reduce_gradients()
         for s in self.shards:
             if s.master.grad is None:
                 s.master.grad = self._master_grad(s)
-        grads = [s.master.grad for s in self.shards if s.master.grad is not None]
-        sq = sum((g.double().pow(2).sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64))
-        if self.shard_world > 1:
-            sq = sq.to(self._comm_device())
-            dist.all_reduce(sq, group=self.group)
-        norm = sq.sqrt().float()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device))
-        return norm
+        pairs = [(s.master.grad, 1) for s in self.shards]
+        if self.shard_world == 1:
+            return clip_grad_norm_(pairs, max_norm, THIS_RANK)
+        return clip_grad_norm_(pairs, max_norm, self.group, device=self._comm_device())
 
     def _comm_device(self):
         s = self.shards[0]
