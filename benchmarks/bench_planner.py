@@ -1,6 +1,6 @@
 """The step-time model against measured runs: fifteen layouts of one model on 8 gloo ranks.
 
-Calibrates the model here (course_lib.estimate.calibrate.probe on every rank at once: the
+Calibrates the model here (course_lib.measure.calibrate.probe on every rank at once: the
 model's forward+backward at a few micro-batch sizes -> fixed cost per layer and FLOP/s; the
 optimizer per tensor and flat -> cost per tensor and bandwidth; a table of collective times
 per op, group size and bytes), then times each layout with the course's own strategy (DDP, ZeRO 1-3, tensor
@@ -32,9 +32,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
-from course_lib.estimate.calibrate import cluster_to_dict  # noqa: E402
+from course_lib.measure.calibrate import cluster_to_dict  # noqa: E402
 from course_lib.estimate.step_time import Layout  # noqa: E402
-from course_lib.estimate.validation import DEFAULT_PATH, compare  # noqa: E402
+from course_lib.measure.validation import DEFAULT_PATH, compare  # noqa: E402
 from course_lib.model import GPTConfig  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
 
@@ -77,8 +77,8 @@ def model_config() -> GPTConfig:
 def _time_layouts(config, train_cfg, how_list, rounds, probe_sizes=None):
     """Rank code: `rounds` times, calibrate (probe) then run every layout in turn on the world.
     Returns (probes per round, per round and layout the step seconds)."""
-    from course_lib.estimate.calibrate import probe
-    from course_lib.estimate.validation import train_as
+    from course_lib.measure.calibrate import probe
+    from course_lib.measure.validation import train_as
 
     probes, times = [], []
     for _ in range(rounds):
@@ -93,7 +93,7 @@ def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600, lay
     collective table at probe_sizes, default calibrate.TABLE_SIZES) and layouts alternate over
     `rounds`, and each quantity keeps its least disturbed value: the calibration's highest
     rates and lowest times (best_of_rounds), each layout's fastest step after the first."""
-    from course_lib.estimate.calibrate import best_of_rounds, cluster_from_probes
+    from course_lib.measure.calibrate import best_of_rounds, cluster_from_probes
     from course_lib.runtime import run_on_ranks
 
     train_cfg = TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0)

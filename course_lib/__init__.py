@@ -11,6 +11,8 @@ How data flows, and where each part lives:
     observe/      records what happened: collective checks, CommTracer, timelines, memory
     comm/         collectives from send/recv, their alpha-beta cost, differentiable collectives
     estimate/     pure formulas: memory, FLOPs, time (no processes)
+    measure/      runs on real ranks that check estimate/'s formulas: calibration, measured memory,
+                  predicted against measured step times, profiles
     grading/      the graded exercises' loader, checks and per-exercise checkers;  demos/: the torchrun demos
     units.py      one byte-unit convention (KiB/MiB/GiB);  _validate.py: argument checks
 

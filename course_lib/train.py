@@ -32,7 +32,9 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from course_lib.data import CharDataset, get_batch
+from course_lib.estimate.compute import flops_per_token  # estimate: pure formulas
 from course_lib.model import GPT, GPTConfig
+from course_lib.techniques.accumulation import accumulate_gradients, model_loss  # the micro-batch loop
 
 
 @dataclass
@@ -74,8 +76,6 @@ class TrainResult:
         """Record the work of one optimizer step: tokens_per_step = global_batch * seq and
         flops_per_step = course_lib.estimate.flops_per_token(model_config, seq) * tokens, the
         model FLOPs (3 x forward matmuls, full s x s attention; recomputation excluded)."""
-        from course_lib.estimate.compute import flops_per_token  # estimate: pure formulas
-
         self.tokens_per_step = int(global_batch) * int(seq)
         self.flops_per_step = flops_per_token(model_config, seq) * self.tokens_per_step
         return self
@@ -122,11 +122,6 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False, fused=False)
 
 
-def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The default micro-batch loss: the model's own (logits, loss) convention."""
-    return model(x, y)[1]
-
-
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -151,8 +146,6 @@ def train_step(
     run their own). clip_grad_norm(max_norm) defaults to torch's over model.parameters().
     With a Timeline, the phases are recorded as spans.
     """
-    from course_lib.techniques.accumulation import accumulate_gradients  # techniques build on train
-
     span = timeline.span if timeline is not None else (lambda *a: contextlib.nullcontext())
     model.train()
     optimizer.zero_grad(set_to_none=True)

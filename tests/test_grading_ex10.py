@@ -97,7 +97,7 @@ def test_a_total_that_is_not_the_sum_fails(solution):
     "import course_lib.estimate.step_time as st\n",
     "from course_lib.estimate.planner import plan\n",
     "from course_lib.estimate import plan\n",
-    "from course_lib.estimate.validation import compare\n",
+    "from course_lib.measure.validation import compare\n",
     "import course_lib\nx = course_lib.estimate.step_time.step_time\n",
 ])
 def test_a_module_reaching_for_the_step_time_model_is_refused(source, tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """The per-rank memory model (course_lib.estimate.per_gpu_memory, memory_per_rank) against the
-bytes the course's own layouts hold after one fp32 AdamW step (course_lib.estimate.measured_memory):
+bytes the course's own layouts hold after one fp32 AdamW step (course_lib.measure.memory):
 parameters, gradients and optimizer state equal on every rank; activations within a stated margin."""
 
 import sys
@@ -10,10 +10,9 @@ import pytest
 
 from course_lib.data import CharDataset
 from course_lib.estimate import param_count
-from course_lib.estimate.measured_memory import (check_runnable, estimated_per_rank, format_memory_table,
-                                                 memory_table)
 from course_lib.estimate.per_gpu import per_gpu_memory, rank_param_counts
 from course_lib.estimate.step_time import Layout, memory_per_rank
+from course_lib.measure.memory import check_runnable, estimated_per_rank, format_memory_table, memory_table
 from course_lib.model import GPTConfig
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

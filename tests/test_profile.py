@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from course_lib.observe.profile import classify, mfu, profile_on_ranks, step_mfu, trace_timeline
+from course_lib.measure.profile import profile_on_ranks
+from course_lib.observe.profile import classify, mfu, step_mfu, trace_timeline
 from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig, TrainResult
 

@@ -41,7 +41,7 @@ def test_collective_time_on_a_link_model_is_the_alpha_beta_formula():
 # ----------------------------------------------------------------------------- calls = the tracer's
 def _traced_calls(kind, kw, config, steps):
     """Rank code: collective calls this rank made while training `steps` steps."""
-    from course_lib.estimate.validation import train_as
+    from course_lib.measure.validation import train_as
     from course_lib.observe.tracer import CommTracer
     from course_lib.train import TrainConfig
 
@@ -78,7 +78,7 @@ def test_calls_per_step_equal_the_tracer(layout, how, extra, tiny_config):
 
 
 def test_train_as_names_an_unknown_strategy(tiny_config):
-    from course_lib.estimate.validation import train_as
+    from course_lib.measure.validation import train_as
 
     with pytest.raises(ValueError, match="kind='fsdp'"):
         train_as(("fsdp", {}), tiny_config, None)

@@ -74,7 +74,7 @@ def test_live_figure_redraws_on_change():
 @pytest.mark.parametrize("view, make", [
     (lambda: ringviz.ring_view(4), lambda: ringviz.ring_widget(4)),
     (lambda: checkpoint_viz.checkpoint_view(), lambda: checkpoint_viz.checkpoint_widget()),
-    (lambda: C.calculator_view(), lambda: C.MemoryCalculator()),
+    (lambda: CW.calculator_view(), lambda: CW.MemoryCalculator()),
 ])
 def test_course_widgets_start_at_their_static_figure(view, make):
     assert make().first_view == view()
@@ -119,7 +119,7 @@ def test_tokens_are_typed_and_exact():
 
 
 def test_calculator_first_state_is_the_prose_number():
-    w = C.MemoryCalculator()
+    w = CW.MemoryCalculator()
     assert w.controls["tokens"].value == "300B"
     assert "300B tokens -> 29.2 days on 1024 GPUs" in w.first_view.caption  # the static text of notebook 01
     w.controls["preset"].value = "Llama-3 405B"
@@ -127,7 +127,7 @@ def test_calculator_first_state_is_the_prose_number():
 
 
 def test_calculator_offers_only_valid_layouts():
-    w = C.MemoryCalculator()
+    w = CW.MemoryCalculator()
     assert list(w.controls["tp"].options) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]  # divisors of 96 heads
     assert list(w.controls["pp"].options) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]  # of 96 layers
     w.controls["preset"].value = "Llama-3 8B"  # 32 heads, 8 KV heads: tp divides both
@@ -142,7 +142,7 @@ def test_calculator_offers_only_valid_layouts():
 
 
 def test_calculator_gpus_say_gb_and_gib():
-    labels = [label for label, _ in C.MemoryCalculator().controls["gpu"].options]
+    labels = [label for label, _ in CW.MemoryCalculator().controls["gpu"].options]
     for expected in ("H100 SXM: 80 GB = 74.5 GiB", "H200 SXM: 141 GB = 131.3 GiB", "B200: 180 GB = 167.6 GiB",
                      "MI300X: 192 GB = 178.8 GiB", "B300: 288 GB = 268.2 GiB", "MI355X: 288 GB = 268.2 GiB"):
         assert expected in labels

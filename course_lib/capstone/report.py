@@ -20,14 +20,21 @@ import statistics
 import time
 from dataclasses import replace
 
+from course_lib.capstone.config import layout_text
+from course_lib.data import CharDataset
+from course_lib.estimate.calculator import GPUS
+from course_lib.estimate.params import MoEConfig
+from course_lib.estimate.step_time import Layout, memory_per_rank, step_time
+from course_lib.measure.memory import estimated_per_rank
+from course_lib.model import GPT
+from course_lib.parallel import topology
+from course_lib.units import fmt_bytes
+
 RECIPE = {"fp32": "fp32", "bf16": "bf16_autocast"}  # precision -> course_lib.estimate recipe
 
 
 def estimate_inputs(config, dims):
     """(model config for course_lib.estimate, its Layout, recipe) of one capstone layout."""
-    from course_lib.estimate.params import MoEConfig
-    from course_lib.estimate.step_time import Layout
-
     model = config.model
     if model.n_experts:
         model = MoEConfig(replace(model, n_experts=0), n_experts=model.n_experts, top_k=model.top_k)
@@ -43,7 +50,6 @@ def gpu_peak_flops(precision: str) -> float | None:
 
     if not torch.cuda.is_available():
         return None
-    from course_lib.estimate.calculator import GPUS
 
     name = torch.cuda.get_device_name()
     for gpu in GPUS.values():
@@ -56,8 +62,6 @@ def compare(run, cluster) -> dict:
     """Predicted and measured figures of the first segment's layout (the 8-rank one):
     step seconds (measured: the median over its steps after the first), tokens/s, model FLOP/s,
     and per rank: model state and activations (estimated vs measured) and the peak RSS."""
-    from course_lib.estimate.step_time import memory_per_rank, step_time
-
     c, dims = run.config, run.config.layout
     model, layout, recipe = estimate_inputs(c, dims)
     predicted = step_time(model, layout, cluster.with_gpus(dims.world_size), c.model.block_size, recipe)
@@ -65,7 +69,6 @@ def compare(run, cluster) -> dict:
     seconds = run.first.step_seconds[1:] or run.first.step_seconds
     measured = statistics.median(seconds)
     tokens = c.train.batch_size * c.model.block_size
-    from course_lib.estimate.measured_memory import estimated_per_rank
 
     estimated = estimated_per_rank(model, layout, c.model.block_size)  # fp32 state = bf16 autocast's
     per_rank = [{"state": r.memory["total"], "activations": r.memory["activations"], "rss": r.memory["peak_rss"],
@@ -92,8 +95,6 @@ def traffic_formula(config, dims) -> dict:
                     the attention's all-reduce again (the MLP's output is saved by nothing in
                     the block, so checkpoint stops before it): + R * tp * m * L * M_fwd
     """
-    from course_lib.parallel import topology
-
     if config.model.n_experts:
         raise ValueError("traffic_formula covers dense layouts (n_experts=0)")
     out = {d: row["bytes_sent"] for d, row in topology.traffic_per_step(config.model, dims,
@@ -108,9 +109,6 @@ def traffic_formula(config, dims) -> dict:
 
 
 def report_text(run, cluster) -> str:
-    from course_lib.capstone.config import layout_text
-    from course_lib.units import fmt_bytes
-
     c, k = run.config, compare(run, cluster)
     mp, mm = k["memory_predicted"], k["memory_measured"]
     traffic = run.traffic[0]
@@ -155,8 +153,6 @@ class LiveLossPlot:
         self.handle = display(self._image(), display_id=True)
 
     def draw(self, fig, points=None) -> str:
-        from course_lib.capstone.config import layout_text
-
         c, points = self.config, points or self.points
         ax = fig.add_subplot(1, 1, 1)
         styles = {"single": ("k-", "single process", dict(lw=3, alpha=0.3)),
@@ -195,9 +191,6 @@ def generate_text(config, params: dict, prompt: str, n: int, temperature: float 
     """Load the gathered parameters into one GPT and continue `prompt` by n characters, decoded
     with the dataset's alphabet (temperature 0: greedy)."""
     import torch
-
-    from course_lib.data import CharDataset
-    from course_lib.model import GPT
 
     model = GPT(config.model, seed=config.train.seed)
     with torch.no_grad():

@@ -2,6 +2,7 @@
 async saves, the full training state, and elastic recovery.
 
     reshard.py     boxes of global tensors; a flat ZeRO range as boxes; copying overlaps
+    slots.py       the records of what a rank holds: Slot, Piece, Layout
     layouts.py     what each rank holds (replicated, ZeRO flat shards, tensor parallel) as boxes
     hybrid.py      the same for composed dp x tp x pp layouts (course_lib.parallel.hybrid)
     format.py      the course's own format: one file per rank + metadata.json (global shapes, offsets)
@@ -19,9 +20,10 @@ async saves, the full training state, and elastic recovery.
 from course_lib.checkpoint.async_save import AsyncCheckpointer
 from course_lib.checkpoint.atomic import checkpoint_path, complete_checkpoints, latest_checkpoint, prune
 from course_lib.checkpoint.format import CheckpointError, save_sharded
-from course_lib.checkpoint.layouts import LAYOUTS, Layout, Piece, Slot, describe_layout
+from course_lib.checkpoint.layouts import LAYOUTS, describe_layout
 from course_lib.checkpoint.reader import CheckpointReader
 from course_lib.checkpoint.reshard import Box, flat_range_boxes, index_runs, whole
+from course_lib.checkpoint.slots import Layout, Piece, Slot
 from course_lib.checkpoint.state import LoadInfo, capture_rng, load_training_state, restore_rng, save_training_state
 
 __all__ = [

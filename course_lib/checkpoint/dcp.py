@@ -37,8 +37,12 @@ import torch
 import torch.distributed as dist
 
 from course_lib.checkpoint.format import _all_gather_object, _world
-from course_lib.checkpoint.layouts import Piece
 from course_lib.checkpoint.reshard import whole
+from course_lib.checkpoint.slots import Piece
+from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.model import GPT
+from course_lib.parallel.zero.native import fsdp2_model
+from course_lib.train import train_step
 
 
 @contextlib.contextmanager
@@ -142,11 +146,6 @@ def _flat_values(tree, prefix: str = "") -> dict:
 def _fsdp2_run(model_config, train_cfg, seed: int, group=None):
     """The course GPT under FSDP2 (fully_shard per block and root) with AdamW, after
     train_cfg.steps data-parallel steps (0: a fresh model whose optimizer state is empty)."""
-    from course_lib.data import CharDataset, collate, sample_indices
-    from course_lib.model import GPT
-    from course_lib.parallel.zero.native import fsdp2_model
-    from course_lib.train import train_step
-
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     if train_cfg.steps and train_cfg.batch_size % n:
         raise ValueError(f"batch_size={train_cfg.batch_size} must be divisible by world_size={n}")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from course_lib.data import CharDataset, collate, sample_indices
 from course_lib.model import GPT
+from course_lib.parallel.zero.apply import apply_zero
 from course_lib.train import TrainResult, train_step
 
 STATE = ("exp_avg", "exp_avg_sq")
@@ -67,8 +68,6 @@ def train_zero3_flat(model_config, train_cfg, save_dir=None, resume: list[dict] 
     """Rank code: ZeRO-3 (apply_zero) training of train_cfg.steps steps in all; with `resume`
     (one payload per rank of this world, e.g. resharded shards) start after their step. With
     save_dir, write this rank's flat shards at the end. train_losses: global, every step."""
-    from course_lib.parallel.zero.apply import apply_zero
-
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     if train_cfg.batch_size % n:
         raise ValueError(f"batch_size={train_cfg.batch_size} must be divisible by world_size={n}")

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.checkpoint.atomic import METADATA, commit, prepare_staging, staging_path, write_file_durably
-from course_lib.checkpoint.layouts import Piece
 from course_lib.checkpoint.reshard import Box
+from course_lib.checkpoint.slots import Piece
 
 FORMAT = "course_lib.checkpoint/1"
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.checkpoint.layouts import Layout, Slot
 from course_lib.checkpoint.reshard import Box, flat_range_boxes, index_runs, whole
+from course_lib.checkpoint.slots import Layout, Slot
+from course_lib.parallel.hybrid import trained_module
 
 
 @dataclass
@@ -39,8 +40,6 @@ class BaseSlot:
 
 def base_slots(parts) -> list[BaseSlot]:
     """Every (pipeline-stage) parameter of this rank: TP boxes from the layers' index tables, else whole."""
-    from course_lib.parallel.hybrid import trained_module
-
     module = trained_module(parts)
     params = list(module.parameters())
     names = parts.stage.param_names if parts.stage is not None else [n for n, _ in parts.model.named_parameters()]

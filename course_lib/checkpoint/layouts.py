@@ -28,40 +28,14 @@ one process. Layouts described here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
+from course_lib.checkpoint.hybrid import hybrid_layout
 from course_lib.checkpoint.reshard import Box, flat_range_boxes, index_runs, whole
+from course_lib.checkpoint.slots import Layout, Piece, Slot
 
 LAYOUTS = ("replicated", "zero", "tp", "hybrid")
-
-
-@dataclass
-class Slot:
-    name: str  # the single-process parameter name
-    shape: tuple  # its global shape
-    box: Box
-    local: torch.Tensor  # the rank's tensor that holds the box (a parameter, a flat master shard)
-    select: Callable[[torch.Tensor], torch.Tensor]  # local-shaped tensor -> the box's view
-
-
-@dataclass
-class Piece:
-    key: str
-    shape: tuple  # global shape
-    box: Box
-    tensor: torch.Tensor  # this rank's view of the box (written into on load)
-
-
-@dataclass
-class Layout:
-    kind: str
-    save_slots: list[Slot]
-    load_slots: list[Slot]
-    state_of: Callable[[torch.Tensor], dict]  # local tensor -> the optimizer's state dict for it
 
 
 def _full(t):
@@ -131,8 +105,6 @@ def describe_layout(model: nn.Module, optimizer=None, kind: str = "replicated") 
     if kind not in LAYOUTS:
         raise ValueError(f"kind={kind!r} must be one of {LAYOUTS}")
     if kind == "hybrid":  # `model` is course_lib.parallel.hybrid's HybridParts
-        from course_lib.checkpoint.hybrid import hybrid_layout
-
         return hybrid_layout(model, optimizer)
     plain_state = (lambda p: optimizer.state[p]) if optimizer is not None else (lambda p: {})
     if kind == "replicated":

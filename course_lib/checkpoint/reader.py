@@ -31,8 +31,8 @@ import torch
 
 from course_lib.checkpoint.atomic import METADATA, staging_path
 from course_lib.checkpoint.format import FORMAT, CheckpointError, _dtype_name
-from course_lib.checkpoint.layouts import Piece
 from course_lib.checkpoint.reshard import Box, copy_overlaps
+from course_lib.checkpoint.slots import Piece
 
 
 class CheckpointReader:

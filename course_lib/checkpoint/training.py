@@ -38,6 +38,9 @@ from course_lib.checkpoint.atomic import checkpoint_path, latest_checkpoint, pru
 from course_lib.checkpoint.state import load_training_state, save_training_state
 from course_lib.data import CharDataset, collate, sample_indices
 from course_lib.model import GPT
+from course_lib.parallel.dp import naive_all_reduce_gradients
+from course_lib.parallel.zero.apply import apply_zero
+from course_lib.parallel.zero.sharded_optimizer import ShardedOptimizer
 from course_lib.runtime.device import rank_device
 from course_lib.train import TrainResult, flat_params, make_optimizer, train_step
 
@@ -78,18 +81,12 @@ def read_events(checkpoint_dir) -> list[dict]:
 def _build(model, train_cfg, layout, zero_stage, group):
     """(optimizer, sync_gradients, clip_grad_norm, layout kind for the checkpoint)."""
     if layout == "replicated":
-        from course_lib.parallel.dp import naive_all_reduce_gradients
-
         return (make_optimizer(model, train_cfg), lambda: naive_all_reduce_gradients(model, group),
                 lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
     if zero_stage == 3:
-        from course_lib.parallel.zero.apply import apply_zero
-
         _, opt = apply_zero(model, 3, torch.optim.AdamW, group, lr=train_cfg.lr, betas=train_cfg.betas,
                             weight_decay=train_cfg.weight_decay, foreach=False)
     else:
-        from course_lib.parallel.zero.sharded_optimizer import ShardedOptimizer
-
         groups = make_optimizer(model, train_cfg).param_groups  # the reference's decay / no-decay groups
         opt = ShardedOptimizer([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
                                torch.optim.AdamW, group, lr=train_cfg.lr, betas=train_cfg.betas, foreach=False)

@@ -30,6 +30,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 from course_lib.comm.costmodel import LinkModel, predict_time
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -110,8 +111,6 @@ def link_from_dict(d: dict):
 # ----------------------------------------------------------------------------- measuring (rank code)
 def _call(op, group, peer, shard, recv, full):
     import torch.distributed as dist
-
-    from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 
     if op == "all_reduce":
         dist.all_reduce(full, group=group)

@@ -14,7 +14,7 @@ of ranks summed into it), and the notebook asserts the two are equal.
 
 from __future__ import annotations
 
-from course_lib.comm import ring_send_chunk
+from course_lib.comm import chunk_bounds, ring_all_reduce, ring_send_chunk
 
 
 def simulate_ring(world_size: int) -> list[list[list[int]]]:
@@ -50,8 +50,6 @@ def observe_ring_all_reduce(chunk_elems: int = 2):
     a sum is exactly the bitmask of the ranks summed in (compare with simulate_ring)."""
     import torch
     import torch.distributed as dist
-
-    from course_lib.comm import chunk_bounds, ring_all_reduce
 
     rank, n = dist.get_rank(), dist.get_world_size()
     numel = chunk_elems * n + 1  # +1: a size N does not divide, so the chunks are uneven

@@ -24,6 +24,10 @@ import os
 import signal
 import sys
 
+from course_lib.capstone import layout_text, load_config, train_segment
+from course_lib.parallel.hybrid import train_single
+from course_lib.runtime.launch import init_from_env, leave_process_group
+
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,8 +47,6 @@ def main(argv=None) -> int:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     section = "resume" if args.resume else "layout"
     try:
-        from course_lib.capstone import load_config
-
         config = load_config(args.config)
         dims = config.resume if args.resume else config.layout
         if dims.world_size != world:
@@ -56,9 +58,6 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"capstone: bad config: {err}", file=sys.stderr, flush=True)
         return 2
-
-    from course_lib.capstone import layout_text, train_segment
-    from course_lib.runtime.launch import init_from_env, leave_process_group
 
     first, last = (config.checkpoint_step + 1, config.train.steps) if args.resume else (1, config.checkpoint_step)
     backend = init_from_env()
@@ -81,7 +80,6 @@ def main(argv=None) -> int:
         for step, loss in enumerate(result.train_losses, start=1):
             print(f"step {step}  loss {loss:.6f}")
         return 0
-    from course_lib.parallel.hybrid import train_single
 
     reference = train_single(config.model, config.train, config.precision,
                              config.activation_checkpointing).train_losses

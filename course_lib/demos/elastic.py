@@ -27,10 +27,14 @@ import sys
 
 import torch.distributed as dist
 
-from course_lib.checkpoint.training import FORGETTABLE, TRAINING_LAYOUTS, read_events, train_with_checkpoints
+from course_lib.checkpoint.training import (FORGETTABLE, TRAINING_LAYOUTS, check_checkpoint_run, read_events,
+                                            train_with_checkpoints)
+from course_lib.data import CharDataset
+from course_lib.model import GPTConfig
 from course_lib.runtime.launch import init_from_env, leave_process_group
 
 from course_lib.tolerances import adamw_loss_atol
+from course_lib.train import TrainConfig
 
 
 def compare_losses(resumed, uninterrupted, exact: bool, lr: float) -> tuple[bool, float]:
@@ -67,10 +71,6 @@ def parse_args(argv=None):
 
 
 def configs(args):
-    from course_lib.data import CharDataset
-    from course_lib.model import GPTConfig
-    from course_lib.train import TrainConfig
-
     vocab = CharDataset("train", args.block_size).vocab_size
     model = GPTConfig.tiny(vocab, block_size=args.block_size, n_layer=2, n_head=2, d_model=32)
     return model, TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, progress=False)
@@ -84,8 +84,6 @@ def main(argv=None) -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     model_cfg, train_cfg = configs(args)
     try:
-        from course_lib.checkpoint.training import check_checkpoint_run
-
         check_checkpoint_run(train_cfg, n, args.checkpoint_every, args.layout, args.zero_stage, args.kill_rank,
                              args.kill_at_step)
         if rank == 0:

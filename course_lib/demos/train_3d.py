@@ -16,6 +16,13 @@ import argparse
 import os
 import sys
 
+from course_lib.data import CharDataset
+from course_lib.model import GPTConfig
+from course_lib.parallel.hybrid import ParallelDims, train_hybrid, train_single
+from course_lib.runtime.launch import init_from_env, leave_process_group
+from course_lib.tolerances import adamw_loss_atol
+from course_lib.train import TrainConfig
+
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,11 +52,6 @@ def parse(argv=None):
 
 def build(args, world_size: int):
     """(ParallelDims, GPTConfig, TrainConfig), every rule checked: ValueError otherwise."""
-    from course_lib.data import CharDataset
-    from course_lib.model import GPTConfig
-    from course_lib.parallel.hybrid import ParallelDims
-    from course_lib.train import TrainConfig
-
     data_vocab = CharDataset("train", args.seq_len).vocab_size
     vocab = data_vocab if args.vocab_size is None else args.vocab_size
     if vocab < data_vocab:
@@ -81,9 +83,6 @@ def main(argv=None) -> int:
             print(f"train_3d: bad layout: {err}", file=sys.stderr, flush=True)
         return 2
 
-    from course_lib.parallel.hybrid import train_hybrid, train_single
-    from course_lib.runtime.launch import init_from_env, leave_process_group
-
     backend = init_from_env()
     try:
         result = train_hybrid(dims, config, train)
@@ -98,7 +97,6 @@ def main(argv=None) -> int:
         for step, loss in enumerate(result.train_losses):
             print(f"step {step}  loss {loss:.6f}")
         return 0
-    from course_lib.tolerances import adamw_loss_atol
 
     tolerance = adamw_loss_atol(args.lr) if args.tolerance is None else args.tolerance
     reference = train_single(config, train)

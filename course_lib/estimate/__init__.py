@@ -1,5 +1,6 @@
-"""Formulas for memory, FLOPs and time (notebook 01 onwards); calibrate.py and measured_memory.py
-start ranks to check them, importing the strategies inside their functions.
+"""Formulas for memory, FLOPs and time (notebook 01 onwards): pure Python, no process started.
+What runs ranks to check them (calibration, measured memory, validation) is course_lib.measure,
+which sits above this package.
 
     params.py       model shapes (GPT, Llama-like, MoE), presets, exact parameter counts
     memory.py       model state by precision recipe and ZeRO stage; activations
@@ -10,9 +11,7 @@ start ranks to check them, importing the strategies inside their functions.
     step_time.py    the step-time model of a layout on a cluster (notebook 10), memory per rank
     planner.py      the search over layouts, ranked by predicted step time, with its explanation
     clusters.py     GPU clusters and published runs
-    calibrate.py    the model's inputs measured here: fixed costs, FLOP/s, a table of collectives
-    validation.py   predicted against measured step times;  planner_figures.py: figures and widget
-    measured_memory.py   memory per rank estimated against measured on the course's layouts
+    planner_figures.py   the planner's figures and widget
 
 Every function stays importable as `course_lib.estimate.<name>`. Bytes are printed in IEC
 units (`fmt_bytes` is `course_lib.units.fmt_bytes`: GiB = 2**30 bytes); `GB` (10**9 bytes) is

@@ -4,8 +4,9 @@
                                   precision recipe, recomputation, ZeRO stage, dp/tp/pp/ep, offload, GPU
     evaluate(settings)            -> memory per GPU (estimate.per_gpu_memory), FLOPs, GPUs, time
     plot_scenarios([(label, s)])  stacked per-GPU bars (params/grads/optimizer/activations) vs the GPU
-    calculator_view(settings)     the calculator's figure and summary as a static widgets.View
-    MemoryCalculator(settings)    the same with ipywidgets controls; its first state IS calculator_view
+    calculator_widget.py          calculator_view(settings), the figure and summary as a static
+                                  widgets.View, and MemoryCalculator(settings), the same with
+                                  ipywidgets controls (that module needs ipywidgets; this one does not)
     parse_tokens("300B")          token counts as people type them (K/M/B/T), exactly; fmt_tokens back
 
 Public calculators usually stop at data and tensor parallelism; this one also covers pipeline
@@ -249,13 +250,3 @@ def gpt3_ladder() -> list[tuple[str, Settings]]:
                                                                      recompute="selective")))
     steps.append(("same\n+ optimizer offload", replace(s, offload=True)))
     return steps
-
-
-
-
-def __getattr__(name):  # the widget lives in calculator_widget.py (it needs ipywidgets); same names here
-    if name in ("MemoryCalculator", "calculator_view", "START"):
-        from course_lib.estimate import calculator_widget
-
-        return getattr(calculator_widget, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

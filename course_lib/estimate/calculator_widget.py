@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from course_lib import estimate as E
-from course_lib.estimate.calculator import (GPUS, PRESET_TOKENS, Settings, evaluate, fmt_tokens, gpu_label,
-                                            parse_tokens, plot_scenarios, summary_text)
+from course_lib.estimate.calculator import (GPUS, PRESET_TOKENS, Settings, build_config, evaluate, fmt_tokens,
+                                            gpu_label, parse_tokens, plot_scenarios, summary_text)
 from course_lib.widgets import LiveFigure, render
 
 FIGSIZE = (4.2, 4.6)  # inches at widgets.DPI: the chart never changes size
@@ -60,7 +60,7 @@ def valid_options(values: dict) -> dict[str, list]:
     options = {"n_head": _divisors(values["d_model"], 256), "top_k": list(range(1, min(8, values["n_experts"]) + 1)),
                "pp": _divisors(values["n_layer"], 128), "ep": _divisors(values["n_experts"], 64)}
     head = values["n_head"] if values["n_head"] in options["n_head"] else _nearest(options["n_head"], values["n_head"])
-    config = _config(replace(s, n_head=None if head == getattr(base, "n_head") else head))
+    config = build_config(replace(s, n_head=None if head == getattr(base, "n_head") else head))
     tps = []
     for tp in _divisors(head, 128):
         try:
@@ -70,12 +70,6 @@ def valid_options(values: dict) -> dict[str, list]:
             pass
     options["tp"] = tps or [1]
     return options
-
-
-def _config(s: Settings):
-    from course_lib.estimate.calculator import build_config
-
-    return build_config(s)
 
 
 def _nearest(options: list, value):

@@ -10,7 +10,7 @@ which NVL72 racks put 72 GPUs in one NVLink domain. Every GPU has its own networ
 2.0 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s.
 
 achievable_flops is an assumption, not a measurement: 75% of the dense peak, about what large
-bf16 GEMMs reach on these parts; calibrate.py measures it on the machine at hand instead.
+bf16 GEMMs reach on these parts; course_lib.measure.calibrate measures it on the machine at hand instead.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Notebook 10's figures: predicted against measured, the memory / step-time Pareto front, the
 planner's top layouts with their cost breakdown, and the widget (model, cluster, batch).
 
-    plot_predicted_vs_measured(ax, result)      a course_lib.estimate.validation.compare result
+    plot_predicted_vs_measured(ax, result)      a course_lib.measure.validation.compare result
     plot_pareto(ax, candidates, memory_bytes)   every layout: bytes per device against step time
     plot_breakdown(ax, plan, top)               stacked cost terms of the top layouts
     planner_view(...) / planner_widget(...)     show with course_lib.widgets.show_interactive
@@ -9,6 +9,7 @@ planner's top layouts with their cost breakdown, and the widget (model, cluster,
 
 from __future__ import annotations
 
+from course_lib.comm.costmodel import predict_time
 from course_lib.estimate.clusters import gpu_cluster
 from course_lib.estimate.params import PRESETS
 from course_lib.estimate.planner import plan
@@ -48,8 +49,6 @@ def plot_predicted_vs_measured(ax, result):
 def plot_collective_table(ax, table, op: str = "all_reduce"):
     """The measured seconds of `op` against bytes, one line per group size, beside the single
     alpha-beta ring line fitted through the whole world's all-reduces (table.fit)."""
-    from course_lib.comm.costmodel import predict_time
-
     groups = sorted(table.entries[op], key=int)
     for g in groups:
         sizes, seconds = table.entries[op][g]

@@ -33,6 +33,7 @@ import sys
 import torch
 
 from course_lib.runtime.modules import share_with_ranks
+from course_lib.runtime.pool import RankError, RankTimeout
 
 EXERCISES_DIR = pathlib.Path(os.environ.get("COURSE_EXERCISES_DIR", pathlib.Path(__file__).resolve().parents[2] / "exercises"))
 GRADE_WITH_ENV = "COURSE_GRADE_WITH"
@@ -160,8 +161,6 @@ def _where(frames: list[tuple[str, int, str]]) -> str | None:
 
 def failure_lines(error: BaseException, tb=None) -> list[str]:
     """The short report of a failed check (see above): a headline and where it happened."""
-    from course_lib.runtime.pool import RankError, RankTimeout
-
     if isinstance(error, CheckFailed):
         return [f"{RED}{BOLD}✗ check failed{RESET}{RED}: {error}{RESET}",
                 "Compare got with expected, fix student.py, then restart the kernel and run all."]
@@ -207,7 +206,6 @@ def show_failures_briefly() -> bool:
     shell = get_ipython()
     if shell is None:
         return False
-    from course_lib.runtime.pool import RankError, RankTimeout
 
     shell.set_custom_exc((CheckFailed, NotImplementedError, RankError, RankTimeout), _ipython_handler)
     return True

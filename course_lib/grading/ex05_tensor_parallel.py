@@ -27,7 +27,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.data import CharDataset, get_batch
 from course_lib.grading import CheckFailed, check_close, check_equal
+from course_lib.model import GPT, GPTConfig
 from course_lib.observe.tracer import CommTracer
 from course_lib.runtime.pool import run_on_ranks
 
@@ -216,9 +218,6 @@ def check_mlp(student, world_sizes=(2, 4)):
 # ---------------------------------------------------------------------------- the course GPT
 
 def _gpt_on_rank(name: str):
-    from course_lib.data import CharDataset, get_batch
-    from course_lib.model import GPT, GPTConfig
-
     student, r, n = _module(name), dist.get_rank(), dist.get_world_size()
     config = GPTConfig.tiny(CharDataset("train").vocab_size)
     x, y = get_batch(CharDataset("train", config.block_size), 4, torch.Generator().manual_seed(0))

@@ -18,8 +18,12 @@ with the most warm-up forwards the caps allow without a deadlock. A faster sched
 
 from __future__ import annotations
 
+from course_lib.data import CharDataset
 from course_lib.grading import CheckFailed, check_close, check_equal
+from course_lib.model import GPTConfig
+from course_lib.parallel.pp import run_pipeline, stage_tensors
 from course_lib.parallel.pp.schedules import Action, Schedule, ScheduleError, check_schedule, in_flight, simulate
+from course_lib.train import TrainConfig, train_reference
 
 # The student module may not reach for the library's schedules (they hold the answer): the
 # generators, and every module that builds a Schedule from a name.
@@ -117,11 +121,6 @@ def check_training(lists, m: int, label: str, timeout_s: float = 90) -> None:
     """The lists (for 4 ranks, m micro-batches) run the pipelined training of a 5-block GPT
     (blocks split 2-1-1-1, tied embeddings) for 3 AdamW steps: equal to the single process."""
     import torch
-
-    from course_lib.data import CharDataset
-    from course_lib.model import GPTConfig
-    from course_lib.parallel.pp import run_pipeline, stage_tensors
-    from course_lib.train import TrainConfig, train_reference
 
     config = GPTConfig.tiny(CharDataset("train").vocab_size, n_layer=5, d_model=32, n_head=2, block_size=16)
     cfg = TrainConfig(steps=3, batch_size=16, grad_clip=0.0, eval_every=10**6, eval_batches=1, progress=False)

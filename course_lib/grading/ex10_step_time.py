@@ -19,12 +19,13 @@ from dataclasses import replace
 from course_lib.estimate import GPT3_175B, LLAMA3_70B
 from course_lib.estimate.clusters import gpu_cluster
 from course_lib.grading import CheckFailed, check_equal
+from course_lib.measure.validation import load_validation
 
 # The step-time model, the planner built on it and the comparison with measured runs all hold
 # this exercise's answer; `course_lib.estimate.step_time` is also the name a package re-export
 # of the function would have. `plan` / `search` would be their names re-exported.
 REFUSED = ("course_lib.estimate.step_time", "course_lib.estimate.planner", "course_lib.estimate.planner_figures",
-           "course_lib.estimate.validation", "course_lib.estimate.plan", "course_lib.estimate.search")
+           "course_lib.measure.validation", "course_lib.estimate.plan", "course_lib.estimate.search")
 
 TERMS = ("compute", "overhead", "tp", "dp_total", "dp_exposed", "bubble", "total")
 # The same formulas evaluated in another order differ by float64 rounding, a few 1e-16 relative
@@ -167,8 +168,6 @@ def check_exposed_dp(fn):
 def check_measured(fn):
     """The 8-rank calibration of notebook 10, section 4 (fp32): every term of the four dp x tp
     runs, then the order of your predictions against the order the runs were measured in."""
-    from course_lib.estimate.validation import load_validation
-
     data = load_validation()
     measured = {r["label"]: r["measured"] for r in data["runs"]}
     predicted = {}

@@ -26,13 +26,19 @@ import tempfile
 
 import torch
 
+from course_lib.checkpoint.flat import STATE, read_flat_shards, train_zero3_flat
+from course_lib.data import CharDataset
 from course_lib.grading import CheckFailed, check_close, check_equal
+from course_lib.model import GPTConfig
+from course_lib.runtime.pool import run_on_ranks
+from course_lib.train import TrainConfig
 
 # The library's shard rule and everything that reshards by it (boxes, layouts, readers).
 REFUSE = (
     "course_lib.parallel.zero.flat", "course_lib.parallel.zero.shard_bounds", "course_lib.parallel.zero.FlatUnit",
-    "course_lib.checkpoint.reshard", "course_lib.checkpoint.layouts", "course_lib.checkpoint.reader",
-    "course_lib.checkpoint.hybrid", "course_lib.checkpoint.dcp", "course_lib.checkpoint.viz",
+    "course_lib.checkpoint.reshard", "course_lib.checkpoint.layouts", "course_lib.checkpoint.slots",
+    "course_lib.checkpoint.reader", "course_lib.checkpoint.hybrid", "course_lib.checkpoint.dcp",
+    "course_lib.checkpoint.viz",
     "course_lib.checkpoint.Box", "course_lib.checkpoint.flat_range_boxes", "course_lib.checkpoint.CheckpointReader",
     "course_lib.checkpoint.LAYOUTS", "course_lib.checkpoint.Layout", "course_lib.checkpoint.describe_layout",
 )
@@ -211,8 +217,6 @@ def _read_own_shard(read_plan, directory, numel, old_world, size):
 def check_reads_on_ranks(student) -> None:
     """4 old shard files of a 37-element unit (S = 10, by hand: 40 >= 37 > 36), read by 3 new
     ranks (S' = 13: 39 >= 37 > 36) that each plan their own reads."""
-    from course_lib.runtime.pool import run_on_ranks
-
     numel, old_world, s_old, s_new = 37, 4, 10, 13
     with tempfile.TemporaryDirectory(prefix="ex11_") as d:
         for r, s in enumerate(_offset_shards(numel, old_world, s_old, torch.float64, PAD)):
@@ -231,12 +235,6 @@ def check_resume_on_fewer_ranks(student) -> None:
     """ZeRO-3 on 4 ranks trains 3 steps and saves its flat shards (parameters, Adam's moments);
     the learner's reshard_flat makes 2 ranks' shards; ZeRO-3 on 2 ranks trains 3 more. Compared
     with 6 steps on 4 ranks without stopping."""
-    from course_lib.checkpoint.flat import STATE, read_flat_shards, train_zero3_flat
-    from course_lib.data import CharDataset
-    from course_lib.model import GPTConfig
-    from course_lib.runtime.pool import run_on_ranks
-    from course_lib.train import TrainConfig
-
     config = GPTConfig.tiny(CharDataset("train", 16).vocab_size, block_size=16, n_layer=1, n_head=2, d_model=32)
     steps = lambda k: TrainConfig(steps=k, batch_size=8, progress=False)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="ex11_") as saved:

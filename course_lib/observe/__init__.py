@@ -5,6 +5,7 @@
     tracer.py     CommTracer: calls and bytes of every collective and send/recv
     timeline.py   per-rank timelines and the Gantt chart
     memory.py     model-state bytes, saved-activation bytes, CUDA peak memory
+    profile.py    a torch.profiler trace read back as a timeline; MFU (the traces: course_lib.measure.profile)
 """
 
 from course_lib.observe.timeline import Timeline, merge_timelines, plot_gantt

@@ -16,6 +16,9 @@ import signal
 import traceback
 from datetime import timedelta
 
+from course_lib.observe.checks import install_collective_checks
+from course_lib.runtime.modules import install as install_shared_modules
+
 INSIDE_RANK_ENV = "COURSE_LIB_INSIDE_RANK"
 # The process group's own timeout only matters if the parent dies: the parent kills stuck
 # ranks itself after the caller's timeout_s.
@@ -37,8 +40,6 @@ def init_process_group(rank: int, world_size: int, backend: str, port: int, chec
     if check_collectives:
         # Each collective first compares (op, dtype, shape) across ranks and raises on a
         # mismatch instead of returning wrong numbers (see course_lib/observe/checks.py).
-        from course_lib.observe.checks import install_collective_checks
-
         install_collective_checks()
 
 
@@ -60,8 +61,6 @@ def worker_main(rank, world_size, backend, port, conn, n_threads, check_collecti
 
     import cloudpickle
     import torch
-
-    from course_lib.runtime.modules import install as install_shared_modules
 
     # Ctrl-C / "interrupt kernel" reaches the whole process group; the parent handles it by
     # killing the pool, so ranks ignore it rather than each printing a KeyboardInterrupt.

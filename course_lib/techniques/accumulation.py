@@ -14,7 +14,8 @@ memory is that of m examples, while the effective batch is B = k * m. The price 
 In data parallel training the same idea lets ranks skip the gradient all-reduce on the first
 k - 1 micro-batches (DDP's `no_sync()`), communicating once per step.
 
-The optimizer step around it is `course_lib.train.train_step(..., accum_steps=k)`.
+The optimizer step around it is `course_lib.train.train_step(..., accum_steps=k)`, which builds
+on this module (train imports it, not the other way).
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ import torch
 import torch.nn as nn
 
 from course_lib.observe.memory import SavedActivations
-from course_lib.train import model_loss
+
+
+def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The default micro-batch loss: the model's own (logits, loss) convention."""
+    return model(x, y)[1]
 
 
 def split_micro_batches(x: torch.Tensor, y: torch.Tensor, accum_steps: int):

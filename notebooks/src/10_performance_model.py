@@ -31,15 +31,16 @@
 import matplotlib.pyplot as plt
 
 from course_lib.estimate import GPT3_175B, LLAMA3_70B, flops_per_token, fmt_bytes
-from course_lib.estimate.calibrate import calibrate
+from course_lib.measure.calibrate import calibrate
 from course_lib.estimate.clusters import PUBLISHED, gpu_cluster
 from course_lib.estimate.planner import plan
 from course_lib.comm.costmodel import predict_time
 from course_lib.estimate.planner_figures import (planner_view, planner_widget, plot_collective_table, plot_pareto,
                                                  plot_predicted_vs_measured)
 from course_lib.estimate.step_time import TERMS, Layout, memory_per_rank, step_time
-from course_lib.estimate.validation import compare, load_validation
-from course_lib.observe.profile import profile_on_ranks, step_mfu, trace_timeline
+from course_lib.measure.validation import compare, load_validation
+from course_lib.measure.profile import profile_on_ranks
+from course_lib.observe.profile import step_mfu, trace_timeline
 from course_lib.observe.timeline import plot_gantt
 from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig
@@ -324,7 +325,7 @@ for name, change in without.items():
 # </details>
 
 # %% tags=["nbval-ignore-output"]
-from course_lib.estimate.measured_memory import format_memory_table, memory_table
+from course_lib.measure.memory import format_memory_table, memory_table
 
 memory_rows = memory_table(data["config"], [Layout(**r["layout"]) for r in data["runs"]], data["seq"])
 print(format_memory_table(memory_rows))

@@ -36,7 +36,7 @@ from course_lib.capstone import (LiveLossPlot, compare, config_from_dict, estima
                                  layout_text, load_config, read_toml, report_text, run_capstone, traffic_formula)
 from course_lib.estimate.planner import plan
 from course_lib.estimate.step_time import memory_per_rank, step_time
-from course_lib.estimate.validation import load_validation
+from course_lib.measure.validation import load_validation
 from course_lib.parallel.hybrid import train_single
 from course_lib.units import fmt_bytes
 

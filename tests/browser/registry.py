@@ -13,7 +13,7 @@ A notebook whose outputs contain a widget but which is missing here fails the te
 from course_lib.checkpoint import viz as checkpoint_interval_viz
 from course_lib.comm import ringviz
 from course_lib.data import VOCAB_SIZE
-from course_lib.estimate import calculator, planner_figures
+from course_lib.estimate import calculator, calculator_widget, planner_figures
 from course_lib.model import GPTConfig
 from course_lib.parallel.dp import bucketviz
 from course_lib.parallel.ep import figures as ep_figures
@@ -24,7 +24,7 @@ from course_lib.parallel.zero import viz as zero_viz
 from course_lib.techniques import checkpoint_viz
 
 WIDGETS = {
-    "01_memory_and_flops": [(lambda: calculator.MemoryCalculator(),
+    "01_memory_and_flops": [(lambda: calculator_widget.MemoryCalculator(),
                              ["tokens", "preset", "gpu", "tp", "pp", "n_head", "n_experts", "ep", "zero_stage",
                               "offload"])],
     "02_collectives": [lambda: ringviz.ring_widget(4)],

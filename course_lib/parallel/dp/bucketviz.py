@@ -12,6 +12,7 @@ PyTorch's `bucket_cap_mb` means (it multiplies by 1024 * 1024).
 
 from __future__ import annotations
 
+from course_lib.model import GPT
 from course_lib.parallel.dp.ddp import assign_buckets
 
 CAPS_MIB = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 25.0)  # the slider's stops; 25 is torch DDP's default
@@ -20,8 +21,6 @@ FIGSIZE = (9.0, 1.9)
 
 def bucket_sizes(config) -> list[tuple[str, int]]:
     """(name, bytes of its fp32 gradient) for every parameter of GPT(config), in parameter order."""
-    from course_lib.model import GPT
-
     return [(name, p.numel() * 4) for name, p in GPT(config).named_parameters()]
 
 

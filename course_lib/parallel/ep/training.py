@@ -26,6 +26,8 @@ from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.dp import naive_all_reduce_gradients
 from course_lib.parallel.ep.apply import apply_expert_parallel, check_expert_parallel, clip_grad_norm, full_flat, reduce_gradients
+from course_lib.parallel.mesh import make_mesh
+from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
 
@@ -95,8 +97,6 @@ def train_expert_parallel(model_config, train_cfg, dp: int = 1, experts: str = "
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = check_run(model_config, train_cfg, world, dp, experts)
     if dp > 1:
-        from course_lib.parallel.mesh import make_mesh
-
         mesh = make_mesh(dp=dp, ep=ep)
         ep_group, dp_group = mesh["ep"].get_group(), mesh["dp"].get_group()
     else:
@@ -148,8 +148,6 @@ def train_expert_parallel(model_config, train_cfg, dp: int = 1, experts: str = "
 def run_expert_parallel(world_size: int, model_config, train_cfg, dp: int = 1, experts: str = "sharded",
                         timeout_s: float = 120, check_collectives: bool = True, **kwargs) -> list[TrainResult]:
     """Parent side: validate, then train_expert_parallel on world_size ranks."""
-    from course_lib.runtime import run_on_ranks
-
     check_run(model_config, train_cfg, world_size, dp, experts)
     return run_on_ranks(train_expert_parallel, model_config, train_cfg, dp, experts, world_size=world_size,
                         timeout_s=timeout_s, check_collectives=check_collectives, **kwargs)

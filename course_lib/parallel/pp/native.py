@@ -19,6 +19,7 @@ from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.parallel.pp.training import PipelineResult, check_pipeline, clip_grad_norm_pipeline
+from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import make_optimizer, train_step
 
@@ -100,8 +101,6 @@ def run_native(world_size: int, model_config, train_cfg, schedule: str = "1f1b",
     """Parent side: validate, then train_native on `world_size` ranks. check_collectives is off:
     torch's schedules exchange shape metadata and batch their send/recv below the API the
     checker sees, and its pairing of those calls is not ours to verify."""
-    from course_lib.runtime import run_on_ranks
-
     check_native(schedule, virtual_stages)
     check_pipeline(model_config, world_size, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
     return run_on_ranks(train_native, model_config, train_cfg, schedule, n_microbatches, virtual_stages,

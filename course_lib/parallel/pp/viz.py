@@ -6,6 +6,7 @@ that); a real run's chart from its Timeline events, drawn with course_lib.plot_g
 
 from __future__ import annotations
 
+from course_lib.observe.timeline import plot_gantt
 from course_lib.parallel.pp.bubble import formula_for, measured_bubble
 from course_lib.parallel.pp.schedules import SCHEDULES, in_flight, make_schedule, schedule_events
 
@@ -18,8 +19,6 @@ def messages_per_step(p: int, m: int, v: int = 1) -> int:
 
 def plot_schedule(sched, ax, title: str | None = None):
     """The schedule's own chart (simulated, unit times), one row per rank."""
-    from course_lib.observe.timeline import plot_gantt
-
     plot_gantt(schedule_events(sched), ax=ax, title=title, label_min_width=0.028)
     ax.set_xlabel("time (units of one micro-batch's forward on one rank)")
     return ax

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from course_lib.data import CharDataset
 from course_lib.model import GPT
+from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.zero.training import _batches, _check_batch, default_optimizer_kwargs
 from course_lib.runtime.device import rank_device
 from course_lib.train import TrainResult, flat_grads, flat_params, train_step
@@ -60,8 +61,6 @@ def train_native(model_config, train_cfg, kind: str, optimizer_class=torch.optim
     comm_summary: {op: {"calls": n}} from CommDebugMode (fsdp2) or CommTracer (zero_redundancy)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor.debug import CommDebugMode
-
-    from course_lib.observe.tracer import CommTracer
 
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} must be one of {KINDS}")

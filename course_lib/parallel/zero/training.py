@@ -26,6 +26,7 @@ from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.zero.apply import apply_zero, check_zero_args, unit_sizes
 from course_lib.parallel.zero.memory import measure_state_bytes
+from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import TrainResult, flat_grads, flat_params, train_step
 
@@ -95,8 +96,6 @@ def run_zero(world_size: int, model_config, train_cfg, stage: int, optimizer_cla
              offload: bool = False, compute_dtype=None, timeout_s: float = 120, backend: str = "auto",
              **kwargs) -> list[TrainResult]:
     """Parent side: reject bad input here, then train_zero on `world_size` ranks."""
-    from course_lib.runtime import run_on_ranks
-
     check_zero_args(stage, optimizer_class, offload, compute_dtype, kwargs.get("bucket_cap_mb", 25))
     _check_batch(train_cfg, world_size)
     return run_on_ranks(train_zero, model_config, train_cfg, stage, optimizer_class, world_size=world_size,

@@ -11,7 +11,7 @@ the offload time model, and the widget (model size, dp, stage -> per-rank memory
 
 from __future__ import annotations
 
-from course_lib.estimate import PRESETS, model_state_bytes, param_count
+from course_lib.estimate import PRESETS, model_state_bytes, param_count, per_gpu_memory
 from course_lib.parallel.zero.offload import PCIE_GEN4_X16, host_step_seconds, pcie_seconds
 from course_lib.units import GB, GiB
 
@@ -151,10 +151,7 @@ def layout_comparison(config, gpus: int = 8, seq: int = 4096, sequences: int = 8
         TP (tp = gpus, all sequences)   4 all-reduces of sequences*seq*h*b per layer (2 forward, 2 backward)
         PP (pp = gpus, micro-batches of 1 sequence)  one activation forward + its gradient back per micro-batch
     """
-    from course_lib.estimate import per_gpu_memory
-    from course_lib.estimate.params import param_count as count
-
-    n, h, b = count(config), config.d_model, 2
+    n, h, b = param_count(config), config.d_model, 2
     ring = (gpus - 1) / gpus
     act = sequences * seq * h * b
     rows = [("DDP (ZeRO-0)", dict(dp=gpus, zero_stage=0, batch=sequences // gpus), 2 * ring * n * b),

@@ -36,16 +36,31 @@ freed gathered buffers leave storages whose addresses later activations reuse), 
 (dispatch copies and routing tensors the formula leaves out, ~13% here), and ZeRO-1 with ep > 1
 (the course's hybrid shards the dense state over dp only; the formula over dp * ep, as Megatron).
 
-This module starts processes (memory_table) and imports course_lib.parallel inside functions,
-as calibrate.py does: the formulas it checks stay process-free.
+This module starts processes (memory_table) and builds the strategies of course_lib.parallel;
+the formulas it checks (course_lib.estimate) stay process-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
+import torch
+import torch.distributed as dist
+
+from course_lib.data import CharDataset, get_batch
 from course_lib.estimate.per_gpu import per_gpu_memory
 from course_lib.estimate.step_time import Layout, check_layout
+from course_lib.model import GPT
+from course_lib.observe.memory import SavedActivations
+from course_lib.parallel.hybrid import ParallelDims
+from course_lib.parallel.hybrid.compose import build_hybrid, make_hybrid_optimizer, trained_module
+from course_lib.parallel.hybrid.training import make_forward_backward
+from course_lib.parallel.zero import apply_zero, measure_state_bytes
+from course_lib.parallel.zero.training import default_optimizer_kwargs
+from course_lib.runtime import run_on_ranks
+from course_lib.runtime.device import rank_device
+from course_lib.train import TrainConfig, train_step
+from course_lib.units import fmt_bytes
 
 STATE = ("params", "grads", "optimizer")
 
@@ -65,18 +80,12 @@ def check_runnable(config, layout: Layout, seq: int | None = None) -> int:
 
 
 def _dims(layout: Layout):
-    from course_lib.parallel.hybrid import ParallelDims
-
     return ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero_stage,
                         virtual_stages=layout.v, microbatches=layout.m, schedule=layout.schedule,
                         sequence_parallel=layout.sequence_parallel)
 
 
 def _batch(config, rows: int, seq: int, seed: int, dev):
-    import torch
-
-    from course_lib.data import CharDataset, get_batch
-
     dataset = CharDataset("train", block_size=seq)
     x, y = get_batch(dataset, rows, torch.Generator().manual_seed(seed))
     return x.to(dev), y.to(dev)
@@ -86,31 +95,16 @@ def layout_memory_bytes(config, layout: Layout, seq: int | None = None, seed: in
     """Rank code: build `layout` with the course's strategy, run one fp32 AdamW step, and return
     this rank's measured {"params", "grads", "optimizer", "activations", "total", "rank", "stage"}
     (module docstring). Every rank of the world takes part (world size = layout.n_gpus)."""
-    import torch
-    import torch.distributed as dist
-
-    from course_lib.model import GPT
-    from course_lib.observe.memory import SavedActivations
-    from course_lib.parallel.zero import measure_state_bytes
-    from course_lib.runtime.device import rank_device
-    from course_lib.train import TrainConfig, train_step
-
     seq = config.block_size if seq is None else seq
     L, dev, train_cfg = layout, rank_device(), TrainConfig()
     rank = dist.get_rank()
     out = {}
     if L.zero_stage >= 2:
-        from course_lib.parallel.zero import apply_zero
-        from course_lib.parallel.zero.training import default_optimizer_kwargs
-
         model = GPT(config, seed=seed).to(dev)
         model, optimizer = apply_zero(model, L.zero_stage, torch.optim.AdamW,
                                       **default_optimizer_kwargs(train_cfg))
         module, stage, replica, forward_backward = model, None, rank, None
     else:
-        from course_lib.parallel.hybrid.compose import build_hybrid, make_hybrid_optimizer, trained_module
-        from course_lib.parallel.hybrid.training import make_forward_backward
-
         dims = _dims(L)
         parts = build_hybrid(dims, config, seed=seed, device=dev)
         model, module, stage = parts.model, trained_module(parts), parts.stage
@@ -166,8 +160,6 @@ def memory_table(config, layouts, seq: int | None = None, timeout_s: float = 300
     "state_equal": estimated params + grads + optimizer == measured on every rank,
     "busiest": (estimated, measured) state bytes of the busiest rank,
     "activation_ratio": measured / estimated activations of the busiest-activation rank}."""
-    from course_lib.runtime import run_on_ranks
-
     layouts = list(layouts)
     if not layouts:
         raise ValueError("layouts=[] must name at least one Layout")
@@ -195,8 +187,6 @@ def format_memory_table(rows: list[dict]) -> str:
     """memory_table's rows as text: per layout the busiest rank's model state (params + grads +
     AdamW moments) estimated and measured, whether every rank matched, and the activations of
     the rank holding the most, estimated and measured (IEC units)."""
-    from course_lib.units import fmt_bytes
-
     lines = [f"{'layout':34s} {'state est.':>11s} {'measured':>11s} {'every rank':>10s} "
              f"{'activ. est.':>11s} {'measured':>11s}"]
     for r in rows:

@@ -16,8 +16,14 @@ import json
 import pathlib
 import statistics
 
-from course_lib.estimate.calibrate import cluster_from_dict
 from course_lib.estimate.step_time import Layout, step_time
+from course_lib.measure.calibrate import cluster_from_dict
+from course_lib.model import GPTConfig
+from course_lib.parallel.dp.training import train_data_parallel
+from course_lib.parallel.hybrid import ParallelDims, train_hybrid
+from course_lib.parallel.pp.training import train_pipeline
+from course_lib.parallel.tp.training import train_tensor_parallel
+from course_lib.parallel.zero.training import train_zero
 
 DEFAULT_PATH = pathlib.Path(__file__).resolve().parents[1] / "assets" / "planner_validation.json"
 
@@ -67,8 +73,6 @@ def compare(config, cluster, runs, seq: int | None = None, recipe: str = "fp32")
 def load_validation(path=None) -> dict:
     """The stored run: {"config", "batch", "seq", "cluster" (a Cluster), "calibration", "runs",
     "produced_by", "machine_load", "date"}."""
-    from course_lib.model import GPTConfig
-
     data = json.loads(pathlib.Path(path or DEFAULT_PATH).read_text())
     data["config"] = GPTConfig(**data["config"])
     data["cluster"] = cluster_from_dict(data["cluster"])
@@ -80,12 +84,6 @@ def train_as(how, config, train_cfg):
     the way benchmarks/bench_planner.py runs each Layout; returns its TrainResult.
     kind: "dp" (DDP; accum_steps), "zero" (stage, accum_steps), "tp" (sequence_parallel),
     "pp" (schedule, m) or "hybrid" (ParallelDims' fields)."""
-    from course_lib.parallel.dp.training import train_data_parallel
-    from course_lib.parallel.hybrid import ParallelDims, train_hybrid
-    from course_lib.parallel.pp.training import train_pipeline
-    from course_lib.parallel.tp.training import train_tensor_parallel
-    from course_lib.parallel.zero.training import train_zero
-
     kind, kw = how
     if kind == "dp":
         return train_data_parallel(config, train_cfg, "ddp", kw.get("accum_steps", 1))

@@ -30,10 +30,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
+import torch
+import torch.distributed as dist
+
 from course_lib._validate import check_int
-from course_lib.comm.costmodel import fit_alpha_beta
+from course_lib.comm.costmodel import cost_terms, fit_alpha_beta
 from course_lib.comm.measured import CollectiveTable, link_from_dict, measure_table, table_to_dict
+from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.step_time import Cluster
+from course_lib.model import GPT
+from course_lib.runtime import run_on_ranks
 
 TABLE_SIZES = (4, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 TABLE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -56,16 +62,12 @@ def sustained_seconds(fn, seconds: float) -> float:
 def matmul_flops(rows: int, inner: int, cols: int, seconds: float = 0.3) -> float:
     """Rank code (or a plain process): sustained FLOP/s of back-to-back (rows x inner) @
     (inner x cols) matmuls, 2 * rows * inner * cols FLOPs each."""
-    import torch
-
     x, w = torch.randn(rows, inner), torch.randn(inner, cols)
     return 2 * rows * inner * cols / sustained_seconds(lambda: x @ w, seconds)
 
 
 def copy_bandwidth(nbytes: int = 1 << 22, seconds: float = 0.2) -> float:
     """Sustained bytes per second moved by dst.copy_(src) (read nbytes + write nbytes)."""
-    import torch
-
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     return 2 * nbytes / sustained_seconds(lambda: dst.copy_(src), seconds)
@@ -75,10 +77,6 @@ def model_seconds(config, micro_batches, seq: int, seconds: float = 0.3) -> list
     """Rank code: sustained seconds of forward + backward of the whole `config` GPT on one
     micro-batch of each size, over `seconds` of wall time each: every non-matmul op and
     per-op overhead included."""
-    import torch
-
-    from course_lib.model import GPT
-
     model = GPT(config, seed=0)
     out = []
     for mb in micro_batches:
@@ -92,10 +90,6 @@ def optimizer_seconds(config, seconds: float = 0.3) -> dict:
     """Rank code: sustained seconds of one AdamW step (foreach=False, as the course's trainers)
     plus gradient clipping, over the model's own parameter tensors and over one flat tensor
     holding as many elements: {"tensors", "flat", "n_tensors", "numel"}."""
-    import torch
-
-    from course_lib.model import GPT
-
     params = [p for p in GPT(config, seed=0).parameters()]
     flat = torch.nn.Parameter(torch.zeros(sum(p.numel() for p in params)))
     out = {"n_tensors": len(params), "numel": flat.numel()}
@@ -121,8 +115,6 @@ def probe(config, micro_batch: int, seq: int, sizes=None, ops=None) -> dict:
     (copy bytes/s), "model" (forward+backward seconds per MICRO_BATCHES size), "optimizer"
     (optimizer_seconds), "table" (CollectiveTable entries over every group size dividing the
     world)}."""
-    import torch.distributed as dist
-
     dist.barrier()
     matmul = matmul_flops(micro_batch * seq, config.d_model, config.ff_dim)
     dist.barrier()
@@ -141,8 +133,6 @@ def calibrate(world_size: int, config, micro_batch: int = 1, seq: int | None = N
     """Measure on `world_size` ranks at once (see the module docstring) and return the Cluster
     (overlap 0, shared_cores = this machine's cores, links = the measured CollectiveTable) and
     the raw numbers."""
-    from course_lib.runtime import run_on_ranks
-
     world_size = check_int("world_size", world_size, minimum=2)
     micro_batch = check_int("micro_batch", micro_batch)
     seq = config.block_size if seq is None else check_int("seq", seq)
@@ -180,9 +170,6 @@ def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,
                         memory_bytes: float | None = None) -> tuple[Cluster, dict]:
     """The Cluster and raw numbers from every rank's probe() (see calibrate): every time is the
     slowest rank's (a step waits for it); the raw numbers keep each rank's rates."""
-    from course_lib.comm.costmodel import cost_terms
-    from course_lib.estimate.compute import flops_per_token
-
     world_size = len(out)
     model = [max(r["model"][i] for r in out) for i in range(len(MICRO_BATCHES))]
     flops = [flops_per_token(config, seq) * mb * seq for mb in MICRO_BATCHES]
