@@ -2,7 +2,7 @@
 
     check_int("tp", 3, minimum=1)        ValueError: tp=3 ...   (bools and integral floats handled)
     check_one_of("schedule", s, SCHEDULES)
-    check_divides("tp", 3, "n_head", 8)  ValueError: tp=3 must divide n_head=8
+    check_divides("pp", 3, "n_layer", 8)  ValueError: pp=3 must divide n_layer=8
 
 Each raises ValueError naming the value and the rule, and is called in the parent before any
 rank starts or waits.

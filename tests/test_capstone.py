@@ -43,7 +43,7 @@ def test_the_tiny_config_loads():
     ("resume", "microbatches", 3, "[resume] microbatches=3 must divide the per-replica batch"),
     ("train", "checkpoint_step", 4, "[train] checkpoint_step=4 must be in [1, steps=4)"),
     ("train", "lr", -1.0, "[train] lr=-1.0 must be a positive number"),
-    ("model", "n_layer", 1, "[layout] n_layer=1 must be >= pp * virtual_stages"),
+    ("model", "n_layer", 1, "[layout] n_layer=1 blocks cannot fill 2 stages"),
     ("train", "precision", "fp16", "[train] precision='fp16' must be one of ('fp32', 'bf16')"),
     ("train", "activation_checkpointing", 1, "[train] activation_checkpointing=1 must be true or false"),
     ("layout", "ep", 2, "[layout] ep=2 needs an MoE model: n_experts=0 is dense"),
@@ -100,6 +100,8 @@ def test_saved_at_8_ranks_resumed_at_4_equals_the_single_process(tmp_path):
     # never bit-equal over 4 steps), so the comparison above is not of a curve with itself
     assert run.max_difference > 0
     assert run.first.train_losses == run.losses[:2]  # the resumed run carried the saved curve
+    # the checkpoint records the layout that saved it: the resume names both
+    assert {r.resumed_from for r in run.resumed_ranks} == {"saved at dp2·tp2·pp2, loading at dp1·tp2·pp2"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000004"]
     # every step's loss reached the parent while the ranks ran, in order
     assert seen == [("first", 1), ("first", 2), ("resumed", 3), ("resumed", 4)] + [("single", i) for i in range(1, 5)]
@@ -116,7 +118,7 @@ def test_saved_at_8_ranks_resumed_at_4_equals_the_single_process(tmp_path):
         assert {"comm", "optimizer"} <= kinds and len(events) >= 5, events
     # memory measured on every rank; the report names the layout and says MFU needs a GPU peak
     assert all(r.memory["total"] > 0 and r.memory["activations"] > 0 for r in run.first_ranks)  # bytes
-    from course_lib.estimate.validation import load_validation
+    from course_lib.measure.validation import load_validation
 
     cluster = load_validation()["cluster"]
     # the step-time model on the stored calibration (fixed inputs): a formula, not a measurement;

@@ -125,9 +125,9 @@ def test_tensor_and_sequence_parallel_with_zero1_equals_single_process(dense):
 IMPOSSIBLE = [
     (dict(dp=2, tp=2, pp=1), 8, "pp*dp*ep*tp = 1*2*1*2 = 4 must equal world_size=8"),
     (dict(dp=1, tp=3, pp=1), 3, "tp=3 must divide n_head=2"),
-    (dict(dp=2, tp=1, pp=4), 8, "n_layer=2 must be >= pp * virtual_stages = 4*1 = 4"),
+    (dict(dp=2, tp=1, pp=4), 8, "n_layer=2 blocks cannot fill 4 stages (pp x virtual_stages)"),
     (dict(dp=1, tp=1, pp=2, virtual_stages=2, schedule="interleaved_1f1b", microbatches=2), 2,
-     "n_layer=2 must be >= pp * virtual_stages = 2*2 = 4"),
+     "n_layer=2 blocks cannot fill 4 stages (pp x virtual_stages)"),
     (dict(dp=8, tp=1, pp=1, microbatches=1), 8, None),  # valid: the control
     (dict(dp=2, tp=1, pp=1, ep=2), 4, "ep=2 needs an MoE model: n_experts=0 is dense"),
     (dict(dp=1, tp=2, pp=1, sequence_parallel=True), 2, None),

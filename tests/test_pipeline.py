@@ -32,7 +32,7 @@ from course_lib.parallel.pp import (
     run_schedule,
     schedule_events,
     simulate,
-    split_blocks,
+    split_layers,
     stage_tensors,
 )
 from course_lib.parallel.pp.bubble import formula_for, measured_bubble
@@ -190,10 +190,10 @@ def test_make_schedule_rejects_bad_arguments():
 
 
 def test_blocks_split_as_evenly_as_possible_with_the_remainder_first():
-    assert split_blocks(5, 2) == [range(0, 3), range(3, 5)]
-    assert split_blocks(9, 4) == [range(0, 3), range(3, 5), range(5, 7), range(7, 9)]
+    assert split_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert split_layers(9, 4) == [range(0, 3), range(3, 5), range(5, 7), range(7, 9)]
     with pytest.raises(ValueError, match="n_layer=3 blocks cannot fill 4 stages"):
-        split_blocks(3, 4)
+        split_layers(3, 4)
 
 
 def test_simulated_timeline_of_zero_bubble_fills_time_1f1b_leaves_idle():

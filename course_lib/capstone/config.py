@@ -2,8 +2,10 @@
 
     [model]   n_layer, n_head, d_model, seq_len, n_experts, top_k   (the vocabulary is the dataset's)
     [train]   steps, batch_size, lr, grad_clip, seed, checkpoint_step, precision, activation_checkpointing
-    [layout]  dp, tp, pp, ep, zero, microbatches           the first run: dp*tp*pp*ep ranks
-    [resume]  dp, tp, pp, ep, zero, microbatches           after losing ranks: another world size
+    [layout]  the fields of course_lib.dims.ParallelDims (dp, tp, pp required; ep, zero,
+              virtual_stages, microbatches, schedule, sequence_parallel with its defaults)
+              except the two of [train]: the first run, on dp*tp*pp*ep ranks
+    [resume]  the same keys: after losing ranks, another world size
 
 load_config(path) checks every key (unknown, missing, wrong type or value, and each layout
 against the model and the batch by ParallelDims.check) and raises ValueError naming the key,
@@ -19,22 +21,41 @@ objective as the single process (the pipeline's last stage computes the cross-en
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
+
+from course_lib._validate import check_int
+from course_lib.data import CharDataset
+from course_lib.dims import PRECISIONS, SCHEDULES, ParallelDims
+from course_lib.model import GPTConfig
+from course_lib.train import TrainConfig
 
 BOOL, TEXT = "bool", "text"  # kinds besides int and float
+TRAIN_WIDE = ("precision", "activation_checkpointing")  # ParallelDims fields set once, in [train], for both runs
+REQUIRED = ("dp", "tp", "pp")  # the degrees a config must name; the other fields default as ParallelDims does
+
+
+def layout_schema() -> dict:
+    """[layout]'s keys: the ParallelDims fields (course_lib.dims), not a list kept by hand."""
+    kinds = {"int": int, "bool": BOOL, "str": TEXT}
+    out = {}
+    for f in fields(ParallelDims):
+        if f.name not in TRAIN_WIDE:
+            default = None if f.name in REQUIRED or f.default is MISSING else f.default
+            out[f.name] = (kinds[str(f.type)], default)
+    return out
+
+
 SCHEMA = {  # section -> {key: (kind, default or None = required)}
     "model": {"n_layer": (int, 2), "n_head": (int, 2), "d_model": (int, 16), "seq_len": (int, 16),
               "n_experts": (int, 0), "top_k": (int, 1)},
     "train": {"steps": (int, None), "batch_size": (int, 8), "lr": (float, 1e-2), "grad_clip": (float, 1.0),
               "seed": (int, 0), "checkpoint_step": (int, None), "precision": (TEXT, "fp32"),
               "activation_checkpointing": (BOOL, False)},
-    "layout": {"dp": (int, None), "tp": (int, None), "pp": (int, None), "ep": (int, 1), "zero": (int, 0),
-               "microbatches": (int, 1)},
-    "resume": {"dp": (int, None), "tp": (int, None), "pp": (int, None), "ep": (int, 1), "zero": (int, 0),
-               "microbatches": (int, 1)},
+    "layout": layout_schema(),
+    "resume": layout_schema(),
 }
 MINIMUM = {"zero": 0, "seed": 0, "n_experts": 0}
-CHOICES = {"precision": ("fp32", "bf16")}  # = course_lib.parallel.hybrid.PRECISIONS
+CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
 # |loss - single process| allowed for a whole curve. fp32: only the order of sums differs
 # (~1e-6). bf16: a tensor-parallel matmul rounds each rank's partial sum to bf16 before the
 # all-reduce (one process rounds the full sum once), pipeline and expert layouts sum in other
@@ -89,8 +110,6 @@ def _value(name: str, key: str, kind, value):
         if value not in CHOICES[key]:
             raise ValueError(f"[{name}] {key}={value!r} must be one of {CHOICES[key]}")
     elif kind is int:
-        from course_lib._validate import check_int
-
         try:
             check_int(key, value, minimum=MINIMUM.get(key, 1))
         except ValueError as err:
@@ -124,11 +143,6 @@ def _section(raw: dict, name: str) -> dict:
 
 def config_from_dict(raw: dict) -> CapstoneConfig:
     """CapstoneConfig from the parsed TOML; ValueError naming the key otherwise."""
-    from course_lib.data import CharDataset
-    from course_lib.model import GPTConfig
-    from course_lib.parallel.hybrid import ParallelDims
-    from course_lib.train import TrainConfig
-
     for name in raw:
         if name not in SCHEMA:
             raise ValueError(f"[{name}]: unknown section; the config takes {tuple(SCHEMA)}")

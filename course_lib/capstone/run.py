@@ -22,6 +22,19 @@ import torch
 import torch.distributed as dist
 
 from course_lib.capstone.config import CapstoneConfig, layout_text
+from course_lib.checkpoint import checkpoint_path, load_training_state, save_training_state
+from course_lib.data import CharDataset, get_batch
+from course_lib.observe.memory import SavedActivations
+from course_lib.observe.timeline import Timeline
+from course_lib.observe.tracer import CommTracer
+from course_lib.parallel.hybrid import (HybridResult, build_hybrid, clip_grad_norm_hybrid, make_forward_backward,
+                                        make_hybrid_optimizer, merged_params, owned_params, traffic_by_dimension,
+                                        train_single, trained_module)
+from course_lib.parallel.zero import measure_state_bytes
+from course_lib.runtime import run_on_ranks
+from course_lib.runtime.device import rank_device
+from course_lib.runtime.pool import shutdown_pools
+from course_lib.train import train_step
 
 
 def _rss_bytes() -> int:
@@ -41,18 +54,6 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
     seconds of each step run, the traffic of each mesh dimension (trace=True), the Timeline
     events of step `timeline_step`, the memory measured after the first step run, and the
     parameters this rank owns. loss_log: rank 0 appends {"step", "loss"} lines there."""
-    from course_lib.checkpoint import checkpoint_path, load_training_state, save_training_state
-    from course_lib.data import CharDataset, get_batch
-    from course_lib.observe.memory import SavedActivations
-    from course_lib.parallel.zero import measure_state_bytes
-    from course_lib.observe.timeline import Timeline
-    from course_lib.observe.tracer import CommTracer
-    from course_lib.parallel.hybrid import (HybridResult, build_hybrid, clip_grad_norm_hybrid,
-                                            make_forward_backward, make_hybrid_optimizer, owned_params,
-                                            traffic_by_dimension, trained_module)
-    from course_lib.runtime.device import rank_device
-    from course_lib.train import train_step
-
     world, rank = dist.get_world_size(), dist.get_rank()
     dims.check(world, model_config, train_cfg.batch_size)
     dev = rank_device()
@@ -68,6 +69,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
         if info.step != first - 1:
             raise ValueError(f"checkpoint of step {info.step} found where step {first - 1} was expected")
         result.train_losses = list(info.extra["losses"])  # the curve so far, whatever layout ran it
+        result.resumed_from = info.resume_text(dims)
     replica = parts.coords["dp"] * dims.ep + parts.coords["ep"]  # rows of the global batch: this replica's
     share = train_cfg.batch_size // dims.replicas
     log = open(loss_log, "a") if loss_log and rank == 0 else None
@@ -115,7 +117,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
         result.comm_summary = tracer.summary()
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
     save_training_state(checkpoint_path(root, last), last, parts, optimizer, "hybrid", gen,
-                        extra={"losses": list(result.train_losses)})
+                        extra={"losses": list(result.train_losses)}, dims=dims)
     result.named_params = owned_params(parts)
     return result
 
@@ -165,8 +167,6 @@ def _ranks_streaming(on_loss, segment: str, log: pathlib.Path, fn, *args, world_
     for each line rank 0 appends to `log`. Returns the ranks' results."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from course_lib.runtime import run_on_ranks
-
     log.unlink(missing_ok=True)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(run_on_ranks, fn, *args, world_size=world_size, timeout_s=timeout_s, loss_log=str(log),
@@ -185,8 +185,6 @@ def _ranks_streaming(on_loss, segment: str, log: pathlib.Path, fn, *args, world_
                     return future.result()
                 time.sleep(0.1)
         except KeyboardInterrupt:  # the kernel's stop button: stop the ranks too, not only this loop
-            from course_lib.runtime.pool import shutdown_pools
-
             shutdown_pools()
             raise
 
@@ -198,8 +196,6 @@ def run_capstone(config: CapstoneConfig, checkpoint_dir, timeout_s: float = 300,
     steps. on_loss(segment, step, loss), segment "first" | "resumed" | "single": called as
     each step's loss arrives (e.g. a LiveLossPlot's update)."""
     from tqdm.auto import tqdm
-
-    from course_lib.parallel.hybrid import merged_params, train_single
 
     import tempfile
 

@@ -31,6 +31,7 @@ import torch
 from course_lib.checkpoint.format import _world, save_sharded
 from course_lib.checkpoint.layouts import describe_layout, materialize_state, model_pieces, state_pieces
 from course_lib.checkpoint.reader import CheckpointReader
+from course_lib.dims import ParallelDims
 
 
 def capture_rng() -> dict:
@@ -68,6 +69,12 @@ class LoadInfo:
     rng_restored: bool  # this rank got its own RNG states back
     bytes_read: int  # bytes of shard files this rank read
     extra: dict
+    saved_dims: dict | None = None  # the ParallelDims (course_lib.dims) of the run that saved, when it said
+
+    def resume_text(self, dims) -> str:
+        """'saved at dp2·tp2·pp2, loading at dp1·tp2·pp2': how the layout changed across the resume."""
+        saved = ParallelDims(**self.saved_dims).label() if self.saved_dims else f"{self.saved_world_size} ranks"
+        return f"saved at {saved}, loading at {dims.label()}"
 
 
 def training_state_pieces(model, optimizer, layout: str = "replicated", for_load: bool = False,
@@ -87,13 +94,15 @@ def _objects(step, data_generator, extra):
 
 
 def save_training_state(path, step: int, model, optimizer, layout: str = "replicated", data_generator=None,
-                        extra: dict | None = None, group=None, saver=None):
+                        extra: dict | None = None, group=None, saver=None, dims=None):
     """Collective: save the full training state after `step` steps into directory `path`.
     extra: replicated plain values to keep (e.g. the loss history). With saver (an
     AsyncCheckpointer) only the copy to host memory blocks; returns the blocking seconds then,
-    the path otherwise."""
+    the path otherwise. dims: the run's ParallelDims, recorded so that a resume can name both layouts."""
     _, pieces = training_state_pieces(model, optimizer, layout)
     meta = {"step": int(step), "layout": layout, "world_size": _world(group)[1]}
+    if dims is not None:
+        meta["dims"] = dims.as_dict()
     args = (path, pieces, _objects(step, data_generator, extra), {"rng": capture_rng()}, group, meta)
     if saver is not None:
         return saver.save(*args)
@@ -119,7 +128,8 @@ def load_training_state(path, model, optimizer, layout: str = "replicated", data
     if restored:
         restore_rng(reader.object(f"rank{rank}/rng"))
     extra = {k.removeprefix("extra/"): reader.object(k) for k in reader.meta["objects"] if k.startswith("extra/")}
-    return LoadInfo(int(reader.object("step")), reader.world_size, restored, reader.bytes_read, extra)
+    return LoadInfo(int(reader.object("step")), reader.world_size, restored, reader.bytes_read, extra,
+                    reader.extra.get("dims"))
 
 
 __all__ = ["capture_rng", "restore_rng", "save_training_state", "load_training_state", "LoadInfo",

@@ -1,6 +1,6 @@
 """A cluster and a layout: what the step-time model (step_time.py) and the planner take (notebook 10).
 
-    Cluster   devices and links, with the rates and fixed costs calibrate.py measures
+    Cluster   devices and links, with the rates and fixed costs course_lib.measure.calibrate measures
     Layout    one way to run a model: mesh degrees, schedule, micro-batching, ZeRO, recomputation
 
 Both validate their fields on construction: a bad value is a ValueError naming it.
@@ -12,14 +12,13 @@ from dataclasses import dataclass, replace
 
 from course_lib._validate import check_int, check_one_of
 from course_lib.comm.costmodel import LinkModel
-from course_lib.estimate.memory import RECOMPUTE, ZERO_STAGES
-from course_lib.parallel.pp.schedules import SCHEDULES  # the schedules the course runs: one list
+from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_schedule, check_sequence_parallel, link_of
 
 
 @dataclass(frozen=True)
 class Cluster:
     """Devices and links. peak_flops: the spec sheet's dense rate (MFU's denominator);
-    achievable_flops: what large matmuls really reach (measured: course_lib.estimate.calibrate);
+    achievable_flops: what large matmuls really reach (measured: course_lib.measure.calibrate);
     memory_bytes: usable device memory; memory_bandwidth: bytes/s for the optimizer update;
     overlap: the fraction of backward that can hide gradient traffic (1 on GPUs with separate
     communication engines; less where communication and compute share the same cores).
@@ -62,15 +61,13 @@ class Cluster:
 
     def link(self, size: int, stride: int) -> LinkModel:
         """The link a group of `size` ranks `stride` apart crosses: the node's when its span
-        fits a node without straddling two (course_lib.parallel.topology.link_of's rule)."""
+        fits a node without straddling two (course_lib.dims.link_of's rule)."""
         span = size * stride
         return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
 
     def link_of(self, dim: str, layout: "Layout") -> LinkModel:
         """The link of mesh dimension `dim` of `layout`, placed as make_mesh places it
-        (course_lib.parallel.topology, TOPOLOGY_AWARE order: tp innermost)."""
-        from course_lib.parallel.topology import link_of
-
+        (course_lib.dims, TOPOLOGY_AWARE order: tp innermost)."""
         sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
         return self.inter if link_of(dim, sizes, self.gpus_per_node) == "inter" else self.intra
 
@@ -99,13 +96,10 @@ class Layout:
             check_int(name, getattr(self, name))
         check_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
         check_one_of("recompute", self.recompute, RECOMPUTE)
-        check_one_of("schedule", self.schedule, SCHEDULES)
-        if self.v > 1 and self.schedule != "interleaved_1f1b":
-            raise ValueError(f"v={self.v} > 1 needs schedule='interleaved_1f1b', not {self.schedule!r}")
-        if self.pp > 1 and self.schedule in ("1f1b", "interleaved_1f1b", "zero_bubble") and self.m < self.pp:
-            raise ValueError(f"m={self.m} micro-batches must be >= pp={self.pp} stages for {self.schedule!r}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel=True needs tp > 1")
+        # the rule book's (course_lib.dims): what the runtime runs, the estimator costs; m < pp
+        # runs too (every micro-batch in the warm-up), so it is costed, not refused
+        check_schedule(self.schedule, self.pp, self.m, self.v)
+        check_sequence_parallel(self.sequence_parallel, self.tp)
 
     @property
     def n_gpus(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_tp
 from course_lib.estimate.params import cdiv, kv_dim, ff_dim, as_count, positive_int, unpack
 from course_lib.model import GPTConfig
 
@@ -42,8 +43,6 @@ RECIPES = {
                             "(16 B/param, as fp32); matmuls run on bf16 copies of the weights made during "
                             "forward (2 B/param more while they live) and save bf16 activations"),
 }
-ZERO_STAGES = (0, 1, 2, 3)
-
 
 def model_state_bytes(n_params: int, recipe: str = "fp32", zero_stage: int = 0, dp: int = 1) -> dict[str, int]:
     """{"params", "grads", "optimizer", "total"}: bytes ONE data-parallel rank holds.
@@ -74,7 +73,6 @@ def model_state_bytes(n_params: int, recipe: str = "fp32", zero_stage: int = 0, 
 
 # ---------------------------------------------------------------- activations
 
-RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("naive", "fused")
 
 
@@ -120,8 +118,7 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
         attention = "naive" if getattr(base, "attn_impl", "fused") == "naive" else "fused"
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} must be one of {ATTENTION}")
-    if base.n_head % tp or ff_dim(base) % tp:
-        raise ValueError(f"tp={tp} must divide n_head={base.n_head} and d_ff={ff_dim(base)}")
+    check_tp(tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None))
     if dropout is None:
         dropout = base.dropout > 0
     gpt = isinstance(base, GPTConfig)

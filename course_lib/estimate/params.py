@@ -62,7 +62,8 @@ class LlamaLikeConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}: "
+                             f"each key/value head serves a whole group of query heads")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it).
 
 from __future__ import annotations
 
+from course_lib.dims import check_experts, check_tp, split_layers
 from course_lib.estimate.memory import RECIPES, activation_bytes, model_state_bytes
-from course_lib.estimate.params import LlamaLikeConfig, cdiv, ff_dim, param_breakdown, positive_int, unpack
+from course_lib.estimate.params import cdiv, ff_dim, param_breakdown, positive_int, unpack
 from course_lib.model import GPTConfig
 
 
@@ -16,7 +17,8 @@ def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int 
     """{"dense", "expert"}: parameters one rank of pipeline stage `stage` holds ("expert": the
     MLPs, a dense model's MLP being its one expert; "dense": everything else), the way
     course_lib.parallel splits them (d = d_model, f = d_ff, V = vocabulary, T = block_size,
-    b = 1 with biases, L/pp layers per stage, E/ep experts per rank):
+    b = 1 with biases, stage s's layers as course_lib.dims.split_layers(L, pp) gives them (L/pp
+    when pp | L), E/ep experts per rank):
 
         per layer   qkv (3d^2 + 3bd)/tp + proj d^2/tp + bd      row-parallel biases stay whole
                     mlp, per expert: (df + bf)/tp + fd/tp + bd    (added once, after the reduce)
@@ -33,7 +35,7 @@ def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int 
     p = param_breakdown(config)
     d = base.d_model
     whole_bias = d if isinstance(base, GPTConfig) and base.bias else 0  # a row-parallel bias: not split
-    layers = base.n_layer // pp
+    layers = len(split_layers(base.n_layer, pp)[stage])
     attention = (p["attention"] - whole_bias) // tp + whole_bias
     mlp = (p["mlp"] - whole_bias) // tp + whole_bias
     dense = layers * (attention + p["norms"] + p["router"])
@@ -57,7 +59,7 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
     The mesh is course_lib.parallel.mesh's: n_gpus = dp * ep * tp * pp. The parameters of a
     rank are `rank_param_counts`' (tp splits attention heads, MLP columns, embedding and head
     rows; norms and row-parallel biases stay replicated; pp gives each stage n_layer/pp
-    layers, the embedding to the first stage and the head to the last (a tied head keeps a
+    layers (split_layers' uneven split otherwise: the first stages one more), the embedding to the first stage and the head to the last (a tied head keeps a
     copy there); ep splits MoE experts (each ep rank holds n_experts/ep of them). The ranks of
     an ep group read different data, so dense weights are replicated over dp*ep ranks (ZeRO
     shards them over dp*ep, as Megatron's distributed optimizer does) and expert weights over
@@ -70,18 +72,10 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
     base, n_experts, _ = unpack(config)
     dp, tp, pp, ep = (positive_int(name, v) for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)))
     batch = positive_int("batch", batch)
-    if base.n_head % tp:
-        raise ValueError(f"tp={tp} must divide n_head={base.n_head}")
-    if isinstance(base, LlamaLikeConfig) and base.n_kv_head % tp:
-        raise ValueError(f"tp={tp} must divide n_kv_head={base.n_kv_head}")
-    if ff_dim(base) % tp:
-        raise ValueError(f"tp={tp} must divide d_ff={ff_dim(base)}")
-    if base.n_layer % pp:
-        raise ValueError(f"pp={pp} must divide n_layer={base.n_layer}")
-    if ep > 1 and n_experts == 1:
-        raise ValueError(f"ep={ep} needs a mixture-of-experts model (this one is dense): wrap it in MoEConfig")
-    if n_experts % ep:
-        raise ValueError(f"ep={ep} must divide n_experts={n_experts}")
+    # the rule book (course_lib.dims): what the runtime splits, the estimator costs
+    check_tp(tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None))
+    stages = split_layers(base.n_layer, pp)  # uneven when pp does not divide n_layer
+    check_experts(ep, n_experts if n_experts > 1 else 0)
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r} must be one of {sorted(RECIPES)}")
     if offload not in ("none", "optimizer"):
@@ -89,7 +83,6 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp):
         raise ValueError(f"stage={stage!r} must be None (the busiest) or an int in [0, pp={pp})")
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
-    layers = base.n_layer // pp
     dtype = 4 if recipe == "fp32" else 2
     act = activation_bytes(config, batch, seq, dtype, recompute, attention, tp, sp)
 
@@ -99,9 +92,9 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
         if counts["expert"]:
             expert = model_state_bytes(counts["expert"], recipe, zero_stage, dp)
             state = {k: state[k] + expert[k] for k in state}
-        # 1F1B: stage s has pp - s micro-batches in flight through its n_layer/pp layers.
+        # 1F1B: stage s has pp - s micro-batches in flight through its layers.
         in_flight = pp - s
-        activations = (in_flight * layers * act["per_layer"] + act["recompute_buffer"]
+        activations = (in_flight * len(stages[s]) * act["per_layer"] + act["recompute_buffer"]
                        + (in_flight * act["input_side"] if s == 0 else 0)
                        + (act["output_side"] if s == pp - 1 else 0))
         out = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
@@ -115,7 +108,7 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
     if stage is not None:
         return bytes_of(stage)
     best = None
-    for s in sorted({0, pp - 1}):  # a middle stage holds no more than stage 0
+    for s in sorted({0, pp - 1}):  # a middle stage holds no more than stage 0 (no fewer layers, more in flight)
         out = bytes_of(s)
         if best is None or out["total"] > best["total"]:
             best = out

@@ -8,7 +8,9 @@ sequence parallelism, ep, dp with a ZeRO stage), plus micro-batch size and recom
     plan(config, cluster, global_batch, ...)     a Plan: the fitting ones fastest first, and why
 
 A candidate uses all n_gpus = dp * ep * tp * pp devices, keeps tp inside a node (the TP
-all-reduces are on the critical path), and has global_batch = dp * ep * m * micro_batch. Step
+all-reduces are on the critical path), and has global_batch = dp * ep * m * micro_batch. The
+search is narrower than the rule book (course_lib.dims), by choice: pp | n_layer (uneven stages
+run, but a balanced split is never slower here), and m >= pp except for GPipe. Step
 time and memory come from course_lib.estimate.step_time; a layout fits when its busiest rank's
 bytes are at most the device's memory_bytes.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib._validate import check_int
-from course_lib.estimate.memory import RECOMPUTE, ZERO_STAGES
+from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_tp
 from course_lib.estimate.params import ff_dim, unpack
 from course_lib.estimate.step_time import TERMS, Cluster, Layout, memory_per_rank, step_time
 from course_lib.units import fmt_bytes
@@ -46,6 +48,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _obeys(rule, *args) -> bool:
+    """Whether a rule of the rule book (course_lib.dims) accepts args: the search skips what it refuses."""
+    try:
+        rule(*args)
+    except ValueError:
+        return False
+    return True
+
+
 def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, recipe: str = "bf16_mixed",
            micro_batches=(1, 2, 4, 8), zero_stages=ZERO_STAGES, recomputes=RECOMPUTE,
            schedules=("1f1b", "interleaved_1f1b"), max_v: int = 4, max_tp: int | None = None,
@@ -62,7 +73,7 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
     n = cluster.n_gpus
     out = []
     for tp in divisors(n):
-        if tp > max_tp or base.n_head % tp or ff_dim(base) % tp or getattr(base, "n_kv_head", tp) % tp:
+        if tp > max_tp or not _obeys(check_tp, tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None)):
             continue
         for pp in divisors(n // tp):
             if base.n_layer % pp:

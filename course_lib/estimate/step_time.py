@@ -16,7 +16,7 @@ global batch is B = dp * ep * m * micro_batch sequences of `seq` tokens. One opt
                 never hidden (the next matmul needs the result)
     pp          each micro-batch crosses each stage boundary as an activation and a gradient
     ep          2 all-to-alls forward and 2 backward per MoE layer
-    bubble      busy * f / (1 - f), f = the schedule's bubble fraction (course_lib.parallel.pp.bubble);
+    bubble      busy * f / (1 - f), f = the schedule's bubble fraction (course_lib.estimate.bubble);
                 ranks sharing fewer CPU cores lose only the part no other rank can use
     dp          the gradient all-reduce in DDP's buckets (ZeRO-1: reduce-scatter + all-gather;
                 ZeRO-2: the reduce-scatter in every micro-batch; ZeRO-3: per block, 2 all-gathers
@@ -28,7 +28,7 @@ global batch is B = dp * ep * m * micro_batch sequences of `seq` tokens. One opt
                 parameters this rank owns; a per-tensor loop, or flat shards under ZeRO)
 
 Every collective is costed by course_lib.comm.measured.collective_time on the link its group
-crosses, placed as make_mesh places it (notebook 09's course_lib.parallel.topology.link_of):
+crosses, placed as make_mesh places it (course_lib.dims.link_of, notebook 09):
 the node's link (`intra`) when the whole group sits on one node, else the network (`inter`).
 A link is an alpha-beta LinkModel (T = a alpha + b S / beta, ring algorithms) or a table
 measured on the machine at hand (CollectiveTable). The counts of calls follow the course's own
@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from course_lib._validate import check_int, check_one_of
 from course_lib.comm.measured import collective_time
+from course_lib.dims import check_sequence_parallel, layers_per_rank
+from course_lib.estimate.bubble import formula_for
 from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.layout import Cluster, Layout
 from course_lib.estimate.memory import RECIPES
@@ -48,16 +50,16 @@ from course_lib.estimate.per_gpu import per_gpu_memory
 
 def check_layout(config, layout: Layout, seq: int | None = None) -> int:
     """ValueError unless `layout` can run `config`; returns seq."""
-    base, n_experts, _ = unpack(config)
+    base = unpack(config)[0]
     seq = base.block_size if seq is None else check_int("seq", seq)
     if seq > base.block_size:
         raise ValueError(f"seq={seq} must be <= block_size={base.block_size}")
     L = layout
-    if base.n_layer % (L.pp * L.v):
-        raise ValueError(f"pp * v = {L.pp} * {L.v} must divide n_layer={base.n_layer}: every chunk holds whole layers")
-    if L.ep > 1 and n_experts == 1:
-        raise ValueError(f"ep={L.ep} needs a mixture-of-experts model (this one is dense)")
-    # per_gpu_memory checks tp against heads and d_ff, ep against the experts
+    # the rule book (course_lib.dims): every chunk at least one block (uneven splits run and are
+    # costed by their busiest rank); the sequence shared whole by sequence parallelism; per_gpu_memory
+    # checks tp against heads and d_ff, ep against the experts
+    layers_per_rank(base.n_layer, L.pp, L.v)
+    check_sequence_parallel(L.sequence_parallel, L.tp, seq)
     per_gpu_memory(config, 1, seq, "fp32", 0, L.dp, L.tp, L.pp, L.ep)
     return seq
 
@@ -72,7 +74,9 @@ def memory_per_rank(config, layout: Layout, seq: int | None = None, recipe: str 
     mem = per_gpu_memory(config, L.micro_batch, seq, recipe, L.zero_stage, L.dp, L.tp, L.pp, L.ep, L.recompute,
                          attention=attention, sequence_parallel=L.sequence_parallel)
     if L.pp > 1:
-        factor = {"gpipe": L.m / L.pp, "interleaved_1f1b": 1 + (L.pp - 1) / (L.pp * L.v)}.get(L.schedule, 1.0)
+        # 1F1B and ZB-H1 hold min(m, pp) micro-batches on stage 0: all of them when m < pp
+        factor = {"gpipe": L.m / L.pp, "interleaved_1f1b": 1 + (L.pp - 1) / (L.pp * L.v)}.get(
+            L.schedule, min(L.m, L.pp) / L.pp)
         mem["activations"] = int(mem["activations"] * factor)
         mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
     return mem
@@ -118,7 +122,7 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
     tokens = batch * seq
     flops = flops_per_token(config, seq, causal=causal) * tokens
     compute = flops / (L.n_gpus * C.achievable_flops)
-    layers = base.n_layer // L.pp  # per rank, over its v chunks
+    layers = max(layers_per_rank(base.n_layer, L.pp, L.v))  # the busiest rank's, over its v chunks
     # fixed cost: every layer's ops (and the embedding, head and loss: one layer's worth on the
     # busiest end rank) once per micro-batch, whatever their size
     overhead = (layers + 1) * L.m * C.layer_overhead
@@ -168,7 +172,6 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
     busy = compute + overhead + recompute + tp + pp + ep
     bubble = 0.0
     if L.pp > 1:
-        from course_lib.parallel.pp.bubble import formula_for  # the schedules' own formulas
         f = formula_for(L.schedule, L.pp, L.m, L.v)
         # a device per rank: busy / (1 - f) in all. Ranks sharing fewer cores: busy was measured
         # with every rank running; alone a rank runs n / cores times faster, and the step

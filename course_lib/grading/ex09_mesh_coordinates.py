@@ -21,7 +21,12 @@ from __future__ import annotations
 
 import math
 
+from course_lib.estimate.params import LLAMA3_405B
 from course_lib.grading import check_close, check_equal
+from course_lib.parallel.hybrid import ParallelDims
+from course_lib.parallel.mesh import make_mesh
+from course_lib.parallel.topology import traffic_per_step
+from course_lib.runtime.pool import run_on_ranks
 
 DIMS = ("pp", "dp", "ep", "tp")  # make_mesh's order, outermost first
 NAIVE = ("tp", "ep", "dp", "pp")  # the reverse: pp varies fastest
@@ -31,7 +36,10 @@ NAIVE = ("tp", "ep", "dp", "pp")  # the reverse: pp varies fastest
 # also refuses `from ... import *`. mesh_groups (course_lib.parallel.mesh, re-exported by
 # course_lib.parallel and course_lib) computes make_mesh's groups without processes.
 REFUSE = ("course_lib.parallel.topology", "course_lib.parallel.mesh.mesh_groups",
-          "course_lib.parallel.mesh_groups", "course_lib.mesh_groups")
+          "course_lib.parallel.mesh_groups", "course_lib.mesh_groups",
+          # where the geometry lives (course_lib.dims), topology re-exporting it
+          "course_lib.dims.coordinates", "course_lib.dims.rank_of", "course_lib.dims.groups",
+          "course_lib.dims.link_of")
 
 SMALL = dict(pp=2, dp=2, ep=1, tp=2)  # 8 ranks
 # The meshes built on 8 real ranks: (sizes, order). One launch builds all of them.
@@ -54,8 +62,6 @@ def mesh_facts(cases):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from course_lib.parallel.mesh import make_mesh
-
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # make_mesh's rule
     out = []
     for sizes, order in cases:
@@ -74,8 +80,6 @@ _FACTS: list = []  # one launch per kernel: [per rank: [per case: (coords, group
 
 def real_mesh_facts():
     if not _FACTS:
-        from course_lib.runtime.pool import run_on_ranks
-
         _FACTS.extend(run_on_ranks(mesh_facts, REAL_CASES, world_size=8, timeout_s=120))
     return _FACTS
 
@@ -209,10 +213,6 @@ BY_HAND_INTER = {DIMS: ("pp", "dp"), NAIVE: ("tp", "pp", "dp")}  # from BY_HAND_
 def llama3_traffic() -> dict:
     """Bytes per rank and step of each dimension for Llama 3 405B on BIG (bf16, 128 sequences of
     8192 tokens, 16 micro-batches), from the course's traffic model (notebook 09, section 7)."""
-    from course_lib.estimate.params import LLAMA3_405B
-    from course_lib.parallel.hybrid import ParallelDims
-    from course_lib.parallel.topology import traffic_per_step
-
     dims = ParallelDims(**BIG, microbatches=16)
     return {d: row["bytes_per_rank"] for d, row in traffic_per_step(LLAMA3_405B, dims, 128, seq=8192,
                                                                        dtype_bytes=2).items()}

@@ -37,10 +37,16 @@ import contextlib
 import itertools
 from dataclasses import dataclass, replace
 
+from course_lib.data import CharDataset
+from course_lib.estimate import planner, planner_figures
 from course_lib.estimate.layout import Cluster, Layout
 from course_lib.estimate.step_time import memory_per_rank, step_time
 from course_lib.grading import CheckFailed, check_close
+from course_lib.measure.validation import load_validation
+from course_lib.model import GPTConfig
+from course_lib.parallel.hybrid import ParallelDims, run_hybrid, train_single
 from course_lib.tolerances import adamw_loss_atol
+from course_lib.train import TrainConfig
 
 # The planner and everything that wraps it (the widget of notebook 10), under every name a
 # module could reach it by; course_lib.estimate.plan / search guard a future re-export.
@@ -83,10 +89,6 @@ class Problem:
 
 def stated_problem() -> Problem:
     """The exercise's problem: notebook 10's measured 8-rank cluster with 120 KiB per device."""
-    from course_lib.data import CharDataset
-    from course_lib.estimate.validation import load_validation
-    from course_lib.model import GPTConfig
-
     seq = 16
     model = GPTConfig(vocab_size=CharDataset("train", seq).vocab_size, block_size=seq, n_layer=2, n_head=2,
                       d_model=16)
@@ -96,8 +98,6 @@ def stated_problem() -> Problem:
 
 # ------------------------------------------------------------------ what the 3D trainer runs
 def dims_of(layout: Layout):
-    from course_lib.parallel.hybrid import ParallelDims
-
     return ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero_stage, microbatches=layout.m,
                         activation_checkpointing=layout.recompute == "full")
 
@@ -116,12 +116,14 @@ def why_not_runnable(layout, p: Problem) -> str | None:
         return f"recompute={layout.recompute!r}: the 3D trainer recomputes whole blocks ('full') or nothing"
     if layout.n_gpus != p.cluster.n_gpus:
         return f"dp*tp*pp = {layout.n_gpus} must use all {p.cluster.n_gpus} devices"
+    if layout.m < layout.pp:  # the problem's choice, not the rule book's: the trainer runs m < pp too
+        return f"m={layout.m} < pp={layout.pp}: this problem asks for at least one micro-batch per stage"
     if layout.dp * layout.m * layout.micro_batch != p.global_batch:
         return (f"dp*m*micro_batch = {layout.dp * layout.m * layout.micro_batch} must be the global batch "
                 f"{p.global_batch}")
     try:
         dims_of(layout).check(p.cluster.n_gpus, p.config, p.global_batch)
-        memory_per_rank(p.config, layout, p.seq, p.recipe)  # the estimator's own rules (pp | n_layer, ...)
+        memory_per_rank(p.config, layout, p.seq, p.recipe)  # and the estimator costs it
     except ValueError as err:
         return str(err)
     return None
@@ -138,7 +140,7 @@ def runnable_layouts(p: Problem) -> list[Layout]:
         try:
             lay = Layout(dp=dp, tp=tp, pp=n // (dp * tp), m=p.global_batch // (dp * mb), micro_batch=mb,
                          zero_stage=zero, recompute=rc)
-        except ValueError:  # m < pp under 1F1B
+        except ValueError:  # a layout the rule book (course_lib.dims) refuses
             continue
         if why_not_runnable(lay, p) is None:
             out.append(lay)
@@ -174,8 +176,6 @@ def facts(p: Problem) -> dict:
 @contextlib.contextmanager
 def planner_unavailable():
     """The planner's entry points raise while the learner's functions run."""
-    from course_lib.estimate import planner, planner_figures
-
     def refused(*args, **kwargs):
         raise CheckFailed("the planner is not available in this exercise: choose with the estimator's formulas "
                           "(memory_per_rank, step_time), then compare with plan(...) afterwards")
@@ -278,9 +278,6 @@ def check_rejected(answer, chosen, p: Problem):
 
 def check_trains(layout, p: Problem, steps: int = 2, timeout_s: float = 240):
     """Train `steps` steps of the chosen layout on real ranks, against the single process."""
-    from course_lib.parallel.hybrid import run_hybrid, train_single
-    from course_lib.train import TrainConfig
-
     dims = dims_of(layout)
     train = TrainConfig(steps=steps, batch_size=p.global_batch, lr=1e-2, progress=False)
     ranks = run_hybrid(dims, p.config, train, timeout_s=timeout_s)

@@ -12,8 +12,7 @@ e.g. dp=2, tp=2 on 4 ranks: tp groups {0,1} {2,3}; dp groups {0,2} {1,3}.
 from __future__ import annotations
 
 from course_lib._validate import check_int
-
-MESH_DIMS = ("pp", "dp", "ep", "tp")
+from course_lib.dims import MESH_DIMS, ParallelDims
 
 
 def check_mesh(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, int]:
@@ -48,12 +47,15 @@ def mesh_groups(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int 
     return groups
 
 
-def make_mesh(dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, device_type: str | None = None):
-    """Inside rank code: a DeviceMesh with dims ("pp", "dp", "ep", "tp").
+def make_mesh(dp=1, tp: int = 1, pp: int = 1, ep: int = 1, device_type: str | None = None):
+    """Inside rank code: a DeviceMesh with dims ("pp", "dp", "ep", "tp"), from the degrees or
+    from a whole layout: make_mesh(dims) with a course_lib.dims.ParallelDims.
 
     `mesh["tp"].get_group()` is this rank's tensor-parallel process group, and so on.
     device_type defaults to "cuda" with the NCCL backend, else "cpu".
     """
+    if isinstance(dp, ParallelDims):
+        return make_mesh(**dp.sizes(), device_type=device_type)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

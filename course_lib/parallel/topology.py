@@ -29,15 +29,14 @@ Time on a link: ring all-reduce 2(N-1) alpha + 2(N-1)/N S/beta; point-to-point a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from course_lib._validate import check_int
 from course_lib.comm.costmodel import CLUSTERS, LinkModel
-from course_lib.parallel.mesh import MESH_DIMS
-
-TOPOLOGY_AWARE = ("pp", "dp", "ep", "tp")  # outermost -> innermost (make_mesh's order)
-NAIVE = ("tp", "ep", "dp", "pp")  # tp outermost: its ranks sit gpus_per_node or more apart
+# the mesh geometry (orders, rank <-> coordinates, groups, which link a dimension crosses) is
+# course_lib.dims': re-exported here, where notebook 09 and the traffic model read it
+from course_lib.dims import MESH_DIMS, NAIVE, TOPOLOGY_AWARE, check_order, coordinates, groups, link_of, rank_of
+from course_lib.estimate.params import param_breakdown, param_count
+from course_lib.parallel.tp.costs import step_communication
 
 
 @dataclass(frozen=True)
@@ -56,63 +55,8 @@ DGX_A100 = ClusterShape(8, CLUSTERS["A100 NVLink 3 (intra-node)"], CLUSTERS["HDR
                         "DGX A100 nodes: NVLink 3 inside, HDR InfiniBand 200 Gb/s between")
 
 
-def check_order(order) -> tuple[str, ...]:
-    order = tuple(order)
-    if sorted(order) != sorted(MESH_DIMS):
-        raise ValueError(f"order={order!r} must be a permutation of {MESH_DIMS}")
-    return order
-
-
-def coordinates(rank: int, sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[str, int]:
-    """{dim: index} of `rank` (the last dim of `order` varies fastest)."""
-    order = check_order(order)
-    world = math.prod(sizes[d] for d in order)
-    if not 0 <= rank < world:
-        raise ValueError(f"rank={rank} must be in [0, {world})")
-    out = {}
-    for d in reversed(order):
-        out[d] = rank % sizes[d]
-        rank //= sizes[d]
-    return {d: out[d] for d in MESH_DIMS}
-
-
-def rank_of(coords: dict[str, int], sizes: dict[str, int], order=TOPOLOGY_AWARE) -> int:
-    rank = 0
-    for d in check_order(order):
-        rank = rank * sizes[d] + coords[d]
-    return rank
-
-
-def groups(sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[str, list[list[int]]]:
-    """For each dim, its groups: the ranks that differ only in that dim's index."""
-    order = check_order(order)
-    world = math.prod(sizes[d] for d in order)
-    out = {}
-    for dim in MESH_DIMS:
-        seen: dict[tuple, list[int]] = {}
-        for r in range(world):
-            c = coordinates(r, sizes, order)
-            seen.setdefault(tuple(v for k, v in c.items() if k != dim), []).append(r)
-        out[dim] = list(seen.values())
-    return out
-
-
-def link_of(dim: str, sizes: dict[str, int], gpus_per_node: int, order=TOPOLOGY_AWARE) -> str:
-    """"intra" if every group of `dim` sits inside one node, else "inter" ("none" for size 1)."""
-    check_int("gpus_per_node", gpus_per_node)
-    if sizes[dim] == 1:
-        return "none"
-    order = check_order(order)
-    stride = math.prod(sizes[d] for d in order[order.index(dim) + 1:])
-    # Groups are {base + k*stride}; all of them fit a node iff the span does and never straddles.
-    span = stride * sizes[dim]
-    return "intra" if span <= gpus_per_node and gpus_per_node % span == 0 else "inter"
-
-
 def tp_replicated_params(config) -> int:
     """Parameters every tp rank keeps whole: norms, row-parallel biases, a position table."""
-    from course_lib.estimate.params import param_breakdown
-
     parts, bias = param_breakdown(config), int(getattr(config, "bias", False))
     return config.n_layer * (parts["norms"] + 2 * config.d_model * bias) + parts["final_norm"] + parts["position"]
 
@@ -121,8 +65,6 @@ def traffic_per_step(config, dims, batch_size: int, seq: int | None = None, dtyp
     """{dim: {"op", "bytes_sent" (summed over all ranks), "bytes_per_rank", "message_bytes"}} of
     one step under `dims` (a ParallelDims), from the formulas in the module docstring. dp counts
     its flat units as one (the padding of each extra unit adds < dp elements per rank)."""
-    from course_lib.parallel.tp.costs import step_communication
-
     s = config.block_size if seq is None else seq
     e, d, m, R = dtype_bytes, config.d_model, dims.microbatches, dims.dp * dims.ep
     b, world = batch_size // R, dims.world_size
@@ -163,8 +105,6 @@ def total_params(config) -> int:
     n_experts MLPs and a router (d x E, no bias)."""
     from dataclasses import replace
 
-    from course_lib.estimate.params import param_breakdown, param_count
-
     experts = getattr(config, "n_experts", 0)
     if not experts:
         return param_count(config)
@@ -175,8 +115,6 @@ def total_params(config) -> int:
 
 def dense_params(config) -> int:
     """Parameters outside the experts (all of them for a dense model)."""
-    from course_lib.estimate.params import param_breakdown
-
     experts = getattr(config, "n_experts", 0)
     if not experts:
         return total_params(config)

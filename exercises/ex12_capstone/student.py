@@ -13,7 +13,8 @@ it holds the answer, and the checks refuse a module that uses it.
 A layout here is one the course's 3D trainer runs: `Layout(dp, tp, pp, m, micro_batch,
 zero_stage, recompute)` with ep = 1, v = 1, schedule "1f1b", no sequence parallelism, zero_stage
 0 or 1, recompute "none" or "full"; dp * tp * pp = cluster.n_gpus and dp * m * micro_batch =
-global_batch. Which of those are valid for this model is part of the exercise.
+global_batch; and, as this problem asks, m >= pp (1F1B in its steady state: the trainer also runs
+fewer micro-batches than stages, all of them in the warm-up). Which of those are valid for this model is part of the exercise.
 """
 
 from course_lib.estimate.step_time import Layout, memory_per_rank, step_time  # noqa: F401

@@ -12,7 +12,7 @@ def divisors(n: int) -> list[int]:
 def candidates(config, cluster, global_batch: int, seq: int, recipe: str):
     """(layout, seconds, bytes per rank) of every layout the 3D trainer runs here: dp * tp * pp =
     every device, tp dividing the heads (and so d_model and the MLP), pp dividing the layers,
-    dp * m * micro_batch = the batch, m >= pp for 1F1B, ZeRO 0 or 1 (1 only with dp > 1),
+    dp * m * micro_batch = the batch, m >= pp (the problem's), ZeRO 0 or 1 (1 only with dp > 1),
     whole-block recomputation or none."""
     out = []
     for tp in divisors(config.n_head):
@@ -24,7 +24,7 @@ def candidates(config, cluster, global_batch: int, seq: int, recipe: str):
                 continue
             for micro_batch in divisors(global_batch // dp):
                 m = global_batch // dp // micro_batch
-                if m < pp:  # 1F1B needs a micro-batch for every stage
+                if m < pp:  # the problem asks for a micro-batch for every stage
                     continue
                 for zero in (0, 1) if dp > 1 else (0,):
                     for recompute in ("none", "full"):

@@ -38,7 +38,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib import estimate, units
-from course_lib.estimate import calculator
+from course_lib.estimate import calculator, calculator_widget
 from course_lib.techniques.amp import MixedPrecisionOptimizer
 from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.model import GPT, GPTConfig
@@ -572,11 +572,13 @@ for (label, _), r in zip(ladder, results):
 # Invalid layouts are rejected with the rule they break, before anything is computed:
 
 # %%
-for bad in (dict(tp=5), dict(pp=5), dict(ep=2), dict(zero_stage=4)):
+for bad in (dict(tp=5), dict(pp=97), dict(ep=2), dict(zero_stage=4)):
     try:
         estimate.per_gpu_memory(estimate.GPT3_175B, **bad)
     except ValueError as err:
         print(f"{bad}: ValueError: {err}")
+    else:
+        raise AssertionError(f"{bad} was accepted")
 
 # %% [markdown]
 # **Try it.** In a live Jupyter kernel the widget below lets you pick a preset (the course GPT,
@@ -598,7 +600,7 @@ for bad in (dict(tp=5), dict(pp=5), dict(ep=2), dict(zero_stage=4)):
 # %% tags=["nbval-ignore-output"]
 from course_lib.widgets import show_interactive
 
-show_interactive(lambda: calculator.calculator_view(), lambda: calculator.MemoryCalculator())
+show_interactive(lambda: calculator_widget.calculator_view(), lambda: calculator_widget.MemoryCalculator())
 
 # %% [markdown]
 # ## What to remember

@@ -36,7 +36,7 @@ from course_lib.comm.costmodel import CLUSTERS
 from course_lib.data import CharDataset
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.pp import (Action, Schedule, ScheduleError, check_schedule, in_flight, make_schedule,
-                                    run_pipeline, schedule_events, simulate, split_blocks, stage_tensors)
+                                    run_pipeline, schedule_events, simulate, split_layers, stage_tensors)
 from course_lib.parallel.pp.bubble import formula_for, measure_schedules, measured_bubble
 from course_lib.parallel.pp.native import run_native
 from course_lib.parallel.pp.viz import messages_per_step, plot_schedule
@@ -80,7 +80,7 @@ def side_by_side(run, title):
 
 # %%
 for n_layer, stages in ((8, 4), (5, 2), (9, 4)):
-    print(f"{n_layer} blocks on {stages} stages:", [list(r) for r in split_blocks(n_layer, stages)])
+    print(f"{n_layer} blocks on {stages} stages:", [list(r) for r in split_layers(n_layer, stages)])
 
 # %% [markdown]
 # Feed the whole batch through: rank 0 computes its forward and sends the activation to rank 1,

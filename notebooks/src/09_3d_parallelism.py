@@ -157,14 +157,17 @@ torch.testing.assert_close(torch.tensor(results[0].grad_norms), torch.tensor(ref
 assert diff.pow(2).mean().sqrt() < TRAIN.lr / 100 and min(reference.grad_norms) > TRAIN.grad_clip
 
 # %% [markdown]
-# **One global norm.** Each strategy had its own clip; composed, a rank holds pieces of
-# several kinds. Rank `r` weights parameter `p`'s squared norm by
+# **One global norm.** Every strategy clips with the same function, each with its own
+# weights; composed, a rank holds pieces of several kinds. Every rank weights parameter `p`'s
+# squared norm by one over the number of identical copies of it in the world,
 #
-# $$w(p, r) = [p \text{ tp-sharded or } tp_i = 0]\,[p \text{ an expert or } ep_i = 0]\,
-# [p \text{ not the last stage's tied copy}]\,[\text{ZeRO-1 shard or } dp_i = 0]$$
+# $$w(p) = \frac{1}{c_{tp}(p)\,c_{ep}(p)\,c_{pp}(p)\,c_{dp}(p)},\quad
+# c_{tp} = 1 \text{ if tp-sharded, else } tp;\; c_{ep} = 1 \text{ for an expert, else } ep;\;
+# c_{pp} = 2 \text{ for the tied matrix, else } 1;\; c_{dp} = 1 \text{ for a ZeRO-1 shard, else } dp$$
 #
-# and **one** all-reduce over the world of $\sum_p w(p,r)\,\|g_p\|^2$ gives $\|g\|^2$ with
-# every element counted once (`clip_grad_norm_hybrid` in `course_lib/parallel/hybrid/compose.py`).
+# and **one** all-reduce over the world of $\sum_p w(p)\,\|g_p\|^2$ gives $\|g\|^2$ with
+# every element counted once (`clip_grad_norm_hybrid` in `course_lib/parallel/hybrid/compose.py`
+# hands these weights to `course_lib/parallel/clip.py`).
 
 # %% [markdown]
 # ## 4. What each dimension sends: measured against the model

@@ -13,22 +13,18 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.model import GPT
-from course_lib.parallel.dp.ddp import DDP, naive_all_reduce_gradients
+from course_lib.parallel.dp.apply import apply_data_parallel, check_strategy
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
 from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
 
-STRATEGIES = ("ddp", "naive", "torch")
-
-
 def _check_run(strategy, accum_steps, batch_size, world_size):
-    if not callable(strategy) and strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES} or a callable wrap(model, group)")
+    check_strategy(strategy)
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1")
     if batch_size % (world_size * accum_steps):
@@ -59,23 +55,7 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
     dataset = CharDataset("train", block_size=model_config.block_size)
     dev = rank_device()  # the CPU under gloo, this rank's GPU under NCCL
     model = (model_fn or GPT)(model_config, seed=train_cfg.seed).to(dev)
-    sync_gradients = None
-    if callable(strategy):
-        wrapped = strategy(model, group)
-    elif strategy == "ddp":
-        wrapped = DDP(model, group=group, timeline=timeline, **ddp_kwargs)
-    elif strategy == "torch":
-        ids = [dev.index] if dev.type == "cuda" else None
-        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group, **ddp_kwargs)
-    else:
-        wrapped = model
-
-        def naive_sync():  # one all-reduce per parameter, after backward
-            with timeline.span("all-reduce", "comm") if timeline is not None else contextlib.nullcontext():
-                naive_all_reduce_gradients(model, group)
-        sync_gradients = naive_sync
-    if hasattr(wrapped, "finish_gradient_synchronization"):
-        sync_gradients = wrapped.finish_gradient_synchronization  # ours: a no-op, it ran during backward
+    dp = apply_data_parallel(model, group, strategy, timeline, **ddp_kwargs)
     optimizer = make_optimizer(model, train_cfg)
     gen = torch.Generator().manual_seed(train_cfg.seed)
     share = train_cfg.batch_size // n
@@ -89,8 +69,8 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
             x, y = (t.to(dev) for t in collate(dataset, idx))
             # Clip the plain model's gradients: after the average every rank holds the global
             # gradient, so its norm is the reference's.
-            loss = train_step(wrapped, optimizer, x, y, train_cfg.grad_clip, accum_steps=accum_steps,
-                              no_sync=getattr(wrapped, "no_sync", None), sync_gradients=sync_gradients,
+            loss = train_step(dp.module, optimizer, x, y, train_cfg.grad_clip, accum_steps=accum_steps,
+                              no_sync=dp.no_sync, sync_gradients=dp.sync_gradients,
                               clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c),
                               timeline=timeline)
             result.train_losses.append(loss)
@@ -109,8 +89,6 @@ def run_data_parallel(world_size: int, model_config, train_cfg, strategy: str = 
                       **kwargs) -> list[TrainResult]:
     """Parent side: validate, then run train_data_parallel on `world_size` ranks (run_on_ranks'
     backend/timeout_s/check_collectives; other kwargs go to train_data_parallel)."""
-    from course_lib.runtime import run_on_ranks
-
     _check_run(strategy, accum_steps, train_cfg.batch_size, world_size)
     return run_on_ranks(train_data_parallel, model_config, train_cfg, strategy, accum_steps, world_size=world_size,
                         backend=backend, timeout_s=timeout_s, check_collectives=check_collectives, **kwargs)

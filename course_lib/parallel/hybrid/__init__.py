@@ -1,8 +1,8 @@
 """3D and 4D parallelism on one device mesh (notebook 09): the strategies composed, not re-implemented.
 
-    dims.py      ParallelDims(dp, tp, pp, ep, zero, virtual_stages, microbatches, schedule,
-                 sequence_parallel).check(world_size, config, batch_size): every impossible layout
-                 rejected with its rule, in the parent, before any rank starts
+    ParallelDims (course_lib/dims.py, below this package and course_lib.estimate): the degrees
+                 and options; .check(world_size, config, batch_size) rejects every impossible
+                 layout with its rule, in the parent, before any rank starts
     compose.py   build_hybrid: make_mesh -> apply_tensor_parallel (tp) -> apply_expert_parallel (ep)
                  -> build_stage (pp) -> ZeRO-1 / AdamW over dp; sync_gradients; the ONE global-norm
                  clip (clip_grad_norm_hybrid) that counts each shard once across every dimension
@@ -13,15 +13,15 @@
 Rank placement and each dimension's traffic model live in course_lib/parallel/topology.py.
 """
 
+from course_lib.dims import COMPOSED_ZERO_STAGES, PRECISIONS, ParallelDims
 from course_lib.parallel.hybrid.compose import (HybridParts, build_hybrid, clip_grad_norm_hybrid, count_weights,
                                                 make_hybrid_optimizer, sync_gradients, trained_module)
-from course_lib.parallel.hybrid.dims import PRECISIONS, ZERO_STAGES, ParallelDims
 from course_lib.parallel.hybrid.training import (HybridResult, dimension_of, make_forward_backward, merged_params,
                                                  owned_params, precision_context, run_hybrid, traffic_by_dimension,
                                                  train_hybrid,
                                                  train_single)
 
-__all__ = ["ParallelDims", "ZERO_STAGES", "HybridParts", "build_hybrid", "make_hybrid_optimizer", "sync_gradients",
+__all__ = ["ParallelDims", "COMPOSED_ZERO_STAGES", "HybridParts", "build_hybrid", "make_hybrid_optimizer", "sync_gradients",
            "clip_grad_norm_hybrid", "count_weights", "trained_module", "HybridResult", "train_hybrid", "run_hybrid",
            "train_single", "merged_params", "traffic_by_dimension", "dimension_of", "make_forward_backward",
            "owned_params", "precision_context", "PRECISIONS"]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 
+from course_lib.estimate import per_gpu_memory
+from course_lib.estimate.params import MoEConfig
 from course_lib.model import GPTConfig
-from course_lib.parallel.hybrid.dims import ParallelDims
+from course_lib.dims import ParallelDims
 from course_lib.parallel import topology
 from course_lib.units import fmt_bytes
 
@@ -38,9 +40,6 @@ LAYOUT_NAMES = {layout_name(s): s for s in LAYOUTS}
 def memory_per_rank(sizes: dict) -> int:
     """Bytes on the busiest rank for MODEL (bf16 mixed, ZeRO-1 over dp, micro-batch 1)."""
     from dataclasses import replace
-
-    from course_lib.estimate import per_gpu_memory
-    from course_lib.estimate.params import MoEConfig
 
     config = MoEConfig(replace(MODEL, n_experts=0), n_experts=MODEL.n_experts, top_k=MODEL.top_k)
     return per_gpu_memory(config, batch=1, seq=MODEL.block_size, zero_stage=1, **sizes)["total"]

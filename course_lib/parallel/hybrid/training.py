@@ -21,8 +21,11 @@ from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hybrid, make_hybrid_optimizer,
                                                 sync_gradients, trained_module)
-from course_lib.parallel.hybrid.dims import ParallelDims
+from course_lib.dims import ParallelDims
+from course_lib.parallel.mesh import mesh_groups
 from course_lib.parallel.pp import run_schedule
+from course_lib.parallel.tp import gather_full_state_dict
+from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.techniques.activation_checkpointing import recompute_in_place
 from course_lib.train import TrainResult, make_optimizer, train_step
@@ -40,6 +43,7 @@ class HybridResult(TrainResult):
     named_params: dict = field(default_factory=dict)
     traffic: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)  # bytes measured on this rank, when the run measured them
+    resumed_from: str = ""  # a run resumed from a checkpoint: "saved at dp2·tp2·pp2, loading at dp1·tp2·pp2"
 
 
 def dimension_of(group_ranks, groups_by_dim: dict[str, list[list[int]]], world_size: int) -> str:
@@ -53,8 +57,6 @@ def dimension_of(group_ranks, groups_by_dim: dict[str, list[list[int]]], world_s
 
 
 def traffic_by_dimension(records, dims: ParallelDims, world_size: int) -> dict[str, dict[str, int]]:
-    from course_lib.parallel.mesh import mesh_groups
-
     groups = mesh_groups(world_size, dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep)
     out: dict[str, dict[str, int]] = {}
     for r in records:
@@ -69,8 +71,6 @@ def traffic_by_dimension(records, dims: ParallelDims, world_size: int) -> dict[s
 def owned_params(parts) -> dict[str, torch.Tensor]:
     """{single-process name: full tensor} of the parameters this rank trains (collective over tp)."""
     if parts.dims.tp > 1:
-        from course_lib.parallel.tp import gather_full_state_dict
-
         full = gather_full_state_dict(parts.model)
     else:
         full = {n: p.detach() for n, p in parts.model.named_parameters()}
@@ -198,8 +198,6 @@ def train_single(model_config, train_cfg, precision: str = "fp32", activation_ch
 def run_hybrid(dims: ParallelDims, model_config, train_cfg, timeout_s: float = 300, trace: bool = False,
                **kwargs) -> list[HybridResult]:
     """Parent side: validate every rule (ParallelDims.check), then train on dims.world_size ranks."""
-    from course_lib.runtime import run_on_ranks
-
     dims.check(None, model_config, train_cfg.batch_size)
     return run_on_ranks(train_hybrid, dims, model_config, train_cfg, trace=trace, world_size=dims.world_size,
                         timeout_s=timeout_s, **kwargs)

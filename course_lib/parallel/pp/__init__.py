@@ -21,7 +21,7 @@ from course_lib.parallel.pp.schedules import (
     schedule_events,
     simulate,
 )
-from course_lib.parallel.pp.stage import PipelineStage, build_stage, split_blocks
+from course_lib.parallel.pp.stage import PipelineStage, build_stage, split_layers
 from course_lib.parallel.pp.training import (
     PipelineResult,
     check_pipeline,
@@ -32,7 +32,7 @@ from course_lib.parallel.pp.training import (
 )
 
 __all__ = [
-    "build_stage", "PipelineStage", "split_blocks", "run_schedule",
+    "build_stage", "PipelineStage", "split_layers", "run_schedule",
     "SCHEDULES", "Action", "Schedule", "ScheduleError", "make_schedule", "check_schedule", "simulate",
     "in_flight", "schedule_events",
     "train_pipeline", "run_pipeline", "check_pipeline", "PipelineResult", "clip_grad_norm_pipeline",

@@ -1,4 +1,4 @@
-"""The pipeline bubble: formulas, and the bubble measured from a run's timeline.
+"""The pipeline bubble measured from a run's timeline, against the formulas (course_lib.estimate.bubble).
 
 With p stages, m micro-batches and every stage taking t_F + t_B per micro-batch, GPipe and
 1F1B keep each rank busy m(t_F + t_B) out of a step that lasts (m + p - 1)(t_F + t_B): the
@@ -18,30 +18,25 @@ that is (p - 1) t in a step of 3 m t + (p - 1) t:
 
     bubble = (p - 1) / (3 m + p - 1)      for m >= p      (Qi et al., 2023)
 
+(and (2p - m - 1)/(2m + 2p - 1) for m < p, from the schedule's own simulation).
+
 Measured: on each rank, 1 - (time in F, B or W) / (the step's span from the first action of
 any rank to the last), averaged over the ranks.
 """
 
 from __future__ import annotations
 
+# the formulas live with the other formulas (course_lib.estimate); measured here against them
+from course_lib.estimate.bubble import bubble_fraction, formula_for, zero_bubble_fraction  # noqa: F401
+from course_lib.model import GPT
+from course_lib.observe.timeline import Timeline
+from course_lib.parallel.pp.runner import run_schedule
+from course_lib.parallel.pp.stage import build_stage
+from course_lib.parallel.pp.training import check_pipeline
+from course_lib.runtime import run_on_ranks
+from course_lib.runtime.device import rank_device
+
 COMPUTE = ("forward", "backward", "weight-grad")
-
-
-def bubble_fraction(p: int, m: int, v: int = 1) -> float:
-    """(p - 1) / (v m + p - 1): GPipe and 1F1B (v = 1), interleaved 1F1B (v chunks)."""
-    return (p - 1) / (v * m + p - 1)
-
-
-def zero_bubble_fraction(p: int, m: int) -> float:
-    """ZB-H1 with t_F = t_B = t_W and m >= p: (p - 1) / (3 m + p - 1)."""
-    return (p - 1) / (3 * m + p - 1)
-
-
-def formula_for(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """The bubble formula of a named schedule."""
-    if schedule == "zero_bubble":
-        return zero_bubble_fraction(p, m)
-    return bubble_fraction(p, m, v if schedule == "interleaved_1f1b" else 1)
 
 
 def measured_bubble(per_rank_events: list[list[tuple]], per_rank: bool = False):
@@ -72,12 +67,6 @@ def time_schedules(model_config, runs, micro_batch: int = 2, action_seconds: dic
     The batch is m * micro_batch sequences (fixed micro-batch size, so memory compares)."""
     import torch
 
-    from course_lib.model import GPT
-    from course_lib.observe.timeline import Timeline
-    from course_lib.parallel.pp.runner import run_schedule
-    from course_lib.parallel.pp.stage import build_stage
-    from course_lib.runtime.device import rank_device
-
     dev, out, stages = rank_device(), [], {}
     for schedule, m, v in runs:
         if v not in stages:
@@ -103,9 +92,6 @@ def measure_schedules(world_size: int, model_config, runs, micro_batch: int = 2,
     return per run {"schedule", "p", "m", "v", "events" (per rank), "peak_bytes" (per rank),
     "bubble" (measured), "formula", "loss"}. Of the `repeats` timed steps the one with the
     smallest bubble is kept: on a shared machine the others were disturbed more."""
-    from course_lib.parallel.pp.training import check_pipeline
-    from course_lib.runtime import run_on_ranks
-
     runs = [tuple(r) + (1,) * (3 - len(r)) for r in runs]
     for schedule, m, v in runs:
         check_pipeline(model_config, world_size, schedule, m, m * micro_batch, v)

@@ -23,30 +23,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-
-def split_blocks(n_layer: int, n_stages: int) -> list[range]:
-    """The block indices of each stage: n // S each, the first n % S stages one more."""
-    if n_layer < n_stages:
-        raise ValueError(f"n_layer={n_layer} blocks cannot fill {n_stages} stages (ranks x virtual_stages): "
-                         f"every stage needs at least one block")
-    base, extra = divmod(n_layer, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        size = base + (s < extra)
-        out.append(range(start, start + size))
-        start += size
-    return out
+from course_lib.dims import split_layers
+from course_lib.model.gpt import sequence_positions
 
 
 class TokenAndPositionEmbedding(nn.Module):
-    """The GPT's input: drop(tok_emb(idx) + pos_emb(0..T-1)), sharing the model's modules."""
+    """The GPT's input: drop(tok_emb(idx) + pos_emb(pos)), pos = 0..T-1 unless given, sharing
+    the model's modules (GPT.forward's first line)."""
 
     def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding, drop: nn.Module):
         super().__init__()
         self.tok_emb, self.pos_emb, self.drop = tok_emb, pos_emb, drop
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        pos = sequence_positions(idx, self.pos_emb.num_embeddings, pos)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
 
@@ -57,13 +47,16 @@ class StageChunk(nn.Module):
         super().__init__()
         self.stage_index, self.block_ids = stage_index, block_ids
         first, last = stage_index == 0, stage_index == n_stages - 1
+        self.first = first
         self.embed = TokenAndPositionEmbedding(model.tok_emb, model.pos_emb, model.drop) if first else nn.Identity()
         self.blocks = nn.ModuleList(model.blocks[i] for i in block_ids)
         self.ln_f = model.ln_f if last else nn.Identity()
         self.head = model.head if last else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids (B, T) on the first stage (pos: their positions, default 0..T-1), else
+        the previous stage's activations (B, T, d)."""
+        x = self.embed(x, pos) if self.first else self.embed(x)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -79,7 +72,7 @@ class PipelineStage(nn.Module):
         self.virtual_stages = virtual_stages
         self.n_stages = self.n_ranks * virtual_stages
         self.vocab_size = model.config.vocab_size
-        self.blocks_per_stage = split_blocks(len(model.blocks), self.n_stages)
+        self.blocks_per_stage = split_layers(len(model.blocks), self.n_stages)
         self.chunks = nn.ModuleList(
             StageChunk(model, s, self.n_stages, self.blocks_per_stage[s])
             for s in range(self.rank, self.n_stages, self.n_ranks))
@@ -126,9 +119,10 @@ class PipelineStage(nn.Module):
         work.wait()
         weight.grad.add_(theirs)
 
-    def owns_unique(self, name: str) -> bool:
-        """False for the last stage's copy of the tied matrix (the first stage counts it)."""
-        return not (self.tied_across_ranks and name == "tok_emb.weight" and self.rank != 0)
+    def copies(self, name: str) -> int:
+        """How many ranks of the group hold parameter `name` after sum_tied_gradients: 2 for the
+        tied matrix (stage 0 and stage S-1 each hold the summed gradient), else 1."""
+        return 2 if self.tied_across_ranks and name == "tok_emb.weight" else 1
 
 
 def build_stage(model: nn.Module, group=None, virtual_stages: int = 1) -> PipelineStage:

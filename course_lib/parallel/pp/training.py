@@ -3,7 +3,8 @@
 Every rank builds the same single-process GPT from the seed, keeps its stage (build_stage) and
 draws the same batches as train_reference; train_step's forward_backward hook runs the
 schedule, and the gradient-norm clip sums the squared norms of all stages (the tied matrix
-once). So the losses and parameters after each step equal the reference's.
+counted once: weight 1/2 on each of its two stages). So the losses and parameters after each
+step equal the reference's.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import torch.distributed as dist
 from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
+from course_lib.parallel.clip import clip_grad_norm_
 from course_lib.parallel.pp.runner import run_schedule, validate_run
-from course_lib.parallel.pp.stage import build_stage, split_blocks
+from course_lib.parallel.pp.stage import build_stage, split_layers
+from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import TrainResult, make_optimizer, train_step
 
@@ -34,19 +37,11 @@ class PipelineResult(TrainResult):
 
 
 def clip_grad_norm_pipeline(stage, max_norm: float) -> torch.Tensor:
-    """Scale all gradients by min(1, max_norm / ||g||), ||g||^2 summed over every stage (the
-    tied matrix counted once). Returns the global norm."""
-    sq = torch.zeros((), device=next(stage.parameters()).device)
-    for name, p in zip(stage.param_names, stage.parameters()):
-        if p.grad is not None and stage.owns_unique(name):
-            sq += p.grad.detach().pow(2).sum()
-    dist.all_reduce(sq, group=stage.group)
-    norm = sq.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
-    for p in stage.parameters():
-        if p.grad is not None:
-            p.grad.mul_(scale)
-    return norm
+    """Scale all gradients by min(1, max_norm / (||g|| + 1e-6)) and return ||g||, summed over every
+    stage: the one weighted clip (course_lib.parallel.clip), each parameter weighted 1 / the ranks
+    holding it (the tied matrix 1/2 on the first and last stage, every other parameter 1)."""
+    pairs = [(p.grad, 1 / stage.copies(name)) for name, p in zip(stage.param_names, stage.parameters())]
+    return clip_grad_norm_(pairs, max_norm, stage.group)
 
 
 def check_pipeline(model_config, world_size: int, schedule, n_microbatches: int, batch_size: int,
@@ -56,7 +51,7 @@ def check_pipeline(model_config, world_size: int, schedule, n_microbatches: int,
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1")
-    split_blocks(model_config.n_layer, world_size * virtual_stages)
+    split_layers(model_config.n_layer, world_size * virtual_stages)
     return validate_run(schedule, world_size, virtual_stages, n_microbatches, batch_size)
 
 
@@ -104,8 +99,6 @@ def run_pipeline(world_size: int, model_config, train_cfg, schedule: str = "1f1b
                  virtual_stages: int = 1, backend: str = "auto", timeout_s: float = 120,
                  **kwargs) -> list[PipelineResult]:
     """Parent side: validate everything, then run train_pipeline on `world_size` ranks."""
-    from course_lib.runtime import run_on_ranks
-
     check_pipeline(model_config, world_size, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
     return run_on_ranks(train_pipeline, model_config, train_cfg, schedule, n_microbatches, virtual_stages,
                         world_size=world_size, backend=backend, timeout_s=timeout_s, **kwargs)

@@ -27,8 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib._validate import check_int
 from course_lib.comm.autograd import gather_along_dim
+from course_lib.dims import check_sequence_parallel, check_tp
 from course_lib.model import GPT
+from course_lib.parallel.clip import clip_grad_norm_ as weighted_clip_grad_norm_
 from course_lib.parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -51,18 +54,13 @@ class TensorParallelInfo:
 
 def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
     """Raise ValueError unless tp can split this config (call it in the parent, before any rank
-    starts): tp must divide n_head (whole heads per rank), d_model and d_ff; under sequence
-    parallelism it must divide the sequence length (seq_len, default block_size)."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp={tp!r} must be a positive int")
+    starts): the rule book's (course_lib.dims) whole heads and MLP columns per rank and, under
+    sequence parallelism, a whole sequence (seq_len, default block_size) split over the tp ranks."""
+    check_int("tp", tp)
     if getattr(config, "n_experts", 0):
         raise ValueError(f"n_experts={config.n_experts}: tensor parallelism here splits the dense GPT only")
-    for name, value in (("n_head", config.n_head), ("d_model", config.d_model), ("d_ff", config.ff_dim)):
-        if value % tp:
-            raise ValueError(f"tp={tp} must divide {name}={value}")
-    seq = config.block_size if seq_len is None else seq_len
-    if sequence_parallel and seq % tp:
-        raise ValueError(f"sequence length {seq} must be divisible by tp={tp} under sequence parallelism")
+    check_tp(tp, config.n_head, config.ff_dim)
+    check_sequence_parallel(sequence_parallel, tp, config.block_size if seq_len is None else seq_len)
 
 
 def qkv_rows(d_model: int, tp: int) -> torch.Tensor:
@@ -178,19 +176,11 @@ def full_logits(model: nn.Module, local_logits: torch.Tensor) -> torch.Tensor:
     return gather_along_dim(local_logits, -1, info.group)[..., : model.config.vocab_size]
 
 
-@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip by the global norm of the single-process gradient: ||g||^2 = (sum over shards of
-    sharded parameters, all-reduced) + (replicated parameters, counted once). Returns ||g||."""
+    """Clip by the global norm of the single-process gradient and return it: the one weighted
+    clip (course_lib.parallel.clip) over the tp group, a sharded parameter weighted 1 (its rows
+    live on this rank only), a replicated one 1/tp (the same gradient on every rank)."""
     info = _info(model)
-    sharded = {id(p) for p in sharded_parameters(model)}
-    grads = [(id(p) in sharded, p.grad) for p in model.parameters() if p.grad is not None]
-    zero = torch.zeros((), device=next(model.parameters()).device)
-    sq_sharded = sum((g.float().pow(2).sum() for s, g in grads if s), zero)
-    dist.all_reduce(sq_sharded, group=info.group)
-    sq_replicated = sum((g.float().pow(2).sum() for s, g in grads if not s), zero)
-    total = (sq_sharded + sq_replicated).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
-    for _, g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
-    return total
+    sharded, tp = {id(p) for p in sharded_parameters(model)}, dist.get_world_size(info.group)
+    pairs = [(p.grad, 1 if id(p) in sharded else 1 / tp) for p in model.parameters()]
+    return weighted_clip_grad_norm_(pairs, max_norm, info.group)

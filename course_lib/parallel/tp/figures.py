@@ -4,6 +4,7 @@ and the per-rank memory and bytes of one layer (the widget's drawing)."""
 from __future__ import annotations
 
 from course_lib.comm.costmodel import predict_time
+from course_lib.dims import check_tp
 from course_lib.estimate import activation_bytes, param_breakdown
 from course_lib.parallel.tp.costs import layer_communication
 from course_lib.units import fmt_bytes
@@ -61,8 +62,7 @@ def draw_layer_on_one_rank(fig, config, tp: int, sequence_parallel: bool, batch:
                            dtype_bytes: int = 2) -> str:
     """Left: one layer's weights and saved activations on one rank; right: bytes each rank puts on
     its ring link per layer (forward + backward) against tp, this tp marked. Returns the caption."""
-    if config.n_head % tp or config.ff_dim % tp:
-        raise ValueError(f"tp={tp} must divide n_head={config.n_head} and d_ff={config.ff_dim}")
+    check_tp(tp, config.n_head, config.ff_dim)
     h, f = config.d_model, config.ff_dim
     parts = param_breakdown(config)
     b = int(config.bias)
@@ -77,7 +77,7 @@ def draw_layer_on_one_rank(fig, config, tp: int, sequence_parallel: bool, batch:
                    "tab:blue" if sequence_parallel else "lightsteelblue"])
     ax1.set_ylabel("GiB per rank, one layer")
     ax1.set_title(f"one layer on one rank, tp={tp}", fontsize=10)
-    tps = [t for t in range(1, 65) if config.n_head % t == 0 and f % t == 0]
+    tps = valid_tp(config)
     per = [layer_communication(batch, seq, h, t, sequence_parallel, dtype_bytes) for t in tps]
     ax2.plot(tps, [(p["ring_bytes_forward"] + p["ring_bytes_backward"]) / gib for p in per], "o-")
     mine = layer_communication(batch, seq, h, tp, sequence_parallel, dtype_bytes)
@@ -100,8 +100,15 @@ LAYER_FIGSIZE = (10.0, 3.6)
 
 
 def valid_tp(config, most: int = 64) -> list[int]:
-    """The tp values that split this config: divisors of n_head that also divide d_ff."""
-    return [t for t in range(1, most + 1) if config.n_head % t == 0 and config.ff_dim % t == 0]
+    """The tp values that split this config: those the rule book (course_lib.dims.check_tp) accepts."""
+    out = []
+    for t in range(1, most + 1):
+        try:
+            check_tp(t, config.n_head, config.ff_dim)
+        except ValueError:
+            continue
+        out.append(t)
+    return out
 
 
 def _draw_layer(fig, tp, sequence_parallel, config):

@@ -21,6 +21,8 @@ from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.tp.apply import (apply_tensor_parallel, check_tensor_parallel, clip_grad_norm_, gather_full_gradients,
                                          gather_full_state_dict)
+from course_lib.parallel.tp.dtensor import apply_dtensor_tensor_parallel, clip_grad_norm_dtensor
+from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
 
@@ -64,8 +66,6 @@ def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = Fal
         apply_tensor_parallel(model, group, sequence_parallel)
         clip = lambda c: clip_grad_norm_(model, c)  # noqa: E731
     else:
-        from course_lib.parallel.tp.dtensor import apply_dtensor_tensor_parallel, clip_grad_norm_dtensor
-
         apply_dtensor_tensor_parallel(model, group, sequence_parallel)
         clip = lambda c: clip_grad_norm_dtensor(model, c)  # noqa: E731
     optimizer = make_optimizer(model, train_cfg)
@@ -103,10 +103,8 @@ def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = Fal
 
 def run_tensor_parallel(tp: int, model_config, train_cfg, sequence_parallel: bool = False, impl: str = "course",
                         backend: str = "auto", timeout_s: float = 120, **kwargs) -> list[TrainResult]:
-    """Parent side: validate (tp must divide n_head, d_model, d_ff and, under sequence
-    parallelism, block_size), then run train_tensor_parallel on tp ranks."""
-    from course_lib.runtime import run_on_ranks
-
+    """Parent side: validate (check_tensor_parallel: the rule book's tp rules), then run
+    train_tensor_parallel on tp ranks."""
     _check_run(impl, model_config, train_cfg, tp, sequence_parallel)
     return run_on_ranks(train_tensor_parallel, model_config, train_cfg, sequence_parallel, impl, world_size=tp,
                         backend=backend, timeout_s=timeout_s, **kwargs)

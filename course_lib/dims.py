@@ -1,0 +1,265 @@
+"""One description of a parallel layout and THE rule book: what makes a layout valid for a model.
+
+Pure Python (no torch), below both course_lib.parallel (which runs layouts) and
+course_lib.estimate (which costs them), so both read the same rules and the same words:
+
+    MESH_DIMS = ("pp", "dp", "ep", "tp")   outermost -> innermost: tp ranks are neighbours
+    world_size = pp * dp * ep * tp
+    rank = ((pp_index * dp + dp_index) * ep + ep_index) * tp + tp_index
+
+What each degree splits (B = global batch, L = layers, E = experts, T = sequence):
+
+    tp   the weights of every matrix (heads, d_ff, vocabulary): tp | n_head, tp | d_ff;
+         with sequence parallelism also the activations outside attention/MLP: tp | T
+    pp   the layers: pp * v stages (v virtual stages per rank), split as evenly as
+         split_layers says (the first L mod S stages one block more): L >= pp * v
+    dp   the batch: B / (dp * ep) rows per replica, in m micro-batches
+    ep   the experts: E / ep per rank (ep | E); an ep rank is also a data replica
+
+The rules come in two kinds, kept apart: `check_model` is what any run of this layout needs
+(the estimator costs exactly what it accepts); `check_composable` is what the course's runtime
+(course_lib.parallel.hybrid) cannot compose yet. ParallelDims.check is both, plus the world size.
+Each rule is one ValueError naming the value and the rule, raised before any rank starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from course_lib._validate import check_int, check_one_of
+
+MESH_DIMS = ("pp", "dp", "ep", "tp")  # make_mesh's order, outermost -> innermost
+TOPOLOGY_AWARE = MESH_DIMS  # tp innermost: its ranks share a node
+NAIVE = ("tp", "ep", "dp", "pp")  # tp outermost: its ranks sit gpus_per_node or more apart
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # the pipeline schedules the course runs
+ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallelism; 1 optimizer state, 2 + gradients, 3 + parameters
+COMPOSED_ZERO_STAGES = (0, 1)  # 2 and 3 act inside backward, once per micro-batch: not composed with pp/tp
+RECOMPUTE = ("none", "selective", "full")  # selective: attention's s^2 part (Korthikanti et al. 2022)
+PRECISIONS = ("fp32", "bf16")  # bf16: torch.autocast around forward and backward, fp32 master weights
+
+
+# ---------------------------------------------------------------- the rules, one function each
+
+def check_tp(tp: int, n_head: int, d_ff: int, n_kv_head: int | None = None) -> None:
+    """Whole heads and whole MLP columns per tensor-parallel rank: tp must divide n_head (and
+    n_kv_head, d_ff). The one place this rule is written; d_model = n_head * head_dim follows."""
+    check_int("tp", tp)
+    for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head), ("d_ff", d_ff)):
+        if value is not None and value % tp:
+            raise ValueError(f"tp={tp} must divide {name}={value}")
+
+
+def check_sequence_parallel(sequence_parallel: bool, tp: int, seq: int | None = None) -> None:
+    """Sequence parallelism splits the WHOLE sequence of T = seq tokens over the tp ranks
+    (None: the sequence is not known yet, checked later)."""
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False")
+    if sequence_parallel:
+        if tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1: it splits the sequence over the tp ranks")
+        if seq is not None and seq % tp:
+            raise ValueError(f"sequence length {seq} must be divisible by tp={tp} under sequence parallelism")
+
+
+def check_schedule(schedule: str, pp: int, m: int, v: int = 1) -> None:
+    """A pipeline schedule's own rules (m micro-batches, v chunks per rank)."""
+    for name, value in (("pp", pp), ("microbatches", m), ("virtual_stages", v)):
+        check_int(name, value)
+    check_one_of("schedule", schedule, SCHEDULES)
+    if v > 1 and pp == 1:
+        raise ValueError(f"virtual_stages={v} needs pp > 1")
+    if v > 1 and schedule != "interleaved_1f1b":
+        raise ValueError(f"virtual_stages={v} needs schedule='interleaved_1f1b' ({schedule!r} runs one chunk per rank)")
+    if schedule == "interleaved_1f1b" and pp > 1 and m % pp:
+        raise ValueError(f"microbatches={m} must be a multiple of the pp={pp} ranks for interleaved_1f1b "
+                         f"(micro-batches enter the chunks in rounds of pp)")
+
+
+def split_layers(n_layer: int, n_stages: int) -> list[range]:
+    """The block indices of each of n_stages stages: n_layer // S each, the first n_layer mod S
+    one more. Every stage needs a block: n_layer >= n_stages."""
+    if n_layer < n_stages:
+        raise ValueError(f"n_layer={n_layer} blocks cannot fill {n_stages} stages (pp x virtual_stages): "
+                         f"every stage needs at least one block")
+    base, extra = divmod(n_layer, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        out.append(range(start, start + base + (s < extra)))
+        start = out[-1].stop
+    return out
+
+
+def layers_per_rank(n_layer: int, pp: int, v: int = 1) -> list[int]:
+    """Blocks held by each pipeline rank: rank r runs stages r, r + pp, ... of split_layers(n_layer, pp*v)."""
+    stages = split_layers(n_layer, pp * v)
+    return [sum(len(stages[r + k * pp]) for k in range(v)) for r in range(pp)]
+
+
+def check_experts(ep: int, n_experts: int) -> None:
+    """ep | n_experts; a dense model (n_experts 0, or 1 in the estimator's terms) has nothing to split."""
+    check_int("ep", ep)
+    if ep > 1 and n_experts <= 1:
+        raise ValueError(f"ep={ep} needs an MoE model: n_experts={n_experts} is dense")
+    if n_experts > 1 and n_experts % ep:
+        raise ValueError(f"ep={ep} must divide n_experts={n_experts}: every rank holds n_experts / ep whole experts")
+
+
+def check_batch(batch_size: int, replicas: int, microbatches: int) -> int:
+    """Every replica an equal share, cut into whole micro-batches; returns the share."""
+    check_int("batch_size", batch_size)
+    if batch_size % replicas:
+        raise ValueError(f"batch_size={batch_size} must be divisible by dp*ep = {replicas}: "
+                         f"every replica takes an equal share")
+    share = batch_size // replicas
+    if share % microbatches:
+        raise ValueError(f"microbatches={microbatches} must divide the per-replica batch "
+                         f"batch_size/(dp*ep) = {share}")
+    return share
+
+
+# ---------------------------------------------------------------- the mesh's geometry
+
+def check_order(order) -> tuple[str, ...]:
+    order = tuple(order)
+    if sorted(order) != sorted(MESH_DIMS):
+        raise ValueError(f"order={order!r} must be a permutation of {MESH_DIMS}")
+    return order
+
+
+def coordinates(rank: int, sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[str, int]:
+    """{dim: index} of `rank` (the last dim of `order` varies fastest)."""
+    order = check_order(order)
+    world = math.prod(sizes[d] for d in order)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must be in [0, {world})")
+    out = {}
+    for d in reversed(order):
+        out[d] = rank % sizes[d]
+        rank //= sizes[d]
+    return {d: out[d] for d in MESH_DIMS}
+
+
+def rank_of(coords: dict[str, int], sizes: dict[str, int], order=TOPOLOGY_AWARE) -> int:
+    rank = 0
+    for d in check_order(order):
+        rank = rank * sizes[d] + coords[d]
+    return rank
+
+
+def groups(sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[str, list[list[int]]]:
+    """For each dim, its groups: the ranks that differ only in that dim's index."""
+    order = check_order(order)
+    world = math.prod(sizes[d] for d in order)
+    out = {}
+    for dim in MESH_DIMS:
+        seen: dict[tuple, list[int]] = {}
+        for r in range(world):
+            c = coordinates(r, sizes, order)
+            seen.setdefault(tuple(v for k, v in c.items() if k != dim), []).append(r)
+        out[dim] = list(seen.values())
+    return out
+
+
+def link_of(dim: str, sizes: dict[str, int], gpus_per_node: int, order=TOPOLOGY_AWARE) -> str:
+    """"intra" if every group of `dim` sits inside one node, else "inter" ("none" for size 1)."""
+    check_int("gpus_per_node", gpus_per_node)
+    if sizes[dim] == 1:
+        return "none"
+    order = check_order(order)
+    stride = math.prod(sizes[d] for d in order[order.index(dim) + 1:])
+    # Groups are {base + k*stride}; all of them fit a node iff the span does and never straddles.
+    span = stride * sizes[dim]
+    return "intra" if span <= gpus_per_node and gpus_per_node % span == 0 else "inter"
+
+
+# ---------------------------------------------------------------- one layout
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees and options of one run; validated once, in the parent, before any rank starts."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0
+    virtual_stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    precision: str = "fp32"  # PRECISIONS; the single-process twin (train_single) takes the same
+    activation_checkpointing: bool = False  # recompute every block's forward in backward
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.ep * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """How many different shares of the batch there are: dp * ep."""
+        return self.dp * self.ep
+
+    def sizes(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in MESH_DIMS}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def label(self) -> str:
+        """'dp2·tp2·pp2' (ep only when > 1): how a resume names the layout it saved and loads."""
+        return "·".join(f"{d}{getattr(self, d)}" for d in ("dp", "tp", "pp", "ep") if d != "ep" or self.ep > 1)
+
+    def check_model(self, model_config, batch_size: int, seq_len: int | None = None) -> "ParallelDims":
+        """THE rule book: what any run of this layout needs from the model (a course GPTConfig)
+        and the batch. Returns self."""
+        for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+            check_int(name, getattr(self, name))
+        check_int("zero", self.zero, minimum=0)
+        check_one_of("zero", self.zero, ZERO_STAGES)
+        check_one_of("precision", self.precision, PRECISIONS)
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} must be True or False")
+        cfg = model_config
+        seq = cfg.block_size if seq_len is None else check_int("seq_len", seq_len)
+        # in the estimator's order (Layout, then step_time.check_layout), so both name the same rule first
+        check_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
+        check_sequence_parallel(self.sequence_parallel, self.tp)
+        split_layers(cfg.n_layer, self.pp * self.virtual_stages)
+        check_sequence_parallel(self.sequence_parallel, self.tp, seq)
+        check_tp(self.tp, cfg.n_head, cfg.ff_dim, getattr(cfg, "n_kv_head", None))
+        check_experts(self.ep, cfg.n_experts)
+        check_batch(batch_size, self.replicas, self.microbatches)
+        return self
+
+    def check_composable(self, model_config) -> "ParallelDims":
+        """What the course's runtime (course_lib.parallel.hybrid) cannot compose yet. Returns self."""
+        cfg = model_config
+        if self.zero not in COMPOSED_ZERO_STAGES:
+            raise ValueError(f"zero={self.zero} must be one of {COMPOSED_ZERO_STAGES}: stages 2 and 3 act inside "
+                             f"backward, once per pipeline micro-batch, and are not composed with the other "
+                             f"dimensions here")
+        if self.tp > 1 and cfg.n_experts:
+            raise ValueError(f"tp={self.tp} with n_experts={cfg.n_experts}: tensor parallelism here splits the "
+                             f"dense GPT only; give an MoE model tp=1 and split its experts with ep")
+        if self.sequence_parallel and self.pp > 1:
+            raise ValueError(f"sequence_parallel=True with pp={self.pp}: the pipeline sends whole-sequence "
+                             f"activations between stages; use sequence parallelism with pp=1")
+        if cfg.n_experts and self.pp > 1 and (cfg.aux_loss_coef or cfg.z_loss_coef or cfg.capacity_factor):
+            raise ValueError(f"pp={self.pp} with an MoE model needs aux_loss_coef=0, z_loss_coef=0 and "
+                             f"capacity_factor=None: the pipeline's last stage computes only the cross-entropy, "
+                             f"and capacity would depend on the micro-batch")
+        return self
+
+    def check(self, world_size: int | None, model_config, batch_size: int,
+              seq_len: int | None = None) -> "ParallelDims":
+        """The rule book, the runtime's limits and the world size (None: the product of the
+        degrees, the parent launching that many ranks). Returns self."""
+        if world_size is not None:
+            for name in ("dp", "tp", "pp", "ep"):
+                check_int(name, getattr(self, name))
+            if self.world_size != world_size:
+                raise ValueError(f"pp*dp*ep*tp = {self.pp}*{self.dp}*{self.ep}*{self.tp} = {self.world_size} "
+                                 f"must equal world_size={world_size}")
+        self.check_model(model_config, batch_size, seq_len)
+        return self.check_composable(model_config)
