@@ -210,11 +210,14 @@ class ParallelDims:
         """'dp2·tp2·pp2' (ep only when > 1): how a resume names the layout it saved and loads."""
         return "·".join(f"{d}{getattr(self, d)}" for d in ("dp", "tp", "pp", "ep") if d != "ep" or self.ep > 1)
 
+    def _check_counts(self) -> None:
+        for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+            check_int(name, getattr(self, name))
+
     def check_model(self, model_config, batch_size: int, seq_len: int | None = None) -> "ParallelDims":
         """THE rule book: what any run of this layout needs from the model (a course GPTConfig)
         and the batch. Returns self."""
-        for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
-            check_int(name, getattr(self, name))
+        self._check_counts()
         check_int("zero", self.zero, minimum=0)
         check_one_of("zero", self.zero, ZERO_STAGES)
         check_one_of("precision", self.precision, PRECISIONS)
@@ -256,8 +259,7 @@ class ParallelDims:
         """The rule book, the runtime's limits and the world size (None: the product of the
         degrees, the parent launching that many ranks). Returns self."""
         if world_size is not None:
-            for name in ("dp", "tp", "pp", "ep"):
-                check_int(name, getattr(self, name))
+            self._check_counts()
             if self.world_size != world_size:
                 raise ValueError(f"pp*dp*ep*tp = {self.pp}*{self.dp}*{self.ep}*{self.tp} = {self.world_size} "
                                  f"must equal world_size={world_size}")

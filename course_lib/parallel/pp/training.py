@@ -20,7 +20,8 @@ from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.parallel.clip import clip_grad_norm_
 from course_lib.parallel.pp.runner import run_schedule, validate_run
-from course_lib.parallel.pp.stage import build_stage, split_layers
+from course_lib.dims import split_layers
+from course_lib.parallel.pp.stage import build_stage
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import TrainResult, make_optimizer, train_step

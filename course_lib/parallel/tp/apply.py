@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib._validate import check_int
 from course_lib.comm.autograd import gather_along_dim
 from course_lib.dims import check_sequence_parallel, check_tp
 from course_lib.model import GPT
@@ -56,10 +55,9 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False, seq_
     """Raise ValueError unless tp can split this config (call it in the parent, before any rank
     starts): the rule book's (course_lib.dims) whole heads and MLP columns per rank and, under
     sequence parallelism, a whole sequence (seq_len, default block_size) split over the tp ranks."""
-    check_int("tp", tp)
+    check_tp(tp, config.n_head, config.ff_dim)  # first: tp a positive int, whole heads and columns
     if getattr(config, "n_experts", 0):
         raise ValueError(f"n_experts={config.n_experts}: tensor parallelism here splits the dense GPT only")
-    check_tp(tp, config.n_head, config.ff_dim)
     check_sequence_parallel(sequence_parallel, tp, config.block_size if seq_len is None else seq_len)
 
 
