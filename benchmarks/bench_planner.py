@@ -33,32 +33,32 @@ from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.measure.calibrate import cluster_to_dict  # noqa: E402
-from course_lib.estimate.step_time import Layout  # noqa: E402
+from course_lib.dims import ParallelDims  # noqa: E402
 from course_lib.measure.validation import DEFAULT_PATH, compare  # noqa: E402
 from course_lib.model import GPTConfig  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
 
 WORLD, BATCH, SEQ = 8, 16, 32
 
-# (label, Layout, how the course runs it)
+# (label, ParallelDims, how the course runs it); every layout runs the same global batch BATCH
 LAYOUTS = [
-    ("DDP dp8", Layout(dp=8, micro_batch=2), ("dp", {})),
-    ("DDP dp8, 2 micro-batches", Layout(dp=8, m=2, micro_batch=1), ("dp", {"accum_steps": 2})),
-    ("ZeRO-1 dp8", Layout(dp=8, micro_batch=2, zero_stage=1), ("zero", {"stage": 1})),
-    ("ZeRO-2 dp8", Layout(dp=8, micro_batch=2, zero_stage=2), ("zero", {"stage": 2})),
-    ("ZeRO-3 dp8", Layout(dp=8, micro_batch=2, zero_stage=3), ("zero", {"stage": 3})),
-    ("TP tp8", Layout(tp=8, micro_batch=BATCH), ("tp", {"sequence_parallel": False})),
-    ("ZeRO-2 dp8, 2 micro-batches", Layout(dp=8, m=2, micro_batch=1, zero_stage=2),
+    ("DDP dp8", ParallelDims(dp=8), ("dp", {})),
+    ("DDP dp8, 2 micro-batches", ParallelDims(dp=8, microbatches=2), ("dp", {"accum_steps": 2})),
+    ("ZeRO-1 dp8", ParallelDims(dp=8, zero=1), ("zero", {"stage": 1})),
+    ("ZeRO-2 dp8", ParallelDims(dp=8, zero=2), ("zero", {"stage": 2})),
+    ("ZeRO-3 dp8", ParallelDims(dp=8, zero=3), ("zero", {"stage": 3})),
+    ("TP tp8", ParallelDims(tp=8), ("tp", {"sequence_parallel": False})),
+    ("ZeRO-2 dp8, 2 micro-batches", ParallelDims(dp=8, microbatches=2, zero=2),
      ("zero", {"stage": 2, "accum_steps": 2})),
-    ("GPipe pp8 m8", Layout(pp=8, m=8, micro_batch=2, schedule="gpipe"), ("pp", {"schedule": "gpipe", "m": 8})),
-    ("1F1B pp8 m8", Layout(pp=8, m=8, micro_batch=2), ("pp", {"schedule": "1f1b", "m": 8})),
-    ("1F1B pp8 m16", Layout(pp=8, m=16, micro_batch=1), ("pp", {"schedule": "1f1b", "m": 16})),
+    ("GPipe pp8 m8", ParallelDims(pp=8, microbatches=8, schedule="gpipe"), ("pp", {"schedule": "gpipe", "m": 8})),
+    ("1F1B pp8 m8", ParallelDims(pp=8, microbatches=8), ("pp", {"schedule": "1f1b", "m": 8})),
+    ("1F1B pp8 m16", ParallelDims(pp=8, microbatches=16), ("pp", {"schedule": "1f1b", "m": 16})),
     # notebook 09's hybrid runs (course_lib.parallel.hybrid): several dimensions on one mesh
-    ("dp4 x tp2", Layout(dp=4, tp=2, micro_batch=4), ("hybrid", {"dp": 4, "tp": 2})),
-    ("dp2 x tp4", Layout(dp=2, tp=4, micro_batch=8), ("hybrid", {"dp": 2, "tp": 4})),
-    ("dp2 x pp4 m4", Layout(dp=2, pp=4, m=4, micro_batch=2), ("hybrid", {"dp": 2, "pp": 4, "microbatches": 4})),
-    ("tp2 x pp4 m4", Layout(tp=2, pp=4, m=4, micro_batch=4), ("hybrid", {"tp": 2, "pp": 4, "microbatches": 4})),
-    ("dp2 x tp2 x pp2 ZeRO-1 m2", Layout(dp=2, tp=2, pp=2, m=2, micro_batch=4, zero_stage=1),
+    ("dp4 x tp2", ParallelDims(dp=4, tp=2), ("hybrid", {"dp": 4, "tp": 2})),
+    ("dp2 x tp4", ParallelDims(dp=2, tp=4), ("hybrid", {"dp": 2, "tp": 4})),
+    ("dp2 x pp4 m4", ParallelDims(dp=2, pp=4, microbatches=4), ("hybrid", {"dp": 2, "pp": 4, "microbatches": 4})),
+    ("tp2 x pp4 m4", ParallelDims(tp=2, pp=4, microbatches=4), ("hybrid", {"tp": 2, "pp": 4, "microbatches": 4})),
+    ("dp2 x tp2 x pp2 ZeRO-1 m2", ParallelDims(dp=2, tp=2, pp=2, microbatches=2, zero=1),
      ("hybrid", {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "microbatches": 2})),
 ]
 # --quick: one layout per kind of run that still uses every option (accumulation, ZeRO stage,
@@ -127,7 +127,7 @@ def main(argv=None):
     layouts = [lay for lay in LAYOUTS if lay[0] in QUICK_LAYOUTS] if args.quick else LAYOUTS
     cluster, raw, runs = measure(config, args.steps, args.rounds, layouts=layouts,
                                  probe_sizes=QUICK_PROBE_SIZES if args.quick else None)
-    result = compare(config, cluster, runs, SEQ, "fp32")
+    result = compare(config, cluster, runs, BATCH, SEQ, "fp32")
     print(f"calibrated: {cluster.achievable_flops / 1e9:.3g} GFLOP/s per rank, "
           f"{cluster.layer_overhead * 1e3:.3g} ms per layer and micro-batch, "
           f"{cluster.tensor_overhead * 1e6:.3g} us per optimizer tensor; all-reduce line alpha "

@@ -189,7 +189,7 @@ class ParallelDims:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     precision: str = "fp32"  # PRECISIONS; the single-process twin (train_single) takes the same
-    activation_checkpointing: bool = False  # recompute every block's forward in backward
+    recompute: str = "none"  # RECOMPUTE; "full": every block's forward again in backward
 
     @property
     def world_size(self) -> int:
@@ -210,6 +210,24 @@ class ParallelDims:
         """'dp2·tp2·pp2' (ep only when > 1): how a resume names the layout it saved and loads."""
         return "·".join(f"{d}{getattr(self, d)}" for d in ("dp", "tp", "pp", "ep") if d != "ep" or self.ep > 1)
 
+    def describe(self, batch_size: int | None = None) -> str:
+        """The whole layout: label() then every option that differs from its default, and the
+        micro-batch size when the global batch is given: 'dp8·tp8·pp16·sp·v2·m192·mb1·rc-full'."""
+        parts = [self.label()]
+        parts += ["sp"] if self.sequence_parallel else []
+        parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
+        parts += [self.schedule] if self.pp > 1 and self.schedule not in ("1f1b", "interleaved_1f1b") else []
+        parts += [f"m{self.microbatches}"] if self.microbatches > 1 else []
+        parts += [f"mb{self.micro_batch(batch_size)}"] if batch_size is not None else []
+        parts += [f"zero{self.zero}"] if self.zero else []
+        parts += [f"rc-{self.recompute}"] if self.recompute != "none" else []
+        parts += [self.precision] if self.precision != "fp32" else []
+        return "·".join(parts)
+
+    def micro_batch(self, batch_size: int) -> int:
+        """Sequences per micro-batch: batch_size / (dp * ep * microbatches), whole (check_batch)."""
+        return check_batch(batch_size, self.replicas, self.microbatches) // self.microbatches
+
     def _check_counts(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
             check_int(name, getattr(self, name))
@@ -221,11 +239,10 @@ class ParallelDims:
         check_int("zero", self.zero, minimum=0)
         check_one_of("zero", self.zero, ZERO_STAGES)
         check_one_of("precision", self.precision, PRECISIONS)
-        if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} must be True or False")
+        check_one_of("recompute", self.recompute, RECOMPUTE)
         cfg = model_config
         seq = cfg.block_size if seq_len is None else check_int("seq_len", seq_len)
-        # in the estimator's order (Layout, then step_time.check_layout), so both name the same rule first
+        # in the estimator's order (step_time.check_layout), so both name the same rule first
         check_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         check_sequence_parallel(self.sequence_parallel, self.tp)
         split_layers(cfg.n_layer, self.pp * self.virtual_stages)
@@ -242,6 +259,9 @@ class ParallelDims:
             raise ValueError(f"zero={self.zero} must be one of {COMPOSED_ZERO_STAGES}: stages 2 and 3 act inside "
                              f"backward, once per pipeline micro-batch, and are not composed with the other "
                              f"dimensions here")
+        if self.recompute == "selective":
+            raise ValueError("recompute='selective' is costed by the estimator, not run here: the runtime "
+                             "recomputes whole blocks (recompute='full') or nothing ('none')")
         if self.tp > 1 and cfg.n_experts:
             raise ValueError(f"tp={self.tp} with n_experts={cfg.n_experts}: tensor parallelism here splits the "
                              f"dense GPT only; give an MoE model tp=1 and split its experts with ep")

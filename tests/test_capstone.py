@@ -28,8 +28,8 @@ def test_the_tiny_config_loads():
     assert (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.zero) == (2, 2, 2, 1)
     assert c.layout.world_size == 8 and c.resume.world_size == 4
     assert c.checkpoint_step == 2 and c.train.steps == 4
-    assert (c.precision, c.activation_checkpointing, c.tolerance) == ("bf16", True, 1e-2)
-    assert (c.layout.precision, c.resume.activation_checkpointing) == ("bf16", True)  # both layouts train so
+    assert (c.precision, c.recompute, c.tolerance) == ("bf16", "full", 1e-2)
+    assert (c.layout.precision, c.resume.recompute) == ("bf16", "full")  # both layouts train so
     m = load_config(MOE)
     assert (m.model.n_experts, m.model.top_k, m.layout.ep, m.resume.ep) == (4, 2, 2, 4)
 
@@ -45,7 +45,7 @@ def test_the_tiny_config_loads():
     ("train", "lr", -1.0, "[train] lr=-1.0 must be a positive number"),
     ("model", "n_layer", 1, "[layout] n_layer=1 blocks cannot fill 2 stages"),
     ("train", "precision", "fp16", "[train] precision='fp16' must be one of ('fp32', 'bf16')"),
-    ("train", "activation_checkpointing", 1, "[train] activation_checkpointing=1 must be true or false"),
+    ("train", "recompute", "yes", "[train] recompute='yes' must be one of"),
     ("layout", "ep", 2, "[layout] ep=2 needs an MoE model: n_experts=0 is dense"),
     ("model", "n_experts", -1, "[model] n_experts=-1 must be"),
 ])
@@ -125,7 +125,7 @@ def test_saved_at_8_ranks_resumed_at_4_equals_the_single_process(tmp_path):
     # the measured seconds, tokens/s and MFU that compare() also returns are not asserted
     assert compare(run, cluster)["predicted_s"] > 0
     text = report_text(run, cluster)
-    assert "dp2 x tp2 x pp2 (8 ranks, ZeRO-1)" in text and "bf16, recomputation on" in text
+    assert "dp2·tp2·pp2·m2·zero1·rc-full·bf16 -> dp1·tp2·pp2·m2·rc-full·bf16 after step" in text
     assert "MFU not defined on CPU ranks" in text
     generated = generate_text(config, run.params, "The ", 20)
     assert len(generated) == 24 and generated.startswith("The ")
@@ -154,7 +154,7 @@ def test_torchrun_capstone_at_8_gloo_ranks_killed_then_resumed_at_4(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
     second = _torchrun(4, "--checkpoint-dir", str(tmp_path), "--resume", "--check")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert ("dp1 x tp2 x pp2 (4 ranks, ZeRO-0), bf16, recomputation on, steps 3..4, resumed from step 2"
+    assert ("dp1·tp2·pp2·m2·rc-full·bf16 (4 ranks), steps 3..4, resumed from step 2"
             in second.stdout), second.stdout
     assert len(re.findall(r"step \d  loss \S+  single process \S+", second.stdout)) == 4, second.stdout
     assert "(tolerance 1e-02): OK" in second.stdout  # the demo's check, capstone.config.TOLERANCE["bf16"]

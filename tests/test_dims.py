@@ -11,7 +11,6 @@ import pytest
 from course_lib import dims as D
 from course_lib.capstone.config import SCHEMA, TRAIN_WIDE
 from course_lib.estimate.bubble import formula_for
-from course_lib.estimate.layout import Layout
 from course_lib.estimate.step_time import memory_per_rank, step_time
 from course_lib.model import GPTConfig
 from course_lib.parallel.pp.schedules import make_schedule, simulate
@@ -38,33 +37,24 @@ def _message(fn):
     return None
 
 
-def _as_layout(d: D.ParallelDims) -> Layout:
-    return Layout(dp=d.dp, tp=d.tp, pp=d.pp, ep=d.ep, v=d.virtual_stages, m=d.microbatches,
-                  micro_batch=BATCH // (d.replicas * d.microbatches), zero_stage=d.zero,
-                  schedule=d.schedule, sequence_parallel=d.sequence_parallel)
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_rule_book_and_the_estimator_accept_and_refuse_the_same_layouts(name):
     """Every layout the rule book accepts is costed (time and memory); every one it refuses, the
-    estimator refuses with the same message (when the layout can be described to it at all)."""
+    estimator refuses with the same message: one ParallelDims, one set of rules."""
     cfg = MODELS[name]
     accepted = refused = 0
     for kw in GRID:
         d = D.ParallelDims(**kw)
         rule = _message(lambda: d.check_model(cfg, BATCH))
+        cluster = cpu_cluster(d.world_size)
         if rule is None:
-            lay = _as_layout(d)
-            t = step_time(cfg, lay, cpu_cluster(d.world_size), recipe="fp32")
-            assert t["total"] > 0 and memory_per_rank(cfg, lay, recipe="fp32")["total"] > 0, kw
+            t = step_time(cfg, d, cluster, BATCH, recipe="fp32")
+            assert t["total"] > 0 and memory_per_rank(cfg, d, BATCH, recipe="fp32")["total"] > 0, kw
             accepted += 1
-        elif "batch" not in rule:  # a batch that does not split has no Layout (it holds micro_batch)
-            mb = max(1, BATCH // (d.replicas * d.microbatches))
-            est = _message(lambda: step_time(cfg, Layout(dp=d.dp, tp=d.tp, pp=d.pp, ep=d.ep, v=d.virtual_stages,
-                                                         m=d.microbatches, micro_batch=mb, schedule=d.schedule,
-                                                         sequence_parallel=d.sequence_parallel),
-                                             cpu_cluster(d.world_size), recipe="fp32"))
-            assert est == rule, (kw, rule, est)
+        else:
+            for cost in (lambda: step_time(cfg, d, cluster, BATCH, recipe="fp32"),
+                         lambda: memory_per_rank(cfg, d, BATCH, recipe="fp32")):
+                assert _message(cost) == rule, (kw, rule, _message(cost))
             refused += 1
     assert accepted and refused  # the grid exercises both sides
 
@@ -73,9 +63,9 @@ def test_uneven_pipeline_stages_are_costed_by_their_busiest_rank():
     cfg = MODELS["L3 h2"]  # 3 blocks on 2 stages: 2 + 1, as the runtime splits them
     assert [len(r) for r in D.split_layers(3, 2)] == [2, 1]
     assert D.layers_per_rank(5, 2, 2) == [3, 2]  # stages (2, 1, 1, 1): rank 0 runs stages 0 and 2
-    lay = Layout(pp=2, m=2, micro_batch=1)
-    mem = memory_per_rank(cfg, lay, recipe="fp32")
-    one_block_less = memory_per_rank(GPTConfig(**{**vars(cfg), "n_layer": 2}), lay, recipe="fp32")
+    lay = D.ParallelDims(pp=2, microbatches=2)
+    mem = memory_per_rank(cfg, lay, 2, recipe="fp32")
+    one_block_less = memory_per_rank(GPTConfig(**{**vars(cfg), "n_layer": 2}), lay, 2, recipe="fp32")
     assert mem["activations"] > one_block_less["activations"]  # stage 0 holds two blocks, not 3 // 2 = 1
 
 
@@ -112,6 +102,16 @@ def test_the_label_names_a_layout_for_a_resume():
     assert D.ParallelDims(dp=1, ep=4).label() == "dp1·tp1·pp1·ep4"
 
 
+def test_describe_names_every_option_and_the_micro_batch():
+    d = D.ParallelDims(dp=8, tp=8, pp=16, virtual_stages=2, microbatches=192, schedule="interleaved_1f1b",
+                       recompute="full")
+    assert d.describe(1536) == "dp8·tp8·pp16·v2·m192·mb1·rc-full"
+    assert D.ParallelDims(dp=2, zero=1, precision="bf16", sequence_parallel=True, tp=2).describe() == \
+        "dp2·tp2·pp1·sp·zero1·bf16"
+    with pytest.raises(ValueError, match="microbatches=3 must divide the per-replica batch"):
+        D.ParallelDims(dp=2, microbatches=3).micro_batch(8)
+
+
 @pytest.mark.parametrize("schedule, m", [("1f1b", 1), ("zero_bubble", 2)])
 def test_layouts_only_the_rule_book_allowed_before_train_equal_to_one_process_and_are_costed(schedule, m):
     """3 blocks on 2 stages (uneven), and 1F1B with m < pp: the runtime always ran them; the
@@ -124,6 +124,5 @@ def test_layouts_only_the_rule_book_allowed_before_train_equal_to_one_process_an
     seq = 16
     cfg = GPTConfig(vocab_size=CharDataset("train", seq).vocab_size, block_size=seq, n_layer=3, n_head=2, d_model=16)
     d = D.ParallelDims(pp=2, microbatches=m, schedule=schedule).check(2, cfg, TRAIN.batch_size)
-    lay = Layout(pp=2, m=m, micro_batch=TRAIN.batch_size // m, schedule=schedule)
-    assert step_time(cfg, lay, cpu_cluster(2), recipe="fp32")["bubble"] > 0
+    assert step_time(cfg, d, cpu_cluster(2), TRAIN.batch_size, recipe="fp32")["bubble"] > 0
     _assert_equal_to_single(run_hybrid(d, cfg, TRAIN, timeout_s=240), train_single(cfg, TRAIN))

@@ -89,7 +89,7 @@ def test_a_student_module_reaching_for_the_answer_is_refused(source, line, name)
 
 
 def test_what_the_exercise_does_not_refuse_is_allowed():
-    source = ("import torch\nfrom torch import *\nfrom course_lib.parallel import topology\nfrom course_lib.estimate import Layout\n"
+    source = ("import torch\nfrom torch import *\nfrom course_lib.parallel import topology\nfrom course_lib.dims import ParallelDims\n"
               "topology.link_of('dp', {}, 8)\nplan = 3\n")
     assert grading.refused_uses(source, REFUSE) == []
     assert grading.refused_uses("from course_lib.estimate import plan\n", ()) == []

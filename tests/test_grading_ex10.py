@@ -11,7 +11,8 @@ import pytest
 from course_lib import grading
 from course_lib.estimate import GPT3_175B, LLAMA3_70B
 from course_lib.estimate.clusters import gpu_cluster
-from course_lib.estimate.step_time import Layout, step_time
+from course_lib.dims import ParallelDims
+from course_lib.estimate.step_time import step_time
 from course_lib.grading import ex10_step_time as ex10
 
 CHECKS = (ex10.check_no_pipeline, ex10.check_pipeline, ex10.check_exposed_dp, ex10.check_measured)
@@ -123,7 +124,8 @@ def test_the_stub_and_the_solution_are_not_refused():
 def test_the_stored_values_agree_with_the_full_model(key):
     model, (gpu, n), seq, layout = key
     config, kw = {"GPT-3 175B": GPT3_175B, "Llama-3 70B": LLAMA3_70B}[model], dict(layout)
-    ref = step_time(config, Layout(**kw), gpu_cluster(gpu, n), seq)
+    batch = kw["dp"] * kw["m"] * kw["micro_batch"]
+    ref = step_time(config, ParallelDims(dp=kw["dp"], tp=kw["tp"], microbatches=kw["m"]), gpu_cluster(gpu, n), batch, seq)
     stored = ex10.EXPECTED[key]
     assert math.isclose(stored["compute"], ref["compute"], rel_tol=1e-11)  # 12 significant digits stored
     for term in ("tp", "dp_total", "dp_exposed"):
@@ -134,8 +136,9 @@ def test_the_stored_values_agree_with_the_full_model(key):
 def test_the_stored_bubble_agrees_with_the_full_model():
     cluster = gpu_cluster(*ex10.A100_1024)
     for (m, v), stored in ex10.PIPELINE.items():
-        ref = step_time(GPT3_175B, Layout(dp=16, tp=8, pp=8, m=m, v=v, micro_batch=1,
-                                          schedule="interleaved_1f1b" if v > 1 else "1f1b"), cluster, 2048)
+        dims = ParallelDims(dp=16, tp=8, pp=8, microbatches=m, virtual_stages=v,
+                            schedule="interleaved_1f1b" if v > 1 else "1f1b")
+        ref = step_time(GPT3_175B, dims, cluster, 16 * m, 2048)  # one sequence per micro-batch
         # the full model's busy time also holds the pipeline's sends (v times as many when
         # interleaved: 6% of the busy time at v = 2 here) and the extra tp calls: within 8%
         assert math.isclose(stored["bubble"], ref["bubble"], rel_tol=0.08), (m, v)

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from course_lib import grading
-from course_lib.estimate.step_time import Layout
+from course_lib.dims import ParallelDims as Dims
 from course_lib.grading import CheckFailed
 from course_lib.grading import ex12_capstone as grade
 
@@ -101,14 +101,14 @@ def test_the_planner_reached_at_call_time_is_refused(problem):
 
 
 def test_a_layout_that_does_not_fit_fails(problem, facts):
-    too_big = Layout(dp=8, m=1, micro_batch=2)  # the fastest of all, memory ignored
+    too_big = Dims(dp=8)  # the fastest of all, memory ignored
     grade.check_runnable(too_big, problem)
     with pytest.raises(CheckFailed, match="it fits"):
         grade.check_fits(too_big, problem)
 
 
 @pytest.mark.parametrize("layout, message", [
-    (Layout(dp=2, tp=2, pp=2, m=8, micro_batch=1), "fitting layout's predicted throughput"),  # fits, slow
+    (Dims(dp=2, tp=2, pp=2, microbatches=8), "fitting layout's predicted throughput"),  # fits, slow
 ])
 def test_a_slow_layout_fails(problem, layout, message):
     grade.check_fits(layout, problem)
@@ -117,12 +117,12 @@ def test_a_slow_layout_fails(problem, layout, message):
 
 
 @pytest.mark.parametrize("layout, message", [
-    (Layout(dp=4, pp=2, m=2, micro_batch=2, zero_stage=2), "ZeRO stage 0 or 1"),
-    (Layout(dp=4, pp=2, m=2, micro_batch=2, recompute="selective"), "whole blocks"),
-    (Layout(dp=4, tp=2, micro_batch=4, sequence_parallel=True), "no sequence parallelism"),
-    (Layout(dp=2, pp=2, m=2, micro_batch=4), "all 8 devices"),
-    (Layout(dp=4, pp=2, m=2, micro_batch=1), "global batch"),
-    ("dp4 pp2", "not a course_lib.estimate.step_time.Layout"),
+    (Dims(dp=4, pp=2, microbatches=2, zero=2), "zero=2 must be one of \\(0, 1\\)"),
+    (Dims(dp=4, pp=2, microbatches=2, recompute="selective"), "whole blocks"),
+    (Dims(dp=4, tp=2, sequence_parallel=True), "no sequence parallelism"),
+    (Dims(dp=2, pp=2, microbatches=2), "all 8 devices"),
+    (Dims(dp=4, pp=2, microbatches=8), "per-replica batch"),
+    ("dp4 pp2", "not a course_lib.dims.ParallelDims"),
 ])
 def test_a_layout_the_trainer_cannot_run_fails(problem, layout, message):
     with pytest.raises(CheckFailed, match=message):
@@ -145,11 +145,11 @@ def test_a_wrong_binding_constraint_fails(problem, facts, answer, message):
 
 def test_a_wrong_rejection_fails(monkeypatch, problem):
     chosen = grade.ask(load(monkeypatch, "solution").choose_layout, problem)
-    too_big = Layout(dp=8, m=1, micro_batch=2)
+    too_big = Dims(dp=8)
     excess = grade.predicted(problem, too_big)[1] - problem.cluster.memory_bytes
     grade.check_rejected((too_big, "memory", excess), chosen, problem)
     grade.check_rejected((too_big, "memory", excess + grade.BYTES_ATOL), chosen, problem)  # read off fmt_bytes
-    slow = Layout(dp=2, tp=2, pp=2, m=8, micro_batch=1)
+    slow = Dims(dp=2, tp=2, pp=2, microbatches=8)
     share = grade.facts(problem)["best_time"] / grade.predicted(problem, slow)[0]
     grade.check_rejected((slow, "throughput", round(share, 2)), chosen, problem)  # read off a percentage
     cases = [
@@ -158,7 +158,7 @@ def test_a_wrong_rejection_fails(monkeypatch, problem):
         ((slow, "memory", 1000), "exceeds the device's memory"),
         ((slow, "throughput", share + 0.1), "above the estimator's"),
         ((chosen, "memory", 0), "the one you chose"),
-        ((Layout(dp=4, pp=2, m=2, micro_batch=2, zero_stage=2), "memory", 0), "3D trainer could run"),
+        ((Dims(dp=4, pp=2, microbatches=2, zero=2), "memory", 0), "3D trainer could run"),
         ((too_big, "too slow", 1.0), "must be one of"),
         ((too_big, "memory"), "must return \\(layout, reason, number\\)"),
     ]

@@ -67,9 +67,9 @@ def test_recomputation_keeps_the_3d_run_equal_to_single_process_and_saves_activa
     """fp32 + activation checkpointing + ZeRO-1 at dp2 x tp2 x pp2: as tight as without it; the
     pipeline stages keep less for backward (only each block's input)."""
     plain = ParallelDims(dp=2, tp=2, pp=2, zero=1, microbatches=2)
-    dims = replace(plain, activation_checkpointing=True)
+    dims = replace(plain, recompute="full")
     results = run_hybrid(dims, dense, TRAIN, timeout_s=240)
-    _assert_equal_to_single(results, train_single(dense, TRAIN, activation_checkpointing=True))
+    _assert_equal_to_single(results, train_single(dense, TRAIN, recompute="full"))
 
     def peak(d):
         from course_lib import run_on_ranks
@@ -101,9 +101,9 @@ def test_bf16_autocast_3d_run_is_close_to_the_bf16_single_process(request, which
     bits (relative step 2^-8 = 3.9e-3). Averaged over the B*T tokens of the loss, the effect
     on 3 steps stays below 1e-2 (measured ~1e-3); the fp32 run of the same layout is 1e-6."""
     config = request.getfixturevalue(which)
-    dims = ParallelDims(**kw, zero=1, microbatches=2, precision="bf16", activation_checkpointing=True)
+    dims = ParallelDims(**kw, zero=1, microbatches=2, precision="bf16", recompute="full")
     results = run_hybrid(dims, config, TRAIN, timeout_s=240)
-    reference = train_single(config, TRAIN, precision="bf16", activation_checkpointing=True)
+    reference = train_single(config, TRAIN, precision="bf16", recompute="full")
     fp32 = train_single(config, TRAIN)
     assert results[0].train_losses == pytest.approx(reference.train_losses, abs=1e-2)  # bf16: see the docstring
     assert reference.train_losses != fp32.train_losses  # bf16 really ran: it rounds differently
@@ -112,8 +112,8 @@ def test_bf16_autocast_3d_run_is_close_to_the_bf16_single_process(request, which
 def test_precision_and_recomputation_options_are_checked(dense):
     with pytest.raises(ValueError, match=r"precision='fp16' must be one of \('fp32', 'bf16'\)"):
         ParallelDims(precision="fp16").check(1, dense, 8)
-    with pytest.raises(ValueError, match="activation_checkpointing=1 must be True or False"):
-        ParallelDims(activation_checkpointing=1).check(1, dense, 8)
+    with pytest.raises(ValueError, match="recompute='yes' must be one of"):
+        ParallelDims(recompute="yes").check(1, dense, 8)
 
 
 def test_tensor_and_sequence_parallel_with_zero1_equals_single_process(dense):

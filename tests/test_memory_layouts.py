@@ -11,26 +11,28 @@ import pytest
 from course_lib.data import CharDataset
 from course_lib.estimate import param_count
 from course_lib.estimate.per_gpu import per_gpu_memory, rank_param_counts
-from course_lib.estimate.step_time import Layout, memory_per_rank
+from course_lib.dims import ParallelDims as Dims
+from course_lib.estimate.step_time import memory_per_rank
 from course_lib.measure.memory import check_runnable, estimated_per_rank, format_memory_table, memory_table
 from course_lib.model import GPTConfig
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SEQ = 16
+BATCH = 8  # sequences per step, every layout: 8 / (dp * ep * m) per micro-batch
 STATE = ("params", "grads", "optimizer")
 
 DENSE_LAYOUTS = [
-    Layout(dp=4, micro_batch=2),                                  # DDP
-    Layout(dp=4, m=2, micro_batch=1),                             # DDP with accumulation
-    Layout(dp=4, zero_stage=1), Layout(dp=4, zero_stage=2), Layout(dp=4, zero_stage=3),
-    Layout(tp=4, micro_batch=2),                                  # vocabulary padded to 4 | V'
-    Layout(dp=2, tp=2, micro_batch=2),
-    Layout(dp=2, tp=2, zero_stage=1),
-    Layout(tp=2, pp=2, m=2),
-    Layout(dp=2, pp=2, m=2),                                      # the tied matrix on two stages
-    Layout(pp=4, m=4), Layout(pp=4, m=4, schedule="gpipe"),
+    Dims(dp=4),                                                   # DDP
+    Dims(dp=4, microbatches=2),                                   # DDP with accumulation
+    Dims(dp=4, zero=1), Dims(dp=4, zero=2), Dims(dp=4, zero=3),
+    Dims(tp=4),                                                   # vocabulary padded to 4 | V'
+    Dims(dp=2, tp=2),
+    Dims(dp=2, tp=2, zero=1),
+    Dims(tp=2, pp=2, microbatches=2),
+    Dims(dp=2, pp=2, microbatches=2),                             # the tied matrix on two stages
+    Dims(pp=4, microbatches=4), Dims(pp=4, microbatches=4, schedule="gpipe"),
 ]
-MOE_LAYOUTS = [Layout(dp=2, ep=2, micro_batch=2), Layout(ep=4, micro_batch=2)]
+MOE_LAYOUTS = [Dims(dp=2, ep=2), Dims(ep=4)]
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +47,12 @@ def moe_config(config):
 
 @pytest.fixture(scope="module")
 def dense_rows(config):
-    return memory_table(config, DENSE_LAYOUTS, SEQ, timeout_s=180)
+    return memory_table(config, DENSE_LAYOUTS, BATCH, SEQ, timeout_s=180)
 
 
 @pytest.fixture(scope="module")
 def moe_rows(moe_config):
-    return memory_table(moe_config, MOE_LAYOUTS, SEQ, timeout_s=180)
+    return memory_table(moe_config, MOE_LAYOUTS, BATCH, SEQ, timeout_s=180)
 
 
 def _check_state_equal(rows):
@@ -74,7 +76,7 @@ def test_model_state_equals_measured_with_experts_split_over_ep(moe_rows):
 
 def test_planner_memory_per_rank_is_the_busiest_measured_rank(config, dense_rows):
     for lay, row in zip(DENSE_LAYOUTS, dense_rows):
-        mem = memory_per_rank(config, lay, SEQ, "fp32")
+        mem = memory_per_rank(config, lay, BATCH, SEQ, "fp32")
         assert sum(mem[k] for k in STATE) == max(sum(m[k] for k in STATE) for m in row["measured"]), row["label"]
 
 
@@ -86,14 +88,14 @@ def test_activations_within_the_stated_margin(config, dense_rows):
     a micro-batch). ZeRO-3 also keeps gathered weights alive for backward: not compared."""
     V = config.vocab_size
     for lay, row in zip(DENSE_LAYOUTS, dense_rows):
-        if lay.zero_stage == 3:
+        if lay.zero == 3:
             continue
-        n = lay.micro_batch * SEQ
+        n = lay.micro_batch(BATCH) * SEQ
         for est, meas in zip(row["estimated"], row["measured"]):
             diff = meas["activations"] - est["activations"]
             loss_side = est["stage"] == lay.pp - 1
             if lay.tp == 1:
-                assert 0 <= diff <= 4 * lay.m, (row["label"], est["rank"], diff)
+                assert 0 <= diff <= 4 * lay.microbatches, (row["label"], est["rank"], diff)
             else:
                 margin = (4 * n * -(-V // lay.tp) if loss_side else 0) + 16 * n
                 assert 0 <= diff <= margin, (row["label"], est["rank"], diff, margin)
@@ -125,15 +127,17 @@ def test_per_gpu_memory_stage_argument(config):
     assert [s["stage"] for s in per_stage] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match=r"stage=4 must be None"):
         per_gpu_memory(config, pp=4, stage=4)
-    assert len(estimated_per_rank(config, Layout(dp=2, pp=2, m=2), SEQ)) == 4
+    assert len(estimated_per_rank(config, Dims(dp=2, pp=2, microbatches=2), BATCH, SEQ)) == 4
 
 
 def test_bad_input_is_named_before_any_rank_starts(config):
     with pytest.raises(ValueError, match="same number of ranks"):
-        memory_table(config, [Layout(dp=2), Layout(dp=4)], SEQ)
-    with pytest.raises(ValueError, match=r"zero_stage=2 runs on pure data parallelism"):
-        check_runnable(config, Layout(dp=2, tp=2, zero_stage=2), SEQ)
+        memory_table(config, [Dims(dp=2), Dims(dp=4)], BATCH, SEQ)
+    with pytest.raises(ValueError, match=r"zero=2 runs on pure data parallelism"):
+        check_runnable(config, Dims(dp=2, tp=2, zero=2), BATCH, SEQ)
     with pytest.raises(ValueError, match=r"recompute='full'"):
-        check_runnable(config, Layout(dp=2, recompute="full"), SEQ)
-    with pytest.raises(ValueError, match="at least one Layout"):
-        memory_table(config, [], SEQ)
+        check_runnable(config, Dims(dp=2, recompute="full"), BATCH, SEQ)
+    with pytest.raises(ValueError, match="batch_size=6 must be divisible by dp\\*ep = 4"):
+        check_runnable(config, Dims(dp=4), 6, SEQ)
+    with pytest.raises(ValueError, match="at least one ParallelDims"):
+        memory_table(config, [], BATCH, SEQ)

@@ -8,7 +8,9 @@ from course_lib.comm.costmodel import LinkModel, predict_time
 from course_lib.estimate import GPT3_175B, flops_per_token, per_gpu_memory
 from course_lib.estimate.clusters import PUBLISHED, gpu_cluster
 from course_lib.estimate.planner import plan
-from course_lib.estimate.step_time import Cluster, Layout, memory_per_rank, step_time
+from course_lib.dims import ParallelDims
+from course_lib.estimate.cluster import Cluster
+from course_lib.estimate.step_time import memory_per_rank, step_time
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.pp.bubble import bubble_fraction
 
@@ -30,8 +32,8 @@ def cpu_cluster(n=8, overlap=0.0, memory=1e9):
 
 
 def test_compute_term_is_flops_over_rate():
-    lay = Layout(dp=2, m=2, micro_batch=4)
-    t = step_time(CFG, lay, cpu_cluster(2), recipe="fp32")
+    lay = ParallelDims(dp=2, microbatches=2)
+    t = step_time(CFG, lay, cpu_cluster(2), 16, recipe="fp32")
     flops = flops_per_token(CFG, 32) * 2 * 2 * 4 * 32
     assert t["flops"] == flops and t["batch"] == 16
     assert same(t["compute"], flops / (2 * 1e9))
@@ -39,9 +41,9 @@ def test_compute_term_is_flops_over_rate():
 
 
 def test_dp_traffic_is_a_ring_all_reduce_hidden_by_backward():
-    lay = Layout(dp=4, micro_batch=2)
-    no = step_time(CFG, lay, cpu_cluster(4, overlap=0.0), recipe="fp32")
-    full = step_time(CFG, lay, cpu_cluster(4, overlap=1.0), recipe="fp32")
+    lay = ParallelDims(dp=4)
+    no = step_time(CFG, lay, cpu_cluster(4, overlap=0.0), 8, recipe="fp32")
+    full = step_time(CFG, lay, cpu_cluster(4, overlap=1.0), 8, recipe="fp32")
     n_params = per_gpu_memory(CFG, 2, 32, "fp32", dp=4)["params_on_gpu"]
     assert same(no["dp_total"], predict_time("ring", 4 * n_params, 4, LINK))
     assert no["dp_exposed"] == no["dp_total"]
@@ -49,15 +51,15 @@ def test_dp_traffic_is_a_ring_all_reduce_hidden_by_backward():
 
 
 def test_tp_traffic_is_four_all_reduces_per_layer_never_hidden():
-    lay = Layout(tp=4, micro_batch=2)
-    t = step_time(CFG, lay, cpu_cluster(4, overlap=1.0), recipe="fp32")
+    lay = ParallelDims(tp=4)
+    t = step_time(CFG, lay, cpu_cluster(4, overlap=1.0), 2, recipe="fp32")
     # 4 per layer, the embedding's and the head input's, and the vocabulary-parallel loss's 3 small ones
     per_layer = predict_time("ring", 2 * 32 * 32 * 4, 4, LINK)
     loss = 3 * predict_time("ring", 2 * 32 * 4, 4, LINK)
     assert same(t["tp"], (4 * CFG.n_layer + 2) * per_layer + loss)
     assert t["dp_total"] == 0 and t["tp"] > 0 and t["calls"]["tp"] == 4 * CFG.n_layer + 5
     # full recomputation repeats the forward: its 2 all-reduces per layer come back
-    rc = step_time(CFG, Layout(tp=4, micro_batch=2, recompute="full"), cpu_cluster(4), recipe="fp32")
+    rc = step_time(CFG, ParallelDims(tp=4, recompute="full"), cpu_cluster(4), 2, recipe="fp32")
     assert same(rc["tp"], (6 * CFG.n_layer + 2) * per_layer + loss)
     assert same(rc["recompute"], t["compute"] / 3)
 
@@ -69,15 +71,15 @@ def test_overheads_are_per_layer_and_micro_batch_and_per_optimizer_tensor():
 
     base = cpu_cluster(2)
     slow = replace(base, layer_overhead=1e-3, tensor_overhead=1e-4)
-    lay = Layout(dp=2, m=3, micro_batch=1)
-    a, b = step_time(CFG, lay, base, recipe="fp32"), step_time(CFG, lay, slow, recipe="fp32")
+    lay = ParallelDims(dp=2, microbatches=3)
+    a, b = step_time(CFG, lay, base, 6, recipe="fp32"), step_time(CFG, lay, slow, 6, recipe="fp32")
     assert a["overhead"] == 0 and same(b["overhead"], (CFG.n_layer + 1) * 3 * 1e-3)
     per_block, outside = parameter_tensors(CFG)
     assert per_block * CFG.n_layer + outside == len(list(GPT(CFG, 0).parameters()))
     assert same(b["optimizer"] - a["optimizer"], (per_block * CFG.n_layer + outside) * 1e-4)
     # ZeRO steps flat shards (one per parameter group): the per-tensor cost nearly vanishes
-    z = step_time(CFG, Layout(dp=2, micro_batch=3, zero_stage=1), slow, recipe="fp32")
-    z0 = step_time(CFG, Layout(dp=2, micro_batch=3, zero_stage=1), base, recipe="fp32")
+    z = step_time(CFG, ParallelDims(dp=2, zero=1), slow, 6, recipe="fp32")
+    z0 = step_time(CFG, ParallelDims(dp=2, zero=1), base, 6, recipe="fp32")
     assert same(z["optimizer"] - z0["optimizer"], 2 * 1e-4)
     with pytest.raises(ValueError, match="layer_overhead=-1"):
         replace(base, layer_overhead=-1)
@@ -86,10 +88,10 @@ def test_overheads_are_per_layer_and_micro_batch_and_per_optimizer_tensor():
 def test_shared_cores_hide_the_bubble_only_while_cores_would_idle():
     from dataclasses import replace
 
-    lay = Layout(pp=4, m=4)
-    own = step_time(CFG, lay, cpu_cluster(4), recipe="fp32")
-    two = step_time(CFG, lay, replace(cpu_cluster(4), shared_cores=2), recipe="fp32")
-    four = step_time(CFG, lay, replace(cpu_cluster(4), shared_cores=4), recipe="fp32")
+    lay = ParallelDims(pp=4, microbatches=4)
+    own = step_time(CFG, lay, cpu_cluster(4), 4, recipe="fp32")
+    two = step_time(CFG, lay, replace(cpu_cluster(4), shared_cores=2), 4, recipe="fp32")
+    four = step_time(CFG, lay, replace(cpu_cluster(4), shared_cores=4), 4, recipe="fp32")
     f = bubble_fraction(4, 4, 1)
     busy = own["total"] - own["bubble"] - own["dp_exposed"] - own["optimizer"]
     assert same(own["bubble"], busy * f / (1 - f)) and four["bubble"] == own["bubble"]
@@ -99,8 +101,8 @@ def test_shared_cores_hide_the_bubble_only_while_cores_would_idle():
 
 def test_bubble_uses_the_schedule_formula():
     for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
-        lay = Layout(pp=2, m=4, v=v, schedule=schedule)
-        t = step_time(CFG, lay, cpu_cluster(2), recipe="fp32")
+        lay = ParallelDims(pp=2, microbatches=4, virtual_stages=v, schedule=schedule)
+        t = step_time(CFG, lay, cpu_cluster(2), 4, recipe="fp32")
         f = bubble_fraction(2, 4, v)
         busy = t["compute"] + t["overhead"] + t["recompute"] + t["tp"] + t["pp"] + t["ep"]
         assert same(t["bubble"] / (busy + t["bubble"]), f)
@@ -112,12 +114,12 @@ def test_link_is_the_network_when_a_group_leaves_the_node():
 
 
 def test_memory_model_is_notebook_01s_per_layout():
-    lay = Layout(dp=2, tp=2, pp=2, m=4, micro_batch=2, zero_stage=1, sequence_parallel=True)
-    mem = memory_per_rank(CFG, lay, recipe="fp32")
+    lay = ParallelDims(dp=2, tp=2, pp=2, microbatches=4, zero=1, sequence_parallel=True)
+    mem = memory_per_rank(CFG, lay, 16, recipe="fp32")
     ref = per_gpu_memory(CFG, 2, 32, "fp32", 1, 2, 2, 2, sequence_parallel=True)
     assert mem == ref
-    gp = memory_per_rank(CFG, Layout(pp=2, m=4, schedule="gpipe"), recipe="fp32")
-    one = memory_per_rank(CFG, Layout(pp=2, m=4), recipe="fp32")
+    gp = memory_per_rank(CFG, ParallelDims(pp=2, microbatches=4, schedule="gpipe"), 4, recipe="fp32")
+    one = memory_per_rank(CFG, ParallelDims(pp=2, microbatches=4), 4, recipe="fp32")
     assert gp["activations"] == 2 * one["activations"]  # all 4 micro-batches in flight, not 2
 
 
@@ -125,7 +127,7 @@ def test_planner_keeps_what_fits_fastest_first():
     p = plan(CFG, cpu_cluster(8), 16, recipe="fp32")
     totals = [c.time["total"] for c in p.ranked]
     assert totals == sorted(totals) and all(c.fits for c in p.ranked)
-    assert p.best.layout.n_gpus == 8 and p.best.time["batch"] == 16
+    assert p.best.dims.world_size == 8 and p.best.time["batch"] == 16 and p.best.batch_size == 16
     assert "biggest cost term" in p.explain()
     # a memory limit below the fastest layout's footprint makes memory the binding constraint
     fastest = min(p.candidates, key=lambda c: c.time["total"])
@@ -139,7 +141,7 @@ def test_planner_on_published_clusters_returns_a_fitting_layout():
     p = plan(d["config"], d["cluster"], d["global_batch"], d["seq"])
     assert p.best.memory["total"] <= d["cluster"].memory_bytes
     assert 0 < p.best.time["mfu"] < GEMM_CAP(d["cluster"])
-    published = step_time(d["config"], d["layout"], d["cluster"], d["seq"])
+    published = step_time(d["config"], d["dims"], d["cluster"], d["global_batch"], d["seq"])
     assert published["total"] >= p.best.time["total"] or not p.best.fits
 
 
@@ -151,22 +153,24 @@ def GEMM_CAP(cluster):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tp=3), "tp=3 must divide n_head=4"),
-    (dict(pp=3, m=3), None),  # 4 blocks on 3 stages: 2 + 1 + 1, as the runtime splits them
-    (dict(pp=5, m=5), "n_layer=4 blocks cannot fill 5 stages"),
-    (dict(pp=2, v=2, m=2, schedule="interleaved_1f1b", micro_batch=1), None),
-    (dict(pp=4, m=2), None),  # m < pp runs (every micro-batch in the warm-up): costed
-    (dict(pp=4, v=2, m=2, schedule="interleaved_1f1b"), "microbatches=2 must be a multiple of the pp=4 ranks"),
-    (dict(v=2), "virtual_stages=2 needs pp > 1"),
-    (dict(pp=2, v=2, m=2), "needs schedule='interleaved_1f1b'"),
+    (dict(pp=3, microbatches=3), None),  # 4 blocks on 3 stages: 2 + 1 + 1, as the runtime splits them
+    (dict(pp=5, microbatches=5), "n_layer=4 blocks cannot fill 5 stages"),
+    (dict(pp=2, virtual_stages=2, microbatches=2, schedule="interleaved_1f1b"), None),
+    (dict(pp=4, microbatches=2), None),  # m < pp runs (every micro-batch in the warm-up): costed
+    (dict(pp=4, virtual_stages=2, microbatches=2, schedule="interleaved_1f1b"),
+     "microbatches=2 must be a multiple of the pp=4 ranks"),
+    (dict(virtual_stages=2), "virtual_stages=2 needs pp > 1"),
+    (dict(pp=2, virtual_stages=2, microbatches=2), "needs schedule='interleaved_1f1b'"),
     (dict(ep=2), "ep=2 needs an MoE model"),
-    (dict(zero_stage=4), "zero_stage=4"),
+    (dict(zero=4), "zero=4"),
     (dict(recompute="some"), "recompute='some'"),
     (dict(tp=0), "tp=0"),
+    (dict(dp=2, microbatches=4), "microbatches=4 must divide the per-replica batch"),  # 30 / 2 = 15 rows
 ])
 def test_bad_layouts_are_named(kwargs, message):
     def build():
-        lay = Layout(**kwargs)
-        return step_time(CFG, lay, cpu_cluster(8), recipe="fp32")
+        lay = ParallelDims(**kwargs)
+        return step_time(CFG, lay, cpu_cluster(8), 30, recipe="fp32")
     if message is None:
         assert build()["total"] > 0
     else:
@@ -176,7 +180,7 @@ def test_bad_layouts_are_named(kwargs, message):
 
 def test_impossible_plans_are_named():
     with pytest.raises(ValueError, match="needs dp\\*ep\\*tp\\*pp = 16 devices"):
-        step_time(CFG, Layout(dp=16), cpu_cluster(8))
+        step_time(CFG, ParallelDims(dp=16), cpu_cluster(8), 16)
     with pytest.raises(ValueError, match="no layout fits"):
         plan(CFG, cpu_cluster(8, memory=1e3), 16, recipe="fp32")
     with pytest.raises(ValueError, match="global_batch=7"):
@@ -189,7 +193,7 @@ def test_impossible_plans_are_named():
 
 def test_gpt3_predicted_mfu_is_in_a_sane_range():
     c = gpu_cluster("A100 SXM 80 GB", 1024)
-    t = step_time(GPT3_175B, PUBLISHED["GPT-3 175B on 1024 A100"]["layout"], c, 2048)
+    t = step_time(GPT3_175B, PUBLISHED["GPT-3 175B on 1024 A100"]["dims"], c, 1536, 2048)
     # the model on spec-sheet inputs (a formula, not a measurement)
     assert 0.2 < t["mfu"] < 0.75 and t["compute"] == max(t[k] for k in ("compute", "tp", "bubble", "dp_exposed"))
 
@@ -256,7 +260,7 @@ def test_calibration_on_two_ranks_feeds_the_model(tiny_config):
     assert set(table) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
     assert all(measured(t) for t in table["all_reduce"]["2"][1])
     assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
-    t = step_time(tiny_config, Layout(dp=2, micro_batch=2), cluster, recipe="fp32")
+    t = step_time(tiny_config, ParallelDims(dp=2), cluster, 4, recipe="fp32")
     # every term of the model is >= 0 by construction, so the total is at least the compute term;
     # how much more (communication, overheads) depends on the measurements: not asserted
     assert measured(t["compute"]) and measured(t["total"]) and t["total"] >= t["compute"]
@@ -266,7 +270,7 @@ def test_calibration_on_two_ranks_feeds_the_model(tiny_config):
 
 def test_stored_validation_compares_every_layout():
     data = load_validation()
-    result = compare(data["config"], data["cluster"], data["runs"], data["seq"], "fp32")
+    result = compare(data["config"], data["cluster"], data["runs"], data["batch"], data["seq"], "fp32")
     assert len(result["rows"]) == len(data["runs"]) >= 8
     # the stored run's measured times are fixed inputs here (a file), not measured by this test:
     # the model on them is a formula. A correlation is in [-1, 1]; the pick over the fastest >= 1.
@@ -295,13 +299,12 @@ def _measured_state(dims, config):
 @pytest.mark.parametrize("sizes", [dict(dp=2, tp=2), dict(tp=2, pp=2, microbatches=2),
                                    dict(dp=2, pp=2, microbatches=2)])
 def test_memory_model_equals_measured_state_of_the_busiest_rank(sizes, tiny_config):
-    from course_lib.parallel.hybrid import ParallelDims
     from course_lib.runtime import run_on_ranks
 
     dims = ParallelDims(**sizes)
     per_rank = run_on_ranks(_measured_state, dims, tiny_config, world_size=4, timeout_s=120)
-    lay = Layout(dp=dims.dp, tp=dims.tp, pp=dims.pp, m=max(dims.microbatches, dims.pp), micro_batch=1)
-    mem = memory_per_rank(tiny_config, lay, recipe="fp32")
+    lay = ParallelDims(dp=dims.dp, tp=dims.tp, pp=dims.pp, microbatches=max(dims.microbatches, dims.pp))
+    mem = memory_per_rank(tiny_config, lay, dims.dp * lay.microbatches, recipe="fp32")
     predicted = mem["params"] + mem["grads"] + mem["optimizer"]
     # per_gpu_memory follows TP's real split (rank_param_counts): the row-parallel biases stay
     # whole on every rank, and the vocabulary is padded to a multiple of tp (ceil(V / tp) rows)

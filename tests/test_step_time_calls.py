@@ -7,7 +7,9 @@ import pytest
 
 from course_lib.comm.costmodel import LinkModel, predict_time
 from course_lib.comm.measured import CollectiveTable, collective_time, link_from_dict, table_to_dict
-from course_lib.estimate.step_time import Cluster, Layout, step_time
+from course_lib.dims import ParallelDims as Dims
+from course_lib.estimate.cluster import Cluster
+from course_lib.estimate.step_time import step_time
 
 TABLE = CollectiveTable("t", {"all_reduce": {"2": [[10, 20, 40], [1.0, 3.0, 2.0]], "8": [[10], [7.0]]},
                               "send": {"2": [[10, 100], [0.5, 1.5]]}}, LinkModel(1e-3, 1e6))
@@ -46,33 +48,35 @@ def _traced_calls(kind, kw, config, steps):
     from course_lib.train import TrainConfig
 
     with CommTracer() as tracer:
-        train_as((kind, kw), config, TrainConfig(steps=steps, batch_size=8, progress=False, eval_every=0))
+        train_as((kind, kw), config, TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0))
     # calls that cross ranks (the hybrid trainer also calls its size-1 groups, which move nothing)
     return sum(1 for r in tracer.records if not r.group_ranks or len(r.group_ranks) > 1)
 
 
-# (Layout, how the course runs it, calls outside the model: the pipeline's loss report)
+# (layout, how the course runs it, calls outside the model: the pipeline's loss report); every
+# run trains BATCH sequences per step
+BATCH = 8
 CASES = [
-    (Layout(dp=2, micro_batch=4), ("dp", {}), 0),
-    (Layout(dp=2, m=2, micro_batch=2), ("dp", {"accum_steps": 2}), 0),
-    (Layout(dp=2, micro_batch=4, zero_stage=1), ("zero", {"stage": 1}), 0),
-    (Layout(dp=2, m=2, micro_batch=2, zero_stage=2), ("zero", {"stage": 2, "accum_steps": 2}), 0),
-    (Layout(dp=2, micro_batch=4, zero_stage=3), ("zero", {"stage": 3}), 0),
-    (Layout(tp=2, micro_batch=8), ("tp", {}), 0),
-    (Layout(pp=2, m=2, micro_batch=4), ("hybrid", {"pp": 2, "microbatches": 2}), 1),
-    (Layout(dp=2, tp=2, micro_batch=4), ("hybrid", {"dp": 2, "tp": 2}), 1),
+    (Dims(dp=2), ("dp", {}), 0),
+    (Dims(dp=2, microbatches=2), ("dp", {"accum_steps": 2}), 0),
+    (Dims(dp=2, zero=1), ("zero", {"stage": 1}), 0),
+    (Dims(dp=2, microbatches=2, zero=2), ("zero", {"stage": 2, "accum_steps": 2}), 0),
+    (Dims(dp=2, zero=3), ("zero", {"stage": 3}), 0),
+    (Dims(tp=2), ("tp", {}), 0),
+    (Dims(pp=2, microbatches=2), ("hybrid", {"pp": 2, "microbatches": 2}), 1),
+    (Dims(dp=2, tp=2), ("hybrid", {"dp": 2, "tp": 2}), 1),
 ]
 
 
-@pytest.mark.parametrize("layout,how,extra", CASES, ids=[c[0].label() for c in CASES])
+@pytest.mark.parametrize("layout,how,extra", CASES, ids=[c[0].describe() for c in CASES])
 def test_calls_per_step_equal_the_tracer(layout, how, extra, tiny_config):
     """Calls of step 2 alone = calls of a 2-step run - calls of a 1-step run (set-up and the
     final gathers cancel), on rank 0 (an end stage, the busiest for a pipeline)."""
     from course_lib.runtime import run_on_ranks
 
     cluster = Cluster("c", 4, 4, 1e9, 1e9, 1e9, LinkModel(1e-5, 1e9), LinkModel(1e-5, 1e9))
-    t = step_time(tiny_config, layout, cluster, recipe="fp32")
-    counted = [run_on_ranks(_traced_calls, *how, tiny_config, steps, world_size=layout.n_gpus, timeout_s=120)[0]
+    t = step_time(tiny_config, layout, cluster, BATCH, recipe="fp32")
+    counted = [run_on_ranks(_traced_calls, *how, tiny_config, steps, world_size=layout.world_size, timeout_s=120)[0]
                for steps in (1, 2)]
     assert counted[1] - counted[0] == sum(t["calls"].values()) + extra, (t["calls"], counted)
 

@@ -143,7 +143,7 @@ def test_calculator_offers_only_valid_layouts():
 
 def test_calculator_gpus_say_gb_and_gib():
     labels = [label for label, _ in CW.MemoryCalculator().controls["gpu"].options]
-    for expected in ("H100 SXM: 80 GB = 74.5 GiB", "H200 SXM: 141 GB = 131.3 GiB", "B200: 180 GB = 167.6 GiB",
+    for expected in ("H100 SXM: 80 GB = 74.5 GiB", "H200 SXM: 141 GB = 131.3 GiB", "B200: 180 GB = 167.6 GiB", "GB200: 186 GB = 173.2 GiB",
                      "MI300X: 192 GB = 178.8 GiB", "B300: 288 GB = 268.2 GiB", "MI355X: 288 GB = 268.2 GiB"):
         assert expected in labels
     r = C.evaluate(C.Settings(gpu="H200 SXM 141 GB"))

@@ -9,12 +9,12 @@ whole loss curve against the single process; then compare prediction with measur
 The same run under torchrun: course_lib.demos.capstone.
 """
 
-from course_lib.capstone.config import (SCHEMA, TOLERANCE, CapstoneConfig, config_from_dict, layout_text,
+from course_lib.capstone.config import (SCHEMA, TOLERANCE, CapstoneConfig, config_from_dict,
                                         load_config, read_toml)
 from course_lib.capstone.report import (LiveLossPlot, compare, estimate_inputs, generate_text, gpu_peak_flops,
                                         report_text, traffic_formula)
 from course_lib.capstone.run import CapstoneRun, run_capstone, train_segment
 
-__all__ = ["CapstoneConfig", "load_config", "config_from_dict", "read_toml", "layout_text", "train_segment",
+__all__ = ["CapstoneConfig", "load_config", "config_from_dict", "read_toml", "train_segment",
            "run_capstone", "CapstoneRun", "SCHEMA", "TOLERANCE", "estimate_inputs", "compare", "report_text",
            "LiveLossPlot", "generate_text", "gpu_peak_flops", "traffic_formula"]

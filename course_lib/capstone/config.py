@@ -1,7 +1,7 @@
 """The capstone's config file: a small TOML, one key per degree, every key checked in the parent.
 
     [model]   n_layer, n_head, d_model, seq_len, n_experts, top_k   (the vocabulary is the dataset's)
-    [train]   steps, batch_size, lr, grad_clip, seed, checkpoint_step, precision, activation_checkpointing
+    [train]   steps, batch_size, lr, grad_clip, seed, checkpoint_step, precision, recompute
     [layout]  the fields of course_lib.dims.ParallelDims (dp, tp, pp required; ep, zero,
               virtual_stages, microbatches, schedule, sequence_parallel with its defaults)
               except the two of [train]: the first run, on dp*tp*pp*ep ranks
@@ -10,8 +10,8 @@
 load_config(path) checks every key (unknown, missing, wrong type or value, and each layout
 against the model and the batch by ParallelDims.check) and raises ValueError naming the key,
 before any rank starts. precision "bf16" = torch.autocast around forward and backward with the
-parameters (the optimizer's master weights) in fp32; activation_checkpointing = every block
-recomputes its forward in backward. Both apply to every layout and to the single-process twin.
+parameters (the optimizer's master weights) in fp32; recompute "full" = every block
+recomputes its forward in backward ("none": none does). Both apply to every layout and to the single-process twin.
 
 An MoE model (n_experts > 0) trains without auxiliary losses (aux_loss_coef = z_loss_coef = 0)
 and without capacity limit, so that every layout, pipelined or not, optimises the same
@@ -25,12 +25,12 @@ from dataclasses import MISSING, dataclass, fields
 
 from course_lib._validate import check_int
 from course_lib.data import CharDataset
-from course_lib.dims import PRECISIONS, SCHEDULES, ParallelDims
+from course_lib.dims import PRECISIONS, RECOMPUTE, SCHEDULES, ParallelDims
 from course_lib.model import GPTConfig
 from course_lib.train import TrainConfig
 
 BOOL, TEXT = "bool", "text"  # kinds besides int and float
-TRAIN_WIDE = ("precision", "activation_checkpointing")  # ParallelDims fields set once, in [train], for both runs
+TRAIN_WIDE = ("precision", "recompute")  # ParallelDims fields set once, in [train], for both runs
 REQUIRED = ("dp", "tp", "pp")  # the degrees a config must name; the other fields default as ParallelDims does
 
 
@@ -50,12 +50,12 @@ SCHEMA = {  # section -> {key: (kind, default or None = required)}
               "n_experts": (int, 0), "top_k": (int, 1)},
     "train": {"steps": (int, None), "batch_size": (int, 8), "lr": (float, 1e-2), "grad_clip": (float, 1.0),
               "seed": (int, 0), "checkpoint_step": (int, None), "precision": (TEXT, "fp32"),
-              "activation_checkpointing": (BOOL, False)},
+              "recompute": (TEXT, "none")},
     "layout": layout_schema(),
     "resume": layout_schema(),
 }
 MINIMUM = {"zero": 0, "seed": 0, "n_experts": 0}
-CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
+CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "recompute": RECOMPUTE}
 # |loss - single process| allowed for a whole curve. fp32: only the order of sums differs
 # (~1e-6). bf16: a tensor-parallel matmul rounds each rank's partial sum to bf16 before the
 # all-reduce (one process rounds the full sum once), pipeline and expert layouts sum in other
@@ -76,8 +76,8 @@ class CapstoneConfig:
         return self.layout.precision
 
     @property
-    def activation_checkpointing(self) -> bool:
-        return self.layout.activation_checkpointing
+    def recompute(self) -> str:
+        return self.layout.recompute
 
     @property
     def tolerance(self) -> float:
@@ -164,7 +164,7 @@ def config_from_dict(raw: dict) -> CapstoneConfig:
     layouts = {}
     for name in ("layout", "resume"):
         dims = ParallelDims(**_section(raw, name), precision=t["precision"],
-                            activation_checkpointing=t["activation_checkpointing"])
+                            recompute=t["recompute"])
         try:
             dims.check(None, model, train.batch_size)
         except ValueError as err:
@@ -175,8 +175,3 @@ def config_from_dict(raw: dict) -> CapstoneConfig:
 
 def load_config(path) -> CapstoneConfig:
     return config_from_dict(read_toml(path))
-
-
-def layout_text(dims) -> str:
-    ep = f" x ep{dims.ep}" if dims.ep > 1 else ""
-    return f"dp{dims.dp} x tp{dims.tp} x pp{dims.pp}{ep} ({dims.world_size} ranks, ZeRO-{dims.zero})"

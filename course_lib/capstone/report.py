@@ -1,7 +1,7 @@
 """What the capstone reports: predicted against measured, the live loss plot, and the text the
 trained model writes.
 
-    estimate_inputs(config, dims)  -> (estimator config, Layout, recipe) for course_lib.estimate
+    estimate_inputs(config)        -> (estimator model config, recipe) for course_lib.estimate
     compare(run, cluster)          -> predicted / measured step time, tokens/s, memory per rank
     traffic_formula(config, dims)  -> bytes per step of each mesh dimension, by formula
     report_text(run, cluster)      -> the report cell's lines
@@ -20,11 +20,10 @@ import statistics
 import time
 from dataclasses import replace
 
-from course_lib.capstone.config import layout_text
 from course_lib.data import CharDataset
 from course_lib.estimate.calculator import GPUS
 from course_lib.estimate.params import MoEConfig
-from course_lib.estimate.step_time import Layout, memory_per_rank, step_time
+from course_lib.estimate.step_time import memory_per_rank, step_time
 from course_lib.measure.memory import estimated_per_rank
 from course_lib.model import GPT
 from course_lib.parallel import topology
@@ -33,15 +32,13 @@ from course_lib.units import fmt_bytes
 RECIPE = {"fp32": "fp32", "bf16": "bf16_autocast"}  # precision -> course_lib.estimate recipe
 
 
-def estimate_inputs(config, dims):
-    """(model config for course_lib.estimate, its Layout, recipe) of one capstone layout."""
+def estimate_inputs(config):
+    """(model config for course_lib.estimate, recipe) of the capstone's model and precision; the
+    layouts themselves (config.layout, config.resume) are costed as they are: ParallelDims."""
     model = config.model
     if model.n_experts:
         model = MoEConfig(replace(model, n_experts=0), n_experts=model.n_experts, top_k=model.top_k)
-    micro = config.train.batch_size // (dims.dp * dims.ep * dims.microbatches)
-    layout = Layout(dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep, m=dims.microbatches, micro_batch=micro,
-                    zero_stage=dims.zero, recompute="full" if dims.activation_checkpointing else "none")
-    return model, layout, RECIPE[dims.precision]
+    return model, RECIPE[config.precision]
 
 
 def gpu_peak_flops(precision: str) -> float | None:
@@ -63,14 +60,15 @@ def compare(run, cluster) -> dict:
     step seconds (measured: the median over its steps after the first), tokens/s, model FLOP/s,
     and per rank: model state and activations (estimated vs measured) and the peak RSS."""
     c, dims = run.config, run.config.layout
-    model, layout, recipe = estimate_inputs(c, dims)
-    predicted = step_time(model, layout, cluster.with_gpus(dims.world_size), c.model.block_size, recipe)
-    memory = memory_per_rank(model, layout, c.model.block_size, recipe)
+    model, recipe = estimate_inputs(c)
+    batch = c.train.batch_size
+    predicted = step_time(model, dims, cluster.with_gpus(dims.world_size), batch, c.model.block_size, recipe)
+    memory = memory_per_rank(model, dims, batch, c.model.block_size, recipe)
     seconds = run.first.step_seconds[1:] or run.first.step_seconds
     measured = statistics.median(seconds)
     tokens = c.train.batch_size * c.model.block_size
 
-    estimated = estimated_per_rank(model, layout, c.model.block_size)  # fp32 state = bf16 autocast's
+    estimated = estimated_per_rank(model, dims, batch, c.model.block_size)  # fp32 state = bf16 autocast's
     per_rank = [{"state": r.memory["total"], "activations": r.memory["activations"], "rss": r.memory["peak_rss"],
                  "state_estimated": e["params"] + e["grads"] + e["optimizer"]}
                 for r, e in zip(run.first_ranks, estimated)]
@@ -80,7 +78,7 @@ def compare(run, cluster) -> dict:
             "predicted_tokens_per_s": tokens / predicted["total"], "flops": predicted["flops"],
             "mfu": predicted["flops"] / measured / (dims.world_size * rate), "mfu_against": "gpu peak" if peak
             else "calibrated CPU rate", "memory_predicted": memory, "memory_measured": per_rank,
-            "layout": layout, "recipe": recipe}
+            "dims": dims, "recipe": recipe}
 
 
 def traffic_formula(config, dims) -> dict:
@@ -104,7 +102,7 @@ def traffic_formula(config, dims) -> dict:
         message = config.train.batch_size // dims.replicas // m * config.model.block_size * config.model.d_model * 4
         calls = dims.replicas * dims.tp * m * L  # one all-reduce per layer and micro-batch, on every tp rank
         forward = message // 2 if dims.precision == "bf16" else message
-        out["tp"] += -2 * calls * (message - forward) + (calls * forward if dims.activation_checkpointing else 0)
+        out["tp"] += -2 * calls * (message - forward) + (calls * forward if dims.recompute == "full" else 0)
     return out
 
 
@@ -117,8 +115,7 @@ def report_text(run, cluster) -> str:
            f"{cluster.achievable_flops / 1e9:.2f} GFLOP/s per rank: {k['mfu']:.2%}")
     rows = [
         "capstone report",
-        f"  layout           {layout_text(c.layout)} -> {layout_text(c.resume)} after step {c.checkpoint_step}; "
-        f"{c.precision}, recomputation {'on' if c.activation_checkpointing else 'off'}",
+        f"  layout           {c.layout.describe()} -> {c.resume.describe()} after step {c.checkpoint_step}",
         f"  step time        predicted {k['predicted_s'] * 1e3:.3g} ms, measured {k['measured_s'] * 1e3:.3g} ms "
         f"({k['measured_s'] / k['predicted_s']:.1f} x)",
         f"  tokens/s         {k['tokens_per_s']:,.0f} measured, {k['predicted_tokens_per_s']:,.0f} predicted",
@@ -156,7 +153,7 @@ class LiveLossPlot:
         c, points = self.config, points or self.points
         ax = fig.add_subplot(1, 1, 1)
         styles = {"single": ("k-", "single process", dict(lw=3, alpha=0.3)),
-                  "first": ("o-", layout_text(c.layout), {}), "resumed": ("s-", layout_text(c.resume), {})}
+                  "first": ("o-", c.layout.describe(), {}), "resumed": ("s-", c.resume.describe(), {})}
         for name, (fmt, label, kw) in styles.items():
             if points[name]:
                 ax.plot(*zip(*points[name]), fmt, label=label, **kw)

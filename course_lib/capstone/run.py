@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from course_lib.capstone.config import CapstoneConfig, layout_text
+from course_lib.capstone.config import CapstoneConfig
 from course_lib.checkpoint import checkpoint_path, load_training_state, save_training_state
 from course_lib.data import CharDataset, get_batch
 from course_lib.observe.memory import SavedActivations
@@ -78,7 +78,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
     if progress and rank == 0:
         from tqdm.auto import tqdm
 
-        steps = tqdm(steps, desc=f"{layout_text(dims)}", leave=True)
+        steps = tqdm(steps, desc=dims.describe(), leave=True)
     tracer = CommTracer() if trace else contextlib.nullcontext()
     with tracer, (log or contextlib.nullcontext()):
         for step in steps:
@@ -215,7 +215,7 @@ def run_capstone(config: CapstoneConfig, checkpoint_dir, timeout_s: float = 300,
     resumed = _ranks_streaming(report, "resumed", logs / "resumed.jsonl", train_segment, c.resume, c.model,
                                c.train, str(root), c.checkpoint_step + 1, c.train.steps,
                                world_size=c.resume.world_size, timeout_s=timeout_s)
-    single = train_single(c.model, c.train, c.precision, c.activation_checkpointing,
+    single = train_single(c.model, c.train, c.precision, c.recompute,
                           on_step=lambda step, loss: report("single", step, loss)).train_losses
     bar.close()
     losses = resumed[0].train_losses

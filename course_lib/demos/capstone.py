@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from course_lib.capstone import layout_text, load_config, train_segment
+from course_lib.capstone import load_config, train_segment
 from course_lib.parallel.hybrid import train_single
 from course_lib.runtime.launch import init_from_env, leave_process_group
 
@@ -71,8 +71,8 @@ def main(argv=None) -> int:
         leave_process_group()
     if rank != 0:
         return 0
-    print(f"capstone on {world} ranks ({backend}): {layout_text(dims)}, {config.precision}, recomputation "
-          f"{'on' if config.activation_checkpointing else 'off'}, steps {first}..{last}, "
+    print(f"capstone on {world} ranks ({backend}): {dims.describe()} ({dims.world_size} ranks), "
+          f"steps {first}..{last}, "
           f"{'resumed from step ' + str(first - 1) if args.resume else 'saved at step ' + str(last)}", flush=True)
     for dim, t in result.traffic.items():
         print(f"traffic {dim}: {t['calls']} calls, {t['bytes_sent']} bytes sent by rank 0")
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         return 0
 
     reference = train_single(config.model, config.train, config.precision,
-                             config.activation_checkpointing).train_losses
+                             config.recompute).train_losses
     worst = 0.0
     for step, (a, b) in enumerate(zip(result.train_losses, reference), start=1):
         worst = max(worst, abs(a - b))

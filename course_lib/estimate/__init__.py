@@ -7,8 +7,9 @@ which sits above this package.
     compute.py      FLOPs per token, 6PD, time to train, GPUs needed
     per_gpu.py      everything above on the busiest GPU of a dp x ep x tp x pp layout
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
-    layout.py       Cluster (devices, links, measured rates) and Layout (degrees, schedule, ...)
-    step_time.py    the step-time model of a layout on a cluster (notebook 10), memory per rank
+    cluster.py      Cluster: devices, links, measured rates
+    step_time.py    the step-time model of a layout (course_lib.dims.ParallelDims) on a cluster
+                    (notebook 10), memory per rank
     planner.py      the search over layouts, ranked by predicted step time, with its explanation
     clusters.py     GPU clusters and published runs
     planner_figures.py   the planner's figures and widget

@@ -50,6 +50,9 @@ GPUS = {g.name: g for g in (
     _gpu("H100 SXM", 80, 989e12, 495e12),
     _gpu("H200 SXM", 141, 989e12, 495e12),
     _gpu("B200", 180, 2.25e15, 1.1e15),  # HGX B200: 180 GB usable of 192 GB of HBM3e
+    # GB200 NVL72, per GPU (the rack's spec / 72): 13.4 TB of HBM3e, 360 PFLOP/s bf16 and 180
+    # TF32 with sparsity, so 2.5 PFLOP/s and 1.25 dense
+    _gpu("GB200", 186, 2.5e15, 1.25e15),
     _gpu("MI300X", 192, 1307e12, 163e12),
     _gpu("B300", 288, 2.25e15, 1.1e15),
     _gpu("MI355X", 288, 2.5e15, 157e12),

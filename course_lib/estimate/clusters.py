@@ -1,13 +1,13 @@
-"""Published clusters as step_time.Cluster values (notebook 10).
+"""Published clusters as course_lib.estimate.cluster.Cluster values (notebook 10).
 
     gpu_cluster(gpu, n_gpus, gpus_per_node=8)    a cluster of one of calculator.GPUS
     PUBLISHED                                     the runs the planner is held against
 
 Links per direction, from course_lib.comm.costmodel.CLUSTERS (NVLink 3/4, HDR/NDR InfiniBand)
 plus NVLink 5 (B200: 1.8 TB/s total per GPU = 900 GB/s each way, NVIDIA's NVLink page), for
-which NVL72 racks put 72 GPUs in one NVLink domain. Every GPU has its own network port
+which GB200 NVL72 racks put 72 GPUs in one NVLink domain (gpus_per_node=72). Every GPU has its own network port
 (DGX/HGX nodes: one 200 or 400 Gb/s NIC per GPU). HBM bandwidth (spec sheets): A100 80 GB
-2.0 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s.
+2.0 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s, B200 and GB200 8 TB/s.
 
 achievable_flops is an assumption, not a measurement: 75% of the dense peak, about what large
 bf16 GEMMs reach on these parts; course_lib.measure.calibrate measures it on the machine at hand instead.
@@ -20,7 +20,8 @@ from dataclasses import replace
 from course_lib.comm.costmodel import CLUSTERS as LINKS, LinkModel
 from course_lib.estimate.calculator import GPUS
 from course_lib.estimate.params import GPT3_175B, LLAMA3_405B
-from course_lib.estimate.step_time import Cluster, Layout
+from course_lib.dims import ParallelDims
+from course_lib.estimate.cluster import Cluster
 
 GEMM_EFFICIENCY = 0.75
 _NVLINK5 = LinkModel(alpha=3e-6, beta=900e9, name="NVLink 5")
@@ -29,6 +30,7 @@ _FABRIC = {  # gpu -> (intra-node link, network link per GPU, HBM bytes/s)
     "H100 SXM 80 GB": (LINKS["H100 NVLink 4 (intra-node)"], LINKS["NDR InfiniBand 400 Gb/s (inter-node)"], 3.35e12),
     "H200 SXM 141 GB": (LINKS["H100 NVLink 4 (intra-node)"], LINKS["NDR InfiniBand 400 Gb/s (inter-node)"], 4.8e12),
     "B200 180 GB": (_NVLINK5, LINKS["NDR InfiniBand 400 Gb/s (inter-node)"], 8.0e12),
+    "GB200 186 GB": (_NVLINK5, LINKS["NDR InfiniBand 400 Gb/s (inter-node)"], 8.0e12),  # 576 TB/s per NVL72 rack
 }
 
 
@@ -52,8 +54,8 @@ LLAMA3_405B_128 = replace(LLAMA3_405B, n_layer=128)
 PUBLISHED = {
     "GPT-3 175B on 1024 A100": dict(
         config=GPT3_175B, cluster=gpu_cluster("A100 SXM 80 GB", 1024), global_batch=1536, seq=2048,
-        layout=Layout(dp=8, tp=8, pp=16, v=2, m=1536 // 8, micro_batch=1, recompute="full",
-                      schedule="interleaved_1f1b", sequence_parallel=False),
+        dims=ParallelDims(dp=8, tp=8, pp=16, virtual_stages=2, microbatches=1536 // 8, recompute="full",
+                            schedule="interleaved_1f1b", sequence_parallel=False),
         reported="Narayanan et al. 2021, §5.1: 140 TFLOP/s per GPU for GPT-3 175B on 1024 A100s at batch "
                  "1536 = 45% of peak counting the recomputed forward (x 3/4 without it: about 34% MFU); "
                  "layout tp 8, pp 16, dp 8 from the Megatron-LM README's GPT-3 175B example (Table 1 has "
@@ -61,8 +63,8 @@ PUBLISHED = {
         reported_mfu=0.45 * 3 / 4),
     "Llama 3 405B on 16k H100": dict(
         config=LLAMA3_405B_128, cluster=gpu_cluster("H100 SXM 80 GB", 16384), global_batch=2048, seq=8192,
-        layout=Layout(dp=128, tp=8, pp=16, v=1, m=16, micro_batch=1, zero_stage=1, recompute="none",
-                      schedule="1f1b", sequence_parallel=True),
+        dims=ParallelDims(dp=128, tp=8, pp=16, microbatches=16, zero=1, recompute="none",
+                            schedule="1f1b", sequence_parallel=True),
         reported="Dubey et al. 2024, Table 4: tp 8, cp 1, pp 16, dp 128, 16M tokens per batch, "
                    "about 400 TFLOP/s per GPU, 38-43% BF16 MFU across their configurations",
         reported_mfu=0.41),

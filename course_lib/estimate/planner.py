@@ -4,11 +4,12 @@ Two levels, in the spirit of Alpa (Zheng et al. 2022): the inter-operator split 
 v chunks per rank, m micro-batches and a schedule) and the intra-operator sharding (tp with
 sequence parallelism, ep, dp with a ZeRO stage), plus micro-batch size and recomputation.
 
-    search(config, cluster, global_batch, ...)   every candidate: Candidate(layout, time, memory, fits)
+    search(config, cluster, global_batch, ...)   every candidate: Candidate(dims, time, memory, fits)
     plan(config, cluster, global_batch, ...)     a Plan: the fitting ones fastest first, and why
 
-A candidate uses all n_gpus = dp * ep * tp * pp devices, keeps tp inside a node (the TP
-all-reduces are on the critical path), and has global_batch = dp * ep * m * micro_batch. The
+A candidate is a course_lib.dims.ParallelDims (the layout the runtime runs) with its costs: it
+uses all n_gpus = dp * ep * tp * pp devices, keeps tp inside a node (the TP all-reduces are on
+the critical path), and has global_batch = dp * ep * m * micro_batch. The
 search is narrower than the rule book (course_lib.dims), by choice: pp | n_layer (uneven stages
 run, but a balanced split is never slower here), and m >= pp except for GPipe. Step
 time and memory come from course_lib.estimate.step_time; a layout fits when its busiest rank's
@@ -20,15 +21,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib._validate import check_int
-from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_tp
+from course_lib.dims import RECOMPUTE, ZERO_STAGES, ParallelDims, check_tp
+from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.params import ff_dim, unpack
-from course_lib.estimate.step_time import TERMS, Cluster, Layout, memory_per_rank, step_time
+from course_lib.estimate.step_time import TERMS, memory_per_rank, step_time
 from course_lib.units import fmt_bytes
 
 
 @dataclass(frozen=True)
 class Candidate:
-    layout: Layout
+    dims: ParallelDims
+    batch_size: int  # the global batch it was costed at
     time: dict  # step_time's terms (seconds), "total", "mfu"
     memory: dict  # memory_per_rank's bytes
     fits: bool
@@ -37,10 +40,14 @@ class Candidate:
     def biggest_term(self) -> str:
         return max(TERMS, key=lambda k: self.time[k])
 
+    def label(self) -> str:
+        """The layout with its micro-batch size: ParallelDims.describe(batch_size)."""
+        return self.dims.describe(self.batch_size)
+
     def row(self) -> str:
         t = self.time
         terms = ", ".join(f"{k} {t[k] * 1e3:.3g}" for k in TERMS if t[k] > 0)
-        return (f"{self.layout.label():<40} {t['total'] * 1e3:10.4g} ms  MFU {t['mfu']:6.1%}  "
+        return (f"{self.label():<40} {t['total'] * 1e3:10.4g} ms  MFU {t['mfu']:6.1%}  "
                 f"{fmt_bytes(self.memory['total']):>10}  [{terms} ms]")
 
 
@@ -63,7 +70,7 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
            attention: str | None = None) -> list[Candidate]:
     """Every valid layout of `config` on all of `cluster`'s devices, fitting or not."""
     if not isinstance(cluster, Cluster):
-        raise ValueError(f"cluster={cluster!r} must be a course_lib.estimate.step_time.Cluster")
+        raise ValueError(f"cluster={cluster!r} must be a course_lib.estimate.cluster.Cluster")
     global_batch = check_int("global_batch", global_batch)
     base, n_experts, _ = unpack(config)
     seq = base.block_size if seq is None else check_int("seq", seq)
@@ -85,8 +92,8 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
                 if global_batch % (dp * ep):
                     continue
                 per_replica = global_batch // (dp * ep)
-                out += _inner(config, cluster, seq, recipe, attention, dp, tp, pp, ep, per_replica,
-                              micro_batches, zero_stages, recomputes, schedules, max_v)
+                out += _inner(config, cluster, global_batch, seq, recipe, attention, dp, tp, pp, ep,
+                              per_replica, micro_batches, zero_stages, recomputes, schedules, max_v)
     if not out:
         raise ValueError(f"no layout of n_gpus={n} devices divides global_batch={global_batch} into whole "
                          f"micro-batches per replica with tp | n_head={base.n_head} (tp <= {max_tp}) and "
@@ -94,8 +101,8 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
     return out
 
 
-def _inner(config, cluster, seq, recipe, attention, dp, tp, pp, ep, per_replica, micro_batches, zero_stages,
-           recomputes, schedules, max_v):
+def _inner(config, cluster, global_batch, seq, recipe, attention, dp, tp, pp, ep, per_replica, micro_batches,
+           zero_stages, recomputes, schedules, max_v):
     base = unpack(config)[0]
     out = []
     for mb in micro_batches:
@@ -113,11 +120,11 @@ def _inner(config, cluster, seq, recipe, attention, dp, tp, pp, ep, per_replica,
         for schedule, v in shapes:
             for zero in zero_stages if dp * ep > 1 else (0,):
                 for rc in recomputes:
-                    lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, v=v, m=m, micro_batch=mb, zero_stage=zero,
-                                 recompute=rc, schedule=schedule, sequence_parallel=tp > 1)
-                    mem = memory_per_rank(config, lay, seq, recipe, attention)
-                    t = step_time(config, lay, cluster, seq, recipe, attention)
-                    out.append(Candidate(lay, t, mem, mem["total"] <= cluster.memory_bytes))
+                    dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep, virtual_stages=v, microbatches=m, zero=zero,
+                                        recompute=rc, schedule=schedule, sequence_parallel=tp > 1)
+                    mem = memory_per_rank(config, dims, global_batch, seq, recipe, attention)
+                    t = step_time(config, dims, cluster, global_batch, seq, recipe, attention)
+                    out.append(Candidate(dims, global_batch, t, mem, mem["total"] <= cluster.memory_bytes))
     return out
 
 
@@ -137,13 +144,13 @@ class Plan:
         """Why the top pick: its biggest cost term, and the binding constraint (memory when a
         faster layout exists that does not fit, else the biggest term itself)."""
         best, fastest = self.best, min(self.candidates, key=lambda c: c.time["total"])
-        lines = [f"best: {best.layout.label()}: {best.time['total'] * 1e3:.4g} ms per step, "
+        lines = [f"best: {best.label()}: {best.time['total'] * 1e3:.4g} ms per step, "
                  f"MFU {best.time['mfu']:.1%}, {fmt_bytes(best.memory['total'])} of "
                  f"{fmt_bytes(self.cluster.memory_bytes)} per device",
                  f"biggest cost term: {best.biggest_term} "
                  f"({best.time[best.biggest_term] / best.time['total']:.0%} of the step)"]
         if fastest is not best and not fastest.fits:
-            lines.append(f"binding constraint: memory. The fastest layout, {fastest.layout.label()} "
+            lines.append(f"binding constraint: memory. The fastest layout, {fastest.label()} "
                          f"({fastest.time['total'] * 1e3:.4g} ms), needs {fmt_bytes(fastest.memory['total'])}")
         else:
             lines.append("binding constraint: " + ("compute" if best.biggest_term in ("compute", "recompute")
@@ -162,7 +169,7 @@ def plan(config, cluster: Cluster, global_batch: int, seq: int | None = None, re
     ranked = sorted((c for c in cands if c.fits), key=lambda c: c.time["total"])
     if not ranked:
         small = min(cands, key=lambda c: c.memory["total"])
-        raise ValueError(f"no layout fits: the smallest, {small.layout.label()}, needs "
+        raise ValueError(f"no layout fits: the smallest, {small.label()}, needs "
                          f"{fmt_bytes(small.memory['total'])} per device > memory_bytes="
                          f"{fmt_bytes(cluster.memory_bytes)}; add devices or memory")
     return Plan(ranked, cands, cluster)

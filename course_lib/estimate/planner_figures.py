@@ -20,7 +20,8 @@ COLORS = {"compute": "tab:blue", "recompute": "tab:cyan", "tp": "tab:red", "pp":
           "bubble": "tab:gray", "dp_exposed": "tab:orange", "optimizer": "tab:green"}
 MODELS = ("Llama-3 8B", "Llama-3 70B", "GPT-3 175B", "Llama-3 405B")
 GPUS = {"A100 (8 per node)": ("A100 SXM 80 GB", 8), "H100 (8 per node)": ("H100 SXM 80 GB", 8),
-        "H200 (8 per node)": ("H200 SXM 141 GB", 8), "B200 (NVL72 domain)": ("B200 180 GB", 72)}
+        "H200 (8 per node)": ("H200 SXM 141 GB", 8), "B200 (8 per node)": ("B200 180 GB", 8),
+        "GB200 (NVL72 racks)": ("GB200 186 GB", 72)}
 N_GPUS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_TOKENS_M = (1, 2, 4, 8, 16)  # millions of tokens per step
 SEQ = 4096  # tokens per sequence (GPT-3: its 2048)
@@ -96,7 +97,7 @@ def plot_breakdown(ax, p, top: int = 5):
                 ax.barh(i, w, left=left, color=COLORS[term], label=term if i == len(cands) - 1 else None)
                 left += w
         ax.text(left, i, f"  MFU {c.time['mfu']:.0%}, {c.memory['total'] / GiB:.0f} GiB", va="center", fontsize=8)
-    ax.set_yticks(range(len(cands)), [c.layout.label() for c in cands], fontsize=8)
+    ax.set_yticks(range(len(cands)), [c.label() for c in cands], fontsize=8)
     ax.set_xlabel("predicted seconds per step")
     ax.set_xlim(0, max(c.time["total"] for c in cands) * 1.45)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=len(TERMS), frameon=False)

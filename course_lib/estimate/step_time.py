@@ -1,8 +1,9 @@
 """The step-time model of one layout (notebook 10): compute + overhead + exposed communication + bubble.
 
-A layout runs n_gpus = dp * ep * tp * pp ranks (course_lib.parallel.mesh's order: tp innermost,
-then ep, dp, pp), m micro-batches of `micro_batch` sequences per data-parallel replica, so the
-global batch is B = dp * ep * m * micro_batch sequences of `seq` tokens. One optimizer step:
+A layout is the runtime's course_lib.dims.ParallelDims: n_gpus = dp * ep * tp * pp ranks
+(make_mesh's order: tp innermost, then ep, dp, pp), m = microbatches micro-batches per
+data-parallel replica. The global batch B = batch_size sequences of `seq` tokens is given beside
+it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One optimizer step:
 
     compute     F / (n_gpus * R)                   F = flops_per_token * B * seq (notebook 01),
                                                    R = achievable FLOP/s of one device;
@@ -39,44 +40,55 @@ from __future__ import annotations
 
 from course_lib._validate import check_int, check_one_of
 from course_lib.comm.measured import collective_time
-from course_lib.dims import check_sequence_parallel, layers_per_rank
+from course_lib.dims import (RECOMPUTE, ZERO_STAGES, ParallelDims, check_batch, check_schedule,
+                             check_sequence_parallel, layers_per_rank)
 from course_lib.estimate.bubble import formula_for
+from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.compute import flops_per_token
-from course_lib.estimate.layout import Cluster, Layout
 from course_lib.estimate.memory import RECIPES
 from course_lib.estimate.params import GPTConfig, unpack
 from course_lib.estimate.per_gpu import per_gpu_memory
 
 
-def check_layout(config, layout: Layout, seq: int | None = None) -> int:
-    """ValueError unless `layout` can run `config`; returns seq."""
+def check_layout(config, dims: ParallelDims, batch_size: int, seq: int | None = None) -> tuple[int, int]:
+    """ValueError unless the layout `dims` can run `config` on a global batch of batch_size
+    sequences; returns (seq, micro_batch). The rule book's rules (course_lib.dims), in
+    ParallelDims.check_model's order, so both name the same broken rule first."""
+    if not isinstance(dims, ParallelDims):
+        raise ValueError(f"dims={dims!r} must be a course_lib.dims.ParallelDims")
     base = unpack(config)[0]
     seq = base.block_size if seq is None else check_int("seq", seq)
     if seq > base.block_size:
         raise ValueError(f"seq={seq} must be <= block_size={base.block_size}")
-    L = layout
-    # the rule book (course_lib.dims): every chunk at least one block (uneven splits run and are
-    # costed by their busiest rank); the sequence shared whole by sequence parallelism; per_gpu_memory
-    # checks tp against heads and d_ff, ep against the experts
-    layers_per_rank(base.n_layer, L.pp, L.v)
-    check_sequence_parallel(L.sequence_parallel, L.tp, seq)
-    per_gpu_memory(config, 1, seq, "fp32", 0, L.dp, L.tp, L.pp, L.ep)
-    return seq
+    for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+        check_int(name, getattr(dims, name))
+    check_one_of("zero", dims.zero, ZERO_STAGES)
+    check_one_of("recompute", dims.recompute, RECOMPUTE)
+    check_schedule(dims.schedule, dims.pp, dims.microbatches, dims.virtual_stages)
+    check_sequence_parallel(dims.sequence_parallel, dims.tp)
+    # every chunk at least one block (uneven splits run and are costed by their busiest rank);
+    # the sequence shared whole by sequence parallelism; per_gpu_memory checks tp against heads
+    # and d_ff, ep against the experts
+    layers_per_rank(base.n_layer, dims.pp, dims.virtual_stages)
+    check_sequence_parallel(dims.sequence_parallel, dims.tp, seq)
+    per_gpu_memory(config, 1, seq, "fp32", 0, dims.dp, dims.tp, dims.pp, dims.ep)
+    share = check_batch(batch_size, dims.replicas, dims.microbatches)
+    return seq, share // dims.microbatches
 
 
-def memory_per_rank(config, layout: Layout, seq: int | None = None, recipe: str = "bf16_mixed",
-                    attention: str | None = None) -> dict:
+def memory_per_rank(config, dims: ParallelDims, batch_size: int, seq: int | None = None,
+                    recipe: str = "bf16_mixed", attention: str | None = None) -> dict:
     """notebook 01's per_gpu_memory for this layout, with the in-flight micro-batches of the
     schedule: 1F1B holds min(m, pp) on stage 0 (per_gpu_memory's assumption), GPipe all m,
     interleaving (1 + (pp - 1) / (pp * v)) times 1F1B's (Narayanan et al. 2021)."""
-    seq = check_layout(config, layout, seq)
-    L = layout
-    mem = per_gpu_memory(config, L.micro_batch, seq, recipe, L.zero_stage, L.dp, L.tp, L.pp, L.ep, L.recompute,
+    seq, micro_batch = check_layout(config, dims, batch_size, seq)
+    L, m, v = dims, dims.microbatches, dims.virtual_stages
+    mem = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
                          attention=attention, sequence_parallel=L.sequence_parallel)
     if L.pp > 1:
         # 1F1B and ZB-H1 hold min(m, pp) micro-batches on stage 0: all of them when m < pp
-        factor = {"gpipe": L.m / L.pp, "interleaved_1f1b": 1 + (L.pp - 1) / (L.pp * L.v)}.get(
-            L.schedule, min(L.m, L.pp) / L.pp)
+        factor = {"gpipe": m / L.pp, "interleaved_1f1b": 1 + (L.pp - 1) / (L.pp * v)}.get(
+            L.schedule, min(m, L.pp) / L.pp)
         mem["activations"] = int(mem["activations"] * factor)
         mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
     return mem
@@ -105,34 +117,35 @@ def ddp_buckets(nbytes: float, first: float = 1 << 20, cap: float = 25 * (1 << 2
     return sizes
 
 
-def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, recipe: str = "bf16_mixed",
-              attention: str | None = None, causal: bool = False) -> dict:
+def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq: int | None = None,
+              recipe: str = "bf16_mixed", attention: str | None = None, causal: bool = False) -> dict:
     """Seconds of one optimizer step by term (see the module docstring) and the totals:
     {"compute", "overhead", "recompute", "tp", "pp", "ep", "bubble", "dp_total", "dp_exposed",
     "optimizer", "total", "flops" (model FLOPs of the step, recomputation excluded), "mfu",
     "tokens", "calls" (collective calls of the busiest rank per step, by mesh dimension)}."""
-    seq = check_layout(config, layout, seq)
+    seq, micro_batch = check_layout(config, dims, batch_size, seq)
     check_one_of("recipe", recipe, RECIPES)
-    L, C = layout, cluster
-    if L.n_gpus > C.n_gpus:
-        raise ValueError(f"the layout needs dp*ep*tp*pp = {L.n_gpus} devices, the cluster has n_gpus={C.n_gpus}")
+    L, C = dims, cluster
+    n_gpus, m, v = L.world_size, L.microbatches, L.virtual_stages
+    if n_gpus > C.n_gpus:
+        raise ValueError(f"the layout needs dp*ep*tp*pp = {n_gpus} devices, the cluster has n_gpus={C.n_gpus}")
     base, n_experts, top_k = unpack(config)
     e = 4 if recipe in ("fp32", "bf16_autocast") else 2  # bytes of an activation / gradient on the wire
-    batch = L.dp * L.ep * L.m * L.micro_batch
+    batch = batch_size
     tokens = batch * seq
     flops = flops_per_token(config, seq, causal=causal) * tokens
-    compute = flops / (L.n_gpus * C.achievable_flops)
-    layers = max(layers_per_rank(base.n_layer, L.pp, L.v))  # the busiest rank's, over its v chunks
+    compute = flops / (n_gpus * C.achievable_flops)
+    layers = max(layers_per_rank(base.n_layer, L.pp, v))  # the busiest rank's, over its v chunks
     # fixed cost: every layer's ops (and the embedding, head and loss: one layer's worth on the
     # busiest end rank) once per micro-batch, whatever their size
-    overhead = (layers + 1) * L.m * C.layer_overhead
+    overhead = (layers + 1) * m * C.layer_overhead
     attn_fraction = 4 * base.n_layer * seq * base.d_model * (0.5 if causal else 1.0) / (
         flops_per_token(config, seq, causal=causal, training=False))
     recompute = {"none": 0.0, "full": (compute + overhead) / 3,
                  "selective": compute / 3 * attn_fraction}[L.recompute]
     calls = {"tp": 0, "pp": 0, "ep": 0, "dp": 0, "norm": 0}
 
-    message = L.micro_batch * seq * base.d_model * e  # one residual-stream activation
+    message = micro_batch * seq * base.d_model * e  # one residual-stream activation
     # tp, per micro-batch: per layer 2 all-reduces forward (after attention's and the MLP's
     # row-parallel matmul) and 2 backward (f's), +2 when the forward is recomputed (Megatron's
     # full recomputation; torch's non-reentrant checkpoint, which the capstone uses, stops once
@@ -149,17 +162,17 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
         else:
             one = collective_time(tp_link, "all_reduce", message, L.tp)
         # the vocabulary-parallel loss: 3 all-reduces of one number per token (max, sum, target)
-        loss = 3 * collective_time(tp_link, "all_reduce", L.micro_batch * seq * 4, L.tp)
-        tp = L.m * (n_ar * one + loss)
-        calls["tp"] = L.m * (n_ar * (2 if L.sequence_parallel else 1) + 3)
+        loss = 3 * collective_time(tp_link, "all_reduce", micro_batch * seq * 4, L.tp)
+        tp = m * (n_ar * one + loss)
+        calls["tp"] = m * (n_ar * (2 if L.sequence_parallel else 1) + 3)
     # pp: an activation forward and a gradient backward per micro-batch and chunk boundary
     # and, once per step, the tied embedding's gradient between the first and last stage (each
     # holds a copy): sent and received
     pp = 0.0
     if L.pp > 1:
         pp_link = C.link_of("pp", L)
-        pp = 2 * L.v * L.m * collective_time(pp_link, "send", message / (L.tp if L.sequence_parallel else 1), 2)
-        calls["pp"] = 2 * L.v * L.m
+        pp = 2 * v * m * collective_time(pp_link, "send", message / (L.tp if L.sequence_parallel else 1), 2)
+        calls["pp"] = 2 * v * m
         if getattr(base, "tie_weights", False):
             vocab_rows = -(-base.vocab_size // L.tp)
             pp += 2 * collective_time(pp_link, "send", vocab_rows * base.d_model * RECIPES[recipe].grad, 2)
@@ -167,20 +180,20 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
     # ep: 2 all-to-alls forward, 2 backward, of top_k copies of each token, per MoE layer
     ep = 0.0
     if L.ep > 1:
-        ep = 4 * layers * L.m * collective_time(C.link_of("ep", L), "all_to_all", message * top_k, L.ep)
-        calls["ep"] = 4 * layers * L.m
+        ep = 4 * layers * m * collective_time(C.link_of("ep", L), "all_to_all", message * top_k, L.ep)
+        calls["ep"] = 4 * layers * m
     busy = compute + overhead + recompute + tp + pp + ep
     bubble = 0.0
     if L.pp > 1:
-        f = formula_for(L.schedule, L.pp, L.m, L.v)
+        f = formula_for(L.schedule, L.pp, m, v)
         # a device per rank: busy / (1 - f) in all. Ranks sharing fewer cores: busy was measured
         # with every rank running; alone a rank runs n / cores times faster, and the step
         # cannot end before all the work is done on the cores (busy)
-        share = min(1.0, C.shared_cores / L.n_gpus) if C.shared_cores else 1.0
+        share = min(1.0, C.shared_cores / n_gpus) if C.shared_cores else 1.0
         bubble = max(0.0, busy * share / (1 - f) - busy)
 
     # dp: the gradients of the parameters this rank holds, over dp*ep replicas (experts: dp)
-    mem = per_gpu_memory(config, L.micro_batch, seq, recipe, L.zero_stage, L.dp, L.tp, L.pp, L.ep)
+    mem = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep)
     local = mem["params_on_gpu"]
     replicas = L.dp * L.ep
     dp_link = C.link_of("dp", L)
@@ -189,44 +202,44 @@ def step_time(config, layout: Layout, cluster: Cluster, seq: int | None = None, 
     units = layers + 1  # ZeRO-3 gathers one block (or the root: embeddings, norm, head) at a time
     dp_total = 0.0
     if replicas > 1:
-        if L.zero_stage == 0:  # the gradient all-reduce, once per step (no_sync before)
+        if L.zero == 0:  # the gradient all-reduce, once per step (no_sync before)
             # pure data parallelism runs DDP (its buckets); a composed layout runs the ZeRO
             # engine at stage 0: one all-reduce per parameter group (decayed matrices, the rest)
             composed = L.tp > 1 or L.pp > 1 or L.ep > 1
             sizes = [grad_bytes, 0] if composed else ddp_buckets(grad_bytes)
             dp_total = sum(collective_time(dp_link, "all_reduce", s, replicas) for s in sizes)
             calls["dp"] = len(sizes)
-        elif L.zero_stage == 1:  # reduce-scatter the gradients, all-gather the updated shards
+        elif L.zero == 1:  # reduce-scatter the gradients, all-gather the updated shards
             dp_total = (collective_time(dp_link, "reduce_scatter", grad_bytes, replicas)
                         + collective_time(dp_link, "all_gather", param_bytes, replicas))
             calls["dp"] = 2
-        elif L.zero_stage == 2:  # the reduce-scatter runs in every micro-batch's backward
-            dp_total = (L.m * collective_time(dp_link, "reduce_scatter", grad_bytes, replicas)
+        elif L.zero == 2:  # the reduce-scatter runs in every micro-batch's backward
+            dp_total = (m * collective_time(dp_link, "reduce_scatter", grad_bytes, replicas)
                         + collective_time(dp_link, "all_gather", param_bytes, replicas))
-            calls["dp"] = L.m + 1
+            calls["dp"] = m + 1
         else:  # per micro-batch: each block gathered in forward, again in backward, its gradient
             # scattered; the root (embeddings, norm, head) gathered once and kept until then
             gather = collective_time(dp_link, "all_gather", param_bytes / units, replicas)
             scatter = collective_time(dp_link, "reduce_scatter", grad_bytes / units, replicas)
-            dp_total = L.m * (layers * (2 * gather + scatter) + gather + scatter)
-            calls["dp"] = L.m * (3 * layers + 2)
+            dp_total = m * (layers * (2 * gather + scatter) + gather + scatter)
+            calls["dp"] = m * (3 * layers + 2)
     # gradients are final only in the last micro-batch's backward, so only that one hides them
-    hidden_by = C.overlap * (2 / 3) * compute / L.m
+    hidden_by = C.overlap * (2 / 3) * compute / m
     dp_exposed = max(0.0, dp_total - hidden_by)
-    owned = local if L.zero_stage == 0 else -(-local // replicas)
+    owned = local if L.zero == 0 else -(-local // replicas)
     # the update: a per-tensor loop over this rank's tensors (ZeRO: over flat shards, one per
     # parameter group, or one per unit at stage 3), plus reading and writing its state
     per_block, outside = parameter_tensors(config, L.ep)
-    tensors = per_block * layers + outside if L.zero_stage == 0 else (units if L.zero_stage == 3 else 2)
+    tensors = per_block * layers + outside if L.zero == 0 else (units if L.zero == 3 else 2)
     optimizer = tensors * C.tensor_overhead + owned * 2 * RECIPES[recipe].total / C.memory_bandwidth
-    if L.n_gpus > 1 and (L.zero_stage or L.tp > 1 or L.pp > 1 or L.ep > 1):  # the global norm's all-reduce
-        optimizer += collective_time(C.intra if L.n_gpus <= C.gpus_per_node else C.inter, "all_reduce", 8, L.n_gpus)
+    if n_gpus > 1 and (L.zero or L.tp > 1 or L.pp > 1 or L.ep > 1):  # the global norm's all-reduce
+        optimizer += collective_time(C.intra if n_gpus <= C.gpus_per_node else C.inter, "all_reduce", 8, n_gpus)
         calls["norm"] = 1
     total = busy + bubble + dp_exposed + optimizer
     return {"compute": compute, "overhead": overhead, "recompute": recompute, "tp": tp, "pp": pp, "ep": ep,
             "bubble": bubble, "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer,
             "total": total, "flops": flops, "tokens": tokens, "batch": batch, "calls": calls,
-            "mfu": flops / (total * L.n_gpus * C.peak_flops)}
+            "mfu": flops / (total * n_gpus * C.peak_flops)}
 
 
 TERMS = ("compute", "overhead", "recompute", "tp", "pp", "ep", "bubble", "dp_exposed", "optimizer")

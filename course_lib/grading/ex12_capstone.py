@@ -3,10 +3,10 @@
 The learner writes three functions of the stated problem (`PROBLEM`: a model, a cluster of 8
 ranks with tight memory, a global batch, a precision recipe and a throughput budget):
 
-    choose_layout(...)       a Layout the course's 3D trainer runs, that fits and is fast enough
+    choose_layout(...)       a ParallelDims the course's 3D trainer runs, that fits and is fast enough
     binding_constraint(...)  (name, number): what stops any layout from being faster than the
                              fastest one that fits, and the number at which it would stop binding
-    rejected_layout(...)     (Layout, reason, number): a layout of the problem that fails, why
+    rejected_layout(...)     (ParallelDims, reason, number): a layout of the problem that fails, why
                              ("memory" or "throughput") and by how much
 
 Everything is graded against the course's estimator (course_lib.estimate.step_time:
@@ -39,12 +39,13 @@ from dataclasses import dataclass, replace
 
 from course_lib.data import CharDataset
 from course_lib.estimate import planner, planner_figures
-from course_lib.estimate.layout import Cluster, Layout
+from course_lib.dims import ParallelDims
+from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.step_time import memory_per_rank, step_time
 from course_lib.grading import CheckFailed, check_close
 from course_lib.measure.validation import load_validation
 from course_lib.model import GPTConfig
-from course_lib.parallel.hybrid import ParallelDims, run_hybrid, train_single
+from course_lib.parallel.hybrid import run_hybrid, train_single
 from course_lib.tolerances import adamw_loss_atol
 from course_lib.train import TrainConfig
 
@@ -97,60 +98,47 @@ def stated_problem() -> Problem:
 
 
 # ------------------------------------------------------------------ what the 3D trainer runs
-def dims_of(layout: Layout):
-    return ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero_stage, microbatches=layout.m,
-                        activation_checkpointing=layout.recompute == "full")
-
-
 def why_not_runnable(layout, p: Problem) -> str | None:
     """The first rule of course_lib.parallel.hybrid (and of the problem) that `layout` breaks, or None."""
-    if not isinstance(layout, Layout):
-        return f"{layout!r} is not a course_lib.estimate.step_time.Layout"
-    if (layout.ep, layout.v, layout.schedule, layout.sequence_parallel) != (1, 1, "1f1b", False):
-        return ("the 3D trainer composes ep=1, v=1, schedule '1f1b', no sequence parallelism; got "
-                f"ep={layout.ep}, v={layout.v}, schedule={layout.schedule!r}, "
+    if not isinstance(layout, ParallelDims):
+        return f"{layout!r} is not a course_lib.dims.ParallelDims"
+    if (layout.ep, layout.virtual_stages, layout.schedule, layout.sequence_parallel) != (1, 1, "1f1b", False):
+        return ("the 3D trainer composes ep=1, virtual_stages=1, schedule '1f1b', no sequence parallelism; got "
+                f"ep={layout.ep}, virtual_stages={layout.virtual_stages}, schedule={layout.schedule!r}, "
                 f"sequence_parallel={layout.sequence_parallel}")
-    if layout.zero_stage not in (0, 1):
-        return f"zero_stage={layout.zero_stage}: the 3D trainer composes ZeRO stage 0 or 1"
-    if layout.recompute not in ("none", "full"):
-        return f"recompute={layout.recompute!r}: the 3D trainer recomputes whole blocks ('full') or nothing"
-    if layout.n_gpus != p.cluster.n_gpus:
-        return f"dp*tp*pp = {layout.n_gpus} must use all {p.cluster.n_gpus} devices"
-    if layout.m < layout.pp:  # the problem's choice, not the rule book's: the trainer runs m < pp too
-        return f"m={layout.m} < pp={layout.pp}: this problem asks for at least one micro-batch per stage"
-    if layout.dp * layout.m * layout.micro_batch != p.global_batch:
-        return (f"dp*m*micro_batch = {layout.dp * layout.m * layout.micro_batch} must be the global batch "
-                f"{p.global_batch}")
+    if layout.precision != "fp32":
+        return f"precision={layout.precision!r}: this problem's recipe is fp32"
+    if layout.world_size != p.cluster.n_gpus:
+        return f"dp*tp*pp = {layout.world_size} must use all {p.cluster.n_gpus} devices"
+    if layout.microbatches < layout.pp:  # the problem's choice, not the rule book's: the trainer runs m < pp too
+        return (f"microbatches={layout.microbatches} < pp={layout.pp}: this problem asks for at least one "
+                f"micro-batch per stage")
     try:
-        dims_of(layout).check(p.cluster.n_gpus, p.config, p.global_batch)
-        memory_per_rank(p.config, layout, p.seq, p.recipe)  # and the estimator costs it
+        layout.check(p.cluster.n_gpus, p.config, p.global_batch)  # the rule book and what the trainer composes
+        memory_per_rank(p.config, layout, p.global_batch, p.seq, p.recipe)  # and the estimator costs it
     except ValueError as err:
         return str(err)
     return None
 
 
-def runnable_layouts(p: Problem) -> list[Layout]:
-    """Every layout of the problem the 3D trainer runs: all degrees and micro-batch sizes whose
-    products match, ZeRO 0 or 1, recomputation of whole blocks or none."""
+def runnable_layouts(p: Problem) -> list[ParallelDims]:
+    """Every layout of the problem the 3D trainer runs: all degrees and micro-batch counts that
+    split the global batch, ZeRO 0 or 1, recomputation of whole blocks or none."""
     n, out = p.cluster.n_gpus, []
-    for dp, tp, mb, zero, rc in itertools.product(range(1, n + 1), range(1, n + 1), range(1, p.global_batch + 1),
-                                                  (0, 1), ("none", "full")):
-        if n % (dp * tp) or p.global_batch % (dp * mb) or (zero and dp == 1):
+    for dp, tp, m, zero, rc in itertools.product(range(1, n + 1), range(1, n + 1), range(1, p.global_batch + 1),
+                                                 (0, 1), ("none", "full")):
+        if n % (dp * tp) or p.global_batch % (dp * m) or (zero and dp == 1):
             continue
-        try:
-            lay = Layout(dp=dp, tp=tp, pp=n // (dp * tp), m=p.global_batch // (dp * mb), micro_batch=mb,
-                         zero_stage=zero, recompute=rc)
-        except ValueError:  # a layout the rule book (course_lib.dims) refuses
-            continue
+        lay = ParallelDims(dp=dp, tp=tp, pp=n // (dp * tp), microbatches=m, zero=zero, recompute=rc)
         if why_not_runnable(lay, p) is None:
             out.append(lay)
     return out
 
 
-def predicted(p: Problem, layout: Layout) -> tuple[float, int]:
+def predicted(p: Problem, layout: ParallelDims) -> tuple[float, int]:
     """(step seconds, bytes per rank) by the estimator."""
-    return (step_time(p.config, layout, p.cluster, p.seq, p.recipe)["total"],
-            memory_per_rank(p.config, layout, p.seq, p.recipe)["total"])
+    return (step_time(p.config, layout, p.cluster, p.global_batch, p.seq, p.recipe)["total"],
+            memory_per_rank(p.config, layout, p.global_batch, p.seq, p.recipe)["total"])
 
 
 def facts(p: Problem) -> dict:
@@ -166,7 +154,7 @@ def facts(p: Problem) -> dict:
     if fastest[2] > p.cluster.memory_bytes:
         binding = ("memory", fastest[2])
     else:
-        t = step_time(p.config, best[0], p.cluster, p.seq, p.recipe)
+        t = step_time(p.config, best[0], p.cluster, p.global_batch, p.seq, p.recipe)
         name = max(GROUPS, key=lambda g: sum(t[k] for k in GROUPS[g]))
         binding = (name, sum(t[k] for k in GROUPS[name]))
     return {"best_time": best[1], "binding": binding}
@@ -278,10 +266,10 @@ def check_rejected(answer, chosen, p: Problem):
 
 def check_trains(layout, p: Problem, steps: int = 2, timeout_s: float = 240):
     """Train `steps` steps of the chosen layout on real ranks, against the single process."""
-    dims = dims_of(layout)
+    dims = layout
     train = TrainConfig(steps=steps, batch_size=p.global_batch, lr=1e-2, progress=False)
     ranks = run_hybrid(dims, p.config, train, timeout_s=timeout_s)
-    single = train_single(p.config, train, activation_checkpointing=dims.activation_checkpointing)
+    single = train_single(p.config, train, recompute=dims.recompute)
     check_close(f"losses of {steps} steps on {dims.world_size} ranks = the single process's", ranks[0].train_losses,
                 single.train_losses, rtol=0, atol=adamw_loss_atol(train.lr))
     # fp32 sums in another order (~1e-6), but after an AdamW step a parameter whose gradient is

@@ -1,17 +1,18 @@
 """The per-rank memory model against the bytes the course's own layouts really hold (notebook 10).
 
-    check_runnable(config, layout, seq)              ValueError unless the course can build it here
-    layout_memory_bytes(config, layout, seq, seed)   rank code: build the layout, one step, measure
-    estimated_per_rank(config, layout, seq)          the estimator's bytes for every rank
-    memory_table(config, layouts, seq, timeout_s)    parent: every layout in ONE run_on_ranks call,
-                                                     rows of (estimated, measured) per rank
-    format_memory_table(rows)                        those rows as text, one line per layout
+    check_runnable(config, dims, batch_size, seq)             ValueError unless the course can build it here
+    layout_memory_bytes(config, dims, batch_size, seq, seed)  rank code: build the layout, one step, measure
+    estimated_per_rank(config, dims, batch_size, seq)         the estimator's bytes for every rank
+    memory_table(config, layouts, batch_size, seq, timeout_s) parent: every layout in ONE run_on_ranks
+                                                              call, rows of (estimated, measured) per rank
+    format_memory_table(rows)                                 those rows as text, one line per layout
 
-How a Layout runs here (the strategies of course_lib.parallel):
+A layout is a course_lib.dims.ParallelDims, on a global batch of batch_size sequences; how it
+runs here (the strategies of course_lib.parallel):
 
-    zero_stage 0/1     course_lib.parallel.hybrid: build_hybrid (TP -> EP -> PP stage) and its
+    zero 0/1           course_lib.parallel.hybrid: build_hybrid (TP -> EP -> PP stage) and its
                        ZeRO engine over dp (stage 0: plain data parallelism on flat buffers)
-    zero_stage 2/3     course_lib.parallel.zero.apply_zero on the plain GPT (pure dp only)
+    zero 2/3           course_lib.parallel.zero.apply_zero on the plain GPT (pure dp only)
 
 Measured on each rank (course_lib.parallel.zero.measure_state_bytes: numel * element size, so a
 flat buffer's padding is not a parameter; the engine's gradient shards and master copies count):
@@ -42,17 +43,15 @@ the formulas it checks (course_lib.estimate) stay process-free.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 import torch.distributed as dist
 
 from course_lib.data import CharDataset, get_batch
 from course_lib.estimate.per_gpu import per_gpu_memory
-from course_lib.estimate.step_time import Layout, check_layout
+from course_lib.dims import ParallelDims
+from course_lib.estimate.step_time import check_layout
 from course_lib.model import GPT
 from course_lib.observe.memory import SavedActivations
-from course_lib.parallel.hybrid import ParallelDims
 from course_lib.parallel.hybrid.compose import build_hybrid, make_hybrid_optimizer, trained_module
 from course_lib.parallel.hybrid.training import make_forward_backward
 from course_lib.parallel.zero import apply_zero, measure_state_bytes
@@ -65,24 +64,18 @@ from course_lib.units import fmt_bytes
 STATE = ("params", "grads", "optimizer")
 
 
-def check_runnable(config, layout: Layout, seq: int | None = None) -> int:
-    """ValueError unless the course can build `layout` here; returns seq."""
-    seq = check_layout(config, layout, seq)
-    if layout.recompute != "none":
-        raise ValueError(f"recompute={layout.recompute!r}: the measured runs here keep every activation "
+def check_runnable(config, dims: ParallelDims, batch_size: int, seq: int | None = None) -> int:
+    """ValueError unless the course can build the layout `dims` here; returns seq."""
+    seq, _ = check_layout(config, dims, batch_size, seq)
+    if dims.recompute != "none":
+        raise ValueError(f"recompute={dims.recompute!r}: the measured runs here keep every activation "
                          f"(recompute='none')")
-    if layout.zero_stage >= 2 and layout.n_gpus != layout.dp:
-        raise ValueError(f"zero_stage={layout.zero_stage} runs on pure data parallelism here (course_lib.parallel"
-                         f".zero); the layout {layout.label()!r} also has tp, pp or ep")
-    if layout.zero_stage <= 1:
-        _dims(layout).check(layout.n_gpus, config, layout.dp * layout.ep * layout.m * layout.micro_batch, seq)
+    if dims.zero >= 2 and dims.world_size != dims.dp:
+        raise ValueError(f"zero={dims.zero} runs on pure data parallelism here (course_lib.parallel"
+                         f".zero); the layout {dims.describe()!r} also has tp, pp or ep")
+    if dims.zero <= 1:
+        dims.check(dims.world_size, config, batch_size, seq)
     return seq
-
-
-def _dims(layout: Layout):
-    return ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero_stage,
-                        virtual_stages=layout.v, microbatches=layout.m, schedule=layout.schedule,
-                        sequence_parallel=layout.sequence_parallel)
 
 
 def _batch(config, rows: int, seq: int, seed: int, dev):
@@ -91,40 +84,41 @@ def _batch(config, rows: int, seq: int, seed: int, dev):
     return x.to(dev), y.to(dev)
 
 
-def layout_memory_bytes(config, layout: Layout, seq: int | None = None, seed: int = 0) -> dict:
-    """Rank code: build `layout` with the course's strategy, run one fp32 AdamW step, and return
-    this rank's measured {"params", "grads", "optimizer", "activations", "total", "rank", "stage"}
-    (module docstring). Every rank of the world takes part (world size = layout.n_gpus)."""
+def layout_memory_bytes(config, dims: ParallelDims, batch_size: int, seq: int | None = None, seed: int = 0) -> dict:
+    """Rank code: build the layout `dims` with the course's strategy, run one fp32 AdamW step on
+    batch_size sequences, and return this rank's measured {"params", "grads", "optimizer",
+    "activations", "total", "rank", "stage"} (module docstring). Every rank of the world takes
+    part (world size = dims.world_size)."""
     seq = config.block_size if seq is None else seq
-    L, dev, train_cfg = layout, rank_device(), TrainConfig()
+    L, dev, train_cfg = dims, rank_device(), TrainConfig()
+    micro_batch = dims.micro_batch(batch_size)
     rank = dist.get_rank()
     out = {}
-    if L.zero_stage >= 2:
+    if L.zero >= 2:
         model = GPT(config, seed=seed).to(dev)
-        model, optimizer = apply_zero(model, L.zero_stage, torch.optim.AdamW,
+        model, optimizer = apply_zero(model, L.zero, torch.optim.AdamW,
                                       **default_optimizer_kwargs(train_cfg))
         module, stage, replica, forward_backward = model, None, rank, None
     else:
-        dims = _dims(L)
         parts = build_hybrid(dims, config, seed=seed, device=dev)
         model, module, stage = parts.model, trained_module(parts), parts.stage
         optimizer = make_hybrid_optimizer(parts, train_cfg)
         replica = parts.coords["dp"] * L.ep + parts.coords["ep"]
         forward_backward = make_forward_backward(parts, dims)
-    rows = L.m * L.micro_batch
-    x, y = _batch(config, (L.dp * L.ep) * rows, seq, seed, dev)
+    rows = L.microbatches * micro_batch
+    x, y = _batch(config, batch_size, seq, seed, dev)
     x, y = x[replica * rows:(replica + 1) * rows], y[replica * rows:(replica + 1) * rows]
     if stage is None:  # one micro-batch's saved tensors (each backward frees them before the next)
         with SavedActivations(module) as saved:
             # own storages, as a loader hands them out: a view would count the whole batch
-            model(x[:L.micro_batch].clone(), y[:L.micro_batch].clone())  # the graph is dropped unused
+            model(x[:micro_batch].clone(), y[:micro_batch].clone())  # the graph is dropped unused
         out["activations"] = saved.bytes
         del saved  # it holds the saved tensors
 
     def after_backward():
         out.update({k: v for k, v in measure_state_bytes(module, optimizer).items() if k in ("params", "grads")})
 
-    train_step(module, optimizer, x, y, None, accum_steps=L.m if forward_backward is None else 1,
+    train_step(module, optimizer, x, y, None, accum_steps=L.microbatches if forward_backward is None else 1,
                forward_backward=forward_backward, sync_gradients=after_backward)
     out["optimizer"] = measure_state_bytes(module, optimizer)["optimizer"]
     if stage is not None:
@@ -134,27 +128,28 @@ def layout_memory_bytes(config, layout: Layout, seq: int | None = None, seed: in
     return out
 
 
-def estimated_per_rank(config, layout: Layout, seq: int | None = None) -> list[dict]:
+def estimated_per_rank(config, dims: ParallelDims, batch_size: int, seq: int | None = None) -> list[dict]:
     """The estimator's fp32 bytes of every rank, in rank order (module docstring)."""
-    seq = check_layout(config, layout, seq)
-    L = layout
+    seq, micro_batch = check_layout(config, dims, batch_size, seq)
+    L = dims
     out = []
-    for rank in range(L.n_gpus):
+    for rank in range(L.world_size):
         s = rank // (L.dp * L.ep * L.tp)
-        mem = per_gpu_memory(config, L.micro_batch, seq, "fp32", L.zero_stage, L.dp, L.tp, L.pp, L.ep, L.recompute,
+        mem = per_gpu_memory(config, micro_batch, seq, "fp32", L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
                              sequence_parallel=L.sequence_parallel, stage=s)
         if L.pp > 1 and L.schedule == "gpipe":
-            mem["activations"] = mem["activations"] * L.m // (L.pp - s)
+            mem["activations"] = mem["activations"] * L.microbatches // (L.pp - s)
         mem["total"] = sum(mem[k] for k in STATE) + mem["activations"]
         out.append({k: mem[k] for k in (*STATE, "activations", "total")} | {"rank": rank, "stage": s})
     return out
 
 
-def _measure_all(config, layouts, seq, seed):
-    return [layout_memory_bytes(config, lay, seq, seed) for lay in layouts]
+def _measure_all(config, layouts, batch_size, seq, seed):
+    return [layout_memory_bytes(config, lay, batch_size, seq, seed) for lay in layouts]
 
 
-def memory_table(config, layouts, seq: int | None = None, timeout_s: float = 300, seed: int = 0) -> list[dict]:
+def memory_table(config, layouts, batch_size: int, seq: int | None = None, timeout_s: float = 300,
+                 seed: int = 0) -> list[dict]:
     """Parent side: run every layout (all of one world size) in ONE run_on_ranks call and return,
     per layout, {"label", "layout", "estimated": [per rank], "measured": [per rank],
     "state_equal": estimated params + grads + optimizer == measured on every rank,
@@ -162,21 +157,22 @@ def memory_table(config, layouts, seq: int | None = None, timeout_s: float = 300
     "activation_ratio": measured / estimated activations of the busiest-activation rank}."""
     layouts = list(layouts)
     if not layouts:
-        raise ValueError("layouts=[] must name at least one Layout")
-    worlds = {lay.n_gpus for lay in layouts}
+        raise ValueError("layouts=[] must name at least one ParallelDims")
+    worlds = {lay.world_size for lay in layouts}
     if len(worlds) != 1:
-        raise ValueError(f"every layout must use the same number of ranks (one run): got n_gpus {sorted(worlds)}")
-    seqs = {check_runnable(config, lay, seq) for lay in layouts}
+        raise ValueError(f"every layout must use the same number of ranks (one run): got world sizes {sorted(worlds)}")
+    seqs = {check_runnable(config, lay, batch_size, seq) for lay in layouts}
     seq = seqs.pop()
-    per_rank = run_on_ranks(_measure_all, config, layouts, seq, seed, world_size=worlds.pop(), timeout_s=timeout_s)
+    per_rank = run_on_ranks(_measure_all, config, layouts, batch_size, seq, seed, world_size=worlds.pop(),
+                            timeout_s=timeout_s)
     rows = []
     for i, lay in enumerate(layouts):
         measured = [r[i] for r in per_rank]
-        estimated = estimated_per_rank(config, lay, seq)
+        estimated = estimated_per_rank(config, lay, batch_size, seq)
         state = [(sum(e[k] for k in STATE), sum(m[k] for k in STATE)) for e, m in zip(estimated, measured)]
         act_rank = max(range(len(measured)), key=lambda r: estimated[r]["activations"])
-        label = lay.label() + (f" {lay.schedule}" if lay.pp > 1 else "")
-        rows.append({"label": label, "layout": asdict(lay), "estimated": estimated, "measured": measured,
+        label = lay.describe(batch_size) + (f"·{lay.schedule}" if lay.pp > 1 and lay.schedule == "1f1b" else "")
+        rows.append({"label": label, "dims": lay, "estimated": estimated, "measured": measured,
                      "state_equal": all(e == m for e, m in state),
                      "busiest": (max(e for e, _ in state), max(m for _, m in state)),
                      "activation_ratio": measured[act_rank]["activations"] / estimated[act_rank]["activations"]})

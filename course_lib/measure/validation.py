@@ -5,7 +5,8 @@
     load_validation(path)            the stored measurement (benchmarks/bench_planner.py wrote it)
     train_as(how, config, train_cfg) rank code: train with the course strategy a run names
 
-A run is {"label", "layout": Layout fields, "measured": seconds}. The summary holds the rank
+A run is {"label", "layout": course_lib.dims.ParallelDims fields, "measured": seconds}, all on
+one global batch (the stored "batch"). The summary holds the rank
 correlation, the median and largest |predicted - measured| / measured, and the planner's pick
 (the run predicted fastest) against the fastest measured.
 """
@@ -16,11 +17,12 @@ import json
 import pathlib
 import statistics
 
-from course_lib.estimate.step_time import Layout, step_time
+from course_lib.dims import ParallelDims
+from course_lib.estimate.step_time import step_time
 from course_lib.measure.calibrate import cluster_from_dict
 from course_lib.model import GPTConfig
 from course_lib.parallel.dp.training import train_data_parallel
-from course_lib.parallel.hybrid import ParallelDims, train_hybrid
+from course_lib.parallel.hybrid import train_hybrid
 from course_lib.parallel.pp.training import train_pipeline
 from course_lib.parallel.tp.training import train_tensor_parallel
 from course_lib.parallel.zero.training import train_zero
@@ -53,14 +55,13 @@ def spearman(xs, ys) -> float:
     return cov / var if var else 0.0
 
 
-def compare(config, cluster, runs, seq: int | None = None, recipe: str = "fp32") -> dict:
+def compare(config, cluster, runs, batch_size: int, seq: int | None = None, recipe: str = "fp32") -> dict:
     """{"rows": [{"label", "measured", "predicted", "error", terms...}], "spearman",
     "median_error", "max_error", "pick" (label predicted fastest), "pick_over_best" (its
     measured time / the fastest measured)}."""
     rows = []
     for run in runs:
-        lay = Layout(**run["layout"])
-        t = step_time(config, lay, cluster, seq, recipe)
+        t = step_time(config, ParallelDims(**run["layout"]), cluster, batch_size, seq, recipe)
         rows.append({"label": run["label"], "measured": run["measured"], "predicted": t["total"],
                      "error": (t["total"] - run["measured"]) / run["measured"], "terms": t})
     pred, meas = [r["predicted"] for r in rows], [r["measured"] for r in rows]
@@ -81,7 +82,7 @@ def load_validation(path=None) -> dict:
 
 def train_as(how, config, train_cfg):
     """Rank code: train `config` with the course's strategy that `how` = (kind, options) names,
-    the way benchmarks/bench_planner.py runs each Layout; returns its TrainResult.
+    the way benchmarks/bench_planner.py runs each layout; returns its TrainResult.
     kind: "dp" (DDP; accum_steps), "zero" (stage, accum_steps), "tp" (sequence_parallel),
     "pp" (schedule, m) or "hybrid" (ParallelDims' fields)."""
     kind, kw = how

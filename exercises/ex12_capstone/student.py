@@ -5,22 +5,25 @@ Every function gets the stated problem: `config` (the course GPT), `cluster` (it
 memory_bytes per device, links and measured rates), `global_batch` (sequences per step), `seq`
 (tokens per sequence) and `recipe` (the precision recipe of the estimator).
 
-You may use the estimator's formulas (imported below): `memory_per_rank(config, layout, seq,
-recipe)["total"]` (bytes on the busiest rank) and `step_time(config, layout, cluster, seq,
-recipe)` (seconds per step, by term, and "total"). Not the planner (course_lib.estimate.planner):
+You may use the estimator's formulas (imported below): `memory_per_rank(config, layout,
+global_batch, seq, recipe)["total"]` (bytes on the busiest rank) and `step_time(config, layout,
+cluster, global_batch, seq, recipe)` (seconds per step, by term, and "total"). Not the planner (course_lib.estimate.planner):
 it holds the answer, and the checks refuse a module that uses it.
 
-A layout here is one the course's 3D trainer runs: `Layout(dp, tp, pp, m, micro_batch,
-zero_stage, recompute)` with ep = 1, v = 1, schedule "1f1b", no sequence parallelism, zero_stage
-0 or 1, recompute "none" or "full"; dp * tp * pp = cluster.n_gpus and dp * m * micro_batch =
-global_batch; and, as this problem asks, m >= pp (1F1B in its steady state: the trainer also runs
+A layout here is one the course's 3D trainer runs: `ParallelDims(dp=, tp=, pp=, microbatches=,
+zero=, recompute=)` (course_lib.dims, the object the trainers take) with ep = 1, one chunk per
+stage, schedule "1f1b", no sequence parallelism, zero 0 or 1, recompute "none" or "full";
+dp * tp * pp = cluster.n_gpus, and the m = microbatches micro-batches split each replica's
+global_batch / dp sequences evenly (each micro-batch holds global_batch / (dp * m)); and, as
+this problem asks, m >= pp (1F1B in its steady state: the trainer also runs
 fewer micro-batches than stages, all of them in the warm-up). Which of those are valid for this model is part of the exercise.
 """
 
-from course_lib.estimate.step_time import Layout, memory_per_rank, step_time  # noqa: F401
+from course_lib.dims import ParallelDims  # noqa: F401
+from course_lib.estimate.step_time import memory_per_rank, step_time  # noqa: F401
 
 
-def choose_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> Layout:
+def choose_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> ParallelDims:
     """The layout you would run: one the 3D trainer runs (above), that fits the device's memory by
     the estimator, and whose predicted throughput is at least the notebook's FRACTION of the
     best fitting layout's."""
@@ -42,7 +45,7 @@ def binding_constraint(config, cluster, global_batch: int, seq: int, recipe: str
     raise NotImplementedError("exercise 12: write binding_constraint")
 
 
-def rejected_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> tuple[Layout, str, float]:
+def rejected_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> tuple[ParallelDims, str, float]:
     """(layout, reason, number): a layout the 3D trainer could run for this problem, other than
     yours, that you rejected, and why:
 

@@ -2,7 +2,8 @@
 with the estimator's formulas, choose the fastest that fits, and read off what binds and what
 was given up. (One solution of several: any layout within the throughput budget passes.)"""
 
-from course_lib.estimate.step_time import Layout, memory_per_rank, step_time
+from course_lib.dims import ParallelDims
+from course_lib.estimate.step_time import memory_per_rank, step_time
 
 
 def divisors(n: int) -> list[int]:
@@ -12,7 +13,7 @@ def divisors(n: int) -> list[int]:
 def candidates(config, cluster, global_batch: int, seq: int, recipe: str):
     """(layout, seconds, bytes per rank) of every layout the 3D trainer runs here: dp * tp * pp =
     every device, tp dividing the heads (and so d_model and the MLP), pp dividing the layers,
-    dp * m * micro_batch = the batch, m >= pp (the problem's), ZeRO 0 or 1 (1 only with dp > 1),
+    m micro-batches dividing each replica's share of the batch, m >= pp (the problem's), ZeRO 0 or 1 (1 only with dp > 1),
     whole-block recomputation or none."""
     out = []
     for tp in divisors(config.n_head):
@@ -22,20 +23,18 @@ def candidates(config, cluster, global_batch: int, seq: int, recipe: str):
             dp = cluster.n_gpus // (tp * pp)
             if global_batch % dp:
                 continue
-            for micro_batch in divisors(global_batch // dp):
-                m = global_batch // dp // micro_batch
+            for m in divisors(global_batch // dp):
                 if m < pp:  # the problem asks for a micro-batch for every stage
                     continue
                 for zero in (0, 1) if dp > 1 else (0,):
                     for recompute in ("none", "full"):
-                        layout = Layout(dp=dp, tp=tp, pp=pp, m=m, micro_batch=micro_batch, zero_stage=zero,
-                                        recompute=recompute)
-                        out.append((layout, step_time(config, layout, cluster, seq, recipe)["total"],
-                                    memory_per_rank(config, layout, seq, recipe)["total"]))
+                        layout = ParallelDims(dp=dp, tp=tp, pp=pp, microbatches=m, zero=zero, recompute=recompute)
+                        out.append((layout, step_time(config, layout, cluster, global_batch, seq, recipe)["total"],
+                                    memory_per_rank(config, layout, global_batch, seq, recipe)["total"]))
     return sorted(out, key=lambda row: row[1])  # fastest first
 
 
-def choose_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> Layout:
+def choose_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> ParallelDims:
     rows = candidates(config, cluster, global_batch, seq, recipe)
     return next(layout for layout, _, memory in rows if memory <= cluster.memory_bytes)
 
@@ -46,7 +45,7 @@ def binding_constraint(config, cluster, global_batch: int, seq: int, recipe: str
     fastest, _, memory = candidates(config, cluster, global_batch, seq, recipe)[0]
     if memory > cluster.memory_bytes:
         return "memory", memory
-    t = step_time(config, fastest, cluster, seq, recipe)  # it fits: the largest group of terms binds
+    t = step_time(config, fastest, cluster, global_batch, seq, recipe)  # it fits: the largest group of terms binds
     groups = {"compute": t["compute"] + t["recompute"], "overhead": t["overhead"],
               "communication": t["tp"] + t["pp"] + t["ep"] + t["dp_exposed"], "bubble": t["bubble"],
               "optimizer": t["optimizer"]}

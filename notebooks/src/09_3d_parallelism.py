@@ -277,22 +277,22 @@ assert topology.link_of("tp", SIZES, 4) == "intra" and topology.link_of("tp", SI
 
 # %%
 case = PUBLISHED["Llama 3 405B on 16k H100"]
-L = case["layout"]
+L, B = case["dims"], case["global_batch"]
 H100_BYTES = 80e9  # the spec sheet's 80 GB
 fits = {}
 for recompute in ("none", "full"):
-    mem = per_gpu_memory(case["config"], batch=L.micro_batch, seq=case["seq"], zero_stage=L.zero_stage, dp=L.dp,
+    mem = per_gpu_memory(case["config"], batch=L.micro_batch(B), seq=case["seq"], zero_stage=L.zero, dp=L.dp,
                          tp=L.tp, pp=L.pp, sequence_parallel=True, recompute=recompute)
     print(f"recompute {recompute:<5}: busiest GPU {fmt_bytes(mem['total'])} (model state "
           f"{fmt_bytes(mem['params'] + mem['grads'] + mem['optimizer'])}, activations {fmt_bytes(mem['activations'])})"
           f" vs an H100's 80 GB = 74.5 GiB")
     fits[recompute] = mem["total"] <= H100_BYTES
 print(f"the busiest GPU fits an H100 without recomputation: {fits['none']}; with full recomputation: {fits['full']}")
-st = step_time(case["config"], L, case["cluster"], seq=case["seq"])
+st = step_time(case["config"], L, case["cluster"], B, seq=case["seq"])
 where = "below" if st["mfu"] < 0.38 else "within" if st["mfu"] <= 0.43 else "above"
 print(f"step: {st['total']:.1f} s for {st['tokens'] / 1e6:.1f}M tokens; model MFU {st['mfu']:.0%}, "
       f"{where} the reported 38-43%")
-dims_405 = ParallelDims(dp=L.dp, tp=L.tp, pp=L.pp, microbatches=L.m)
+dims_405 = ParallelDims(dp=L.dp, tp=L.tp, pp=L.pp, microbatches=L.microbatches)  # the bytes of plain dp and tp
 placed = {}
 for order_name, order in (("topology-aware", topology.TOPOLOGY_AWARE), ("naive", topology.NAIVE)):
     rows = topology.placement(case["config"], dims_405, case["global_batch"], seq=case["seq"], order=order)

@@ -37,7 +37,8 @@ from course_lib.estimate.planner import plan
 from course_lib.comm.costmodel import predict_time
 from course_lib.estimate.planner_figures import (planner_view, planner_widget, plot_collective_table, plot_pareto,
                                                  plot_predicted_vs_measured)
-from course_lib.estimate.step_time import TERMS, Layout, memory_per_rank, step_time
+from course_lib.dims import ParallelDims
+from course_lib.estimate.step_time import TERMS, memory_per_rank, step_time
 from course_lib.measure.validation import compare, load_validation
 from course_lib.measure.profile import profile_on_ranks
 from course_lib.observe.profile import step_mfu, trace_timeline
@@ -86,9 +87,11 @@ assert 5 < intensity(4096, 8192, 28672 // 8) / balance < 6 and intensity(1, 8192
 #
 # ## 2. The model, term by term
 #
-# `course_lib.estimate.step_time` predicts one optimizer step of a `Layout` on a `Cluster`. A
-# layout runs $dp \cdot ep \cdot tp \cdot pp$ devices with $m$ micro-batches of `micro_batch`
-# sequences per replica. Its terms (docstring of the module):
+# `course_lib.estimate.step_time` predicts one optimizer step of a layout on a `Cluster`. The
+# layout is a `course_lib.dims.ParallelDims`, the object the course's trainers run: it uses
+# $dp \cdot ep \cdot tp \cdot pp$ devices with $m$ micro-batches per replica, so a global
+# batch of $B$ sequences gives micro-batches of $B / (dp \cdot ep \cdot m)$ sequences. Its terms
+# (docstring of the module):
 #
 # | term | formula |
 # |---|---|
@@ -118,9 +121,9 @@ assert 5 < intensity(4096, 8192, 28672 // 8) / balance < 6 and intensity(1, 8192
 
 # %%
 d = PUBLISHED["GPT-3 175B on 1024 A100"]
-t = step_time(d["config"], d["layout"], d["cluster"], d["seq"])
-mem = memory_per_rank(d["config"], d["layout"], d["seq"])
-print(d["layout"].label(), "on", d["cluster"].name)
+t = step_time(d["config"], d["dims"], d["cluster"], d["global_batch"], d["seq"])
+mem = memory_per_rank(d["config"], d["dims"], d["global_batch"], d["seq"])
+print(d["dims"].describe(d["global_batch"]), "on", d["cluster"].name)
 for term in TERMS:
     print(f"  {term:<11}{t[term]:8.3f} s  {t[term] / t['total']:5.1%}")
 print(f"  {'total':<11}{t['total']:8.3f} s   MFU {t['mfu']:.1%}, {fmt_bytes(mem['total'])} per GPU")
@@ -161,7 +164,7 @@ def tp_calls(steps):
 
 
 counted = [run_on_ranks(tp_calls, steps, world_size=2, timeout_s=120)[0] for steps in (1, 2)]
-model_calls = step_time(SMALL, Layout(tp=2, micro_batch=8), H100.with_gpus(2), recipe="fp32")["calls"]
+model_calls = step_time(SMALL, ParallelDims(tp=2), H100.with_gpus(2), 8, recipe="fp32")["calls"]
 print(f"tracer: {counted[1] - counted[0]} calls per step; model: {model_calls}")
 assert counted[1] - counted[0] == sum(model_calls.values()) == 14
 
@@ -239,7 +242,7 @@ print(f"8 ranks: 1 MiB takes {growth:.1f} x the time of 4 KiB (256 x the bytes);
 # match the measured one? Which layout will be slowest?
 
 # %%
-result = compare(data["config"], data["cluster"], data["runs"], data["seq"], "fp32")
+result = compare(data["config"], data["cluster"], data["runs"], data["batch"], data["seq"], "fp32")
 print(f"measured {data['date']} ({data['machine_load']}); {data['produced_by']}")
 print(f"{'layout':<30}{'measured ms':>12}{'predicted ms':>13}{'error':>8}   biggest term")
 assert len(result["rows"]) >= 8
@@ -272,7 +275,7 @@ print(f"{'model without':<38}{'rank corr.':>11}{'median |error|':>16}{'pick / be
 print(f"{'(nothing: the full model)':<38}{result['spearman']:11.2f}{result['median_error']:16.0%}"
       f"{result['pick_over_best']:13.2f}")
 for name, change in without.items():
-    r = compare(data["config"], replace(calibrated, **change), data["runs"], data["seq"], "fp32")
+    r = compare(data["config"], replace(calibrated, **change), data["runs"], data["batch"], data["seq"], "fp32")
     print(f"{name:<38}{r['spearman']:11.2f}{r['median_error']:16.0%}{r['pick_over_best']:13.2f}")
 
 # %% [markdown]
@@ -327,7 +330,7 @@ for name, change in without.items():
 # %% tags=["nbval-ignore-output"]
 from course_lib.measure.memory import format_memory_table, memory_table
 
-memory_rows = memory_table(data["config"], [Layout(**r["layout"]) for r in data["runs"]], data["seq"])
+memory_rows = memory_table(data["config"], [ParallelDims(**r["layout"]) for r in data["runs"]], data["batch"], data["seq"])
 print(format_memory_table(memory_rows))
 
 # %%
@@ -360,8 +363,8 @@ p70 = plan(LLAMA3_70B, H100, 1024, 4096)
 print(len(p70.candidates), "layouts,", len(p70.ranked), "fit")
 print(p70.table(5))
 print(p70.explain())
-best70 = p70.best.layout
-assert best70.pp > 1 and best70.v > 1 and best70.tp < 8 and "binding constraint: memory" in p70.explain()
+best70 = p70.best.dims
+assert best70.pp > 1 and best70.virtual_stages > 1 and best70.tp < 8 and "binding constraint: memory" in p70.explain()
 fig, ax = plt.subplots(figsize=(7, 4))
 front = plot_pareto(ax, p70.candidates, H100.memory_bytes)
 ax.set_title("Llama-3 70B, 1024 H100: every layout", fontsize=10)
@@ -388,14 +391,14 @@ plt.show()
 picks, mfus = {}, {}
 for name, d in PUBLISHED.items():
     ours = plan(d["config"], d["cluster"], d["global_batch"], d["seq"])
-    theirs = step_time(d["config"], d["layout"], d["cluster"], d["seq"])
-    mem = memory_per_rank(d["config"], d["layout"], d["seq"])
-    print(f"{name}\n  published: {d['layout'].label()}  predicted MFU {theirs['mfu']:.1%}, "
+    theirs = step_time(d["config"], d["dims"], d["cluster"], d["global_batch"], d["seq"])
+    mem = memory_per_rank(d["config"], d["dims"], d["global_batch"], d["seq"])
+    print(f"{name}\n  published: {d['dims'].describe(d['global_batch'])}  predicted MFU {theirs['mfu']:.1%}, "
           f"{fmt_bytes(mem['total'])} per GPU; reported MFU {d['reported_mfu']:.0%}")
-    print(f"  planner:   {ours.best.layout.label()}  predicted MFU {ours.best.time['mfu']:.1%}, "
+    print(f"  planner:   {ours.best.label()}  predicted MFU {ours.best.time['mfu']:.1%}, "
           f"{fmt_bytes(ours.best.memory['total'])} per GPU")
     assert ours.best.time["mfu"] >= theirs["mfu"] or mem["total"] > d["cluster"].memory_bytes
-    picks[name] = ours.best.layout
+    picks[name] = ours.best.dims
     mfus[name] = ours.best.time["mfu"]
 # what the prose below says of the two picks
 gpt3 = picks["GPT-3 175B on 1024 A100"]
@@ -448,15 +451,11 @@ assert 0.5 < mfus["GPT-3 175B on 1024 A100"] < 0.66 and 0.5 < p70.best.time["mfu
 # ## 7. What changes with sequence length, model size and cluster size
 
 # %%
-from course_lib.units import GB
-
 # An NVL72 rack holds 72 GB200 GPUs in one NVLink domain (NVLink 5, as B200): about 186 GB of
 # HBM3e and 2.5 PFLOP/s dense bf16 each (NVIDIA's GB200 NVL72 specification, per rack: 13.4 TB,
 # 360 PFLOP/s bf16 with sparsity, so 180 dense), a little more of both than an HGX B200 (180 GB,
 # 2.25 PFLOP/s).
-b200 = gpu_cluster("B200 180 GB", 1152, 72)
-GB200_NVL72 = replace(b200, name="1152 x GB200 (NVL72)", memory_bytes=186 * GB, peak_flops=2.5e15,
-                      achievable_flops=b200.achievable_flops / b200.peak_flops * 2.5e15)  # same share of peak
+GB200_NVL72 = gpu_cluster("GB200 186 GB", 1152, 72)
 
 # (setting, model, cluster, sequence length, sequences per step):
 # H100 nodes of 8 and 4M tokens per step unless said
@@ -471,15 +470,15 @@ print(f"{'setting':<18}{'best layout':<44}{'step s':>8}{'MFU':>7}  biggest term"
 bests = {}
 for label, cfg, cluster, seq, batch in rows:
     best = bests[label.strip()] = plan(cfg, cluster, batch, seq).best
-    print(f"{label:<18}{best.layout.label():<44}{best.time['total']:8.2f}{best.time['mfu']:7.1%}  {best.biggest_term}")
+    print(f"{label:<18}{best.label():<44}{best.time['total']:8.2f}{best.time['mfu']:7.1%}  {best.biggest_term}")
 print("published MFU at scale: Llama 3 405B 38-43% (Dubey et al. 2024, Table 4), "
       "MegaScale 175B on 12,288 GPUs 55.2% (Jiang et al. 2024)")
 # what the prose below says
 base, mfu = bests["Llama-3 70B"], (lambda k: bests[k].time["mfu"])
-assert bests["sequence 8192"].layout.tp > base.layout.tp and bests["sequence 8192"].layout.pp < base.layout.pp
+assert bests["sequence 8192"].dims.tp > base.dims.tp and bests["sequence 8192"].dims.pp < base.dims.pp
 assert bests["4096 GPUs"].time["total"] < base.time["total"] and mfu("4096 GPUs") < mfu("Llama-3 70B")
-assert mfu("4096 GPUs, 16M") > mfu("4096 GPUs") and base.layout.pp > 1
-assert bests["H200 nodes"].layout.pp == bests["GB200 NVL72"].layout.pp == 1
+assert mfu("4096 GPUs, 16M") > mfu("4096 GPUs") and base.dims.pp > 1
+assert bests["H200 nodes"].dims.pp == bests["GB200 NVL72"].dims.pp == 1
 assert bests["GB200 NVL72"].time["total"] < base.time["total"] / 2
 assert all(0.5 < mfu(k) < 0.66 for k in bests if k != "4096 GPUs")  # section 6's "between 50% and 66%"
 
@@ -527,11 +526,9 @@ assert any(e[3] == "communication" for e in per_rank[0])
 #
 # ## 9. The planner for today's hardware
 #
-# Model, GPU kind (A100/H100/H200 nodes of 8, or B200 GPUs in NVLink domains of 72), cluster
-# size and tokens per step: the planner's five best layouts with their cost breakdown, and its
-# explanation below the figure. The "B200 (NVL72 domain)" choice uses an HGX B200's memory and
-# FLOP/s (180 GB, 2.25 PFLOP/s) in a 72-GPU NVLink domain; a real NVL72 rack holds GB200s,
-# with a little more of both (section 7's last Llama row).
+# Model, GPU kind (A100/H100/H200/B200 nodes of 8, or GB200 NVL72 racks: 72 GPUs in one
+# NVLink domain, section 7's last Llama row), cluster size and tokens per step: the planner's
+# five best layouts with their cost breakdown, and its explanation below the figure.
 #
 # **The widget searches fewer layouts than `plan` does by default**, so that it can answer
 # while you move the controls: micro-batches of 1 or 2 sequences, and no or full
@@ -550,9 +547,9 @@ show_interactive(lambda: planner_view(), lambda: planner_widget())
 narrow = plan(LLAMA3_70B, H100, 1024, 4096, recomputes=("none", "full"), micro_batches=(1, 2))  # the widget's
 fastest = min(p70.candidates, key=lambda c: c.time["total"])  # section 5's full search
 print(f"widget's search: {len(narrow.candidates)} layouts; section 5's: {len(p70.candidates)}")
-print(f"both pick {narrow.best.layout.label()}; the fastest of all, {fastest.layout.label()}, does not fit and has "
-      f"micro-batches of {fastest.layout.micro_batch}")
-assert narrow.best.layout == p70.best.layout and not fastest.fits and fastest.layout.micro_batch not in (1, 2)
+print(f"both pick {narrow.best.label()}; the fastest of all, {fastest.label()}, does not fit and has "
+      f"micro-batches of {fastest.dims.micro_batch(fastest.batch_size)}")
+assert narrow.best.dims == p70.best.dims and not fastest.fits and fastest.dims.micro_batch(fastest.batch_size) not in (1, 2)
 assert "memory does not bind" in narrow.explain() and "binding constraint: memory" in p70.explain()
 
 # %% [markdown]

@@ -33,7 +33,7 @@ import matplotlib.pyplot as plt
 
 from course_lib import plot_gantt
 from course_lib.capstone import (LiveLossPlot, compare, config_from_dict, estimate_inputs, generate_text,
-                                 layout_text, load_config, read_toml, report_text, run_capstone, traffic_formula)
+                                 load_config, read_toml, report_text, run_capstone, traffic_formula)
 from course_lib.estimate.planner import plan
 from course_lib.estimate.step_time import memory_per_rank, step_time
 from course_lib.measure.validation import load_validation
@@ -54,11 +54,11 @@ CONFIGS = ROOT / "configs"
 
 # %%
 config = load_config(CONFIGS / "capstone_small.toml")
-print("first run:", layout_text(config.layout), f"micro-batches {config.layout.microbatches}")
-print("resumed:  ", layout_text(config.resume), f"micro-batches {config.resume.microbatches}")
+print("first run:", config.layout.describe(config.train.batch_size), f"on {config.layout.world_size} ranks")
+print("resumed:  ", config.resume.describe(config.train.batch_size), f"on {config.resume.world_size} ranks")
 print(f"model: {config.model.n_layer} layers, d_model {config.model.d_model}, {config.model.n_head} heads; "
       f"{config.train.steps} steps of {config.train.batch_size} sequences, saved after step {config.checkpoint_step}")
-print(f"precision {config.precision}, activation checkpointing {config.activation_checkpointing}")
+print(f"precision {config.precision}, recomputation {config.recompute}")
 for section, key, value in (("layout", "tp", 3), ("train", "precision", "fp16")):
     raw = read_toml(CONFIGS / "capstone_small.toml")
     raw[section][key] = value
@@ -79,15 +79,16 @@ for section, key, value in (("layout", "tp", 3), ("train", "precision", "fp16"))
 # %% tags=["nbval-ignore-output"]
 cluster = load_validation()["cluster"]
 SEQ = config.model.block_size
-model_for_estimate, ours, recipe = estimate_inputs(config, config.layout)
+model_for_estimate, recipe = estimate_inputs(config)
+ours = config.layout
 p = plan(config.model, cluster, config.train.batch_size, SEQ, recipe)
 print(p.table(5))
 print(p.explain())
-predicted = step_time(model_for_estimate, ours, cluster, SEQ, recipe)
-memory = memory_per_rank(model_for_estimate, ours, SEQ, recipe)
-print(f"ours: {ours.label()}: predicted {predicted['total'] * 1e3:.3g} ms per step, "
+predicted = step_time(model_for_estimate, ours, cluster, config.train.batch_size, SEQ, recipe)
+memory = memory_per_rank(model_for_estimate, ours, config.train.batch_size, SEQ, recipe)
+print(f"ours: {ours.describe(config.train.batch_size)}: predicted {predicted['total'] * 1e3:.3g} ms per step, "
       f"{fmt_bytes(memory['total'])} per rank, {predicted['total'] / p.best.time['total']:.2f} x the best")
-assert p.best.layout.tp == 1 and memory["total"] < cluster.memory_bytes
+assert p.best.dims.tp == 1 and memory["total"] < cluster.memory_bytes
 
 # %% [markdown]
 # <details><summary>Answer, and why we run dp2 x tp2 x pp2 anyway</summary>
@@ -125,7 +126,7 @@ print("saved:", sorted(d.name for d in checkpoints.iterdir()))
 print("3D then resumed:", " ".join(f"{x:.4f}" for x in run.losses))
 print("single process: ", " ".join(f"{x:.4f}" for x in run.single_losses))
 print(f"largest |difference| {run.max_difference:.1e} (tolerance {config.tolerance:.0e})")
-fp32_single = train_single(config.model, config.train, "fp32", config.activation_checkpointing).train_losses
+fp32_single = train_single(config.model, config.train, "fp32", config.recompute).train_losses
 drift = max(abs(a - b) for a, b in zip(run.single_losses, fp32_single))
 print(f"for scale: bf16 against fp32, both in one process: {drift:.1e}")
 # run.equal: every loss within config.tolerance = 1e-2 of the single process's. bf16 keeps 8 significant
@@ -175,7 +176,7 @@ assert fp32_run.max_difference < 1e-4  # fp32: only the order of sums differs (~
 
 # %% tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(figsize=(10, 4.2))
-plot_gantt(run.timelines, ax=ax, title=f"step {config.checkpoint_step}: {layout_text(config.layout)}")
+plot_gantt(run.timelines, ax=ax, title=f"step {config.checkpoint_step}: {config.layout.describe()}")
 plt.show()
 assert all(any(e[3] == "optimizer" for e in events) for events in run.timelines)
 
@@ -213,7 +214,7 @@ for rank in run.traffic:
     for dim, t in rank.items():
         measured[dim] = measured.get(dim, 0) + t["bytes_sent"]
 formula = traffic_formula(config, config.layout)
-fp32_formula = traffic_formula(config, replace(config.layout, precision="fp32", activation_checkpointing=False))
+fp32_formula = traffic_formula(config, replace(config.layout, precision="fp32", recompute="none"))
 print(f"{'dimension':<10}{'fp32 formula':>14}{'this run: formula':>19}{'measured':>12}   (per step, all ranks)")
 for dim in formula:
     print(f"{dim:<10}{fmt_bytes(fp32_formula[dim]):>14}{fmt_bytes(formula[dim]):>19}"
@@ -281,17 +282,18 @@ assert all(m["state"] == m["state_estimated"] for m in per_rank)  # bytes: exact
 # %%
 def priced(cfg) -> dict:
     """The estimator's view of a config's first layout (notebook 10's formulas), as text."""
-    model_e, lay, rec = estimate_inputs(cfg, cfg.layout)
-    t = step_time(model_e, lay, cluster, SEQ, rec)
+    model_e, rec = estimate_inputs(cfg)
+    lay, batch = cfg.layout, cfg.train.batch_size
+    t = step_time(model_e, lay, cluster, batch, SEQ, rec)
     bytes_per_dim = traffic_formula(cfg, cfg.layout)
-    return {"micro-batches x sequences each": f"{lay.m} x {lay.micro_batch}",
-            "bubble fraction (p-1)/(m+p-1)": f"{(lay.pp - 1) / (lay.m + lay.pp - 1):.3f}",
+    return {"micro-batches x sequences each": f"{lay.microbatches} x {lay.micro_batch(batch)}",
+            "bubble fraction (p-1)/(m+p-1)": f"{(lay.pp - 1) / (lay.microbatches + lay.pp - 1):.3f}",
             "predicted step time": f"{t['total'] * 1e3:.3g} ms",
             "  of which fixed costs + recompute": f"{(t['overhead'] + t['recompute']) * 1e3:.3g} ms",
             "  of which tp all-reduces": f"{t['tp'] * 1e3:.3g} ms",
             "  of which bubble": f"{t['bubble'] * 1e3:.3g} ms",
             **{f"bytes per step over {d} (all ranks)": fmt_bytes(b) for d, b in bytes_per_dim.items()},
-            "activations on the busiest rank": fmt_bytes(memory_per_rank(model_e, lay, SEQ, rec)["activations"])}
+            "activations on the busiest rank": fmt_bytes(memory_per_rank(model_e, lay, batch, SEQ, rec)["activations"])}
 
 
 on_disk = load_config(CONFIGS / "capstone_small.toml")  # the file as it is now, edited or not
@@ -335,7 +337,7 @@ for key in ran:
 # %% tags=["nbval-ignore-output"]
 moe = load_config(CONFIGS / "capstone_moe.toml")
 moe_run = run_capstone(moe, tempfile.mkdtemp(prefix="capstone-moe-"), timeout_s=240)
-print(f"{layout_text(moe.layout)} -> {layout_text(moe.resume)}, {moe.precision}")
+print(f"{moe.layout.describe()} -> {moe.resume.describe()}")
 print("3D + EP then resumed:", " ".join(f"{x:.4f}" for x in moe_run.losses))
 print("single process:      ", " ".join(f"{x:.4f}" for x in moe_run.single_losses))
 print(f"largest |difference| {moe_run.max_difference:.1e} (tolerance {moe.tolerance:.0e})")

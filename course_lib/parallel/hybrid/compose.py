@@ -4,7 +4,7 @@
     model = GPT(config, seed)                               the same plain model on every rank
     apply_tensor_parallel(model, mesh["tp"], sp)            1. TP (+SP): inside every block
     apply_expert_parallel(model, mesh["ep"])                2. EP: each MoE layer keeps E/ep experts
-    recompute_in_place(model.blocks)                        (activation_checkpointing) in place
+    recompute_in_place(model.blocks)                        (recompute='full') in place
     stage = build_stage(model, mesh["pp"], v)               3. PP: this rank's blocks (+ embedding/head)
     optimizer = ShardedOptimizer (stage 0 or 1, dp group)    4. ZeRO-1 (or plain DP) across replicas
 
@@ -67,7 +67,7 @@ def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
         apply_tensor_parallel(model, groups["tp"], dims.sequence_parallel)
     if dims.ep > 1:
         apply_expert_parallel(model, groups["ep"])
-    if dims.activation_checkpointing:  # in place: the names stay the single-process ones
+    if dims.recompute == "full":  # in place: the names stay the single-process ones
         recompute_in_place(model.blocks)
     stage = build_stage(model, groups["pp"], dims.virtual_stages) if dims.pp > 1 else None
     return HybridParts(dims, mesh, coords, groups, model, stage)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from course_lib._validate import check_one_of
 from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
@@ -160,13 +161,14 @@ def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = Fals
     return result
 
 
-def train_single(model_config, train_cfg, precision: str = "fp32", activation_checkpointing: bool = False,
+def train_single(model_config, train_cfg, precision: str = "fp32", recompute: str = "none",
                  on_step=None) -> HybridResult:
     """The single-process run the hybrid one must equal: same seed, same global batches, torch's
     clip (its norm recorded), AdamW from make_optimizer, the same precision and recomputation.
     on_step(step, loss) (optional) is called after every step."""
     model = GPT(model_config, seed=train_cfg.seed)
-    if activation_checkpointing:
+    check_one_of("recompute", recompute, ("none", "full"))
+    if recompute == "full":
         recompute_in_place(model.blocks)
     optimizer = make_optimizer(model, train_cfg)
     dataset = CharDataset("train", block_size=model_config.block_size)

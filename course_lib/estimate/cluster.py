@@ -1,18 +1,17 @@
-"""A cluster and a layout: what the step-time model (step_time.py) and the planner take (notebook 10).
+"""A cluster: the devices and links the step-time model (step_time.py) and the planner cost a
+layout on (notebook 10), with the rates and fixed costs course_lib.measure.calibrate measures.
+The layout itself is course_lib.dims.ParallelDims, the one the runtime runs.
 
-    Cluster   devices and links, with the rates and fixed costs course_lib.measure.calibrate measures
-    Layout    one way to run a model: mesh degrees, schedule, micro-batching, ZeRO, recomputation
-
-Both validate their fields on construction: a bad value is a ValueError naming it.
+Cluster validates its fields on construction: a bad value is a ValueError naming it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from course_lib._validate import check_int, check_one_of
+from course_lib._validate import check_int
 from course_lib.comm.costmodel import LinkModel
-from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_schedule, check_sequence_parallel, link_of
+from course_lib.dims import ParallelDims, link_of
 
 
 @dataclass(frozen=True)
@@ -65,57 +64,10 @@ class Cluster:
         span = size * stride
         return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
 
-    def link_of(self, dim: str, layout: "Layout") -> LinkModel:
-        """The link of mesh dimension `dim` of `layout`, placed as make_mesh places it
+    def link_of(self, dim: str, dims: ParallelDims) -> LinkModel:
+        """The link of mesh dimension `dim` of the layout `dims`, placed as make_mesh places it
         (course_lib.dims, TOPOLOGY_AWARE order: tp innermost)."""
-        sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
-        return self.inter if link_of(dim, sizes, self.gpus_per_node) == "inter" else self.intra
+        return self.inter if link_of(dim, dims.sizes(), self.gpus_per_node) == "inter" else self.intra
 
     def with_gpus(self, n_gpus: int) -> "Cluster":
         return replace(self, n_gpus=n_gpus)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to run the model: mesh degrees, schedule, micro-batching, ZeRO, recomputation."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    v: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
-    m: int = 1  # micro-batches per step and replica
-    micro_batch: int = 1
-    zero_stage: int = 0
-    recompute: str = "none"
-    schedule: str = "1f1b"
-    sequence_parallel: bool = False
-
-    def __post_init__(self):
-        for name in ("dp", "tp", "pp", "ep", "v", "m", "micro_batch"):
-            check_int(name, getattr(self, name))
-        check_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
-        check_one_of("recompute", self.recompute, RECOMPUTE)
-        # the rule book's (course_lib.dims): what the runtime runs, the estimator costs; m < pp
-        # runs too (every micro-batch in the warm-up), so it is costed, not refused
-        check_schedule(self.schedule, self.pp, self.m, self.v)
-        check_sequence_parallel(self.sequence_parallel, self.tp)
-
-    @property
-    def n_gpus(self) -> int:
-        return self.dp * self.ep * self.tp * self.pp
-
-    def label(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("sp" if self.sequence_parallel else ""), f"pp{self.pp}"]
-        if self.ep > 1:
-            parts.append(f"ep{self.ep}")
-        if self.pp > 1:
-            parts.append(f"v{self.v} m{self.m}" if self.v > 1 else f"m{self.m}")
-        elif self.m > 1:
-            parts.append(f"accum{self.m}")
-        parts.append(f"mb{self.micro_batch}")
-        if self.zero_stage:
-            parts.append(f"zero{self.zero_stage}")
-        if self.recompute != "none":
-            parts.append(f"rc-{self.recompute}")
-        return " ".join(parts)
