@@ -14,6 +14,8 @@ memory against the estimator, and a GPT training step's MFU against the GPU's sp
 3. MFU: steady-state bf16-autocast training steps of a GPT large enough to keep the GPU busy;
    model FLOPs (course_lib.estimate.flops_per_token, notebook 01) per second over the spec
    peak of course_lib.estimate.calculator.GPUS; and a bare 8192^3 bf16 matmul for scale.
+4. FP8 matmuls (notebook 04): torch._scaled_mm on e4m3 inputs with one scale per tensor and
+   one per row/column, bf16 out, against bf16 matmuls of the same n x n x n shapes.
 
 Exits 2 without CUDA (this check is for a GPU machine; CI has none).
 """
@@ -124,6 +126,29 @@ def mfu() -> dict:
             "torch": torch.__version__}
 
 
+def fp8_matmul() -> dict:
+    """TFLOP/s of bf16 and of scaled e4m3 matmuls (2 n^3 FLOPs each), n x n x n."""
+    dev, out = torch.device("cuda"), {}
+    for n in (4096, 8192, 16384):
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        row = {"bf16": 2 * n**3 / timed(lambda: a @ b) / 1e12}
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # _scaled_mm wants the second operand column-major
+        one = torch.tensor(1.0, device=dev)
+        scales = {"tensorwise": (one, one),
+                  "rowwise": (torch.ones(n, 1, device=dev), torch.ones(1, n, device=dev))}
+        for name, (sa, sb) in scales.items():
+            try:
+                row[f"fp8_{name}"] = 2 * n**3 / timed(
+                    lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)) / 1e12
+            except (RuntimeError, TypeError) as err:  # not every torch/GPU pair has every scaling
+                row[f"fp8_{name}"] = f"unsupported: {str(err).splitlines()[0][:200]}"
+        out[str(n)] = row
+        del a, b, a8, b8
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=None)
@@ -131,7 +156,16 @@ def main():
     if not torch.cuda.is_available():
         print("no CUDA GPU here: this check runs on a GPU machine", file=sys.stderr)
         sys.exit(2)
-    result = {"nccl_world_size_1": nccl_world_one(), "cuda_memory": cuda_memory(), "mfu": mfu()}
+    result = {}
+    for name, fn in (("fp8_matmul", fp8_matmul), ("mfu", mfu), ("cuda_memory", cuda_memory),
+                     ("nccl_world_size_1", nccl_world_one)):
+        start = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception as err:  # report and go on: each part is independent
+            result[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+        print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+        torch.cuda.empty_cache()
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
