@@ -1,7 +1,8 @@
 """Per-GPU memory and time-to-train calculator (notebook 01), interactive and static.
 
     Settings(...)                 one point of the design space: model preset and shape, micro-batch,
-                                  precision recipe, recomputation, ZeRO stage, dp/tp/pp/ep, offload, GPU
+                                  precision recipe, attention, the layout (a course_lib.dims.ParallelDims:
+                                  dp/tp/pp/ep, ZeRO stage, recomputation), offload, GPU
     evaluate(settings)            -> memory per GPU (estimate.per_gpu_memory), FLOPs, GPUs, time
     plot_scenarios([(label, s)])  stacked per-GPU bars (params/grads/optimizer/activations) vs the GPU
     calculator_widget.py          calculator_view(settings), the figure and summary as a static
@@ -29,6 +30,7 @@ import re
 from dataclasses import asdict, dataclass, replace
 
 from course_lib import estimate as E
+from course_lib.dims import ParallelDims
 from course_lib.units import GB, GiB
 
 @dataclass(frozen=True)
@@ -82,13 +84,11 @@ class Settings:
     n_experts: int = 1
     top_k: int = 1
     recipe: str = "bf16_mixed"
-    recompute: str = "none"
     attention: str = "fused"
-    zero_stage: int = 0
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
+    # the runtime's layout object; the calculator reads dp, tp, pp, ep, zero, recompute and
+    # sequence_parallel (the widget sets it whenever tp > 1, as Megatron does), at the steady
+    # state of 1F1B (pp micro-batches in flight on stage 0)
+    layout: ParallelDims = ParallelDims()
     offload: bool = False
     gpu: str = "A100 SXM 80 GB"
     mfu: float = 0.4
@@ -117,13 +117,15 @@ def evaluate(s: Settings) -> dict:
     config = build_config(s)
     base = config.base if isinstance(config, E.MoEConfig) else config
     seq = base.block_size if s.seq is None else s.seq
-    memory = E.per_gpu_memory(config, s.batch, seq, s.recipe, s.zero_stage, s.dp, s.tp, s.pp, s.ep,
-                              s.recompute, "optimizer" if s.offload else "none", s.attention)
+    L = s.layout
+    memory = E.per_gpu_memory(config, s.batch, seq, s.recipe, L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
+                              "optimizer" if s.offload else "none", s.attention,
+                              sequence_parallel=L.sequence_parallel)
     gpu = GPUS[s.gpu]
     tokens = PRESET_TOKENS[s.preset] if s.tokens is None else s.tokens
     flops = E.flops_per_token(config, seq) * tokens
     # Recomputation re-runs forward work: full adds one forward (+1/3), selective only attention scores.
-    if s.recompute == "full":
+    if s.layout.recompute == "full":
         flops *= 4 / 3
     peak = gpu.peak_tf32 if s.recipe == "fp32" else gpu.peak_bf16
     seconds = E.training_time(flops, memory["n_gpus"], peak, s.mfu)
@@ -134,7 +136,7 @@ def evaluate(s: Settings) -> dict:
 
 def summary_text(r: dict) -> str:
     """A few plain lines describing an `evaluate` result (deterministic: no timing)."""
-    s, m = r["settings"], r["memory"]
+    s, m, L = r["settings"], r["memory"], r["settings"].layout
     params = f"{_count(r['n_params'])} parameters"
     if r["active_params"] != r["n_params"]:
         params += f" ({_count(r['active_params'])} active per token)"
@@ -143,8 +145,8 @@ def summary_text(r: dict) -> str:
     lines = [
         f"{s.preset}: {params}; micro-batch {s.batch} x {r['seq']} tokens",
         f"per GPU (stage {m['stage']}): {parts} = {E.fmt_bytes(m['total'])} -> {verdict} in {gpu_label(r['gpu'])}",
-        f"mesh dp={s.dp} x ep={s.ep} x tp={s.tp} x pp={s.pp} = {_gpus(m['n_gpus'])}; "
-        f"{s.recipe}, ZeRO-{s.zero_stage}, recompute={s.recompute}, attention={s.attention}"
+        f"mesh dp={L.dp} x ep={L.ep} x tp={L.tp} x pp={L.pp} = {_gpus(m['n_gpus'])}; "
+        f"{s.recipe}, ZeRO-{L.zero}, recompute={L.recompute}, attention={s.attention}"
         + (f"; optimizer offloaded to CPU: {E.fmt_bytes(m['cpu_offload'])}" if s.offload else ""),
         f"training: {_sci(r['flops'])} FLOPs over {fmt_tokens(r['tokens'])} tokens -> {E.fmt_duration(r['seconds'])} "
         f"on {_gpus(m['n_gpus'])} at MFU {s.mfu:.0%}",
@@ -247,9 +249,10 @@ def gpt3_ladder() -> list[tuple[str, Settings]]:
     s = Settings(preset="GPT-3 175B", recipe="fp32", attention="naive")
     steps = [("1 GPU, fp32", s)]
     steps.append(("bf16 mixed,\nflash attention", s := replace(s, recipe="bf16_mixed", attention="fused")))
-    steps.append(("+ full\nrecompute", s := replace(s, recompute="full")))
-    steps.append(("+ ZeRO-3\ndp=64", replace(s, zero_stage=3, dp=64)))
-    steps.append(("tp=8 pp=8 dp=16\nZeRO-1, selective", s := replace(s, tp=8, pp=8, dp=16, zero_stage=1,
-                                                                     recompute="selective")))
+    steps.append(("+ full\nrecompute", s := replace(s, layout=ParallelDims(recompute="full"))))
+    steps.append(("+ ZeRO-3\ndp=64", replace(s, layout=replace(s.layout, zero=3, dp=64))))
+    steps.append(("tp=8 pp=8 dp=16\nZeRO-1, selective",
+                  s := replace(s, layout=ParallelDims(tp=8, pp=8, dp=16, zero=1, recompute="selective",
+                                                          sequence_parallel=True))))
     steps.append(("same\n+ optimizer offload", replace(s, offload=True)))
     return steps

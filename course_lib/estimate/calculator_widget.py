@@ -16,12 +16,15 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from course_lib import estimate as E
+from course_lib.dims import ParallelDims
 from course_lib.estimate.calculator import (GPUS, PRESET_TOKENS, Settings, build_config, evaluate, fmt_tokens,
                                             gpu_label, parse_tokens, plot_scenarios, summary_text)
 from course_lib.widgets import LiveFigure, render
 
 FIGSIZE = (4.2, 4.6)  # inches at widgets.DPI: the chart never changes size
-START = Settings(preset="GPT-3 175B", recompute="selective", zero_stage=1, dp=16, tp=8, pp=8)
+START = Settings(preset="GPT-3 175B", layout=ParallelDims(dp=16, tp=8, pp=8, zero=1, recompute="selective",
+                                                           sequence_parallel=True))
+LAYOUT = ("dp", "tp", "pp", "ep", "zero", "recompute")  # the controls that set Settings.layout
 SHAPE = ("d_model", "n_layer", "n_head", "vocab_size")
 MFU = [p / 100 for p in range(5, 85, 5)]
 
@@ -33,7 +36,8 @@ def _divisors(n: int, at_most: int) -> list[int]:
 def control_values(s: Settings) -> dict:
     """The controls' values for `s`: None fields filled from the preset, tokens as typed text."""
     cfg = E.PRESETS[s.preset]
-    values = asdict(s)
+    values = {k: v for k, v in asdict(s).items() if k != "layout"}
+    values.update({k: getattr(s.layout, k) for k in LAYOUT})
     values["seq"] = s.seq or cfg.block_size
     values["tokens"] = fmt_tokens(PRESET_TOKENS[s.preset] if s.tokens is None else s.tokens)
     for k in SHAPE:
@@ -49,7 +53,9 @@ def settings_from_values(values: dict) -> Settings:
         if values[k] == getattr(cfg, k):
             values[k] = None
     values["tokens"] = parse_tokens(values["tokens"])
-    return Settings(**values)
+    degrees = {k: values.pop(k) for k in LAYOUT}
+    layout = ParallelDims(**degrees, sequence_parallel=degrees["tp"] > 1)
+    return Settings(**values, layout=layout)
 
 
 def valid_options(values: dict) -> dict[str, list]:
@@ -131,7 +137,7 @@ class MemoryCalculator(LiveFigure):
             "recipe": W.Dropdown(options=list(E.RECIPES), value=values["recipe"], description="precision"),
             "recompute": W.ToggleButtons(options=list(E.RECOMPUTE), value=values["recompute"], description="recompute"),
             "attention": W.ToggleButtons(options=list(E.ATTENTION), value=values["attention"], description="attention"),
-            "zero_stage": W.ToggleButtons(options=list(E.ZERO_STAGES), value=values["zero_stage"],
+            "zero": W.ToggleButtons(options=list(E.ZERO_STAGES), value=values["zero"],
                                           description="ZeRO stage"),
             "dp": slider("dp", [2**i for i in range(13)], "dp"),
             "tp": slider("tp", options["tp"], "tp"),

@@ -25,7 +25,7 @@ from course_lib.techniques import checkpoint_viz
 
 WIDGETS = {
     "01_memory_and_flops": [(lambda: calculator_widget.MemoryCalculator(),
-                             ["tokens", "preset", "gpu", "tp", "pp", "n_head", "n_experts", "ep", "zero_stage",
+                             ["tokens", "preset", "gpu", "tp", "pp", "n_head", "n_experts", "ep", "zero",
                               "offload"])],
     "02_collectives": [lambda: ringviz.ring_widget(4)],
     "03_data_parallel": [lambda: bucketviz.bucket_widget(GPTConfig.tiny(VOCAB_SIZE, d_model=128, n_layer=4))],
