@@ -7,8 +7,9 @@ memory against the estimator, and a GPT training step's MFU against the GPU's sp
    rank's own GPU (course_lib.runtime.device); its losses must equal the single process's on
    the CPU within course_lib.tolerances.adamw_loss_atol (fp32 on both: only the order of sums
    and the kernels differ), in fp32 and with recomputation.
-2. CUDA memory: one AdamW step of a GPT on the GPU; torch.cuda.memory_allocated() after the step
-   (parameters + gradients + AdamW moments, the batch freed) against the estimator's fp32 model
+2. CUDA memory: one AdamW step of a GPT on the GPU; torch.cuda.memory_allocated() after the step,
+   less what was allocated before the model (cuBLAS's workspace: it comes from the same
+   allocator), is parameters + gradients + AdamW moments (the batch freed) against the estimator's fp32 model
    state (course_lib.estimate.per_gpu_memory): equal up to the allocator's 512-byte rounding
    per tensor.
 3. MFU: steady-state bf16-autocast training steps of a GPT large enough to keep the GPU busy;
@@ -63,6 +64,12 @@ def cuda_memory() -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=97, block_size=256, n_layer=4, n_head=8, d_model=512)
     dev = torch.device("cuda")
+    # cuBLAS takes its workspace from the same allocator on first use: take it before the baseline
+    w = torch.randn(512, 512, device=dev, requires_grad=True)
+    (w @ w).sum().backward()
+    del w
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     model = GPT(cfg, seed=0).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.cuda.synchronize()
@@ -72,7 +79,7 @@ def cuda_memory() -> dict:
     opt.step()
     del x, loss
     torch.cuda.synchronize()
-    allocated = torch.cuda.memory_allocated()
+    allocated = torch.cuda.memory_allocated() - base
     est = per_gpu_memory(cfg, 4, cfg.block_size, "fp32")
     state = est["params"] + est["grads"] + est["optimizer"]
     tensors = 4 * sum(1 for _ in model.parameters())  # each parameter: itself, .grad, exp_avg, exp_avg_sq
