@@ -40,10 +40,10 @@ lab: $(STAMP)
 TEST_LOGS := build/test
 test: $(STAMP)
 	@rm -rf $(TEST_LOGS) && mkdir -p $(TEST_LOGS)
-	@( COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q notebooks exercises $(NBVAL) \
+	@( COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 notebooks exercises $(NBVAL) \
 		> $(TEST_LOGS)/notebooks.log 2>&1; echo $$? > $(TEST_LOGS)/notebooks.rc ) & \
 	echo "== pytest tests (the notebooks and exercises run beside it: $(TEST_LOGS)/notebooks.log)"; \
-	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q tests; status=$$?; wait; \
+	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=15 tests; status=$$?; wait; \
 	echo "== nbval notebooks exercises"; cat $(TEST_LOGS)/notebooks.log; \
 	test "$$(cat $(TEST_LOGS)/notebooks.rc)" = 0 || status=1; exit $$status
 
@@ -116,7 +116,7 @@ BROWSER_ARTIFACTS ?= build/browser-artifacts
 test-browser: browser-deps
 	@rm -rf $(BROWSER_ARTIFACTS)
 	COURSE_BROWSER_TEST=1 COURSE_BROWSER_ARTIFACTS=$(BROWSER_ARTIFACTS) timeout -k 30 1800 \
-		$(PY) -m pytest -p no:cacheprovider -q -o timeout=480 tests/browser
+		$(PY) -m pytest -p no:cacheprovider -q --durations=12 -o timeout=480 tests/browser
 
 # Standalone HTML of every notebook, readable offline (widgets as their static figures): build/html/.
 html: $(STAMP)
