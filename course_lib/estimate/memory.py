@@ -42,6 +42,10 @@ RECIPES = {
     "bf16_autocast": Recipe(4, 4, 8, "torch.autocast: the parameters, gradients and AdamW's m, v stay fp32 "
                             "(16 B/param, as fp32); matmuls run on bf16 copies of the weights made during "
                             "forward (2 B/param more while they live) and save bf16 activations"),
+    "fp8": Recipe(2, 2, 12, "FP8 matmuls (Micikevicius et al. 2022; course_lib.techniques.fp8): state as "
+                  "bf16_mixed; each step makes e4m3 copies of the weights (1 B/param while they live), saves "
+                  "the matmul inputs for backward in e4m3 (1 B/element) and can all-gather parameters in FP8 "
+                  "(half of bf16's bytes); norms, softmax, residual stream and loss stay bf16/fp32"),
 }
 
 def model_state_bytes(n_params: int, recipe: str = "fp32", zero_stage: int = 0, dp: int = 1) -> dict[str, int]:

@@ -16,6 +16,7 @@
 # | **mixed precision** (bf16 / fp16 compute) | activations (~half), and on GPUs the time of every matmul | numerics: fp16 needs *loss scaling*; the fp32 *master weights* keep the model state at 16 B/param |
 # | **activation checkpointing** | activations: from every layer's to one tensor per segment | one more forward pass of the checkpointed layers (a third more compute when backward costs two forwards; §2.4 measures it) |
 # | **gradient accumulation** | activations for a given batch: divided by the number of micro-batches | the micro-batches run one after another |
+| **FP8 matmuls** (§1.7-1.9) | the matmul inputs saved for backward (1 byte), FSDP's parameter all-gather (half of bf16), and on GPUs the matmul time | numerics: 3 or 2 mantissa bits, so every tensor needs a *scale*, and the grain of the scales decides what outliers cost |
 #
 # **After this notebook you can**
 #
@@ -26,11 +27,14 @@
 # * predict the activation memory of checkpointing every k blocks, find the best k for a
 #   given depth and block size, and say when "checkpoint every block" is the right choice;
 # * accumulate gradients over micro-batches so that they equal the big-batch gradient, and
-#   spot the missing 1/k.
+#   spot the missing 1/k;
+# * read the FP8 formats' range and spacing, scale a tensor into e4m3 per tensor, row, tile,
+#   block or MX block, say which granularity survives an outlier channel or token, and count
+#   what FP8 saves in memory and traffic (and why its speed is a GPU's).
 #
 # Every claim below is measured on the course GPT and held against the formulas of
 # notebook 01 (`course_lib.estimate`) with an `assert`. The code lives in
-# `course_lib/techniques/`: `amp.py`, `activation_checkpointing.py` and `accumulation.py`.
+# `course_lib/techniques/`: `amp.py`, `activation_checkpointing.py`, `accumulation.py` and `fp8.py`.
 
 # %%
 import math
@@ -429,7 +433,271 @@ for recipe in ("fp32", "bf16_mixed", "fp16_mixed", "bf16_fp32_accum"):
 # So what does mixed precision buy in memory? Activations (§1.2), and it makes ZeRO's sharding
 # pay off: of the 16 bytes, the 12 bytes of optimizer state are exactly what ZeRO-1 splits
 # across data-parallel ranks (notebook 01).
+
+# %% [markdown]
+# ### 1.7 Eight bits: FP8 and MX
 #
+# GPUs since the H100 multiply 8-bit floats at twice their bf16 rate, and large runs now train
+# their matmuls in FP8 (DeepSeek-AI 2024, for DeepSeek-V3). Eight bits leave two sensible splits
+# (Micikevicius et al. 2022, *FP8 Formats for Deep Learning*, standardised by the OCP 8-bit
+# floating point specification): **e4m3**, 4 exponent and 3 mantissa bits, for weights and
+# activations, and **e5m2**, the range of fp16 with 2 mantissa bits, for gradients. e4m3 gives up
+# infinities (one bit pattern is NaN) to reach 448 instead of 240. We read each format off its
+# 128 non-negative bit patterns.
+
+# %%
+from course_lib.techniques.fp8 import FP8Linear, all_gather_fp8, apply_fp8, dequantize, quantize
+from course_lib.techniques.fp8_figures import (format_gpu_table, format_values, gpu_measurement, number_lines,
+                                              outlier_errors, plot_outlier_errors)
+from course_lib import CommTracer, run_on_ranks
+from course_lib.comm.compat import all_gather_single
+
+print(f"{'':5} {'max':>8} {'min normal':>11} {'min subnormal':>14} {'values > 0':>11} {'spacing at 1':>13}")
+for name, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+    vals, fi = format_values(name), torch.finfo(dt)
+    above_one = vals[vals > 1][0].item() - 1
+    print(f"{name:5} {vals[-1].item():>8g} {fi.smallest_normal:>11.3g} {vals[1].item():>14.3g} {len(vals) - 1:>11} {above_one:>13g}")
+assert format_values("e4m3")[-1] == 448 and format_values("e5m2")[-1] == 57344  # 1.75 * 2^8, 1.75 * 2^15
+assert format_values("e4m3")[1] == 2**-9 and format_values("e5m2")[1] == 2**-16  # smallest subnormals
+
+big = torch.tensor([[500.0, 1e5]])
+print(f"\ntorch's plain casts of {big[0].tolist()}: e4m3 -> {big.to(torch.float8_e4m3fn).float()[0].tolist()}, "
+      f"e5m2 -> {big.to(torch.float8_e5m2).float()[0].tolist()}")
+sat = {f: dequantize(*quantize(big, f, "tensor", scales=torch.ones(1, 1)), "tensor")[0].tolist() for f in ("e4m3", "e5m2")}
+print(f"saturating casts (scale 1):          e4m3 -> {sat['e4m3']}, e5m2 -> {sat['e5m2']}")
+assert sat == {"e4m3": [448.0, 448.0], "e5m2": [512.0, 57344.0]}  # 500 rounds to 512 in e5m2 (spacing 64 there)
+
+# %%
+number_lines()
+plt.show()
+
+# %% [markdown]
+# Eight ticks per power of two in e4m3, four in e5m2: next to 1 the numbers are 2^-3 and 2^-2
+# apart, so rounding costs up to 2^-4 ≈ 6 % (e4m3) of a value, against bf16's 2^-8. And the range
+# is short: e4m3 spans 2^-9 to 448, about 18 powers of two. A tensor must be **scaled** into it:
+#
+# $$s = \frac{\text{amax}}{448}, \qquad q = \text{round}\big(\text{clamp}(x/s, -448, 448)\big), \qquad x \approx q\,s$$
+#
+# The clamp is the specification's saturating mode (torch's plain cast above overflowed e5m2 to
+# inf). Which elements share one scale is the **granularity**
+# (`course_lib.techniques.fp8.quantize(x, fmt, granularity)`):
+#
+# | granularity | one scale per | used by |
+# |---|---|---|
+# | `tensor` | the whole tensor | the first FP8 recipes (Micikevicius et al. 2022) |
+# | `row` | row (a token, or an output channel of a weight) | torchao's row-wise recipe |
+# | `tile128` | 1×128 tile of a row | DeepSeek-V3's activations and gradients |
+# | `block128` | 128×128 block | DeepSeek-V3's weights |
+# | `mx32` | 32 consecutive elements, a power of two in 8 bits (e8m0) | the OCP MX formats (MXFP8), Blackwell GPUs |
+#
+# **Predict first.** Take real activations (the GELU outputs entering the MLP's second matmul,
+# 512 tokens × 256 channels) and make one *channel* 10^4 times larger, the kind of outlier feature
+# large language models develop (Dettmers et al. 2022). Rank the five granularities by the error
+# they leave on the other, ordinary entries. Then make one *token* 10^4 times larger instead.
+#
+# <details><summary>Answer</summary>
+#
+# Channel outlier: `tensor` is worst, since the outlier sets the one scale and pushes small entries
+# into the subnormals or to zero; `block128` next (its blocks hold the channel). `row` helps
+# partly (each row's scale comes from its own outlier entry, large or small), `tile128` more (half
+# of every row is in a tile without the channel), and `mx32` hardly notices (7 blocks of 8 never
+# see the channel). Token outlier: `row`, `tile128` and `mx32` are untouched (the token's own
+# scales absorb it); `tensor` and `block128` suffer.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+# real activations; the printed errors depend on fp32 matmul rounding, which differs between CPUs
+grab = {}
+probe = GPT(cfg)
+hook = probe.blocks[0].mlp.proj.register_forward_hook(lambda mod, inp, out: grab.update(a=inp[0].detach().flatten(0, 1)))
+probe(*batch(8))
+hook.remove()
+acts = grab["a"]
+chan_x, tok_x = acts.clone(), acts.clone()
+chan_x[:, 5] *= 1e4
+tok_x[7] *= 1e4
+chan_mask, tok_mask = torch.ones_like(acts, dtype=torch.bool), torch.ones_like(acts, dtype=torch.bool)
+chan_mask[:, 5], tok_mask[7] = False, False
+outlier_rows = {"no outlier": outlier_errors(acts, torch.ones_like(chan_mask)),
+                "channel x 1e4": outlier_errors(chan_x, chan_mask), "token x 1e4": outlier_errors(tok_x, tok_mask)}
+print(f"{'granularity':12}" + "".join(f"{k:>28}" for k in outlier_rows))
+for g in outlier_rows["no outlier"]:
+    print(f"{g:12}" + "".join(f"{r[g][0]:>10.3f} ({r[g][1]:6.1%} to 0)" for r in outlier_rows.values()))
+clean, ch, tk = (outlier_rows[k] for k in outlier_rows)
+# e4m3 rounds by at most 2^-4 = 0.0625 in its normal range: ~0.02-0.03 on average without an outlier
+assert all(v[0] < 0.04 for v in clean.values())
+assert ch["tensor"][0] > 2 * ch["mx32"][0] and ch["tensor"][0] == max(v[0] for v in ch.values())
+assert all(tk[g][0] < 1.1 * clean[g][0] for g in ("row", "tile128", "mx32"))  # the token's own scales absorb it
+assert tk["tensor"][0] > 1.5 * clean["tensor"][0]
+
+# %%
+plot_outlier_errors(outlier_rows)
+plt.show()
+
+# %% [markdown]
+# A coarse scale does not make large values wrong; it makes small ones vanish. Finer groups
+# cost more scales (one fp32 number per 128 elements for tiles, one byte per 32 for MX) and,
+# on a GPU, matmul kernels that apply them along the inner dimension.
+#
+# ### 1.8 Training the course GPT with FP8 matmuls
+#
+# `FP8Linear` is a drop-in `nn.Linear` (same parameters): forward multiplies e4m3 copies of the
+# input and the weight; backward multiplies an e5m2 copy of the output gradient by the e4m3
+# copies forward saved; products accumulate in fp32. `apply_fp8(model, recipe)` swaps every
+# linear layer except the output head, which stays in higher precision, as in DeepSeek-V3.
+# **On this CPU the matmuls run in fp32 on the exact dequantized values**: the numerics are those
+# of FP8 training, the speed is not (that needs FP8 hardware, §1.9). The fp32 master weights and
+# AdamW are unchanged.
+#
+# **Predict first.** Same 30 steps and batches as §1.5. The FP8 runs round every matmul input
+# by up to 2^-4, sixteen times bf16's 2^-8. Do they still train, and how far from the bf16 curve
+# do they end?
+#
+# <details><summary>Answer</summary>
+#
+# They train, a little behind: the mean loss of the last 10 steps ends a few hundredths above
+# fp32 and bf16 (the cell asserts less than 0.1, and says why). Rounding errors of up to 6 % per
+# element largely average out in sums of 64 to 256 products.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+# FP8 numerics are exact arithmetic, but the fp32 matmuls and AdamW's steps round differently on
+# each CPU, so the printed losses vary in their last digits; the assert holds on any of them.
+fp8_curves = {}
+for recipe in ("tensorwise", "rowwise", "mxfp8"):
+    m8 = apply_fp8(GPT(cfg), recipe)
+    opt8, gen = make_optimizer(m8, tc), torch.Generator().manual_seed(1)
+    fp8_curves[recipe] = []
+    for step in range(30):
+        xb, yb = get_batch(train_data, 8, gen)
+        loss = loss_fp32(m8, xb, yb)
+        opt8.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m8.parameters(), 1.0)
+        opt8.step()
+        fp8_curves[recipe].append(loss.item())
+tail = {k: sum(v[-10:]) / 10 for k, v in {**curves, **{f"FP8 {k}": v for k, v in fp8_curves.items()}}.items()}
+for name, v in tail.items():
+    print(f"{name:34} mean loss of the last 10 steps {v:.3f}")
+# 0.1: below the 0.14 spread of fp32 runs that differ only in their initialisation seed (measured on
+# seeds 0-3 at step 30): FP8 moves the curve less than a new seed does (measured: +0.03 to +0.07)
+for k in fp8_curves:
+    assert abs(tail[f"FP8 {k}"] - tail["fp32"]) < 0.1 and abs(tail[f"FP8 {k}"] - tail["bf16 + fp32 master"]) < 0.1, k
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.4))
+for name in ("fp32", "bf16 + fp32 master"):
+    ax.plot(range(1, 31), curves[name], label=name, lw=2, alpha=0.6)
+for name, v in fp8_curves.items():
+    ax.plot(range(1, 31), v, label=f"FP8 {name}", lw=1)
+ax.set_xlabel("step")
+ax.set_ylabel("train loss")
+ax.set_title("the same 30 steps with FP8 matmuls")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# The tiny GPT's layers are 64 wide, too narrow for 128-element tiles; a recipe that needs them is
+# refused, naming the layer and the rule:
+
+# %% tags=["raises-exception"]
+apply_fp8(GPT(cfg), "blockwise")
+
+# %% [markdown]
+# **What FP8 stores.** The model state does not change: the optimizer still updates fp32 master
+# weights, so notebook 01's estimator gives the `fp8` recipe bf16's 2 + 2 + 12 = 16 B/param (and
+# DeepSeek-V3, too, keeps master weights and optimizer state in higher precision). What shrinks is
+# what forward saves for backward: each FP8 linear saves its input in e4m3, 1 byte instead of 4,
+# plus an e4m3 copy of its weight (1 B/param) and two scales. LayerNorm, GELU, attention and the
+# loss save what they saved before. So, per layer, with n tokens, width d and MLP width f
+# (the four linears' inputs: qkv, attention output, MLP input, GELU output):
+#
+# $$\text{saved}_\text{FP8} = \text{saved}_\text{fp32} - 3\,(3nd + nf)\,L + (4d^2 + 2df)\,L + 2 \cdot 4 \cdot 4L \text{ bytes}$$
+#
+# **Predict first.** How much of the fp32 run's saved activations does the FP8 model keep here?
+#
+# <details><summary>Answer</summary>
+#
+# About three quarters: only the matmul inputs shrink (to a quarter), and the attention scores,
+# LayerNorm and GELU inputs, which dominate this small model, stay fp32.
+# </details>
+
+# %%
+xm, ym = batch(8)
+n_tok, d, f_w, L = 8 * 64, cfg.d_model, cfg.ff_dim, cfg.n_layer
+m32, m8 = GPT(cfg), apply_fp8(GPT(cfg), "tensorwise")
+with SavedActivations(m32) as saved32:
+    m32(xm, ym)
+with SavedActivations(m8) as saved8:
+    m8(xm, ym)
+predicted8 = saved32.bytes - 3 * (3 * n_tok * d + n_tok * f_w) * L + (4 * d * d + 2 * d * f_w) * L + 2 * 4 * 4 * L
+assert saved32.bytes == estimate.activation_bytes(cfg, 8, 64)["total"] + 4 and saved8.bytes == predicted8
+print(f"saved for backward: fp32 {fmt(saved32.bytes)}, FP8 linears {fmt(saved8.bytes)} "
+      f"({saved8.bytes / saved32.bytes:.2f}x, = the formula)")
+P_tiny = GPT(cfg).num_params()
+state8, state16 = estimate.model_state_bytes(P_tiny, "fp8"), estimate.model_state_bytes(P_tiny, "bf16_mixed")
+assert state8 == state16
+print(f"model state, estimator's fp8 recipe: {state8['total'] / P_tiny:.0f} B/param (as bf16_mixed): "
+      f"{estimate.RECIPES['fp8'].description}")
+
+# %% [markdown]
+# **What FP8 sends.** ZeRO-3 and FSDP (notebook 08) all-gather every parameter before using it. A
+# run whose matmuls take FP8 weights anyway can gather them in FP8: each rank quantizes its shard
+# with its own scale, the ranks gather the bytes and the scales, and every rank dequantizes. Per
+# all-gather each rank receives N·S/N = S bytes of FP8 against 2S of bf16, plus N scales.
+# `all_gather_fp8` does it on two ranks; the tracer counts the bytes.
+
+# %%
+def gather_both(full):
+    rank, n = torch.distributed.get_rank(), torch.distributed.get_world_size()  # two gloo ranks
+    shard = full.chunk(n)[rank].clone()
+    with CommTracer() as t8:
+        got8, _ = all_gather_fp8(shard, fmt="e4m3", granularity="tensor")
+    with CommTracer() as t16:
+        got16 = torch.empty(full.numel(), dtype=torch.bfloat16)
+        all_gather_single(got16, shard.to(torch.bfloat16))
+    received = lambda t: sum(v["bytes_recv"] for v in t.summary().values())  # noqa: E731
+    return received(t8), received(t16), (got8 - got16.float()).abs().max().item()
+
+
+weights = torch.randn(P_tiny - P_tiny % 2, generator=torch.Generator().manual_seed(0)) * 0.02
+for rank, (b8, b16, err) in enumerate(run_on_ranks(gather_both, weights, world_size=2)):
+    assert b16 == 2 * weights.numel() and b8 == weights.numel() + 2 * 4  # FP8: half, plus one fp32 scale per rank
+    assert err <= (2**-4 + 2**-8) * weights.abs().max().item()  # e4m3 and bf16 rounding of the largest weight
+    print(f"rank {rank}: received bf16 {fmt(b16)}, FP8 {fmt(b8)} ({b8 / b16:.4f}x); every value within e4m3's rounding")
+
+# %% [markdown]
+# ### 1.9 Speed is a GPU property
+#
+# Nothing above is faster on this CPU: it has no FP8 multiplier, so the course emulates FP8 with
+# fp32 matmuls on the dequantized values. The speed comes from hardware. NVIDIA's H100 SXM
+# datasheet gives 989 TFLOP/s for dense bf16 and 1,979 for dense FP8: twice the peak for the
+# matmuls only. Whole training steps gain less, since attention, norms, communication and the
+# casts themselves stay as they were: the torchao documentation reports end-to-end throughput up
+# to 1.25× at 8 GPUs for an 8B model and up to 1.5× at 512 GPUs for a 405B model (float8 training
+# with `torch.compile`), and DeepSeek-AI (2024, §3.3) trained DeepSeek-V3 with its FP8 framework at
+# a loss close to its bf16 baseline. `benchmarks/gpu_fp8_matmul.py` measures bf16 against FP8
+# matmuls (`torch._scaled_mm`) on a GPU.
+#
+# **Predict:** on one H200 (the same peaks as the H100: 989 and 1,979 TFLOP/s), how much faster
+# is an FP8 matmul than a bf16 one, for square matrices of 4096 to 16384? The table below was
+# measured by that benchmark on the course's GPU machine and stored with the course; this
+# machine cannot measure it.
+
+# %%
+print(format_gpu_table(gpu_measurement()))
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# About 1.6× at n = 4096 and 1.8× at 8192 and 16384: less than the peaks' 2×, because neither
+# format reaches its peak (at n = 8192 bf16 ran at about 80% of 989 TFLOP/s, FP8 at about 74% of
+# 1,979), and the smaller the matmul, the more its fixed costs weigh. One scale per row instead of
+# one per tensor cost 2 to 9% here. A training step gains less again (the torchao figures above):
+# FP8 speeds up the linear layers only.
+# </details>
+
+# %% [markdown]
 # ## 2. Activation checkpointing
 #
 # Backward needs, for every op, what that op saved in forward. Activation checkpointing keeps only a few
@@ -884,6 +1152,12 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #   overflow, double after `growth_interval` good steps; our scaler matches `GradScaler` step for
 #   step). fp32 master weights keep tiny updates from rounding away, so the model state stays at
 #   16 B/param (2 + 2 + 12), or 20 with fp32 gradient accumulation, as notebook 01's formulas say.
+# * **FP8.** e4m3 (max 448, 3 mantissa bits) for weights and activations, e5m2 (max 57344) for
+#   gradients; every tensor is scaled into range, and the finer the scale's grain (tensor, row,
+#   1×128 tile, 128×128 block, 32-element MX block) the less an outlier costs the small entries.
+#   FP8 matmuls train the course GPT close to bf16; they save the matmul inputs for backward in
+#   one byte and halve FSDP's parameter all-gather; the model state stays at 16 B/param; the
+#   speed is the GPU's.
 # * **Activation checkpointing** keeps one tensor per segment and recomputes the rest: same
 #   gradients bit for bit, the saved bytes of `⌈L/k⌉ b + outside`, for one more forward of the
 #   blocks (a third more compute when backward costs two forwards; more for small layers).
@@ -908,6 +1182,8 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #    every second block? And at 80 layers?
 # 5. You accumulate 8 micro-batches and forget the 1/8. With AdamW and clipping at 1.0, what
 #    changes in the update?
+# 6. A weight matrix's largest entry is 900 and most entries are near 0.01. With one e4m3 scale
+#    for the whole matrix, what happens to the small entries? What would you change?
 #
 # <details><summary>Answers</summary>
 #
@@ -927,6 +1203,10 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #    and your logs see is 8 times too large, clipping triggers on steps where it should not
 #    (a factor that now changes from step to step, which Adam does feel), and with SGD the
 #    step would be 8 times too large.
+# 6. The scale is 900/448 ≈ 2, so 0.01 becomes 0.005 in e4m3 units, below the smallest normal
+#    (2^-6 ≈ 0.016): a subnormal with one or two significant bits, and anything below 2^-10 ≈ 0.001
+#    units (0.002 here) rounds to 0. Finer scales (row-wise, 1×128 tiles, 128×128 blocks, MX
+#    blocks) give the small entries scales of their own; the outlier only spoils its own group.
 # </details>
 
 # %% [markdown]
@@ -948,6 +1228,20 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #   the non-reentrant checkpoint used to build `checkpointed_forward`.
 # * Korthikanti et al. (2022). *Reducing Activation Recomputation in Large Transformer Models*,
 #   arXiv:2205.05198 (MLSys 2023): selective recomputation of the attention part (§2.3).
+# * Micikevicius et al. (2022). *FP8 Formats for Deep Learning*, arXiv:2209.05433: e4m3 and e5m2,
+#   their ranges, saturation and per-tensor scaling (§1.7); the basis of the OCP 8-bit floating
+#   point specification (2023).
+# * Rouhani et al. (2023). *Microscaling Data Formats for Deep Learning*, arXiv:2310.10537, and the
+#   OCP *Microscaling Formats (MX) Specification v1.0* (2023): 32-element blocks with a shared
+#   power-of-two (e8m0) scale, MXFP8 (§1.7).
+# * DeepSeek-AI (2024). *DeepSeek-V3 Technical Report*, arXiv:2412.19437, §3.3: FP8 training with
+#   1×128 activation tiles and 128×128 weight blocks, the output head and master weights kept in
+#   higher precision (§1.7-1.9).
+# * Dettmers et al. (2022). *LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale*,
+#   NeurIPS 2022: the outlier features of §1.7.
+# * NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOP/s dense bf16, 1,979 dense FP8 (SXM); and the
+#   torchao documentation, [*Quantized training*](https://docs.pytorch.org/ao/stable/workflows/training.html):
+#   float8 training's end-to-end speed-ups (§1.9).
 # * Kingma & Ba (2015). *Adam: A Method for Stochastic Optimization*, ICLR 2015, and Loshchilov &
 #   Hutter (2019). *Decoupled Weight Decay Regularization*, ICLR 2019: the AdamW step whose
 #   $\text{lr}\cdot g/(|g| + \varepsilon)$ first move §3 analyses.
@@ -959,6 +1253,8 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #   §3 and §4 written with PyTorch's own tools.
 # * Micikevicius et al. (2018): short, and still the clearest account of why each part of the
 #   mixed-precision recipe is needed.
+# * DeepSeek-AI (2024), §3.3: the most detailed public account of training a large model in FP8,
+#   including why fine-grained scales and fp32 accumulation every 128 products were needed.
 # * Korthikanti et al. (2022): how large trainers decide which activations to recompute and
 #   which to keep, once checkpointing every block costs too much compute.
 #
