@@ -1,5 +1,6 @@
 """Rank start-up and dispatch cost of run_on_ranks vs a fresh torch.multiprocessing.spawn,
-and the CommTracer's overhead on a 16 MB all-reduce loop.
+the CommTracer's overhead on a 16 MB all-reduce loop, and the flight recorder's cost per call
+against one 1 MiB all-reduce (course_lib.observe.flight_recorder; target under 1%).
 
     .venv/bin/python benchmarks/bench_runtime.py [--world-sizes 2 4 8] [--quick]
 
@@ -22,10 +23,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402  (benchmarks/ is not a package)
 
 from course_lib import CommTracer, run_on_ranks  # noqa: E402
+from course_lib.observe.flight_recorder import FlightRecorder  # noqa: E402
 from course_lib.runtime import shutdown_pools, threads_per_rank  # noqa: E402
 from course_lib.runtime.pool import free_port  # noqa: E402
 
 TRACER_TARGET = 0.05  # the tracer's cost per call / one 16 MB all_reduce
+RECORDER_TARGET = 0.01  # the flight recorder's cost per call / one 1 MiB all_reduce
 
 
 def trivial():
@@ -77,6 +80,29 @@ def allreduce_loop(rounds: int = 8, iters: int = 4, mb: int = 16):
                 dist.all_reduce(t)
         traced.append((time.perf_counter() - start) / iters)
     return min(plain), min(traced)
+
+
+def recorder_cost(calls: int = 2000, mib: int = 1, iters: int = 8) -> tuple[float, float]:
+    """(seconds the flight recorder adds to one call, seconds of one `mib` MiB all_reduce): the
+    first as wrapper_cost measures the tracer's, on a group of one rank (no communication)."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    solo, t = groups[dist.get_rank()], torch.empty(0)
+    start = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(t, group=solo)
+    bare = time.perf_counter() - start
+    with FlightRecorder():
+        start = time.perf_counter()
+        for _ in range(calls):
+            dist.all_reduce(t, group=solo)
+        recorded = time.perf_counter() - start
+    x = torch.ones(mib * 2**20 // 4)
+    dist.all_reduce(x)  # warm-up
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    return (recorded - bare) / calls, (time.perf_counter() - start) / iters
 
 
 def wrapper_cost(calls: int = 2000) -> float:
@@ -140,6 +166,12 @@ def main(argv=None):
     # the loop's ratio is mostly noise here (info); the direct cost per call carries the 5% target
     rows.append((f"traced / untraced {mb} MB all_reduce loop, {n} ranks", traced / plain, None, "lower"))
     rows.append((f"tracer cost per call / one {mb} MB all_reduce", per_call / plain, TRACER_TARGET, "lower"))
+    costs = run_on_ranks(recorder_cost, args.wrapper_calls, 1, args.iters, world_size=n, check_collectives=False,
+                         timeout_s=300)
+    recorder, one_mib = max(c[0] for c in costs), max(c[1] for c in costs)
+    print(f"the flight recorder's cost per call: {recorder * 1e6:.0f} us = {100 * recorder / one_mib:.2f}% of one "
+          f"1 MiB all_reduce ({one_mib * 1e3:.2f} ms on {n} ranks)")
+    rows.append(("flight recorder cost per call / one 1 MiB all_reduce", recorder / one_mib, RECORDER_TARGET, "lower"))
     print()
     for what, ratio, target, better in rows:
         row = {"ratio": ratio, "target": target, "better": better, "spread": None}

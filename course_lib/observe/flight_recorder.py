@@ -1,0 +1,246 @@
+"""A flight recorder: each rank's last calls of torch.distributed, written to a file when one
+hangs, and the analysis that lines the ranks up and names where they diverge. Llama 3's team
+found stuck ranks this way, with NCCL's own recorder (Dubey et al. 2024, §3.3.4).
+
+    with FlightRecorder(dump_dir, stuck_after_s=5):    rank code: record; dump when a call hangs
+        ...
+    analyse(load_dumps(dump_dir))                       the analysis; its first line names the divergence
+    python -m course_lib.observe.flight_recorder DIR    the same from the files (torchrun runs)
+
+What a rank keeps: a ring buffer of its last `capacity` calls, recorded by a layer of the one
+patching engine (course_lib.observe.patching). Each entry has a sequence number: for a
+collective, the k-th call this rank made on that group (the members of a group must issue
+their collectives on it in the same order, so their k-th calls must be the same call); for a
+point-to-point message, the k-th send to (or receive from) that peer. Then the op, the group's
+global ranks (or the peer), the tensor's shape and dtype, and the state: "issued" until the
+call returns, "completed" after.
+
+When a call hangs: a watchdog thread wakes every `poll_s` seconds; once the oldest call still
+"issued" is older than `stuck_after_s`, it writes the buffer to dump_dir/rank_<r>.json (once).
+It runs while the rank waits inside the collective, because torch releases the GIL there. A
+rank that leaves the recorder normally writes its file too, so the analysis can say what a
+rank that never entered a call did last.
+
+The analysis takes each call a rank is stuck in, the oldest first, and asks every other member
+of its group for its call with the same sequence number:
+
+    rank 2 is in all_reduce #3 on group [0, 2]; rank 0 never entered it (it is in all_gather #3 on group [0, 1])
+    rank 3 is in broadcast #2 on group [0, 1, 2, 3]; rank 1 called all_reduce #2 there instead
+
+Limits: asynchronous calls (isend, irecv, batch_isend_irecv, async_op=True) count as completed
+when they are launched, so a hang in their wait() shows as the rank's last call, not as a stuck
+one; two process groups over the same ranks share their sequence numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from course_lib._validate import check_int
+from course_lib.observe import patching
+
+P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+_GROUP_OPS = tuple(op for op in patching.PATCHABLE_OPS if op not in P2P and op != "batch_isend_irecv")
+
+
+def _first_tensor(value):
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+_RANKS: dict = {}  # group (None: the world) -> its global ranks, looked up once
+
+
+def _group_ranks(group) -> list[int]:
+    if group not in _RANKS:
+        whole = group is None or group is dist.group.WORLD
+        _RANKS[group] = list(range(dist.get_world_size())) if whole else list(dist.get_process_group_ranks(group))
+    return _RANKS[group]
+
+
+class FlightRecorder:
+    """Context manager, rank code: record this rank's calls; dump them when one hangs (module docstring)."""
+
+    def __init__(self, dump_dir=None, stuck_after_s: float | None = None, capacity: int = 256,
+                 poll_s: float = 0.1):
+        self.capacity = check_int("capacity", capacity)
+        if stuck_after_s is not None and not stuck_after_s > 0:
+            raise ValueError(f"stuck_after_s={stuck_after_s!r} must be > 0 seconds (or None: never dump by itself)")
+        if stuck_after_s is not None and dump_dir is None:
+            raise ValueError("stuck_after_s needs a dump_dir to write to")
+        self.dump_dir = None if dump_dir is None else pathlib.Path(dump_dir)
+        self.stuck_after_s, self.poll_s = stuck_after_s, poll_s
+        self.entries: collections.deque = collections.deque(maxlen=self.capacity)
+        self.dumped: pathlib.Path | None = None
+        self._counts: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.ops = frozenset(_GROUP_OPS) | frozenset(P2P) | {"batch_isend_irecv"}
+
+    # ------------------------------------------------------------ the patching layer
+    def _issue(self, op, key, where, tensor) -> dict:
+        with self._lock:
+            self._counts[key] += 1
+            entry = {"seq": self._counts[key], "op": op, **where,
+                     "shape": list(tensor.shape) if tensor is not None else [],
+                     "dtype": str(tensor.dtype).replace("torch.", "") if tensor is not None else "-",
+                     "state": "issued", "issued_at": time.time()}
+            self.entries.append(entry)
+        return entry
+
+    def _p2p(self, op, peer, group, tensor) -> dict:
+        me = dist.get_rank()
+        kind = P2P[op]
+        src, dst = (me, peer) if kind == "send" else (peer, me)
+        return self._issue(kind, (kind, src, dst), {"src": src, "dst": dst}, tensor)
+
+    def around(self, op, a, call):
+        if op == "batch_isend_irecv":
+            entries = [self._p2p(getattr(p.op, "__name__", "isend"), p.peer, p.group, p.tensor)
+                       for p in a["p2p_op_list"]]
+        elif op in P2P:
+            peer = a.get("dst") if P2P[op] == "send" else a.get("src")
+            entries = [self._p2p(op, peer, a.get("group"), _first_tensor(a.get("tensor")))]
+        else:
+            ranks = _group_ranks(a.get("group"))
+            tensor = next((_first_tensor(a[k]) for k in ("tensor", "input_tensor", "input", "tensor_list",
+                                                          "input_tensor_list", "output") if a.get(k) is not None), None)
+            entries = [self._issue(op, ("group", tuple(ranks)), {"group": ranks}, tensor)]
+        result = call()
+        with self._lock:
+            for e in entries:
+                e["state"], e["completed_at"] = "completed", time.time()
+        return result
+
+    # ------------------------------------------------------------ the watchdog and the dump
+    def _watch(self):
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                issued = [e["issued_at"] for e in self.entries if e["state"] == "issued"]
+            if issued and time.time() - min(issued) >= self.stuck_after_s and self.dumped is None:
+                self.dump()
+
+    def dump(self, path=None) -> pathlib.Path:
+        """Write {"rank", "world_size", "entries"} as JSON (default: dump_dir/rank_<r>.json)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        path = pathlib.Path(path) if path is not None else self.dump_dir / f"rank_{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            data = {"rank": rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "entries": [dict(e) for e in self.entries]}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)  # a reader never sees half a file
+        self.dumped = path
+        return path
+
+    def __enter__(self):
+        patching.add_layer(self, outermost=True)  # its "issued" covers the whole wait for the peers
+        if self.stuck_after_s is not None:
+            self._thread = threading.Thread(target=self._watch, name="flight-recorder", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        patching.remove_layer(self)
+        if self.dump_dir is not None:  # a rank that finished says so: its last calls, all completed
+            self.dump()
+        return False
+
+
+# ------------------------------------------------------------------ the analysis
+def load_dumps(directory) -> dict[int, list[dict]]:
+    """{rank: entries} from the rank_<r>.json files in `directory`."""
+    files = sorted(pathlib.Path(directory).glob("rank_*.json"))
+    if not files:
+        raise ValueError(f"{directory} holds no rank_<r>.json dump")
+    dumps = {}
+    for f in files:
+        data = json.loads(f.read_text())
+        dumps[data["rank"]] = data["entries"]
+    return dumps
+
+
+def _where(e) -> str:
+    if "group" in e:
+        return f"{e['op']} #{e['seq']} on group {e['group']}"
+    peer = e["dst"] if e["op"] == "send" else e["src"]
+    return f"{e['op']} #{e['seq']} {'to' if e['op'] == 'send' else 'from'} rank {peer}"
+
+
+def _partner(e, member: int, entries: list[dict]):
+    """The entry of `member` that must match e (same group and number, or the other end of a
+    message); None when member has not issued it."""
+    for f in entries:
+        if "group" in e and f.get("group") == e["group"] and f["seq"] == e["seq"]:
+            return f
+        if "group" not in e and "group" not in f and f["seq"] == e["seq"] and (f["src"], f["dst"]) == (e["src"], e["dst"]) \
+                and f["op"] != e["op"]:
+            return f
+    return None
+
+
+def _describe(member: int, entries: list[dict]) -> str:
+    stuck = [e for e in entries if e["state"] == "issued"]
+    if stuck:
+        return f"it is in {_where(stuck[0])}"
+    if entries:
+        return f"its last call: {_where(entries[-1])}, completed"
+    return "it made no call"
+
+
+def analyse(dumps: dict[int, list[dict]], world_size: int | None = None) -> str:
+    """Lines naming, for each stuck call (oldest first), the ranks that do not match it; the
+    first line names the first divergence. Ranks missing from `dumps` (no file) are named."""
+    world = world_size or max(dumps) + 1
+    stuck = sorted(((e["issued_at"], r, e) for r, entries in dumps.items() for e in entries
+                    if e["state"] == "issued"), key=lambda t: (t[0], t[1]))
+    lines, seen = [], set()
+    for _, rank, e in stuck:
+        members = e["group"] if "group" in e else [e["dst"] if e["op"] == "send" else e["src"]]
+        problems = []
+        for m in members:
+            if m == rank:
+                continue
+            if m not in dumps:
+                problems.append(f"rank {m} wrote no dump (it finished, died, or never recorded)")
+                continue
+            f = _partner(e, m, dumps[m])
+            if f is None:
+                problems.append(f"rank {m} never entered it ({_describe(m, dumps[m])})")
+            elif "group" in e and (f["op"], f["shape"], f["dtype"]) != (e["op"], e["shape"], e["dtype"]):
+                problems.append(f"rank {m} called {f['op']} {f['shape']} {f['dtype']} #{f['seq']} there instead")
+        key = (rank, _where(e))
+        if problems and key not in seen:
+            seen.add(key)
+            lines.append(f"rank {rank} is in {_where(e)}; " + "; ".join(problems))
+    missing = sorted(set(range(world)) - set(dumps))
+    if not lines:
+        lines.append("no divergence found: every stuck call's partners are in the same call "
+                     "(a rank may be stuck outside torch.distributed)" if stuck else "no rank is stuck in a call")
+    if missing:
+        lines.append(f"no dump from rank(s) {', '.join(map(str, missing))}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m course_lib.observe.flight_recorder DIR", file=sys.stderr)
+        return 2
+    print(analyse(load_dumps(args[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
