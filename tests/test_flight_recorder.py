@@ -110,3 +110,34 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path):
     assert main([]) == 2
     (tmp_path / "rank_0.json").write_text(json.dumps({"rank": 0, "world_size": 1, "entries": []}))
     assert analyse(load_dumps(tmp_path), 1) == "no rank is stuck in a call"
+
+
+def test_the_patching_engines_fast_binding_equals_inspects():
+    """The engine binds a plain call's arguments without inspect (patching._binder): the same
+    dict, or the same TypeError, for every patchable op and every count of positional
+    arguments, with and without a keyword."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from course_lib.observe.patching import PATCHABLE_OPS, _binder
+
+    checked = 0
+    for op in PATCHABLE_OPS:
+        fn = getattr(c10d, op, None)
+        if fn is None:
+            continue
+        sig, bind = inspect.signature(fn), _binder(fn)
+        names = list(sig.parameters)
+        for k in range(len(names) + 2):
+            args = tuple(object() for _ in range(k))
+            for kwargs in ({}, {names[-1]: 1}, {"not_a_parameter": 1}):
+                def outcome(f):
+                    try:
+                        return f()
+                    except TypeError:
+                        return TypeError
+                ref = outcome(lambda: (lambda b: (b.apply_defaults(), dict(b.arguments))[1])(sig.bind(*args, **kwargs)))
+                assert outcome(lambda: bind(args, kwargs)) == ref, (op, k, kwargs)
+                checked += 1
+    assert checked > 100
