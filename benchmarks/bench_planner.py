@@ -10,8 +10,8 @@ course_lib.estimate.step_time and prints both side by side: the rank correlation
 The measurement is stored in course_lib/assets/planner_validation.json (notebook 10 reads it
 rather than spending minutes re-measuring): `python benchmarks/bench_planner.py --store`.
 `--quick` (2 steps, 1 round, QUICK_LAYOUTS only, the collective table at QUICK_PROBE_SIZES,
-nothing recorded or stored) is a smoke test of the same calls: every kind of run and every
-option train_as takes, in seconds.
+nothing recorded or stored) is a smoke test of the same calls: every trainer and every option
+train_as reads from a layout, in seconds.
 Calibration and layouts alternate over --rounds; a layout's time is the slowest rank's time of
 a step, the fastest of the steps after the first over all rounds, and the calibration keeps its
 highest rates and lowest times: on a shared machine every value at its least disturbed, as
@@ -40,26 +40,25 @@ from course_lib.train import TrainConfig  # noqa: E402
 
 WORLD, BATCH, SEQ = 8, 16, 32
 
-# (label, ParallelDims, how the course runs it); every layout runs the same global batch BATCH
+# (label, layout, which trainer runs it: course_lib.measure.validation.train_as); every layout
+# runs the same global batch BATCH
 LAYOUTS = [
-    ("DDP dp8", ParallelDims(dp=8), ("dp", {})),
-    ("DDP dp8, 2 micro-batches", ParallelDims(dp=8, microbatches=2), ("dp", {"accum_steps": 2})),
-    ("ZeRO-1 dp8", ParallelDims(dp=8, zero=1), ("zero", {"stage": 1})),
-    ("ZeRO-2 dp8", ParallelDims(dp=8, zero=2), ("zero", {"stage": 2})),
-    ("ZeRO-3 dp8", ParallelDims(dp=8, zero=3), ("zero", {"stage": 3})),
-    ("TP tp8", ParallelDims(tp=8), ("tp", {"sequence_parallel": False})),
-    ("ZeRO-2 dp8, 2 micro-batches", ParallelDims(dp=8, microbatches=2, zero=2),
-     ("zero", {"stage": 2, "accum_steps": 2})),
-    ("GPipe pp8 m8", ParallelDims(pp=8, microbatches=8, schedule="gpipe"), ("pp", {"schedule": "gpipe", "m": 8})),
-    ("1F1B pp8 m8", ParallelDims(pp=8, microbatches=8), ("pp", {"schedule": "1f1b", "m": 8})),
-    ("1F1B pp8 m16", ParallelDims(pp=8, microbatches=16), ("pp", {"schedule": "1f1b", "m": 16})),
+    ("DDP dp8", ParallelDims(dp=8), "dp"),
+    ("DDP dp8, 2 micro-batches", ParallelDims(dp=8, microbatches=2), "dp"),
+    ("ZeRO-1 dp8", ParallelDims(dp=8, zero=1), "zero"),
+    ("ZeRO-2 dp8", ParallelDims(dp=8, zero=2), "zero"),
+    ("ZeRO-3 dp8", ParallelDims(dp=8, zero=3), "zero"),
+    ("TP tp8", ParallelDims(tp=8), "tp"),
+    ("ZeRO-2 dp8, 2 micro-batches", ParallelDims(dp=8, microbatches=2, zero=2), "zero"),
+    ("GPipe pp8 m8", ParallelDims(pp=8, microbatches=8, schedule="gpipe"), "pp"),
+    ("1F1B pp8 m8", ParallelDims(pp=8, microbatches=8), "pp"),
+    ("1F1B pp8 m16", ParallelDims(pp=8, microbatches=16), "pp"),
     # notebook 09's hybrid runs (course_lib.parallel.hybrid): several dimensions on one mesh
-    ("dp4 x tp2", ParallelDims(dp=4, tp=2), ("hybrid", {"dp": 4, "tp": 2})),
-    ("dp2 x tp4", ParallelDims(dp=2, tp=4), ("hybrid", {"dp": 2, "tp": 4})),
-    ("dp2 x pp4 m4", ParallelDims(dp=2, pp=4, microbatches=4), ("hybrid", {"dp": 2, "pp": 4, "microbatches": 4})),
-    ("tp2 x pp4 m4", ParallelDims(tp=2, pp=4, microbatches=4), ("hybrid", {"tp": 2, "pp": 4, "microbatches": 4})),
-    ("dp2 x tp2 x pp2 ZeRO-1 m2", ParallelDims(dp=2, tp=2, pp=2, microbatches=2, zero=1),
-     ("hybrid", {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "microbatches": 2})),
+    ("dp4 x tp2", ParallelDims(dp=4, tp=2), "hybrid"),
+    ("dp2 x tp4", ParallelDims(dp=2, tp=4), "hybrid"),
+    ("dp2 x pp4 m4", ParallelDims(dp=2, pp=4, microbatches=4), "hybrid"),
+    ("tp2 x pp4 m4", ParallelDims(tp=2, pp=4, microbatches=4), "hybrid"),
+    ("dp2 x tp2 x pp2 ZeRO-1 m2", ParallelDims(dp=2, tp=2, pp=2, microbatches=2, zero=1), "hybrid"),
 ]
 # --quick: one layout per kind of run that still uses every option (accumulation, ZeRO stage,
 # sequence_parallel, schedule and m, a hybrid mesh with ZeRO and micro-batches)
@@ -74,7 +73,7 @@ def model_config() -> GPTConfig:
     return GPTConfig(vocab_size=vocab, block_size=SEQ, n_layer=8, n_head=8, d_model=64)
 
 
-def _time_layouts(config, train_cfg, how_list, rounds, probe_sizes=None):
+def _time_layouts(config, train_cfg, runs, rounds, probe_sizes=None):
     """Rank code: `rounds` times, calibrate (probe) then run every layout in turn on the world.
     Returns (probes per round, per round and layout the step seconds)."""
     from course_lib.measure.calibrate import probe
@@ -83,7 +82,7 @@ def _time_layouts(config, train_cfg, how_list, rounds, probe_sizes=None):
     probes, times = [], []
     for _ in range(rounds):
         probes.append(probe(config, 2, config.block_size, probe_sizes))
-        times.append([train_as(how, config, train_cfg).step_seconds for how in how_list])
+        times.append([train_as(kind, dims, config, train_cfg).step_seconds for dims, kind in runs])
     return probes, times
 
 
@@ -98,7 +97,8 @@ def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600, lay
 
     train_cfg = TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0)
     # check_collectives=False: its extra check before every collective would be timed too
-    per_rank = run_on_ranks(_time_layouts, config, train_cfg, [how for _, _, how in layouts], rounds, probe_sizes,
+    per_rank = run_on_ranks(_time_layouts, config, train_cfg, [(dims, kind) for _, dims, kind in layouts], rounds,
+                            probe_sizes,
                             world_size=WORLD, timeout_s=timeout_s, check_collectives=False)
     cluster, raw = cluster_from_probes([best_of_rounds(probes) for probes, _ in per_rank], config, 2, SEQ)
     runs = []

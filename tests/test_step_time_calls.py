@@ -41,48 +41,51 @@ def test_collective_time_on_a_link_model_is_the_alpha_beta_formula():
 
 
 # ----------------------------------------------------------------------------- calls = the tracer's
-def _traced_calls(kind, kw, config, steps):
+def _traced_calls(kind, dims, config, steps):
     """Rank code: collective calls this rank made while training `steps` steps."""
     from course_lib.measure.validation import train_as
     from course_lib.observe.tracer import CommTracer
     from course_lib.train import TrainConfig
 
     with CommTracer() as tracer:
-        train_as((kind, kw), config, TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0))
+        train_as(kind, dims, config, TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0))
     # calls that cross ranks (the hybrid trainer also calls its size-1 groups, which move nothing)
     return sum(1 for r in tracer.records if not r.group_ranks or len(r.group_ranks) > 1)
 
 
-# (layout, how the course runs it, calls outside the model: the pipeline's loss report); every
-# run trains BATCH sequences per step
+# (layout, which trainer runs it (train_as), calls outside the model: the pipeline's loss
+# report); every run trains BATCH sequences per step
 BATCH = 8
 CASES = [
-    (Dims(dp=2), ("dp", {}), 0),
-    (Dims(dp=2, microbatches=2), ("dp", {"accum_steps": 2}), 0),
-    (Dims(dp=2, zero=1), ("zero", {"stage": 1}), 0),
-    (Dims(dp=2, microbatches=2, zero=2), ("zero", {"stage": 2, "accum_steps": 2}), 0),
-    (Dims(dp=2, zero=3), ("zero", {"stage": 3}), 0),
-    (Dims(tp=2), ("tp", {}), 0),
-    (Dims(pp=2, microbatches=2), ("hybrid", {"pp": 2, "microbatches": 2}), 1),
-    (Dims(dp=2, tp=2), ("hybrid", {"dp": 2, "tp": 2}), 1),
+    (Dims(dp=2), "dp", 0),
+    (Dims(dp=2, microbatches=2), "dp", 0),
+    (Dims(dp=2, zero=1), "zero", 0),
+    (Dims(dp=2, microbatches=2, zero=2), "zero", 0),
+    (Dims(dp=2, zero=3), "zero", 0),
+    (Dims(tp=2), "tp", 0),
+    (Dims(pp=2, microbatches=2), "hybrid", 1),
+    (Dims(dp=2, tp=2), "hybrid", 1),
 ]
 
 
-@pytest.mark.parametrize("layout,how,extra", CASES, ids=[c[0].describe() for c in CASES])
-def test_calls_per_step_equal_the_tracer(layout, how, extra, tiny_config):
+@pytest.mark.parametrize("layout,kind,extra", CASES, ids=[f"{c[1]}-{c[0].describe()}" for c in CASES])
+def test_calls_per_step_equal_the_tracer(layout, kind, extra, tiny_config):
     """Calls of step 2 alone = calls of a 2-step run - calls of a 1-step run (set-up and the
     final gathers cancel), on rank 0 (an end stage, the busiest for a pipeline)."""
     from course_lib.runtime import run_on_ranks
 
     cluster = Cluster("c", 4, 4, 1e9, 1e9, 1e9, LinkModel(1e-5, 1e9), LinkModel(1e-5, 1e9))
     t = step_time(tiny_config, layout, cluster, BATCH, recipe="fp32")
-    counted = [run_on_ranks(_traced_calls, *how, tiny_config, steps, world_size=layout.world_size, timeout_s=120)[0]
+    counted = [run_on_ranks(_traced_calls, kind, layout, tiny_config, steps, world_size=layout.world_size,
+                            timeout_s=120)[0]
                for steps in (1, 2)]
     assert counted[1] - counted[0] == sum(t["calls"].values()) + extra, (t["calls"], counted)
 
 
-def test_train_as_names_an_unknown_strategy(tiny_config):
+def test_train_as_names_an_unknown_strategy_and_a_layout_it_cannot_train(tiny_config):
     from course_lib.measure.validation import train_as
 
-    with pytest.raises(ValueError, match="kind='fsdp'"):
-        train_as(("fsdp", {}), tiny_config, None)
+    with pytest.raises(ValueError, match="kind='fsdp' must be one of"):
+        train_as("fsdp", Dims(dp=2), tiny_config, None)
+    with pytest.raises(ValueError, match=r"kind='tp' trains one axis \(tp\); the layout dp2·tp2·pp1 also has \{'dp': 2\}"):
+        train_as("tp", Dims(dp=2, tp=2), tiny_config, None)

@@ -4,7 +4,7 @@
                     collectives, fitted into an estimate Cluster
     memory.py       memory per rank estimated (estimate.per_gpu_memory) against measured on the
                     course's own layouts
-    validation.py   predicted against measured step times; train_as runs the strategy a run names
+    validation.py   predicted against measured step times; train_as trains a layout with one trainer
     profile.py      any course training function on ranks under torch.profiler: one trace per rank
 
 This package sits above estimate/ (the formulas, which start no process) and parallel/ (the

@@ -3,7 +3,8 @@
     spearman(xs, ys)                 rank correlation (ties get their mean rank)
     compare(config, cluster, runs)   per run: predicted terms beside the measured time; summary
     load_validation(path)            the stored measurement (benchmarks/bench_planner.py wrote it)
-    train_as(how, config, train_cfg) rank code: train with the course strategy a run names
+    train_as(kind, dims, config, train_cfg)  rank code: train the layout `dims` with one of the
+                                             course's trainers
 
 A run is {"label", "layout": course_lib.dims.ParallelDims fields, "measured": seconds}, all on
 one global batch (the stored "batch"). The summary holds the rank
@@ -80,20 +81,31 @@ def load_validation(path=None) -> dict:
     return data
 
 
-def train_as(how, config, train_cfg):
-    """Rank code: train `config` with the course's strategy that `how` = (kind, options) names,
-    the way benchmarks/bench_planner.py runs each layout; returns its TrainResult.
-    kind: "dp" (DDP; accum_steps), "zero" (stage, accum_steps), "tp" (sequence_parallel),
-    "pp" (schedule, m) or "hybrid" (ParallelDims' fields)."""
-    kind, kw = how
+TRAINERS = ("dp", "zero", "tp", "pp", "hybrid")  # train_as's kinds: which trainer runs a layout
+
+
+def train_as(kind: str, dims: ParallelDims, config, train_cfg):
+    """Rank code: train `config` in the layout `dims` with one of the course's trainers, the way
+    benchmarks/bench_planner.py runs each layout; returns its TrainResult. The options come from
+    dims: "dp" (DDP, microbatches accumulated), "zero" (stage dims.zero, microbatches
+    accumulated), "tp" (dims.sequence_parallel), "pp" (dims.schedule, dims.microbatches) or
+    "hybrid" (every field: the composed trainer). A single-axis trainer takes the whole world as
+    its one axis: dims must have no other degree above 1."""
+    if kind not in TRAINERS:
+        raise ValueError(f"kind={kind!r} must be one of {TRAINERS}")
+    if kind != "hybrid":
+        axis = {"dp": "dp", "zero": "dp", "tp": "tp", "pp": "pp"}[kind]
+        others = {d: getattr(dims, d) for d in ("dp", "tp", "pp", "ep") if d != axis and getattr(dims, d) > 1}
+        if others:
+            raise ValueError(f"kind={kind!r} trains one axis ({axis}); the layout {dims.describe()} also has "
+                             f"{others}: use kind='hybrid'")
+    m = dims.microbatches
     if kind == "dp":
-        return train_data_parallel(config, train_cfg, "ddp", kw.get("accum_steps", 1))
+        return train_data_parallel(config, train_cfg, "ddp", m)
     if kind == "zero":
-        return train_zero(config, train_cfg, kw["stage"], accum_steps=kw.get("accum_steps", 1))
+        return train_zero(config, train_cfg, dims.zero, accum_steps=m)
     if kind == "tp":
-        return train_tensor_parallel(config, train_cfg, kw.get("sequence_parallel", False))
+        return train_tensor_parallel(config, train_cfg, dims.sequence_parallel)
     if kind == "pp":
-        return train_pipeline(config, train_cfg, kw["schedule"], kw["m"])
-    if kind == "hybrid":
-        return train_hybrid(ParallelDims(**kw), config, train_cfg)
-    raise ValueError(f"kind={kind!r} must be one of 'dp', 'zero', 'tp', 'pp', 'hybrid'")
+        return train_pipeline(config, train_cfg, dims.schedule, m)
+    return train_hybrid(dims, config, train_cfg)
