@@ -82,28 +82,15 @@ def compare(run, cluster) -> dict:
 
 
 def traffic_formula(config, dims) -> dict:
-    """{dim: bytes sent per step, summed over the ranks} of a dense layout, from notebook 09's
-    formulas (course_lib.parallel.topology.traffic_per_step, fp32, no recomputation) with the
-    two changes this run makes to tensor parallelism's 4 all-reduces per layer and micro-batch
-    (message M = micro-batch x seq x d_model x 4 bytes, summed over R = dp replicas and tp):
-
-        bf16        the 2 forward all-reduces (a row-parallel matmul's output) carry bf16:
-                    - R * tp * m * L * 2 * M / 2
-        recompute   backward reruns each block's forward until the tensors it saved are back:
-                    the attention's all-reduce again (the MLP's output is saved by nothing in
-                    the block, so checkpoint stops before it): + R * tp * m * L * M_fwd
-    """
+    """{dim: bytes sent per step, summed over the ranks} of a dense layout: notebook 09's traffic
+    model (course_lib.parallel.topology.traffic_per_step, which reads each axis's records in
+    course_lib.estimate.traffic) at fp32 on the wire, with what this run changes there: under
+    bf16 the row-parallel matmuls' outputs carry bf16, and full recomputation repeats each
+    block's attention all-reduce (torch's checkpoint stops before the MLP's)."""
     if config.model.n_experts:
         raise ValueError("traffic_formula covers dense layouts (n_experts=0)")
-    out = {d: row["bytes_sent"] for d, row in topology.traffic_per_step(config.model, dims,
-                                                                         config.train.batch_size).items()}
-    if dims.tp > 1:
-        m, L = dims.microbatches, config.model.n_layer
-        message = config.train.batch_size // dims.replicas // m * config.model.block_size * config.model.d_model * 4
-        calls = dims.replicas * dims.tp * m * L  # one all-reduce per layer and micro-batch, on every tp rank
-        forward = message // 2 if dims.precision == "bf16" else message
-        out["tp"] += -2 * calls * (message - forward) + (calls * forward if dims.recompute == "full" else 0)
-    return out
+    return {d: row["bytes_sent"] for d, row in topology.traffic_per_step(config.model, dims,
+                                                                          config.train.batch_size).items()}
 
 
 def report_text(run, cluster) -> str:

@@ -8,6 +8,8 @@ which sits above this package.
     per_gpu.py      everything above on the busiest GPU of a dp x ep x tp x pp layout
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
     cluster.py      Cluster: devices, links, measured rates
+    traffic.py      each mesh axis's collectives of one step, as records (notebook 09 sums their
+                    bytes, the step-time model prices them)
     step_time.py    the step-time model of a layout (course_lib.dims.ParallelDims) on a cluster
                     (notebook 10), memory per rank
     planner.py      the search over layouts, ranked by predicted step time, with its explanation

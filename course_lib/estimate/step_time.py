@@ -28,18 +28,19 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
                 (AdamW reads and writes the weights, gradients and both moments of the
                 parameters this rank owns; a per-tensor loop, or flat shards under ZeRO)
 
-Every collective is costed by course_lib.comm.measured.collective_time on the link its group
-crosses, placed as make_mesh places it (course_lib.dims.link_of, notebook 09):
-the node's link (`intra`) when the whole group sits on one node, else the network (`inter`).
-A link is an alpha-beta LinkModel (T = a alpha + b S / beta, ring algorithms) or a table
-measured on the machine at hand (CollectiveTable). The counts of calls follow the course's own
-implementations, so the tracer can check them (step_time(...)["calls"]).
+The tp, pp, ep, dp terms and the norm's all-reduce are sums over each axis's records
+(course_lib.estimate.traffic, the traffic model notebook 09's byte accounting reads too): a
+record's priced calls, each costed by course_lib.comm.measured.collective_time on the link its
+group crosses, placed as make_mesh places it (course_lib.dims.link_of, notebook 09): the node's
+link (`intra`) when the whole group sits on one node, else the network (`inter`). A link is an
+alpha-beta LinkModel (T = a alpha + b S / beta, ring algorithms) or a table measured on the
+machine at hand (CollectiveTable). The records' calls are the course's own implementations' on
+rank 0, so the tracer checks them (step_time(...)["calls"], the trainer's loss log left out).
 """
 
 from __future__ import annotations
 
 from course_lib._validate import check_int, check_one_of
-from course_lib.comm.measured import collective_time
 from course_lib.dims import (RECOMPUTE, ZERO_STAGES, ParallelDims, check_batch, check_schedule,
                              check_sequence_parallel, layers_per_rank)
 from course_lib.estimate.bubble import formula_for
@@ -48,6 +49,7 @@ from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.memory import RECIPES
 from course_lib.estimate.params import GPTConfig, unpack
 from course_lib.estimate.per_gpu import per_gpu_memory
+from course_lib.estimate.traffic import ddp_buckets, seconds, step_traffic  # noqa: F401 (ddp_buckets: re-exported)
 
 
 def check_layout(config, dims: ParallelDims, batch_size: int, seq: int | None = None) -> tuple[int, int]:
@@ -107,16 +109,6 @@ def parameter_tensors(config, ep: int = 1) -> tuple[int, int]:
     return 2 * per + 2 * per + mlp, 2 + per + (0 if base.tie_weights else 1)
 
 
-def ddp_buckets(nbytes: float, first: float = 1 << 20, cap: float = 25 * (1 << 20)) -> list[float]:
-    """The gradient all-reduces of DDP (course_lib.parallel.dp.ddp, torch's rule): a first
-    bucket of 1 MiB, then buckets of up to 25 MiB."""
-    sizes, left = [], float(nbytes)
-    while left > 0:
-        sizes.append(min(left, first if not sizes else cap))
-        left -= sizes[-1]
-    return sizes
-
-
 def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq: int | None = None,
               recipe: str = "bf16_mixed", attention: str | None = None, causal: bool = False) -> dict:
     """Seconds of one optimizer step by term (see the module docstring) and the totals:
@@ -129,7 +121,7 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     n_gpus, m, v = L.world_size, L.microbatches, L.virtual_stages
     if n_gpus > C.n_gpus:
         raise ValueError(f"the layout needs dp*ep*tp*pp = {n_gpus} devices, the cluster has n_gpus={C.n_gpus}")
-    base, n_experts, top_k = unpack(config)
+    base = unpack(config)[0]
     e = 4 if recipe in ("fp32", "bf16_autocast") else 2  # bytes of an activation / gradient on the wire
     batch = batch_size
     tokens = batch * seq
@@ -143,45 +135,31 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
         flops_per_token(config, seq, causal=causal, training=False))
     recompute = {"none": 0.0, "full": (compute + overhead) / 3,
                  "selective": compute / 3 * attn_fraction}[L.recompute]
-    calls = {"tp": 0, "pp": 0, "ep": 0, "dp": 0, "norm": 0}
-
-    message = micro_batch * seq * base.d_model * e  # one residual-stream activation
-    # tp, per micro-batch: per layer 2 all-reduces forward (after attention's and the MLP's
-    # row-parallel matmul) and 2 backward (f's), +2 when the forward is recomputed (Megatron's
-    # full recomputation; torch's non-reentrant checkpoint, which the capstone uses, stops once
-    # the saved tensors are back and repeats only attention's: an upper bound there); the
-    # vocabulary-parallel embedding (forward) and head input (backward): 2 more; with sequence
-    # parallelism each all-reduce becomes an all-gather + a reduce-scatter of the same tensor
-    tp = 0.0
-    if L.tp > 1:
-        tp_link = C.link_of("tp", L)
-        n_ar = (4 + (2 if L.recompute == "full" else 0)) * layers + 2
-        if L.sequence_parallel:
-            one = (collective_time(tp_link, "all_gather", message, L.tp)
-                   + collective_time(tp_link, "reduce_scatter", message, L.tp))
+    # the collectives: each mesh axis's records (course_lib.estimate.traffic, the model notebook
+    # 09's byte accounting reads too), priced on the link the axis's group crosses (make_mesh's
+    # placement); `calls` what the tracer counts on rank 0, the trainer's loss log left out.
+    # tp: per layer and micro-batch 2 all-reduces forward, 2 backward (Megatron's g and f), the
+    # embedding's and the head's, the loss's 3; under full recomputation Megatron's 2 more per
+    # layer (the course's torch checkpoint repeats 1: an upper bound there); sequence
+    # parallelism prices each all-reduce as an all-gather + a reduce-scatter of the same tensor.
+    # pp: an activation forward and a gradient backward per micro-batch and chunk boundary, the
+    # tied embedding's gradient between the end stages. ep: 2 all-to-alls forward and 2 backward
+    # of top_k copies of each token per MoE layer. dp: the gradients of the parameters this rank
+    # holds, over dp*ep replicas (experts: dp): DDP's buckets, or the ZeRO engine's one all-reduce
+    # per parameter group (a composed layout), ZeRO-1 reduce-scatter + all-gather, ZeRO-2 the
+    # reduce-scatter every micro-batch, ZeRO-3 per block 2 all-gathers and a reduce-scatter per
+    # micro-batch (the root once). norm: the global norm's all-reduce, over the whole world.
+    local = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep)["params_on_gpu"]
+    traffic = step_traffic(config, L, batch_size, seq, e, RECIPES[recipe].grad, RECIPES[recipe].param, local)
+    term, calls = {}, {}
+    for axis, records in traffic.items():
+        if axis == "norm":
+            link = C.intra if n_gpus <= C.gpus_per_node else C.inter
         else:
-            one = collective_time(tp_link, "all_reduce", message, L.tp)
-        # the vocabulary-parallel loss: 3 all-reduces of one number per token (max, sum, target)
-        loss = 3 * collective_time(tp_link, "all_reduce", micro_batch * seq * 4, L.tp)
-        tp = m * (n_ar * one + loss)
-        calls["tp"] = m * (n_ar * (2 if L.sequence_parallel else 1) + 3)
-    # pp: an activation forward and a gradient backward per micro-batch and chunk boundary
-    # and, once per step, the tied embedding's gradient between the first and last stage (each
-    # holds a copy): sent and received
-    pp = 0.0
-    if L.pp > 1:
-        pp_link = C.link_of("pp", L)
-        pp = 2 * v * m * collective_time(pp_link, "send", message / (L.tp if L.sequence_parallel else 1), 2)
-        calls["pp"] = 2 * v * m
-        if getattr(base, "tie_weights", False):
-            vocab_rows = -(-base.vocab_size // L.tp)
-            pp += 2 * collective_time(pp_link, "send", vocab_rows * base.d_model * RECIPES[recipe].grad, 2)
-            calls["pp"] += 2
-    # ep: 2 all-to-alls forward, 2 backward, of top_k copies of each token, per MoE layer
-    ep = 0.0
-    if L.ep > 1:
-        ep = 4 * layers * m * collective_time(C.link_of("ep", L), "all_to_all", message * top_k, L.ep)
-        calls["ep"] = 4 * layers * m
+            link = C.link_of(axis, L) if records else None
+        term[axis] = sum(seconds(r, link) for r in records)
+        calls[axis] = sum(r.calls for r in records if not r.report)
+    tp, pp, ep = term["tp"], term["pp"], term["ep"]
     busy = compute + overhead + recompute + tp + pp + ep
     bubble = 0.0
     if L.pp > 1:
@@ -192,37 +170,8 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
         share = min(1.0, C.shared_cores / n_gpus) if C.shared_cores else 1.0
         bubble = max(0.0, busy * share / (1 - f) - busy)
 
-    # dp: the gradients of the parameters this rank holds, over dp*ep replicas (experts: dp)
-    mem = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep)
-    local = mem["params_on_gpu"]
-    replicas = L.dp * L.ep
-    dp_link = C.link_of("dp", L)
-    grad_bytes = local * RECIPES[recipe].grad
-    param_bytes = local * RECIPES[recipe].param
-    units = layers + 1  # ZeRO-3 gathers one block (or the root: embeddings, norm, head) at a time
-    dp_total = 0.0
-    if replicas > 1:
-        if L.zero == 0:  # the gradient all-reduce, once per step (no_sync before)
-            # pure data parallelism runs DDP (its buckets); a composed layout runs the ZeRO
-            # engine at stage 0: one all-reduce per parameter group (decayed matrices, the rest)
-            composed = L.tp > 1 or L.pp > 1 or L.ep > 1
-            sizes = [grad_bytes, 0] if composed else ddp_buckets(grad_bytes)
-            dp_total = sum(collective_time(dp_link, "all_reduce", s, replicas) for s in sizes)
-            calls["dp"] = len(sizes)
-        elif L.zero == 1:  # reduce-scatter the gradients, all-gather the updated shards
-            dp_total = (collective_time(dp_link, "reduce_scatter", grad_bytes, replicas)
-                        + collective_time(dp_link, "all_gather", param_bytes, replicas))
-            calls["dp"] = 2
-        elif L.zero == 2:  # the reduce-scatter runs in every micro-batch's backward
-            dp_total = (m * collective_time(dp_link, "reduce_scatter", grad_bytes, replicas)
-                        + collective_time(dp_link, "all_gather", param_bytes, replicas))
-            calls["dp"] = m + 1
-        else:  # per micro-batch: each block gathered in forward, again in backward, its gradient
-            # scattered; the root (embeddings, norm, head) gathered once and kept until then
-            gather = collective_time(dp_link, "all_gather", param_bytes / units, replicas)
-            scatter = collective_time(dp_link, "reduce_scatter", grad_bytes / units, replicas)
-            dp_total = m * (layers * (2 * gather + scatter) + gather + scatter)
-            calls["dp"] = m * (3 * layers + 2)
+    dp_total = term["dp"]
+    replicas, units = L.dp * L.ep, layers + 1
     # gradients are final only in the last micro-batch's backward, so only that one hides them
     hidden_by = C.overlap * (2 / 3) * compute / m
     dp_exposed = max(0.0, dp_total - hidden_by)
@@ -232,9 +181,8 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     per_block, outside = parameter_tensors(config, L.ep)
     tensors = per_block * layers + outside if L.zero == 0 else (units if L.zero == 3 else 2)
     optimizer = tensors * C.tensor_overhead + owned * 2 * RECIPES[recipe].total / C.memory_bandwidth
-    if n_gpus > 1 and (L.zero or L.tp > 1 or L.pp > 1 or L.ep > 1):  # the global norm's all-reduce
-        optimizer += collective_time(C.intra if n_gpus <= C.gpus_per_node else C.inter, "all_reduce", 8, n_gpus)
-        calls["norm"] = 1
+    if traffic["norm"]:  # the global norm's all-reduce
+        optimizer += term["norm"]
     total = busy + bubble + dp_exposed + optimizer
     return {"compute": compute, "overhead": overhead, "recompute": recompute, "tp": tp, "pp": pp, "ep": ep,
             "bubble": bubble, "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer,

@@ -10,11 +10,14 @@ no two of its ranks lie on different nodes (for the sizes here: stride * n_d <= 
 make_mesh uses TOPOLOGY_AWARE = ("pp", "dp", "ep", "tp"): tp innermost, on NVLink; pp
 outermost, its point-to-point sends the only traffic that must leave the node. NAIVE reverses it.
 
-Traffic of one step, bytes sent, summed over all ranks (e bytes per element, B global batch,
-R = dp * ep replicas, b = B / R rows per replica, s sequence, d d_model, S = pp * v stages,
-V' the vocabulary padded to a multiple of tp, m micro-batches):
+Traffic of one step, bytes sent, summed over all ranks: course_lib.estimate.traffic, one function
+per axis (re-exported by each axis package), whose records the step-time model (notebook 10)
+prices too. With e bytes per element, B global batch, R = dp * ep replicas, b = B / R rows per
+replica, s sequence, d d_model, S = pp * v stages, V' the vocabulary padded to a multiple of tp,
+m micro-batches, L blocks:
 
-    tp  R * tp * m * (Megatron's f and g on b/m rows: course_lib.parallel.tp.costs)  all-reduce
+    tp  R * tp * m * [(4L + 2) all-reduces of b/m s d e (+ L under full recomputation) + the
+        loss's 3 of b/m s fp32]; sequence parallelism: all-gathers and reduce-scatters instead
     pp  R * tp * [2 (S-1) b s d e  +  2 V' d e / tp (tied matrix)  +  4 (the loss)]  send/recv
     dp  ZeRO-1 per rank and flat unit of P_u elements: reduce-scatter sends dp*ceil(P_u/dp),
         all-gather ceil(P_u/dp); zero=0 all-reduces P_u           (+ 8 bytes: the step's loss)
@@ -35,8 +38,8 @@ from course_lib.comm.costmodel import CLUSTERS, LinkModel
 # the mesh geometry (orders, rank <-> coordinates, groups, which link a dimension crosses) is
 # course_lib.dims': re-exported here, where notebook 09 and the traffic model read it
 from course_lib.dims import MESH_DIMS, NAIVE, TOPOLOGY_AWARE, check_order, coordinates, groups, link_of, rank_of
-from course_lib.estimate.params import param_breakdown, param_count
-from course_lib.parallel.tp.costs import step_communication
+# each axis's traffic: the records the step-time model (notebook 10) prices too
+from course_lib.estimate.traffic import step_traffic
 
 
 @dataclass(frozen=True)
@@ -55,84 +58,29 @@ DGX_A100 = ClusterShape(8, CLUSTERS["A100 NVLink 3 (intra-node)"], CLUSTERS["HDR
                         "DGX A100 nodes: NVLink 3 inside, HDR InfiniBand 200 Gb/s between")
 
 
-def tp_replicated_params(config) -> int:
-    """Parameters every tp rank keeps whole: norms, row-parallel biases, a position table."""
-    parts, bias = param_breakdown(config), int(getattr(config, "bias", False))
-    return config.n_layer * (parts["norms"] + 2 * config.d_model * bias) + parts["final_norm"] + parts["position"]
-
-
 def traffic_per_step(config, dims, batch_size: int, seq: int | None = None, dtype_bytes: int = 4) -> dict:
     """{dim: {"op", "bytes_sent" (summed over all ranks), "bytes_per_rank", "message_bytes"}} of
-    one step under `dims` (a ParallelDims), from the formulas in the module docstring. dp counts
-    its flat units as one (the padding of each extra unit adds < dp elements per rank)."""
-    s = config.block_size if seq is None else seq
-    e, d, m, R = dtype_bytes, config.d_model, dims.microbatches, dims.dp * dims.ep
-    b, world = batch_size // R, dims.world_size
+    one step under `dims` (a ParallelDims): each axis's records (course_lib.estimate.traffic, the
+    model the step-time estimate prices too), every element `dtype_bytes` on the wire (but for
+    what a bf16 run, dims.precision, sends as bf16), and dims.recompute's repeated collectives.
+    The squared norm's all-reduce (over the world) is left out: the tracer files it under "world"."""
+    records = step_traffic(config, dims, batch_size, seq, dtype_bytes)
     out = {}
-    if dims.tp > 1:
-        comm = step_communication(config, b // m, s, dims.tp, dims.sequence_parallel, e)
-        sent = sum(row["bytes_sent"] for phase in comm.values() for row in phase.values())
-        out["tp"] = {"op": "all_reduce", "bytes_sent": R * dims.tp * m * sent, "message_bytes": b // m * s * d * e}
-    if dims.pp > 1:
-        stages, vpad = dims.pp * dims.virtual_stages, padded_vocab(config, dims.tp)
-        tied = 2 * vpad * d * e // dims.tp if getattr(config, "tie_weights", False) else 0
-        out["pp"] = {"op": "send/recv", "bytes_sent": R * dims.tp * (2 * (stages - 1) * b * s * d * e + tied + 4),
-                     "message_bytes": b // m * s * d * e}
-    if dims.dp > 1:
-        psi = replica_group_params(config, dims)  # over the pp*ep*tp ranks of one data-parallel copy
-        factor = (dims.dp + 1) / dims.dp if dims.zero else 1.0
-        sent = dims.dp * psi * factor * e + world * 8
-        out["dp"] = {"op": "reduce_scatter+all_gather" if dims.zero else "all_reduce", "bytes_sent": sent,
-                     "message_bytes": psi * e / (dims.pp * dims.ep * dims.tp)}
-    if dims.ep > 1:
-        rows = b * s * config.top_k  # a replica's routed rows per step
-        a2a = R * 4 * config.n_layer * rows * d * e + config.n_layer * m * R * config.n_experts * 8
-        tied = dims.pp > 1 and getattr(config, "tie_weights", False)
-        dense = dense_params(config) + (padded_vocab(config, dims.tp) * d if tied else 0)
-        sent = a2a + R * dense * e + world * 8  # + EP's average of the dense gradients, + the loss
-        out["ep"] = {"op": "all_to_all", "bytes_sent": sent, "message_bytes": rows // m * d * e}
+    for dim in ("tp", "pp", "dp", "ep"):
+        rows = records[dim]
+        if getattr(dims, dim) == 1:
+            continue
+        main = [r for r in rows if r.op == rows[0].op and not r.report]
+        # a message of the average rank: the dp flat unit (ranks differ: stages, tp copies), else rank 0's
+        message = sum(r.world_bytes for r in main) / dims.world_size / main[0].calls if dim == "dp" else main[0].nbytes
+        out[dim] = {"op": OPS[dim] if dim != "dp" or dims.zero else "all_reduce",
+                    "bytes_sent": sum(r.world_bytes for r in rows), "message_bytes": message}
     for row in out.values():
-        row["bytes_per_rank"] = row["bytes_sent"] / world
+        row["bytes_per_rank"] = row["bytes_sent"] / dims.world_size
     return out
 
 
-def padded_vocab(config, tp: int) -> int:
-    return -(-config.vocab_size // tp) * tp
-
-
-def total_params(config) -> int:
-    """Every parameter once; the course's MoE GPT: the dense count with each MLP replaced by
-    n_experts MLPs and a router (d x E, no bias)."""
-    from dataclasses import replace
-
-    experts = getattr(config, "n_experts", 0)
-    if not experts:
-        return param_count(config)
-    dense = replace(config, n_experts=0)
-    mlp = param_breakdown(dense)["mlp"]
-    return param_count(dense) + config.n_layer * (mlp * (experts - 1) + config.d_model * experts)
-
-
-def dense_params(config) -> int:
-    """Parameters outside the experts (all of them for a dense model)."""
-    experts = getattr(config, "n_experts", 0)
-    if not experts:
-        return total_params(config)
-    from dataclasses import replace
-
-    return total_params(config) - config.n_layer * experts * param_breakdown(replace(config, n_experts=0))["mlp"]
-
-
-def replica_group_params(config, dims) -> int:
-    """Parameters held by the pp*ep*tp ranks of one data-parallel copy, summed: a tp-replicated
-    tensor counted tp times, dense tensors ep times, the tied matrix once more when the first
-    and last stage differ, the vocabulary padding of tensor parallelism included."""
-    vpad, d = padded_vocab(config, dims.tp), config.d_model
-    n = total_params(config) + (vpad - config.vocab_size) * d * (1 if getattr(config, "tie_weights", False) else 2)
-    n += (dims.tp - 1) * tp_replicated_params(config) if dims.tp > 1 else 0
-    tied_copy = vpad * d if dims.pp > 1 and getattr(config, "tie_weights", False) else 0
-    n += (dims.ep - 1) * dense_params(config) + dims.ep * tied_copy
-    return n
+OPS = {"tp": "all_reduce", "pp": "send/recv", "dp": "reduce_scatter+all_gather", "ep": "all_to_all"}
 
 
 def link_seconds(op: str, nbytes: float, n: int, link: LinkModel) -> float:

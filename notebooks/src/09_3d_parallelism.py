@@ -176,6 +176,9 @@ assert diff.pow(2).mean().sqrt() < TRAIN.lr / 100 and min(reference.grad_norms) 
 # dimension whose group carried it. `topology.traffic_per_step` gives the formulas (summed over
 # ranks): tp `R·tp·m` times Megatron's f and g, pp `2(S-1)` activation messages plus the tied
 # embedding's gradient exchange, dp ZeRO-1's reduce-scatter and all-gather of the flat shards.
+# It adds up one traffic model per axis: each axis package exports a function
+# (`tp_traffic`, `pp_traffic`, `dp_traffic`, `ep_traffic`) that lists that axis's collectives
+# of one step as records, and notebook 10's step-time model prices the very same records.
 
 # %%
 def measured_by_dim(results):
@@ -199,6 +202,21 @@ def traffic_table(results, dims, config):
 meas_3d, model_3d = traffic_table(results, DIMS_3D, DENSE)
 for dim in ("tp", "pp", "dp"):
     assert meas_3d[dim] == TRAIN.steps * model_3d[dim]["bytes_sent"], dim
+
+# %% [markdown]
+# The records behind those rows: what each collective is, how many calls rank 0 makes in one
+# step (it holds the first stage, so the loss's all-reduces, on the last stage, are not its),
+# and the bytes all ranks send (the row sums above). The pipeline's loss broadcast and dp's
+# all-reduce of the loss are the trainer's log of the loss, outside the step.
+
+# %%
+from course_lib.estimate.traffic import step_traffic
+
+for axis, records in step_traffic(DENSE, DIMS_3D, TRAIN.batch_size).items():
+    for r in records:
+        print(f"{axis:<5}{r.what:<58}{r.op:<15}{r.calls:>3} calls {fmt_bytes(r.world_bytes):>10}")
+    if axis in model_3d:
+        assert sum(r.world_bytes for r in records) == model_3d[axis]["bytes_sent"]
 
 # %% [markdown]
 # ("world" is the single all-reduce of the squared norm: 8 bytes per rank per step.) tp sends

@@ -7,6 +7,8 @@
     large_batch.py   large global batches: LR scaling, warm-up, gradient-noise scale (notebook 03)
 """
 
+# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+from course_lib.estimate.traffic import dp_traffic
 from course_lib.parallel.dp.apply import DataParallel, apply_data_parallel
 from course_lib.parallel.dp.compression import LowPrecisionHook, TopKHook
 from course_lib.parallel.dp.ddp import DDP, assign_buckets, broadcast_parameters, check_replicas, naive_all_reduce_gradients
@@ -14,6 +16,6 @@ from course_lib.parallel.dp.large_batch import (gradient_noise_scale, noise_scal
                                                 train_at_token_budget, warmup_factor)
 from course_lib.parallel.dp.training import run_data_parallel, train_data_parallel
 
-__all__ = ["apply_data_parallel", "DataParallel", "DDP", "naive_all_reduce_gradients", "check_replicas", "broadcast_parameters", "assign_buckets",
+__all__ = ["apply_data_parallel", "dp_traffic", "DataParallel", "DDP", "naive_all_reduce_gradients", "check_replicas", "broadcast_parameters", "assign_buckets",
            "train_data_parallel", "run_data_parallel", "LowPrecisionHook", "TopKHook",
            "scale_lr", "warmup_factor", "gradient_noise_scale", "noise_scale_from_two_batches", "train_at_token_budget"]

@@ -9,6 +9,8 @@ flowing through them by a schedule.
     native.py     the same stages under torch.distributed.pipelining
 """
 
+# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+from course_lib.estimate.traffic import pp_traffic
 from course_lib.parallel.pp.runner import run_schedule
 from course_lib.parallel.pp.schedules import (
     SCHEDULES,
@@ -32,7 +34,7 @@ from course_lib.parallel.pp.training import (
 )
 
 __all__ = [
-    "build_stage", "PipelineStage", "split_layers", "run_schedule",
+    "build_stage", "pp_traffic", "PipelineStage", "split_layers", "run_schedule",
     "SCHEDULES", "Action", "Schedule", "ScheduleError", "make_schedule", "check_schedule", "simulate",
     "in_flight", "schedule_events",
     "train_pipeline", "run_pipeline", "check_pipeline", "PipelineResult", "clip_grad_norm_pipeline",

@@ -1,0 +1,326 @@
+"""One traffic model per mesh axis: the collectives of one optimizer step, as small records.
+
+Each axis function returns a list of `Collective`s, read by both sides of the course:
+the byte accounting of notebook 09 (course_lib.parallel.topology sums `world_bytes` per axis)
+and the step-time model of notebook 10 (course_lib.estimate.step_time prices `priced` calls
+of `nbytes` on a link and counts `calls`). Each axis package re-exports its function.
+
+Notation: B global batch, R = dp * ep replicas, m micro-batches of mb = B / (R m) sequences of
+s tokens, d = d_model, e bytes per element, L blocks (L_0 on rank 0, the busiest: split_layers
+gives the first stages the extra blocks), S = pp * v pipeline stages, M = mb s d e (one
+micro-batch of the residual stream). Per micro-batch, summed over the pp stages of one replica
+and one tp rank (the course's runtime, counted by course_lib.observe.CommTracer):
+
+    tp   4L + 2 all-reduces of M (Megatron's g after attn.proj and mlp.proj, f before qkv and fc,
+         g after the vocabulary-parallel embedding, f before the head) + 3 of s mb fp32 numbers
+         (the loss: max, sum, target). Sequence parallelism: each all-reduce an all-gather of M
+         (sent M / tp) or a reduce-scatter of M (sent M), 2L + 1 of each in forward; backward
+         2L + 1 reduce-scatters, 2(2L + 1) all-gathers (the gradient of each forward reduce-
+         scatter, and the re-gather of each saved sequence shard), and the gradients of the
+         replicated parameters that saw a shard (norms, row-parallel biases, the position table)
+    pp   2(S - 1) point-to-point messages of M (an activation forward, a gradient backward per
+         boundary), the tied embedding's gradient between the end stages (one message each
+         way), and the loss broadcast from the last stage
+    ep   per MoE block 4 all-to-alls of the mb s top_k routed rows (dispatch, combine, and their
+         gradients) + one of E int64 counts; once per step the dense gradients averaged over ep
+    dp   the gradients over the replicas (DDP's buckets, or one all-reduce per parameter group;
+         ZeRO-1 reduce-scatter + all-gather; ZeRO-2 the reduce-scatter every micro-batch; ZeRO-3
+         per block 2 all-gathers and a reduce-scatter), and the loss averaged over dp for the log
+    norm one all-reduce of the squared global norm (8 bytes) over the world
+
+`calls` is what the tracer counts on rank 0 in one step (the first stage). `priced` departs from
+`calls` only where the step-time model says so, each with its reason in the record (`why`):
+it prices the busiest rank, l0 blocks and both ends (embedding, head and loss) on one rank; `report` marks the trainer's loss log, which the tracer sees and the step
+does not need. Full recomputation: the step-time model prices Megatron's (every block's forward
+again: 2 all-reduces, Korthikanti et al. 2022); the course's runtime (torch's non-reentrant
+checkpoint) stops once the block's saved tensors are back, before the MLP's g: 1 all-reduce.
+Precision bf16 (torch.autocast): the row-parallel matmuls' outputs travel as bf16 (see
+tp_traffic); the residual stream between stages and the gradients stay fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from course_lib.comm.measured import collective_time
+from course_lib.dims import check_batch, layers_per_rank
+from course_lib.estimate.params import param_breakdown, param_count, unpack
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective call in one step: `calls` of `op` on a tensor of `nbytes` (the
+    full tensor, collective_time's convention) over `group` ranks, on rank 0; `world_bytes`:
+    bytes sent, summed over every rank (the tracer's count: an all-gather's input, a
+    reduce-scatter's input, a message, a broadcast's source only)."""
+
+    axis: str
+    what: str
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send (a send or a receive), broadcast
+    nbytes: float
+    group: int
+    calls: int
+    world_bytes: float
+    priced: int | None = None  # calls the step-time model prices (None: all of them)
+    why: str = ""  # why priced differs from calls
+    report: bool = False  # the loss log, outside the step
+
+    @property
+    def priced_calls(self) -> int:
+        return self.calls if self.priced is None else self.priced
+
+
+def _shape(config, dims, batch_size, seq):
+    base = unpack(config)[0]
+    s = base.block_size if seq is None else seq
+    mb = check_batch(batch_size, dims.replicas, dims.microbatches) // dims.microbatches
+    return base, s, mb, max(layers_per_rank(base.n_layer, dims.pp, dims.virtual_stages))
+
+
+def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4) -> list[Collective]:
+    """Tensor (and sequence) parallelism's collectives (module docstring). Under bf16 autocast
+    the row-parallel matmuls' outputs are bf16, and under SP so are the gradients flowing back
+    into them and out of the column-parallel matmuls' (bf16) inputs: those messages are 2 bytes
+    an element; the rest (norm outputs, the embedding, the loss) stays at act_bytes."""
+    if dims.tp == 1:
+        return []
+    base, s, mb, l0 = _shape(config, dims, batch_size, seq)
+    L, m, n, R, full = base.n_layer, dims.microbatches, dims.tp, dims.replicas, int(dims.recompute == "full")
+    M = mb * s * base.d_model * act_bytes
+    Mb = mb * s * base.d_model * 2 if dims.precision == "bf16" else M
+    megatron = "full recomputation priced as Megatron's, both of a block's; the runtime's checkpoint repeats one" \
+        if full else ""
+    ends = "the busiest rank priced as holding both ends" if dims.pp > 1 else ""
+
+    def rec(what, op, size, count, priced=None, why=""):
+        """count(l, a, z): calls per micro-batch of a rank holding l blocks, the first stage (a)
+        and the last (z). Rank 0 holds the first; the step-time model prices l0 blocks and both
+        ends; the world's bytes sum one copy of the L blocks and both ends per replica and tp rank."""
+        sent = size // n if op == "all_gather" else size  # SP: tp divides the sequence
+        calls, model = m * count(l0, 1, int(dims.pp == 1)), m * (priced or count)(l0, 1, 1)
+        return Collective("tp", what, op, size, n, calls, R * n * m * count(L, 1, 1) * sent,
+                          None if model == calls else model, "" if model == calls else why or ends)
+
+    loss = rec("the vocabulary-parallel loss: max, sum, target", "all_reduce", mb * s * 4, lambda l, a, z: 3 * z)
+    if not dims.sequence_parallel:
+        return [rec("g after attn.proj and mlp.proj", "all_reduce", Mb, lambda l, a, z: (2 + full) * l,
+                    lambda l, a, z: (2 + 2 * full) * l, megatron),
+                rec("f before qkv, fc and the head; g after the embedding", "all_reduce", M,
+                    lambda l, a, z: 2 * l + a + z),
+                loss]
+    # backward all-reduces of replicated gradients that saw one shard: per block 2 norms (+ their
+    # biases and the 2 row-parallel biases), the final norm, the position table (a GPT's)
+    b, d_e = int(getattr(base, "bias", False)), base.d_model * act_bytes
+    pos = param_breakdown(base)["position"] * act_bytes
+    small0 = l0 * (2 + 4 * b) + (1 + b) * (dims.pp == 1) + (pos > 0)
+    small_bytes = (L * (2 + 4 * b) + 1 + b) * d_e + pos
+    return [
+        rec("all-gathers into qkv, fc and the head, and of the embedding's output gradient", "all_gather", M,
+            lambda l, a, z: (2 + 2 * full) * l + a + z),
+        rec("all-gathers of the gradients of attn.proj's and mlp.proj's reduce-scatters", "all_gather", Mb,
+            lambda l, a, z: 2 * l),
+        rec("re-gathers of the saved sequence shards in backward", "all_gather", M, lambda l, a, z: 2 * l + z,
+            lambda l, a, z: 0, "left out by the step-time model, which prices SP as the all-reduces' bytes in pairs"),
+        rec("reduce-scatters out of attn.proj and mlp.proj", "reduce_scatter", Mb, lambda l, a, z: (2 + full) * l,
+            lambda l, a, z: (2 + 2 * full) * l, megatron),
+        rec("reduce-scatter out of the embedding", "reduce_scatter", M, lambda l, a, z: a),
+        rec("reduce-scatters of the input gradients of qkv, fc and the head", "reduce_scatter", Mb,
+            lambda l, a, z: 2 * l + z),
+        Collective("tp", "gradients of the replicated norms, row-parallel biases and the position table",
+                   "all_reduce", d_e, n, m * small0, R * n * m * small_bytes, 0,
+                   "left out by the step-time model: d_model numbers each"),
+        loss]
+
+
+def pp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4,
+               grad_bytes: int | None = None) -> list[Collective]:
+    """The pipeline's point-to-point messages (module docstring)."""
+    if dims.pp == 1:
+        return []
+    base, s, mb, _ = _shape(config, dims, batch_size, seq)
+    m, v, n, R = dims.microbatches, dims.virtual_stages, dims.tp, dims.replicas
+    # sequence parallelism sends each tp rank's shard of the sequence (Megatron); the runtime runs SP with pp = 1
+    M = mb * s * base.d_model * act_bytes // (n if dims.sequence_parallel else 1)
+    # rank 0: v activations sent and v gradients received per micro-batch, and 2 (v - 1) more
+    # (its later chunks both receive and send): the step-time model prices a boundary crossing once
+    out = [Collective("pp", "activations forward, gradients backward", "send", M, 2, m * (4 * v - 2),
+                      R * n * m * 2 * (dims.pp * v - 1) * M, 2 * v * m,
+                      "each chunk boundary priced once per direction (the interleaved schedule's v times 1F1B's)"
+                      if v > 1 else "")]
+    if getattr(base, "tie_weights", False):
+        rows = -(-base.vocab_size // n)
+        g = rows * base.d_model * (act_bytes if grad_bytes is None else grad_bytes)
+        out.append(Collective("pp", "the tied embedding's gradient between the end stages", "send", g, 2, 2,
+                              R * n * 2 * g))
+    out.append(Collective("pp", "the loss, broadcast from the last stage", "broadcast", 4, dims.pp, 1, R * n * 4,
+                          report=True))
+    return out
+
+
+def ep_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4,
+               grad_bytes: int | None = None) -> list[Collective]:
+    """Expert parallelism's all-to-alls and its average of the dense gradients (module docstring)."""
+    if dims.ep == 1:
+        return []
+    base, s, mb, l0 = _shape(config, dims, batch_size, seq)
+    _, n_experts, top_k = unpack(config)
+    L, m, n, R = base.n_layer, dims.microbatches, dims.ep, dims.replicas
+    rows = mb * s * top_k * base.d_model * act_bytes  # one micro-batch's routed rows, every rank sends all
+    dense = (dense_params(config) + (padded_vocab(config, dims.tp) * base.d_model
+                                     if dims.pp > 1 and getattr(base, "tie_weights", False) else 0))
+    g = act_bytes if grad_bytes is None else grad_bytes
+    return [
+        Collective("ep", "dispatch and combine, forward and backward", "all_to_all", rows, n, 4 * l0 * m,
+                   R * 4 * L * m * rows),
+        Collective("ep", "the routing counts", "all_to_all", n_experts * 8, n, l0 * m, R * L * m * n_experts * 8, 0,
+                   "left out by the step-time model: E numbers"),
+        Collective("ep", "the dense gradients averaged over ep", "all_reduce", dense * g / dims.pp, n, 1,
+                   R * dense * g, 0, "priced by the step-time model with dp's, over dp*ep replicas"),
+        Collective("ep", "the loss averaged over ep", "all_reduce", 8, n, 1, 8 * dims.world_size, report=True)]
+
+
+def dp_traffic(config, dims, batch_size: int, seq: int | None = None, local_params: int = 0,
+               grad_bytes: int = 4, param_bytes: int | None = None) -> list[Collective]:
+    """Data parallelism's (and ZeRO's) collectives. The step-time model prices the gradients of
+    `local_params` (the busiest rank's, per_gpu_memory's) over dp * ep replicas (the experts'
+    really over dp alone); world_bytes counts every rank's flat shards exactly
+    (replica_group_params), over dp. With dp = 1 and ep > 1 nothing crosses a dp group: the
+    records are the model's price of EP's dense average (calls 0)."""
+    replicas = dims.replicas
+    if replicas == 1:
+        return []
+    base, s, mb, l0 = _shape(config, dims, batch_size, seq)
+    m, dp, pb = dims.microbatches, dims.dp, grad_bytes if param_bytes is None else param_bytes
+    grads, params, world = local_params * grad_bytes, local_params * pb, dims.world_size
+    psi = replica_group_params(config, dims)  # the parameters of one data-parallel copy
+    if dims.zero == 0 and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):  # the ZeRO engine: one per group
+        out = [Collective("dp", "all-reduce of the gradients (both groups' bytes)", "all_reduce", grads, replicas, 1,
+                          dp * psi * grad_bytes),
+               Collective("dp", "all-reduce of the second group (norms, biases)", "all_reduce", 0, replicas, 1, 0,
+                          why="its bytes are counted with the first; priced at its latency")]
+    elif dims.zero == 0:  # plain data parallelism: DDP's buckets
+        out = [Collective("dp", f"DDP's bucket {i}", "all_reduce", size, replicas, 1, dp * psi * grad_bytes * size / grads)
+               for i, size in enumerate(ddp_buckets(grads))]
+    elif dims.zero == 1:
+        out = [Collective("dp", "reduce-scatter of the gradients", "reduce_scatter", grads, replicas, 1,
+                          dp * psi * grad_bytes),
+               Collective("dp", "all-gather of the updated shards", "all_gather", params, replicas, 1, psi * pb)]
+    elif dims.zero == 2:  # every rank taken as rank 0: the runtime composes stages 0 and 1 only
+        out = [Collective("dp", "reduce-scatter of the gradients, every micro-batch", "reduce_scatter", grads,
+                          replicas, m, world * m * grads),
+               Collective("dp", "all-gather of the updated shards", "all_gather", params, replicas, 1,
+                          world * params / replicas)]
+    else:  # per micro-batch each block gathered in forward and again in backward, its gradient
+        # scattered; the root (embeddings, norm, head) gathered once and kept until then
+        u = l0 + 1
+        out = [Collective("dp", "all-gathers of the blocks and the root", "all_gather", params / u, replicas,
+                          m * (2 * l0 + 1), world * m * (2 * l0 + 1) * params / u / replicas),
+               Collective("dp", "reduce-scatters of their gradients", "reduce_scatter", grads / u, replicas, m * u,
+                          world * m * grads)]
+    if dp == 1:
+        return [replace(c, calls=0, world_bytes=0, priced=c.priced_calls, why="EP's dense average, priced as dp's")
+                for c in out]
+    return out + [Collective("dp", "the loss averaged over dp", "all_reduce", 8, dp, 1, 8 * world, report=True)]
+
+
+def norm_traffic(dims) -> list[Collective]:
+    """The squared global norm, one all-reduce over the world, when any rank holds a part of
+    the model another does not (plain data parallelism clips its identical copies alone)."""
+    if dims.world_size == 1 or not (dims.zero or dims.tp > 1 or dims.pp > 1 or dims.ep > 1):
+        return []
+    return [Collective("norm", "the squared global norm", "all_reduce", 8, dims.world_size, 1, 8 * dims.world_size)]
+
+
+def step_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4,
+                 grad_bytes: int | None = None, param_bytes: int | None = None,
+                 local_params: int | None = None) -> dict[str, list[Collective]]:
+    """{axis: its records} for every axis of `dims` (a course_lib.dims.ParallelDims); element
+    sizes: act_bytes on the wire for activations, grad_bytes and param_bytes for the model state
+    (default act_bytes). local_params: the busiest rank's parameters (default: the average
+    rank's, replica_group_params / (pp * ep * tp))."""
+    g = act_bytes if grad_bytes is None else grad_bytes
+    if local_params is None:  # the average rank's
+        local_params = replica_group_params(config, dims) / (dims.pp * dims.ep * dims.tp)
+    return {"tp": tp_traffic(config, dims, batch_size, seq, act_bytes),
+            "pp": pp_traffic(config, dims, batch_size, seq, act_bytes, g),
+            "ep": ep_traffic(config, dims, batch_size, seq, act_bytes, g),
+            "dp": dp_traffic(config, dims, batch_size, seq, local_params, g, param_bytes),
+            "norm": norm_traffic(dims)}
+
+
+# ----------------------------------------------------------------------------- reading a record
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+        "send": lambda n: 1.0, "broadcast": lambda n: 1.0}
+
+
+def wire_bytes(c: Collective) -> float:
+    """Bytes rank 0 puts on its link in one step for this record: ring all-reduce 2(n-1)/n S,
+    ring all-gather / reduce-scatter and pairwise all-to-all (n-1)/n S, a message S, per call."""
+    return 0.0 if c.group <= 1 else c.calls * WIRE[c.op](c.group) * c.nbytes
+
+
+def seconds(c: Collective, link) -> float:
+    """The step-time model's seconds of this record on `link` (a LinkModel or a measured
+    CollectiveTable): priced calls, each collective_time(link, op, nbytes, group)."""
+    if c.report or not c.priced_calls:
+        return 0.0
+    return c.priced_calls * collective_time(link, c.op, c.nbytes, c.group)
+
+
+def ddp_buckets(nbytes: float, first: float = 1 << 20, cap: float = 25 * (1 << 20)) -> list[float]:
+    """The gradient all-reduces of DDP (course_lib.parallel.dp.ddp, torch's rule): a first
+    bucket of 1 MiB, then buckets of up to 25 MiB."""
+    sizes, left = [], float(nbytes)
+    while left > 0:
+        sizes.append(min(left, first if not sizes else cap))
+        left -= sizes[-1]
+    return sizes
+
+
+# ----------------------------------------------------------------------------- parameter counts
+def padded_vocab(config, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp (the vocabulary-parallel embedding's rows)."""
+    return -(-unpack(config)[0].vocab_size // tp) * tp
+
+
+def _dense_base(config):
+    base = unpack(config)[0]
+    return replace(base, n_experts=0) if getattr(base, "n_experts", 0) else base
+
+
+def total_params(config) -> int:
+    """Every parameter once; an MoE model: the dense count with each MLP replaced by
+    n_experts MLPs and a router (d x E, no bias)."""
+    base, experts, _ = unpack(config)
+    if experts == 1:
+        return param_count(config)
+    dense = _dense_base(config)
+    return param_count(dense) + base.n_layer * (param_breakdown(dense)["mlp"] * (experts - 1) + base.d_model * experts)
+
+
+def dense_params(config) -> int:
+    """Parameters outside the experts (all of them for a dense model)."""
+    base, experts, _ = unpack(config)
+    if experts == 1:
+        return total_params(config)
+    return total_params(config) - base.n_layer * experts * param_breakdown(_dense_base(config))["mlp"]
+
+
+def tp_replicated_params(config) -> int:
+    """Parameters every tp rank keeps whole: norms, row-parallel biases, a position table."""
+    base = _dense_base(config)
+    parts, bias = param_breakdown(base), int(getattr(base, "bias", False))
+    return base.n_layer * (parts["norms"] + 2 * base.d_model * bias) + parts["final_norm"] + parts["position"]
+
+
+def replica_group_params(config, dims) -> int:
+    """Parameters held by the pp*ep*tp ranks of one data-parallel copy, summed: a tp-replicated
+    tensor counted tp times, dense tensors ep times, the tied matrix once more when the first
+    and last stage differ, the vocabulary padding of tensor parallelism included."""
+    base = unpack(config)[0]
+    vpad, d, tied = padded_vocab(config, dims.tp), base.d_model, getattr(base, "tie_weights", False)
+    n = total_params(config) + (vpad - base.vocab_size) * d * (1 if tied else 2)
+    n += (dims.tp - 1) * tp_replicated_params(config) if dims.tp > 1 else 0
+    n += (dims.ep - 1) * dense_params(config) + dims.ep * (vpad * d if dims.pp > 1 and tied else 0)
+    return n
