@@ -1,21 +1,21 @@
 """The boxes of a composed (3D) layout: course_lib.parallel.hybrid's dp x tp x pp, ZeRO-1 or not.
 
 A rank of build_hybrid holds its pipeline stage's parameters (single-process names in
-stage.param_names), each one tensor-parallel shard or whole. Those give *base* slots: a global
-box and where it sits in the local tensor (`local_box`). Expert parallelism (ep > 1) keeps
+stage.param_names), each described on every axis by its Placement (course_lib.parallel.hybrid's
+`placements`: tp split or whole, ep/pp/dp whole). Those give *base* slots: a global box and where
+it sits in the local tensor (`local_box`). Expert parallelism (ep > 1) keeps
 whole experts under their single-process names (rank 1 of ep=2 with 4 experts holds
 mlps.2 and mlps.3), so an expert is a whole base slot held by one ep rank, and the dense
 parameters are identical boxes on every ep rank (saved once, like the tied matrix). ZeRO-1 over dp then flattens the local
-tensors into units and keeps the range [r*S, (r+1)*S) of each: a range of a local tensor is
-local boxes (reshard.flat_range_boxes), and each local box, intersected with a base slot's
-local box, maps to a global box by the same shift:
+tensors into units and keeps the range [r*S, (r+1)*S) of each: a parameter's part of it (its flat
+Placement on dp) is local boxes (reshard.flat_range_boxes), and each local box, intersected with
+a base slot's local box, maps to a global box by the same shift:
 
     global = base.box.offsets + (local_part.offsets - base.local_box.offsets)
 
 so the composed slot holds, inside the flat master shard, exactly the elements of that global
 box. The tied embedding held by the first and the last stage gives identical boxes on both:
-format.py keeps one copy when saving, and both stages fill theirs when loading. Expert
-parallelism (ep > 1) is not described here yet.
+format.py keeps one copy when saving, and both stages fill theirs when loading.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.checkpoint.reshard import Box, flat_range_boxes, index_runs, whole
-from course_lib.checkpoint.slots import Layout, Slot
-from course_lib.parallel.hybrid import trained_module
+from course_lib.checkpoint.reshard import Box
+from course_lib.checkpoint.slots import Layout, Slot, flat_boxes, placed_boxes
+from course_lib.parallel.placement import Placement
+from course_lib.parallel.hybrid.compose import placements, trained_parameters
 
 
 @dataclass
@@ -39,27 +40,11 @@ class BaseSlot:
 
 
 def base_slots(parts) -> list[BaseSlot]:
-    """Every (pipeline-stage) parameter of this rank: TP boxes from the layers' index tables, else whole."""
-    module = trained_module(parts)
-    params = list(module.parameters())
-    names = parts.stage.param_names if parts.stage is not None else [n for n, _ in parts.model.named_parameters()]
-    tp_rank = parts.coords["tp"]
-    specs = {}
-    for mod in parts.model.modules():
-        for attr, dim, table, size in getattr(mod, "sharded", lambda: [])():
-            specs[id(getattr(mod, attr))] = (dim, table[tp_rank], size)
-    out = []
-    for name, p in zip(names, params):
-        if id(p) not in specs:
-            out.append(BaseSlot(name, tuple(p.shape), whole(p.shape), whole(p.shape), p))
-            continue
-        dim, rows, size = specs[id(p)]
-        shape = tuple(size if d == dim else s for d, s in enumerate(p.shape))
-        for g, local, n in index_runs(rows, size):
-            lengths = tuple(n if d == dim else s for d, s in enumerate(p.shape))
-            out.append(BaseSlot(name, shape, Box(tuple(g if d == dim else 0 for d in range(p.dim())), lengths),
-                                Box(tuple(local if d == dim else 0 for d in range(p.dim())), lengths), p))
-    return out
+    """Every (pipeline-stage) parameter of this rank: its boxes from its placements on every axis
+    (a tp split's runs of rows/cols, else whole)."""
+    placed = placements(parts)
+    return [BaseSlot(name, shape, box, local_box, p) for name, p in trained_parameters(parts)
+            for shape, boxes in [placed_boxes(placed[name], p.shape)] for box, local_box in boxes]
 
 
 def _as_slot(b: BaseSlot) -> Slot:
@@ -67,7 +52,8 @@ def _as_slot(b: BaseSlot) -> Slot:
 
 
 def zero_composed_slots(optimizer, bases: list[BaseSlot]) -> list[Slot]:
-    """The boxes of each flat master shard of a ShardedOptimizer over TP-local tensors."""
+    """The boxes of each flat master shard of a ShardedOptimizer over TP-local tensors: each
+    parameter's flat Placement on dp, its range of the unit's shard, cut into local boxes."""
     by_param = {}
     for b in bases:
         by_param.setdefault(id(b.param), []).append(b)
@@ -75,10 +61,8 @@ def zero_composed_slots(optimizer, bases: list[BaseSlot]) -> list[Slot]:
     for s in optimizer.shards:
         u = s.unit
         for p, shape, off, n in zip(u.params, u.shapes, u.offsets, u.numels):
-            a, e = max(u.start, off), min(u.stop, off + n)
-            if a >= e:
-                continue
-            for local, pos in flat_range_boxes(shape, a - off, e - off):
+            flat = Placement.of_flat_unit("dp", off, n, u.shard_numel, u.rank, u.world_size)
+            for local, pos in flat_boxes(flat, shape):  # none when this rank's shard misses p
                 lo = off + pos - u.start  # where this local box starts inside the flat shard
                 for b in by_param[id(p)]:
                     part = local.intersect(b.local_box)

@@ -16,12 +16,14 @@ one process. Layouts described here:
 
     replicated   every rank holds every parameter whole (one process, data parallel)
     zero         course_lib.parallel.zero: rank r owns [r*S, (r+1)*S) of each flat unit; a
-                 parameter's part of that range is cut into boxes (reshard.flat_range_boxes).
+                 parameter's part of that range (its flat Placement) is cut into boxes
+                 (reshard.flat_range_boxes).
                  Stages 0-2 also hold the whole parameters: they save only their flat shard
                  (each element once, every rank writes 1/N) but load the whole parameters.
     tp           course_lib.parallel.tp: each split parameter's rows/cols on this rank come
-                 from the layer's index table; runs of consecutive indices are boxes
-                 (qkv: three runs, its Q, K and V heads; padded vocabulary rows are dropped)
+                 from its layer's Placement (course_lib.parallel.placement); runs of consecutive
+                 indices are boxes (qkv: three runs, its Q, K and V heads; padded vocabulary
+                 rows are dropped)
     hybrid       course_lib.parallel.hybrid (dp x tp x pp, ZeRO-1 or not): hybrid.py composes
                  the two above: a flat range of TP-local tensors, mapped through the TP boxes
 """
@@ -32,8 +34,10 @@ import torch
 import torch.nn as nn
 
 from course_lib.checkpoint.hybrid import hybrid_layout
-from course_lib.checkpoint.reshard import Box, flat_range_boxes, index_runs, whole
-from course_lib.checkpoint.slots import Layout, Piece, Slot
+from course_lib.checkpoint.reshard import whole
+from course_lib.checkpoint.slots import Layout, Piece, Slot, flat_boxes, placed_boxes
+from course_lib.parallel.placement import Placement
+from course_lib.parallel.tp.apply import tp_placements
 
 LAYOUTS = ("replicated", "zero", "tp", "hybrid")
 
@@ -58,10 +62,8 @@ def zero_slots(model: nn.Module, optimizer) -> list[Slot]:
         u = s.unit
         unit_names = getattr(s, "names", None) or [names[id(p)] for p in u.params]
         for name, shape, off, n in zip(unit_names, u.shapes, u.offsets, u.numels):
-            a, b = max(u.start, off), min(u.stop, off + n)
-            if a >= b:
-                continue
-            for box, pos in flat_range_boxes(shape, a - off, b - off):
+            placement = Placement.of_flat_unit("dp", off, n, u.shard_numel, u.rank, u.world_size)
+            for box, pos in flat_boxes(placement, shape):  # none when this rank's shard misses it
                 lo = off + pos - u.start  # where the box starts inside the shard
 
                 def select(t, lo=lo, box=box):
@@ -71,31 +73,14 @@ def zero_slots(model: nn.Module, optimizer) -> list[Slot]:
 
 
 def tp_slots(model: nn.Module) -> list[Slot]:
-    """Split parameters: boxes from the layer's index table; the others whole."""
-    import torch.distributed as dist
-
-    info = getattr(model, "tensor_parallel", None)
-    if info is None:
+    """Every parameter's boxes from its Placement over tp: a split one's runs of rows/cols, the others whole."""
+    if getattr(model, "tensor_parallel", None) is None:
         raise ValueError("layout='tp' needs a model after course_lib.parallel.tp.apply_tensor_parallel")
-    rank = dist.get_rank(info.group)
-    specs = {}
-    for mod_name, module in model.named_modules():
-        for attr, dim, table, size in getattr(module, "sharded", lambda: [])():
-            specs[id(getattr(module, attr))] = (dim, table[rank], size)
-    slots = []
+    placed, slots = tp_placements(model), []
     for name, p in _named(model):
-        if id(p) not in specs:
-            slots.append(Slot(name, tuple(p.shape), whole(p.shape), p, _full))
-            continue
-        dim, rows, size = specs[id(p)]
-        shape = tuple(size if d == dim else s for d, s in enumerate(p.shape))
-        for g, local, n in index_runs(rows, size):
-            offsets = tuple(g if d == dim else 0 for d in range(p.dim()))
-            lengths = tuple(n if d == dim else s for d, s in enumerate(p.shape))
-
-            def select(t, dim=dim, local=local, n=n):
-                return t.narrow(dim, local, n)
-            slots.append(Slot(name, shape, Box(offsets, lengths), p, select))
+        shape, boxes = placed_boxes((placed[name],), p.shape)
+        for box, local_box in boxes:
+            slots.append(Slot(name, shape, box, p, lambda t, lb=local_box: t[lb.slices()]))
     return slots
 
 

@@ -37,6 +37,7 @@ from course_lib.train import TrainConfig
 REFUSE = (
     "course_lib.parallel.zero.flat", "course_lib.parallel.zero.shard_bounds", "course_lib.parallel.zero.FlatUnit",
     "course_lib.checkpoint.reshard", "course_lib.checkpoint.layouts", "course_lib.checkpoint.slots",
+    "course_lib.parallel.placement",  # Placement.of_flat_unit: a parameter's range of the ZeRO shards
     "course_lib.checkpoint.reader", "course_lib.checkpoint.hybrid", "course_lib.checkpoint.dcp",
     "course_lib.checkpoint.viz",
     "course_lib.checkpoint.Box", "course_lib.checkpoint.flat_range_boxes", "course_lib.checkpoint.CheckpointReader",

@@ -3,6 +3,9 @@
     mesh.py    make_mesh(dp, tp, pp, ep): the named DeviceMesh every strategy takes its groups from
     clip.py    clip_grad_norm_(grads_and_weights, max_norm, group): the one global-norm clip; each
                axis passes its pieces with weight 1 / copies, so every element is counted once
+    placement.py  Placement: how an axis splits (or replicates) a tensor: which dim, which ranks
+               hold which rows, how many copies; the full state dict, the clip's weights and the
+               checkpoint boxes read it for every axis
     dp/        data parallelism: DDP (notebook 03)
     tp/        tensor (and sequence) parallelism (notebook 05)
     pp/        pipeline parallelism (notebook 06)

@@ -8,11 +8,14 @@
     figures.py    notebook 07's widget: experts, top_k, capacity factor -> load and drops
 """
 
+# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+from course_lib.estimate.traffic import ep_traffic
 from course_lib.parallel.ep.apply import (ExpertParallelExperts, apply_expert_parallel, check_expert_parallel,
-                                          clip_grad_norm, expert_parameters, full_flat, reduce_gradients)
+                                          clip_grad_norm, ep_placements, expert_parameters, full_flat,
+                                          reduce_gradients)
 from course_lib.parallel.ep.dispatch import combine, dispatch, exchange_counts, run_local_experts, traffic_matrix
 from course_lib.parallel.ep.training import run_expert_parallel, train_expert_parallel, train_moe_reference
 
-__all__ = ["apply_expert_parallel", "reduce_gradients", "clip_grad_norm", "full_flat", "expert_parameters",
-           "check_expert_parallel", "ExpertParallelExperts", "exchange_counts", "dispatch", "run_local_experts",
+__all__ = ["apply_expert_parallel", "ep_traffic", "reduce_gradients", "clip_grad_norm", "full_flat", "expert_parameters",
+           "check_expert_parallel", "ep_placements", "ExpertParallelExperts", "exchange_counts", "dispatch", "run_local_experts",
            "combine", "traffic_matrix", "train_expert_parallel", "run_expert_parallel", "train_moe_reference"]

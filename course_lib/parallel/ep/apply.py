@@ -4,6 +4,8 @@
     reduce_gradients(model, group)        after backward: the gradient of the mean loss
     clip_grad_norm(model, max_norm, group)  the global norm over dense + every rank's experts
     full_flat(model, group)               all parameters (or gradients) in single-process order
+    ep_placements(model, group)           each parameter's Placement over ep (course_lib.parallel.placement):
+                                          an expert whole on its one owner, the rest replicated
 
 Why the expert gradients are divided by ep. Rank r's loss L_r depends on its own dense
 weights and on every expert its tokens were routed to. The target is the gradient of
@@ -27,6 +29,7 @@ from course_lib.comm.compat import all_gather_single
 from course_lib.model.moe import Experts, moe_layers
 from course_lib.parallel.clip import clip_grad_norm_
 from course_lib.parallel.ep.dispatch import combine, dispatch, exchange_counts, run_local_experts
+from course_lib.parallel.placement import Placement, weight
 
 
 def check_expert_parallel(config, ep: int) -> None:
@@ -49,8 +52,13 @@ class ExpertParallelExperts(nn.Module):
         ep, rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_experts, self.group = len(experts.mlps), group
         per_rank = self.n_experts // ep
-        self.first = rank * per_rank
+        self.first, self.rank, self.ep = rank * per_rank, rank, ep
         self.mlps = nn.ModuleDict({str(e): experts.mlps[e] for e in range(self.first, self.first + per_rank)})
+
+    def placements(self) -> dict[str, Placement]:
+        """{parameter name: Placement}: expert e is whole on ep rank e // (n_experts / ep) alone."""
+        alone = Placement.whole("ep", (self.rank,), self.rank, self.ep)
+        return {name: alone for name, _ in self.named_parameters()}
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         send, recv = exchange_counts(counts, self.group, device=rows.device)
@@ -79,6 +87,15 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters this rank owns alone (its experts); all others are replicated."""
     return [p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()]
+
+
+def ep_placements(model: nn.Module, group=None) -> dict[str, Placement]:
+    """{parameter name: Placement over ep} of this rank's parameters: its experts whole on this
+    rank alone (copies 1), every other parameter replicated on the ep ranks of `group` (copies ep)."""
+    rank, ep = dist.get_rank(group), dist.get_world_size(group)
+    alone = {id(p): m.placements()[n] for m in model.modules() if isinstance(m, ExpertParallelExperts)
+             for n, p in m.named_parameters()}
+    return {name: alone.get(id(p), Placement.replicated("ep", rank, ep)) for name, p in model.named_parameters()}
 
 
 def _dense_and_expert(model):
@@ -111,8 +128,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> torch.Tenso
     weighted clip (course_lib.parallel.clip) with each expert weighted 1 (this rank's alone) and
     each dense gradient 1/ep (after reduce_gradients, the same average on every rank of the group)."""
     dense, experts = _dense_and_expert(model)
-    ep = dist.get_world_size(group)
-    return clip_grad_norm_([(p.grad, 1 / ep) for p in dense] + [(p.grad, 1) for p in experts], max_norm, group)
+    placements = ep_placements(model, group)
+    placed = {id(p): placements[n] for n, p in model.named_parameters()}
+    return clip_grad_norm_([(p.grad, weight((placed[id(p)],))) for p in dense + experts], max_norm, group)
 
 
 def full_flat(model: nn.Module, group=None, grads: bool = False) -> torch.Tensor:

@@ -6,7 +6,7 @@
     compose.py   build_hybrid: make_mesh -> apply_tensor_parallel (tp) -> apply_expert_parallel (ep)
                  -> build_stage (pp) -> ZeRO-1 / AdamW over dp; sync_gradients; the ONE global-norm
                  clip (clip_grad_norm_hybrid) that counts each shard once across every dimension
-    training.py  train_hybrid (rank side, on train_step), run_hybrid (parent), train_single (the
+    training.py  train_hybrid (rank side, on train_loop), run_hybrid (parent), train_single (the
                  single-process twin), the traffic of each mesh dimension from the CommTracer
     figures.py   notebook 09's mesh picture and layout widget
 
@@ -15,13 +15,14 @@ Rank placement and each dimension's traffic model live in course_lib/parallel/to
 
 from course_lib.dims import COMPOSED_ZERO_STAGES, PRECISIONS, ParallelDims
 from course_lib.parallel.hybrid.compose import (HybridParts, build_hybrid, clip_grad_norm_hybrid, count_weights,
-                                                make_hybrid_optimizer, sync_gradients, trained_module)
+                                                full_state_dict, make_hybrid_optimizer, placements, sync_gradients,
+                                                trained_module, trained_parameters)
 from course_lib.parallel.hybrid.training import (HybridResult, dimension_of, make_forward_backward, merged_params,
                                                  owned_params, precision_context, run_hybrid, traffic_by_dimension,
                                                  train_hybrid,
                                                  train_single)
 
 __all__ = ["ParallelDims", "COMPOSED_ZERO_STAGES", "HybridParts", "build_hybrid", "make_hybrid_optimizer", "sync_gradients",
-           "clip_grad_norm_hybrid", "count_weights", "trained_module", "HybridResult", "train_hybrid", "run_hybrid",
+           "clip_grad_norm_hybrid", "count_weights", "trained_module", "trained_parameters", "placements", "full_state_dict", "HybridResult", "train_hybrid", "run_hybrid",
            "train_single", "merged_params", "traffic_by_dimension", "dimension_of", "make_forward_backward",
            "owned_params", "precision_context", "PRECISIONS"]

@@ -22,6 +22,11 @@ element lives on several ranks, as identical copies; every rank counts parameter
 
 and one all-reduce (sum) over the whole world of sum_p w(p) * ||g_p||^2 gives ||g||^2, each
 element counted exactly once. Every rank then scales by min(1, max_norm / (||g|| + 1e-6)).
+
+Each factor is read from the axis's own record (course_lib.parallel.placement): `placements(parts)`
+lists every parameter's Placement on tp, ep, pp and dp, as the layers, the experts, the stage and
+the ZeRO units report them, and w(p) = 1 / the product of their copies. The same records rebuild
+the single-process state dict from any layout (`full_state_dict`) and give the checkpoint its boxes.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ import torch.distributed as dist
 
 from course_lib.model import GPT
 from course_lib.parallel.clip import clip_grad_norm_
-from course_lib.parallel.ep import apply_expert_parallel, expert_parameters, reduce_gradients
+from course_lib.parallel.ep import apply_expert_parallel, reduce_gradients
+from course_lib.parallel.ep.apply import ep_placements
 from course_lib.parallel.mesh import make_mesh
+from course_lib.parallel.placement import Placement, gather_full, parameter_names, weight
 from course_lib.parallel.pp import build_stage
-from course_lib.parallel.tp import apply_tensor_parallel, sharded_parameters
+from course_lib.parallel.tp import apply_tensor_parallel
+from course_lib.parallel.tp.apply import tp_placements
 from course_lib.parallel.zero import ShardedOptimizer
 from course_lib.techniques.activation_checkpointing import recompute_in_place
 
@@ -100,20 +108,60 @@ def sync_gradients(parts: HybridParts) -> None:
         reduce_gradients(trained_module(parts), parts.groups["ep"])
 
 
+def trained_parameters(parts: HybridParts) -> list[tuple[str, torch.nn.Parameter]]:
+    """(single-process name, parameter) of every parameter this rank trains (a tied matrix once)."""
+    if parts.stage is not None:
+        return list(zip(parts.stage.param_names, parts.stage.parameters()))
+    return list(parts.model.named_parameters())
+
+
+def _dp_state_placements(parts: HybridParts) -> dict[int, Placement]:
+    """{id(p): Placement over dp} of the optimizer's copy of p: at ZeRO-1 its range of the flat
+    unit's dp shards, at zero=0 whole on every replica (the engine's units have one shard)."""
+    opt, rank, dp = parts.optimizer, parts.coords["dp"], parts.dims.dp
+    if opt is None:
+        raise ValueError("the optimizer's placements need parts.optimizer (make_hybrid_optimizer first)")
+    out = {}
+    for s in opt.shards:
+        u = s.unit
+        for p, off, n in zip(u.params, u.offsets, u.numels):
+            out[id(p)] = (Placement.replicated("dp", rank, dp) if u.world_size == 1 else
+                          Placement.of_flat_unit("dp", off, n, u.shard_numel, u.rank, u.world_size))
+    return out
+
+
+def placements(parts: HybridParts, state: bool = False) -> dict[str, tuple[Placement, ...]]:
+    """{single-process name: its Placements on (tp, ep, pp, dp)} for the parameters this rank trains,
+    each read from its axis: the TP layers, the expert layers, the pipeline stage; on dp the
+    parameters are whole on every replica or, with state=True, what the optimizer holds of them
+    (masters, their state, the dp-mean gradient the clip reads): at ZeRO-1 a flat range of the
+    TP-local tensor."""
+    dims, coords = parts.dims, parts.coords
+    tp = tp_placements(parts.model) if dims.tp > 1 else {}
+    ep = ep_placements(parts.model, parts.groups["ep"]) if dims.ep > 1 else {}
+    pp = parts.stage.placements() if parts.stage is not None else {}
+    dp = _dp_state_placements(parts) if state else {}
+    whole = {a: Placement.replicated(a, coords[a], getattr(dims, a)) for a in ("tp", "ep", "pp", "dp")}
+    return {name: (tp.get(name, whole["tp"]), ep.get(name, whole["ep"]), pp.get(name, whole["pp"]),
+                   dp.get(id(p), whole["dp"])) for name, p in trained_parameters(parts)}
+
+
 def count_weights(parts: HybridParts) -> dict[int, float]:
     """{id(p): w(p)} of the module docstring for this rank's parameters: 1 / the number of ranks
-    of the world holding an identical copy of p's gradient (a product over the dimensions)."""
-    module, dims = trained_module(parts), parts.dims
-    tp_sharded = {id(p) for p in sharded_parameters(parts.model)} if dims.tp > 1 else set()
-    experts = {id(p) for p in expert_parameters(module)} if dims.ep > 1 else set()
-    names = parts.stage.param_names if parts.stage is not None else [None] * len(list(module.parameters()))
-    out = {}
-    for name, p in zip(names, module.parameters()):
-        copies = (1 if id(p) in tp_sharded else dims.tp) * (1 if id(p) in experts else dims.ep)
-        copies *= parts.stage.copies(name) if parts.stage is not None else 1
-        copies *= 1 if dims.zero == 1 else dims.dp
-        out[id(p)] = 1 / copies
-    return out
+    of the world holding an identical copy of p's gradient, the product of its placements' copies."""
+    placed = placements(parts, state=True)
+    return {id(p): weight(placed[name]) for name, p in trained_parameters(parts)}
+
+
+def full_state_dict(parts: HybridParts, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The single-process model's state dict (or gradients) rebuilt from every rank's parameters
+    by their placements on every axis (a collective over the world: every rank calls it); a tied
+    matrix under each of its names, as GPT.state_dict() lists it."""
+    pick = (lambda p: p.grad) if grads else (lambda p: p)
+    placed = placements(parts)
+    pieces = [(n, pick(p), placed[n]) for n, p in trained_parameters(parts) if pick(p) is not None]
+    full = gather_full(pieces, group=None)  # every rank's names: experts held elsewhere too
+    return full | {n: full[first] for n, first in parameter_names(parts.model).items() if first in full}
 
 
 @torch.no_grad()

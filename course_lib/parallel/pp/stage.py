@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from course_lib.dims import split_layers
 from course_lib.model.gpt import sequence_positions
+from course_lib.parallel.placement import Placement
 
 
 class TokenAndPositionEmbedding(nn.Module):
@@ -119,10 +120,18 @@ class PipelineStage(nn.Module):
         work.wait()
         weight.grad.add_(theirs)
 
+    def placements(self) -> dict[str, Placement]:
+        """{single-process name: Placement over pp} of this rank's parameters: whole on this rank
+        alone, but the tied matrix on the ranks of stage 0 and stage S-1 (ranks 0 and p-1), which
+        hold the same summed gradient after sum_tied_gradients."""
+        alone = Placement.whole("pp", (self.rank,), self.rank, self.n_ranks)
+        tied = Placement.whole("pp", (0, self.n_ranks - 1), self.rank, self.n_ranks) if self.tied_across_ranks else alone
+        return {name: tied if name == "tok_emb.weight" else alone for name in self.param_names}
+
     def copies(self, name: str) -> int:
-        """How many ranks of the group hold parameter `name` after sum_tied_gradients: 2 for the
-        tied matrix (stage 0 and stage S-1 each hold the summed gradient), else 1."""
-        return 2 if self.tied_across_ranks and name == "tok_emb.weight" else 1
+        """How many ranks of the group hold parameter `name` (its placement's copies): 2 for the
+        tied matrix, else 1."""
+        return self.placements()[name].copies
 
 
 def build_stage(model: nn.Module, group=None, virtual_stages: int = 1) -> PipelineStage:

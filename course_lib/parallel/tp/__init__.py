@@ -13,6 +13,8 @@
     figures.py     notebook 05's figures and its tp / sequence-parallel widget
 """
 
+# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+from course_lib.estimate.traffic import tp_traffic
 from course_lib.parallel.tp.apply import (
     TensorParallelInfo,
     apply_tensor_parallel,
@@ -23,6 +25,7 @@ from course_lib.parallel.tp.apply import (
     gather_full_state_dict,
     qkv_rows,
     sharded_parameters,
+    tp_placements,
 )
 from course_lib.parallel.tp.layers import (
     ColumnParallelLinear,
@@ -34,8 +37,8 @@ from course_lib.parallel.tp.layers import (
 from course_lib.parallel.tp.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 
 __all__ = [
-    "apply_tensor_parallel", "check_tensor_parallel", "TensorParallelInfo", "gather_full_state_dict",
-    "gather_full_gradients", "full_logits", "clip_grad_norm_", "sharded_parameters", "qkv_rows",
+    "apply_tensor_parallel", "tp_traffic", "check_tensor_parallel", "TensorParallelInfo", "gather_full_state_dict",
+    "gather_full_gradients", "full_logits", "clip_grad_norm_", "sharded_parameters", "qkv_rows", "tp_placements",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelLayerNorm",
     "SequenceParallelPositions", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
 ]

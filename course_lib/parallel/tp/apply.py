@@ -17,6 +17,10 @@ a = heads, d = d_model, f = d_ff, V' = vocabulary padded to a multiple of tp):
 
 The attention and MLP modules themselves are the plain ones: only their linear layers change,
 and CausalSelfAttention reads its head count off the qkv output (a/tp heads here).
+
+`tp_placements(model)` says so per parameter (course_lib.parallel.placement): split along a dim
+by the layer's table, or replicated over tp. The full state dict, the clip's weights and the
+checkpoint's boxes read it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from course_lib.comm.autograd import gather_along_dim
 from course_lib.dims import check_sequence_parallel, check_tp
 from course_lib.model import GPT
 from course_lib.parallel.clip import clip_grad_norm_ as weighted_clip_grad_norm_
+from course_lib.parallel.placement import Placement, gather_full, parameter_names, weight
 from course_lib.parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -41,6 +46,8 @@ from course_lib.parallel.tp.layers import (
     padded_size,
 )
 from course_lib.parallel.tp.loss import VocabParallelCrossEntropy
+
+SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)  # the layers with placements()
 
 
 @dataclass(frozen=True)
@@ -120,46 +127,33 @@ def _info(model) -> TensorParallelInfo:
     return info
 
 
+def tp_placements(model: nn.Module) -> dict[str, Placement]:
+    """{single-process parameter name: its Placement over tp} for every parameter of a tensor-parallel
+    model (a tied matrix once, under its first name): the layers' splits, the rest replicated."""
+    info = _info(model)
+    rank, tp = dist.get_rank(info.group), dist.get_world_size(info.group)
+    split = {id(getattr(m, name)): pl for m in model.modules() if isinstance(m, SPLIT_LAYERS)
+             for name, pl in m.placements().items()}
+    return {name: split.get(id(p), Placement.replicated("tp", rank, tp)) for name, p in model.named_parameters()}
+
+
 def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters split across the tensor-parallel ranks (each listed once)."""
-    seen, out = set(), []
-    for module in model.modules():
-        for name, *_ in getattr(module, "sharded", lambda: [])():
-            p = getattr(module, name)
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
-def _gather(shard: torch.Tensor, dim: int, table: torch.Tensor, full_size: int, group) -> torch.Tensor:
-    """Concatenate every rank's shard, put each slice at its table indices, drop padding."""
-    parts = [torch.empty_like(shard) for _ in range(table.shape[0])]
-    dist.all_gather(parts, shard.contiguous(), group=group)
-    stacked = torch.cat(parts, dim=dim)
-    full = stacked.new_zeros(stacked.shape).index_copy_(dim, table.flatten().to(stacked.device), stacked)
-    return full.narrow(dim, 0, full_size)
+    kinds = tp_placements(model)
+    return [p for name, p in model.named_parameters() if kinds[name].kind == "split"]
 
 
 def _gather_all(model, pick) -> dict[str, torch.Tensor]:
-    info = _info(model)
-    out, done = {}, {}
-    for mod_name, module in model.named_modules():
-        specs = {name: (dim, table, size) for name, dim, table, size in getattr(module, "sharded", lambda: [])()}
-        for name, p in module.named_parameters(recurse=False):
-            key = f"{mod_name}.{name}" if mod_name else name
-            t = pick(p)
-            if t is None:
-                continue
-            if id(p) not in done:
-                done[id(p)] = (_gather(t.detach(), *specs[name], info.group) if name in specs else t.detach()).clone()
-            out[key] = done[id(p)]
-    return out
+    """pick(p) of every parameter, whole, under every name it has (a tied matrix under both)."""
+    info, placements = _info(model), tp_placements(model)
+    pieces = [(n, pick(p), (placements[n],)) for n, p in model.named_parameters() if pick(p) is not None]
+    full = gather_full(pieces, info.group)
+    return {n: full[first] for n, first in parameter_names(model).items() if first in full}
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The single-process GPT's state dict, rebuilt from the shards on every rank (collective:
-    all ranks call it). `GPT(config).load_state_dict(...)` accepts it."""
+    all ranks call it) by course_lib.parallel.placement.gather_full. `GPT(config).load_state_dict(...)` accepts it."""
     return _gather_all(model, lambda p: p)
 
 
@@ -176,9 +170,9 @@ def full_logits(model: nn.Module, local_logits: torch.Tensor) -> torch.Tensor:
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the global norm of the single-process gradient and return it: the one weighted
-    clip (course_lib.parallel.clip) over the tp group, a sharded parameter weighted 1 (its rows
-    live on this rank only), a replicated one 1/tp (the same gradient on every rank)."""
-    info = _info(model)
-    sharded, tp = {id(p) for p in sharded_parameters(model)}, dist.get_world_size(info.group)
-    pairs = [(p.grad, 1 if id(p) in sharded else 1 / tp) for p in model.parameters()]
+    clip (course_lib.parallel.clip) over the tp group, each parameter weighted 1 / its placement's
+    copies: a split one 1 (its rows live on this rank only), a replicated one 1/tp (the same
+    gradient on every rank)."""
+    info, placements = _info(model), tp_placements(model)
+    pairs = [(p.grad, weight((placements[n],))) for n, p in model.named_parameters()]
     return weighted_clip_grad_norm_(pairs, max_norm, info.group)

@@ -16,7 +16,9 @@ all-reduce forward (g, after the row layer) and one backward (f, before the colu
 
 `rows` / `cols` tables say which features of the full layer each rank holds: table[r] is rank
 r's list of indices. They make non-contiguous splits explicit (the fused QKV weight, where each
-rank takes whole heads of Q, K and V) and let `gather_full_state_dict` put the shards back.
+rank takes whole heads of Q, K and V). Each layer reports them as `placements()`, one
+course_lib.parallel.placement record per parameter (split along a dim, or replicated over tp),
+which the full state dict, the global-norm weights and the checkpoint boxes read.
 A vocabulary not divisible by tp is padded with zero rows up to a multiple of tp (Megatron does
 the same); the loss ignores the padded logits.
 """
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from course_lib.comm.autograd import copy_to_group
 from course_lib.dims import check_sequence_parallel
+from course_lib.parallel.placement import Placement
 from course_lib.parallel.tp.functions import SEQUENCE_DIM, enter_region, gathered_linear, leave_region
 
 
@@ -47,13 +50,12 @@ def _group_info(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, dim: int):
-    """dst = src.index_select(dim, index), with zeros where index is past src (vocabulary padding)."""
-    index = index.to(src.device)  # the tables live on the CPU; the weights may be on a GPU
-    valid = index < src.shape[dim]
-    with torch.no_grad():
-        dst.zero_()
-        dst.index_copy_(dim, valid.nonzero().flatten(), src.index_select(dim, index[valid]))
+@torch.no_grad()
+def _take_pieces(layer: nn.Module, full: nn.Module) -> None:
+    """Each parameter of `layer` := its Placement's piece of the full module's parameter: a split
+    one's rows (zeros where the table points past it: vocabulary padding), a replicated one whole."""
+    for name, placement in layer.placements().items():
+        getattr(layer, name).copy_(placement.local(getattr(full, name)))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -68,7 +70,7 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False, rows: torch.Tensor | None = None):
         super().__init__()
         tp, rank = _group_info(group)
-        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
+        self.group, self.tp, self.rank, self.sequence_parallel = group, tp, rank, sequence_parallel
         self.in_features, self.out_features = in_features, out_features  # full sizes
         self.rows = contiguous_table(padded_size(out_features, tp), tp) if rows is None else rows
         local = self.rows.shape[1]
@@ -81,10 +83,7 @@ class ColumnParallelLinear(nn.Module):
         """This rank's rows of a full nn.Linear (same weights on every rank)."""
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, sequence_parallel, rows)
         layer.to(linear.weight.device, linear.weight.dtype)
-        mine = layer.rows[dist.get_rank(group)]
-        _copy_rows(layer.weight, linear.weight, mine, 0)
-        if linear.bias is not None:
-            _copy_rows(layer.bias, linear.bias, mine, 0)
+        _take_pieces(layer, linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,10 +91,10 @@ class ColumnParallelLinear(nn.Module):
             return gathered_linear(x, self.weight, self.bias, self.group)
         return F.linear(enter_region(x, self.group, False), self.weight, self.bias)
 
-    def sharded(self):
-        """(parameter name, split dim, table, full size) of each sharded parameter."""
-        out = [("weight", 0, self.rows, self.out_features)]
-        return out + ([("bias", 0, self.rows, self.out_features)] if self.bias is not None else [])
+    def placements(self) -> dict[str, Placement]:
+        """{parameter name: Placement}: the weight's and the bias's rows (dim 0) over tp."""
+        split = Placement.split("tp", 0, self.rows, self.rank, self.out_features)
+        return {"weight": split, **({"bias": split} if self.bias is not None else {})}
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}/{self.tp} per rank, sp={self.sequence_parallel}"
@@ -113,8 +112,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
                  sequence_parallel: bool = False, cols: torch.Tensor | None = None):
         super().__init__()
-        tp, _ = _group_info(group)
-        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
+        tp, rank = _group_info(group)
+        self.group, self.tp, self.rank, self.sequence_parallel = group, tp, rank, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.cols = contiguous_table(in_features, tp) if cols is None else cols
         self.weight = nn.Parameter(torch.empty(out_features, self.cols.shape[1]))
@@ -125,10 +124,7 @@ class RowParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel: bool = False, cols=None):
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, sequence_parallel, cols)
         layer.to(linear.weight.device, linear.weight.dtype)
-        _copy_rows(layer.weight, linear.weight, layer.cols[dist.get_rank(group)], 1)
-        if linear.bias is not None:
-            with torch.no_grad():
-                layer.bias.copy_(linear.bias)
+        _take_pieces(layer, linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,8 +133,10 @@ class RowParallelLinear(nn.Module):
             return y
         return y + (copy_to_group(self.bias, self.group) if self.sequence_parallel else self.bias)
 
-    def sharded(self):
-        return [("weight", 1, self.cols, self.in_features)]
+    def placements(self) -> dict[str, Placement]:
+        """The weight's input columns (dim 1) over tp; the bias whole on every tp rank."""
+        out = {"weight": Placement.split("tp", 1, self.cols, self.rank, self.in_features)}
+        return out | ({"bias": Placement.replicated("tp", self.rank, self.tp)} if self.bias is not None else {})
 
     def extra_repr(self):
         return f"in={self.in_features}/{self.tp} per rank, out={self.out_features}, sp={self.sequence_parallel}"
@@ -154,7 +152,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None, sequence_parallel: bool = False):
         super().__init__()
         tp, rank = _group_info(group)
-        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
+        self.group, self.tp, self.rank, self.sequence_parallel = group, tp, rank, sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.rows = contiguous_table(padded_size(num_embeddings, tp), tp)
         self.vocab_start = int(self.rows[rank, 0])
@@ -164,7 +162,7 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group=None, sequence_parallel: bool = False):
         layer = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel).to(emb.weight.device, emb.weight.dtype)
-        _copy_rows(layer.weight, emb.weight, layer.rows[dist.get_rank(group)], 0)
+        _take_pieces(layer, emb)
         return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -176,8 +174,9 @@ class VocabParallelEmbedding(nn.Module):
         partial = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_region(partial, self.group, self.sequence_parallel)
 
-    def sharded(self):
-        return [("weight", 0, self.rows, self.num_embeddings)]
+    def placements(self) -> dict[str, Placement]:
+        """The vocabulary rows (dim 0) over tp; rows >= num_embeddings are padding."""
+        return {"weight": Placement.split("tp", 0, self.rows, self.rank, self.num_embeddings)}
 
     def extra_repr(self):
         return f"{self.num_embeddings} tokens ({self.weight.shape[0]} per rank), dim={self.embedding_dim}"
