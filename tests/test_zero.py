@@ -18,7 +18,7 @@ import torch.distributed as dist
 from course_lib import run_on_ranks
 from course_lib.data import CharDataset
 from course_lib.model import GPT, GPTConfig
-from course_lib.parallel.zero import (FlatUnit, ShardedOptimizer, apply_zero, shard_bounds, train_single,
+from course_lib.parallel.zero import (FlatUnit, ShardedOptimizer, apply_zero, shard_bounds, train_zero_reference,
                                       train_zero)
 from course_lib.parallel.zero.native import train_native
 from course_lib.train import TrainConfig, make_optimizer, train_step
@@ -97,7 +97,7 @@ def test_every_stage_and_offload_equal_single_process_fp32(config, world_size):
     cfg = train_cfg()
     names = list(VARIANTS) if world_size == 3 else ["stage1", "stage2", "stage3", "stage2_sgd"]
     names += ["stage3_accum"] if world_size == 2 else []  # 4 ranks: 3 sequences each, not divisible by 2
-    refs = {opt: train_single(config, cfg, opt) for opt in (torch.optim.AdamW, torch.optim.SGD)}
+    refs = {opt: train_zero_reference(config, cfg, opt) for opt in (torch.optim.AdamW, torch.optim.SGD)}
     per_rank = run_on_ranks(_run_variants, config, cfg, names, world_size=world_size, timeout_s=120)
     for name in names:
         ref = refs[VARIANTS[name][1]]
@@ -135,7 +135,7 @@ def test_bf16_mixed_every_stage_tracks_single_process(config):
     """bf16 parameters, fp32 master and moments: the ranks' bf16 gradients are summed in another
     order than the single process's, so runs agree to bf16 precision, not bit for bit."""
     cfg = train_cfg()
-    ref = train_single(config, cfg, compute_dtype=torch.bfloat16)
+    ref = train_zero_reference(config, cfg, compute_dtype=torch.bfloat16)
     start = torch.cat([p.detach().reshape(-1) for p in GPT(config, seed=cfg.seed).parameters()])
 
     def run():

@@ -17,7 +17,7 @@ from course_lib.demos.zero import zero_demo
 from course_lib.estimate import model_state_bytes
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.zero import (ShardedOptimizer, apply_zero, expected_state_bytes, measure_zero_step,
-                                      offload_bytes_per_step, ring_bytes, run_zero, train_single, train_zero)
+                                      offload_bytes_per_step, ring_bytes, run_zero, train_zero_reference, train_zero)
 from course_lib.train import TrainConfig
 
 from _tolerances import adamw_loss_atol
@@ -203,8 +203,8 @@ def test_zero_demo_rejects_bad_arguments():
 
 def test_zero_demo_runs_from_a_notebook_too():
     out = run_on_ranks(zero_demo, stage=2, steps=2, bf16=False, world_size=2, timeout_s=120)
-    ref = train_single(GPTConfig.tiny(CharDataset("train").vocab_size),
-                       TrainConfig(steps=2, batch_size=8, grad_clip=1.0, progress=False)).train_losses
+    ref = train_zero_reference(GPTConfig.tiny(CharDataset("train").vocab_size),
+                               TrainConfig(steps=2, batch_size=8, grad_clip=1.0, progress=False)).train_losses
     # the same single-process run in rank 0 and here: a rank's thread count may block its GEMMs
     # differently, and step 2 follows an AdamW step, so both within adamw_loss_atol (tests/_tolerances)
     atol = adamw_loss_atol(TrainConfig().lr)

@@ -23,18 +23,19 @@ import torch.distributed as dist
 
 from course_lib.capstone.config import CapstoneConfig
 from course_lib.checkpoint import checkpoint_path, load_training_state, save_training_state
-from course_lib.data import CharDataset, get_batch
+from course_lib.data import CharDataset
 from course_lib.observe.memory import SavedActivations
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.hybrid import (HybridResult, build_hybrid, clip_grad_norm_hybrid, make_forward_backward,
                                         make_hybrid_optimizer, merged_params, owned_params, traffic_by_dimension,
                                         train_single, trained_module)
+from course_lib.parallel.hybrid.training import mean_over_replicas, replica_rows
 from course_lib.parallel.zero import measure_state_bytes
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.runtime.pool import shutdown_pools
-from course_lib.train import train_step
+from course_lib.train import StepHooks, train_loop
 
 
 def _rss_bytes() -> int:
@@ -70,51 +71,54 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
             raise ValueError(f"checkpoint of step {info.step} found where step {first - 1} was expected")
         result.train_losses = list(info.extra["losses"])  # the curve so far, whatever layout ran it
         result.resumed_from = info.resume_text(dims)
-    replica = parts.coords["dp"] * dims.ep + parts.coords["ep"]  # rows of the global batch: this replica's
-    share = train_cfg.batch_size // dims.replicas
     log = open(loss_log, "a") if loss_log and rank == 0 else None
-
-    steps = range(first, last + 1)
+    bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
 
-        steps = tqdm(steps, desc=dims.describe(), leave=True)
-    tracer = CommTracer() if trace else contextlib.nullcontext()
-    with tracer, (log or contextlib.nullcontext()):
-        for step in steps:
-            x, y = get_batch(dataset, train_cfg.batch_size, gen)
-            rows = slice(replica * share, (replica + 1) * share)
-            timeline = Timeline() if step == timeline_step else None
-            measure = step == first
-            saved = SavedActivations(parts.model) if measure and parts.stage is None else contextlib.nullcontext()
-            dist.barrier()  # every rank starts the step together: the timelines line up, the seconds compare
-            start = time.perf_counter()
-            with saved:
-                loss = train_step(module, optimizer, x[rows].to(dev), y[rows].to(dev), train_cfg.grad_clip,
-                                  forward_backward=make_forward_backward(parts, dims, timeline),
-                                  clip_grad_norm=lambda c: clip_grad_norm_hybrid(parts, c), timeline=timeline)
-            result.step_seconds.append(time.perf_counter() - start)
-            if timeline is not None:
-                result.timeline_events = list(timeline.events)
-            if measure:  # state after a step (gradients and Adam's moments exist); activations of it
-                # params and AdamW's moments after the step; the gradients at their peak, the end
-                # of backward, before the ZeRO engine reduces them to its shard: one per parameter
-                result.memory = dict(measure_state_bytes(module, optimizer))
-                result.memory["grads"] = sum(p.numel() * p.element_size() for p in module.parameters())
-                result.memory["total"] = result.memory["params"] + result.memory["grads"] + result.memory["optimizer"]
-                result.memory["activations"] = (saved.bytes if parts.stage is None
-                                                 else parts.stage.last_peak_activation_bytes)
-            mean = torch.tensor(loss / dims.replicas, dtype=torch.float64, device=dev)
-            for d in ("dp", "ep"):  # the global loss: the mean over the dp * ep replicas
-                if getattr(dims, d) > 1:
-                    dist.all_reduce(mean, group=parts.groups[d])
-            result.train_losses.append(float(mean))
-            if log is not None:
-                log.write(json.dumps({"step": step, "loss": float(mean)}) + "\n")
-                log.flush()
+        bar = tqdm(total=last - first + 1, desc=dims.describe(), leave=True)
+    clip = lambda c: clip_grad_norm_hybrid(parts, c)  # noqa: E731
+    timeline = Timeline() if timeline_step is not None and first <= timeline_step <= last else None
+    timed = StepHooks(forward_backward=make_forward_backward(parts, dims, timeline), clip_grad_norm=clip,
+                      timeline=timeline)  # the step whose timeline is recorded
+    plain = StepHooks(forward_backward=make_forward_backward(parts, dims), clip_grad_norm=clip)
+    saved = {}
+
+    def measuring(step):  # the saved activations of the first step run (an unpipelined model)
+        if step != first or parts.stage is not None:
+            return contextlib.nullcontext()
+        saved["first"] = SavedActivations(parts.model)
+        return saved["first"]
+
+    def after_step(step, loss):
+        if step == first:  # state after a step (gradients and Adam's moments exist); activations of it
+            # params and AdamW's moments after the step; the gradients at their peak, the end
+            # of backward, before the ZeRO engine reduces them to its shard: one per parameter
+            result.memory = dict(measure_state_bytes(module, optimizer))
+            result.memory["grads"] = sum(p.numel() * p.element_size() for p in module.parameters())
+            result.memory["total"] = result.memory["params"] + result.memory["grads"] + result.memory["optimizer"]
+            result.memory["activations"] = (saved["first"].bytes if parts.stage is None
+                                             else parts.stage.last_peak_activation_bytes)
+        if log is not None:
+            log.write(json.dumps({"step": step, "loss": loss}) + "\n")
+            log.flush()
+        if bar is not None:
+            bar.update(1)
+
+    tracer = CommTracer() if trace else None
+    with log or contextlib.nullcontext():
+        # every rank starts each step together (the barrier): the timelines line up, the seconds compare
+        train_loop(module, optimizer, dataset, train_cfg, lambda step: timed if step == timeline_step else plain,
+                   rows=replica_rows(parts, dims, train_cfg.batch_size), generator=gen, device=dev, first=first,
+                   last=last, result=result, tracer=tracer, step_context=measuring,
+                   before_step=lambda step: dist.barrier(), report_loss=mean_over_replicas(parts, dims),
+                   on_step=after_step)
+    if bar is not None:
+        bar.close()
+    if timeline is not None:
+        result.timeline_events = list(timeline.events)
     result.memory["peak_rss"] = _rss_bytes()
     if trace:
-        result.comm_summary = tracer.summary()
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
     save_training_state(checkpoint_path(root, last), last, parts, optimizer, "hybrid", gen,
                         extra={"losses": list(result.train_losses)}, dims=dims)

@@ -39,10 +39,10 @@ import torch.distributed as dist
 from course_lib.checkpoint.format import _all_gather_object, _world
 from course_lib.checkpoint.reshard import whole
 from course_lib.checkpoint.slots import Piece
-from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.parallel.zero.native import fsdp2_model
-from course_lib.train import train_step
+from course_lib.train import StepHooks, share_rows, train_loop
 
 
 @contextlib.contextmanager
@@ -152,15 +152,15 @@ def _fsdp2_run(model_config, train_cfg, seed: int, group=None):
     model = fsdp2_model(GPT(model_config, seed=seed), group)
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
                             weight_decay=train_cfg.weight_decay)
-    dataset, gen, share = CharDataset("train", model_config.block_size), torch.Generator().manual_seed(seed), \
-        train_cfg.batch_size // n
+    if not train_cfg.steps:  # a fresh model
+        return model, opt
+    dataset = CharDataset("train", model_config.block_size)
     with warnings.catch_warnings():  # FSDP2's two harmless warnings for GPT (see parallel/zero/native.py)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        for _ in range(train_cfg.steps):
-            idx = sample_indices(len(dataset), train_cfg.batch_size, gen)[rank * share:(rank + 1) * share]
-            train_step(model, opt, *collate(dataset, idx), train_cfg.grad_clip,
-                       clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
+        train_loop(model, opt, dataset, train_cfg,
+                   StepHooks(clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)),
+                   rows=share_rows(rank, n, train_cfg.batch_size), generator=torch.Generator().manual_seed(seed))
     return model, opt
 
 

@@ -14,15 +14,14 @@ S'_u = ceil(P_u / M): the resharding the exercise asks for.
 from __future__ import annotations
 
 import pathlib
-import time
 
 import torch
 import torch.distributed as dist
 
-from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.parallel.zero.apply import apply_zero
-from course_lib.train import TrainResult, train_step
+from course_lib.train import StepHooks, TrainResult, share_rows, train_loop
 
 STATE = ("exp_avg", "exp_avg_sq")
 
@@ -82,17 +81,20 @@ def train_zero3_flat(model_config, train_cfg, save_dir=None, resume: list[dict] 
         step, losses = _load_payload(opt, gen, resume[rank], rank, n)
         first = step + 1
     dataset = CharDataset("train", block_size=model_config.block_size)
-    share, result, start = train_cfg.batch_size // n, TrainResult(), time.perf_counter()
-    for _ in range(first, train_cfg.steps + 1):
-        idx = sample_indices(len(dataset), train_cfg.batch_size, gen)[rank * share:(rank + 1) * share]
-        loss = train_step(model, opt, *collate(dataset, idx), train_cfg.grad_clip, clip_grad_norm=opt.clip_grad_norm_)
+
+    def global_loss(loss):  # the mean over ranks, the same at any world size
         mean = torch.tensor([loss / n], dtype=torch.float64)
         dist.all_reduce(mean, group=group)
-        losses.append(mean.item())
+        return mean.item()
+
+    result = TrainResult(train_losses=losses)  # the steps before `first` come from the shards
+    if first <= train_cfg.steps:  # else the shards hold every step already
+        train_loop(model, opt, dataset, train_cfg, StepHooks(clip_grad_norm=opt.clip_grad_norm_),
+                   rows=share_rows(rank, n, train_cfg.batch_size), generator=gen, first=first, result=result,
+                   report_loss=global_loss)
     if save_dir is not None:
         pathlib.Path(save_dir).mkdir(parents=True, exist_ok=True)
         torch.save(_shard_payload(opt, gen, train_cfg.steps, losses), flat_file(save_dir, rank))
         dist.barrier(group=group)
-    result.seconds, result.train_losses = time.perf_counter() - start, losses
     result.final_params = torch.cat([p.reshape(-1) for p in opt.full_state_dict()["params"]])
     return result

@@ -36,13 +36,13 @@ from course_lib._validate import check_int, check_one_of
 from course_lib.checkpoint.async_save import AsyncCheckpointer
 from course_lib.checkpoint.atomic import checkpoint_path, latest_checkpoint, prune
 from course_lib.checkpoint.state import load_training_state, save_training_state
-from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.parallel.dp import naive_all_reduce_gradients
 from course_lib.parallel.zero.apply import apply_zero
 from course_lib.parallel.zero.sharded_optimizer import ShardedOptimizer
 from course_lib.runtime.device import rank_device
-from course_lib.train import TrainResult, flat_params, make_optimizer, train_step
+from course_lib.train import StepHooks, TrainResult, flat_params, make_optimizer, share_rows, train_loop
 
 TRAINING_LAYOUTS = ("replicated", "zero")
 FORGETTABLE = ("optimizer", "data", "rng")
@@ -128,10 +128,9 @@ def train_with_checkpoints(model_config, train_cfg, checkpoint_dir, checkpoint_e
                       path=latest.name)
             print(f"resumed from {latest.name} (saved at {info.saved_world_size} ranks) on {n} ranks", flush=True)
     saver = AsyncCheckpointer(group) if async_save else None
-    share = train_cfg.batch_size // n
-    result = TrainResult()
-    start_all = time.perf_counter()
-    for step in range(first, train_cfg.steps + 1):
+    result = TrainResult(train_losses=losses)  # the steps before `first` come from the checkpoint
+
+    def kill_if_due(step):  # at the start of the step, before its batch is drawn
         marker = root / f".killed-rank{kill_rank}-step{kill_at_step}"
         if rank == kill_rank and step == kill_at_step and not marker.exists():
             root.mkdir(parents=True, exist_ok=True)
@@ -139,29 +138,33 @@ def train_with_checkpoints(model_config, train_cfg, checkpoint_dir, checkpoint_e
             log_event(root, event="kill", step=step, rank=rank)
             print(f"rank {rank}: killed at the start of step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        start = time.perf_counter()
-        idx = sample_indices(len(dataset), train_cfg.batch_size, gen)[rank * share:(rank + 1) * share]
-        x, y = (t.to(dev) for t in collate(dataset, idx))
-        loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, sync_gradients=sync, clip_grad_norm=clip)
+
+    def global_loss(loss):  # the mean over ranks, the same at any world size
         mean = torch.tensor([loss / n], dtype=torch.float64, device=dev)
-        dist.all_reduce(mean, group=group)  # the global loss, the same at any world size
-        losses.append(mean.item())
+        dist.all_reduce(mean, group=group)
+        return mean.item()
+
+    def log_and_save(step, loss):
         if log_steps and rank == 0:
-            log_event(root, event="step", step=step, loss=losses[-1], world_size=n)
-        result.step_seconds.append(time.perf_counter() - start)
+            log_event(root, event="step", step=step, loss=loss, world_size=n)
         if checkpoint_every and step % checkpoint_every == 0:
             path = checkpoint_path(root, step)
             t0 = time.perf_counter()
-            save_training_state(path, step, model, optimizer, layout, gen, extra={"losses": list(losses)},
+            save_training_state(path, step, model, optimizer, layout, gen, extra={"losses": list(result.train_losses)},
                                 group=group, saver=saver)
             if rank == 0:
                 log_event(root, event="save", step=step, world_size=n, blocking_s=time.perf_counter() - t0,
                           path=path.name)
                 if keep:
                     prune(root, keep)
+
+    start_all = time.perf_counter()
+    if first <= train_cfg.steps:  # else the checkpoint holds every step already
+        train_loop(model, optimizer, dataset, train_cfg, StepHooks(sync_gradients=sync, clip_grad_norm=clip),
+                   rows=share_rows(rank, n, train_cfg.batch_size), generator=gen, device=dev, first=first,
+                   result=result, before_step=kill_if_due, report_loss=global_loss, on_step=log_and_save)
     if saver is not None:
         saver.wait()
-    result.seconds = time.perf_counter() - start_all
-    result.train_losses = losses
+    result.seconds = time.perf_counter() - start_all  # the saves' wait included
     result.final_params = _final_params(model, optimizer, layout, zero_stage)
     return result

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib.data import CharDataset, get_batch
+from course_lib.data import CharDataset
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.timeline import Timeline
 from course_lib.parallel.pp import SCHEDULES, build_stage, check_pipeline, run_schedule
@@ -28,7 +28,7 @@ from course_lib.parallel.pp.bubble import COMPUTE, formula_for
 from course_lib.parallel.pp.training import clip_grad_norm_pipeline
 from course_lib.runtime.device import rank_device
 from course_lib.runtime.launch import init_from_env, leave_process_group
-from course_lib.train import TrainConfig, make_optimizer, train_step
+from course_lib.train import StepHooks, TrainConfig, make_optimizer, train_loop
 
 
 def parse_args(argv=None):
@@ -63,37 +63,40 @@ def main(argv=None):
         dataset = CharDataset("train", block_size=config.block_size)
         stage = build_stage(GPT(config, seed=train_cfg.seed).to(dev), None, v)
         optimizer = make_optimizer(stage, train_cfg)
-        reference = GPT(config, seed=train_cfg.seed).to(dev) if rank == 0 else None
-        ref_opt = make_optimizer(reference, train_cfg) if rank == 0 else None
-        gen = torch.Generator().manual_seed(train_cfg.seed)
+        ref_losses = []
+        if rank == 0:  # the single process on the same batches (its own generator, seeded alike), first
+            reference = GPT(config, seed=train_cfg.seed).to(dev)
+            ref_losses = train_loop(reference, make_optimizer(reference, train_cfg), dataset, train_cfg,
+                                    device=dev).train_losses
         pad = {k: args.action_ms / 1e3 for k in "FBW"}
         formula = formula_for(args.schedule, p, m, v)
         if rank == 0:
             print(f"{args.schedule} on {p} stages x {v} chunk(s), {m} micro-batches of {args.batch_size // m}; "
                   f"bubble formula {formula:.3f}", flush=True)
-        for step in range(1, args.steps + 1):
-            x, y = (t.to(dev) for t in get_batch(dataset, args.batch_size, gen))
-            timeline, span = Timeline(), {}
+        now = {}  # this step's timeline (a fresh one before each step) and the schedule's span between two barriers
 
-            def forward_backward(_stage, x_, y_):
-                dist.barrier()
-                span["start"] = time.perf_counter()
-                loss = run_schedule(stage, x_, y_, args.schedule, m, timeline=timeline, action_seconds=pad)
-                dist.barrier()
-                span["end"] = time.perf_counter()
-                return loss
+        def forward_backward(_stage, x_, y_):
+            dist.barrier()
+            now["start"] = time.perf_counter()
+            loss = run_schedule(stage, x_, y_, args.schedule, m, timeline=now["timeline"], action_seconds=pad)
+            dist.barrier()
+            now["end"] = time.perf_counter()
+            return loss
 
-            loss = train_step(stage, optimizer, x, y, train_cfg.grad_clip, forward_backward=forward_backward,
-                              clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
-            busy = sum(e - s for _, s, e, c in timeline.events if c in COMPUTE)
-            bubble = torch.tensor([1 - busy / (span["end"] - span["start"])])
+        def report(step, loss):
+            busy = sum(e - s for _, s, e, c in now["timeline"].events if c in COMPUTE)
+            bubble = torch.tensor([1 - busy / (now["end"] - now["start"])])
             bubbles = [torch.zeros(1) for _ in range(p)]
             dist.all_gather(bubbles, bubble)
             if rank == 0:
-                ref_loss = train_step(reference, ref_opt, x, y, train_cfg.grad_clip)
+                ref_loss = ref_losses[step - 1]
                 print(f"step {step}: pipeline loss {loss:.6f}  single process {ref_loss:.6f}  "
                       f"|diff| {abs(loss - ref_loss):.1e}  bubble per rank "
                       + " ".join(f"{b.item():.3f}" for b in bubbles), flush=True)
+
+        hooks = StepHooks(forward_backward=forward_backward, clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
+        train_loop(stage, optimizer, dataset, train_cfg, hooks, device=dev,
+                   before_step=lambda step: now.update(timeline=Timeline()), on_step=report)
     finally:
         leave_process_group()
 

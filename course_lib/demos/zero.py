@@ -5,7 +5,7 @@
 
 Every rank trains the course GPT with `apply_zero(model, S, torch.optim.AdamW)` on its share
 of each batch (course_lib.parallel.zero.train_zero). Rank 0 also trains the same model alone
-on the whole batch (train_single) and prints the two loss curves side by side, then the bytes
+on the whole batch (train_zero_reference) and prints the two loss curves side by side, then the bytes
 of parameters, gradients and optimizer state each rank holds (measured from its tensors)
 beside notebook 01's formula (course_lib.estimate.model_state_bytes per flat unit).
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from course_lib.data import CharDataset
 from course_lib.model import GPTConfig
-from course_lib.parallel.zero import expected_state_bytes, measure_zero_step, train_single, train_zero
+from course_lib.parallel.zero import expected_state_bytes, measure_zero_step, train_zero_reference, train_zero
 from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.train import TrainConfig
 from course_lib.units import fmt_bytes
@@ -46,7 +46,7 @@ def zero_demo(stage: int, steps: int = 5, bf16: bool = False, offload: bool = Fa
     formula = expected_state_bytes(mem["unit_sizes"], "bf16_mixed" if bf16 else "fp32", stage, n)
     if offload:
         formula["host"], formula["optimizer"] = formula["optimizer"], 0
-    reference = train_single(config, cfg, compute_dtype=dtype).train_losses if dist.get_rank() == 0 else None
+    reference = train_zero_reference(config, cfg, compute_dtype=dtype).train_losses if dist.get_rank() == 0 else None
     return {"losses": (losses / n).tolist(), "reference": reference, "measured": measured, "formula": formula}
 
 

@@ -58,7 +58,7 @@ from course_lib.parallel.zero import apply_zero, measure_state_bytes
 from course_lib.parallel.zero.training import default_optimizer_kwargs
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
-from course_lib.train import TrainConfig, train_step
+from course_lib.train import StepHooks, TrainConfig, train_step
 from course_lib.units import fmt_bytes
 
 STATE = ("params", "grads", "optimizer")
@@ -118,8 +118,9 @@ def layout_memory_bytes(config, dims: ParallelDims, batch_size: int, seq: int | 
     def after_backward():
         out.update({k: v for k, v in measure_state_bytes(module, optimizer).items() if k in ("params", "grads")})
 
-    train_step(module, optimizer, x, y, None, accum_steps=L.microbatches if forward_backward is None else 1,
-               forward_backward=forward_backward, sync_gradients=after_backward)
+    hooks = (StepHooks(forward_backward=forward_backward, sync_gradients=after_backward) if forward_backward is not None
+             else StepHooks(accum_steps=L.microbatches, sync_gradients=after_backward))
+    train_step(module, optimizer, x, y, None, hooks=hooks)
     out["optimizer"] = measure_state_bytes(module, optimizer)["optimizer"]
     if stage is not None:
         out["activations"] = stage.last_peak_activation_bytes

@@ -14,8 +14,8 @@ memory is that of m examples, while the effective batch is B = k * m. The price 
 In data parallel training the same idea lets ranks skip the gradient all-reduce on the first
 k - 1 micro-batches (DDP's `no_sync()`), communicating once per step.
 
-The optimizer step around it is `course_lib.train.train_step(..., accum_steps=k)`, which builds
-on this module (train imports it, not the other way).
+The optimizer step around it is `course_lib.train.train_step(..., accum_steps=k)` (defined in
+course_lib.loop, which builds on this module: loop imports it, not the other way).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from course_lib.data import CharDataset
 from course_lib.estimate import LLAMA3_8B, model_state_bytes
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.zero import (FlatUnit, apply_zero, expected_state_bytes, measure_zero_step,
-                                      offload_bytes_per_step, ring_bytes, train_single, train_zero)
+                                      offload_bytes_per_step, ring_bytes, train_zero_reference, train_zero)
 from course_lib.parallel.zero import viz
 from course_lib.parallel.zero.native import train_native
 from course_lib.train import TrainConfig
@@ -153,7 +153,7 @@ except RankError as err:
 def every_stage(config, cfg):
     return {stage: train_zero(config, cfg, stage, bucket_cap_mb=0.05) for stage in range(4)}
 
-reference = train_single(CONFIG, TRAIN)
+reference = train_zero_reference(CONFIG, TRAIN)
 runs = run_on_ranks(every_stage, CONFIG, TRAIN, world_size=N, **RANKS)
 print("step  single process   " + "   ".join(f"stage {s}" for s in range(4)))
 for i, ref in enumerate(reference.train_losses):

@@ -1,8 +1,7 @@
 """apply_data_parallel(model, group, strategy): data parallelism plugged in like every other axis.
 
     dp = apply_data_parallel(model, group, "ddp")        # or "naive", "torch", or wrap(model, group)
-    train_step(dp.module, optimizer, x, y, clip, accum_steps=k,
-               no_sync=dp.no_sync, sync_gradients=dp.sync_gradients)
+    train_step(dp.module, optimizer, x, y, clip, hooks=dp.hooks(accum_steps=k))
 
 Whatever the strategy, the result says the same three things: the module to call, the context
 that skips the gradient exchange for all but the last micro-batch (None: the strategy exchanges
@@ -19,6 +18,7 @@ from typing import Callable
 
 import torch.nn as nn
 
+from course_lib.loop import StepHooks
 from course_lib.parallel.dp.ddp import DDP, naive_all_reduce_gradients
 from course_lib.runtime.device import rank_device
 
@@ -28,6 +28,10 @@ class DataParallel:
     module: nn.Module  # what the training step calls: the wrapper, or the model itself
     no_sync: Callable | None  # context manager for the micro-batches before the last, or None
     sync_gradients: Callable | None  # after the last backward, or None
+
+    def hooks(self, **more) -> StepHooks:
+        """The step's hooks: no_sync and sync_gradients, plus `more` (accum_steps, a clip, a timeline)."""
+        return StepHooks(no_sync=self.no_sync, sync_gradients=self.sync_gradients, **more)
 
 
 def _course_ddp(model, group, timeline, **ddp_kwargs) -> DataParallel:

@@ -49,7 +49,7 @@ import torch
 
 from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT
-from course_lib.train import TrainConfig, TrainResult, evaluate, flat_params, make_optimizer, train_step
+from course_lib.train import TrainConfig, TrainResult, evaluate, flat_params, make_optimizer, train_loop
 
 LR_RULES = ("none", "linear", "sqrt")
 
@@ -145,13 +145,13 @@ def train_at_token_budget(model_config, batch_size: int, tokens: int, base_lr: f
     dataset = CharDataset("train", block_size=model_config.block_size)
     model = GPT(model_config, seed=seed)
     optimizer = make_optimizer(model, cfg)
-    gen = torch.Generator().manual_seed(seed)
     result = TrainResult().set_step_work(model_config, batch_size, model_config.block_size)
-    for step in range(steps):
+
+    def warm_up(step):  # step 1 is the first: warmup_factor counts from 0
         for group in optimizer.param_groups:
-            group["lr"] = lr * warmup_factor(step, warmup_steps)
-        x, y = get_batch(dataset, batch_size, gen)
-        result.train_losses.append(train_step(model, optimizer, x, y, grad_clip))
+            group["lr"] = lr * warmup_factor(step - 1, warmup_steps)
+
+    train_loop(model, optimizer, dataset, cfg, result=result, before_step=warm_up)
     val = CharDataset("val", block_size=model_config.block_size)
     result.val_losses.append((steps, evaluate(model, val, eval_batches, 16, torch.Generator().manual_seed(seed + 1))))
     result.final_params = flat_params(model)

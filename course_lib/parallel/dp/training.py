@@ -8,20 +8,17 @@ after each step equal the single-process reference trained on the whole batch.
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
 import torch.distributed as dist
 
-from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.data import CharDataset
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.model import GPT
 from course_lib.parallel.dp.apply import apply_data_parallel, check_strategy
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
-from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
+from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, share_rows, train_loop
 
 def _check_run(strategy, accum_steps, batch_size, world_size):
     check_strategy(strategy)
@@ -37,7 +34,7 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
     """Rank code: course_lib.train's reference loop, made data parallel.
 
     Every rank draws the reference's global batch indices with the same seeded generator
-    (data.sample_indices), keeps its contiguous share idx[r*B/N : (r+1)*B/N] and runs
+    (course_lib.loop.train_loop), keeps its contiguous share idx[r*B/N : (r+1)*B/N] and runs
     `train_step` on it with accum_steps micro-batches (all but the last under no_sync). Each
     micro-batch loss is divided by accum_steps, so the summed gradient is the mean over the
     rank's share; the strategy then averages it over the ranks.
@@ -57,30 +54,14 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
     model = (model_fn or GPT)(model_config, seed=train_cfg.seed).to(dev)
     dp = apply_data_parallel(model, group, strategy, timeline, **ddp_kwargs)
     optimizer = make_optimizer(model, train_cfg)
-    gen = torch.Generator().manual_seed(train_cfg.seed)
-    share = train_cfg.batch_size // n
+    # Clip the plain model's gradients: after the average every rank holds the global
+    # gradient, so its norm is the reference's.
+    hooks = dp.hooks(accum_steps=accum_steps, timeline=timeline,
+                     clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
     result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-    tracer = CommTracer() if trace else contextlib.nullcontext()
-    start_all = time.perf_counter()
-    with tracer:
-        for _ in range(train_cfg.steps):
-            start = time.perf_counter()
-            idx = sample_indices(len(dataset), train_cfg.batch_size, gen)[rank * share:(rank + 1) * share]
-            x, y = (t.to(dev) for t in collate(dataset, idx))
-            # Clip the plain model's gradients: after the average every rank holds the global
-            # gradient, so its norm is the reference's.
-            loss = train_step(dp.module, optimizer, x, y, train_cfg.grad_clip, accum_steps=accum_steps,
-                              no_sync=dp.no_sync, sync_gradients=dp.sync_gradients,
-                              clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c),
-                              timeline=timeline)
-            result.train_losses.append(loss)
-            result.step_seconds.append(time.perf_counter() - start)
-    result.seconds = time.perf_counter() - start_all
+    train_loop(dp.module, optimizer, dataset, train_cfg, hooks, rows=share_rows(rank, n, train_cfg.batch_size),
+               device=dev, result=result, tracer=CommTracer() if trace else None)
     result.final_params, result.final_grads = flat_params(model), flat_grads(model)
-    if timeline is not None:
-        result.timeline_events = timeline.events
-    if trace:
-        result.comm_summary = tracer.summary()
     return result
 
 

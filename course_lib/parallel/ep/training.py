@@ -14,13 +14,9 @@ averaged over the world (data parallelism only), with the same result.
 
 from __future__ import annotations
 
-import contextlib
-import time
-
-import torch
 import torch.distributed as dist
 
-from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
@@ -29,7 +25,7 @@ from course_lib.parallel.ep.apply import apply_expert_parallel, check_expert_par
 from course_lib.parallel.mesh import make_mesh
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
-from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
+from course_lib.train import StepHooks, TrainResult, flat_grads, flat_params, make_optimizer, share_rows, train_loop
 
 EXPERT_LAYOUTS = ("sharded", "replicated")
 
@@ -51,36 +47,26 @@ def check_run(model_config, train_cfg, world_size: int, dp: int = 1, experts: st
     return ep
 
 
-def _shares(dataset, train_cfg, gen, n_shares):
-    idx = sample_indices(len(dataset), train_cfg.batch_size, gen)
-    share = train_cfg.batch_size // n_shares
-    return [collate(dataset, idx[r * share:(r + 1) * share]) for r in range(n_shares)]
-
-
 def train_moe_reference(model_config, train_cfg, shares: int) -> TrainResult:
     """Single process: each step runs the model on the `shares` contiguous shares of the batch
     separately (each its own routing, capacity, auxiliary loss), back-propagates
     (1/shares) * sum of their losses, clips and steps. train_losses: the mean share loss."""
+    if train_cfg.batch_size % shares:
+        raise ValueError(f"batch_size={train_cfg.batch_size} must be divisible by shares={shares}")
     dataset = CharDataset("train", block_size=model_config.block_size)
     model = GPT(model_config, seed=train_cfg.seed)
     optimizer = make_optimizer(model, train_cfg)
-    gen = torch.Generator().manual_seed(train_cfg.seed)
+
+    def forward_backward(m, x, y):
+        total = 0.0
+        for xs, ys in zip(x.chunk(shares), y.chunk(shares)):  # rows [r*B/W, (r+1)*B/W): rank r's share
+            loss = m(xs, ys)[1] / shares
+            loss.backward()
+            total += loss.item()
+        return total
+
     result = TrainResult(model=model).set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-    for _ in range(train_cfg.steps):
-        batches = _shares(dataset, train_cfg, gen, shares)
-
-        def forward_backward(m, x, y):
-            total = 0.0
-            for xs, ys in batches:
-                loss = m(xs, ys)[1] / shares
-                loss.backward()
-                total += loss.item()
-            return total
-
-        start = time.perf_counter()
-        result.train_losses.append(train_step(model, optimizer, None, None, train_cfg.grad_clip,
-                                              forward_backward=forward_backward))
-        result.step_seconds.append(time.perf_counter() - start)
+    train_loop(model, optimizer, dataset, train_cfg, StepHooks(forward_backward=forward_backward), result=result)
     result.final_params, result.final_grads = flat_params(model), flat_grads(model)
     return result
 
@@ -120,28 +106,16 @@ def train_expert_parallel(model_config, train_cfg, dp: int = 1, experts: str = "
         clip = None
     dataset = CharDataset("train", block_size=model_config.block_size)
     optimizer = make_optimizer(model, train_cfg)
-    gen = torch.Generator().manual_seed(train_cfg.seed)
     timeline = Timeline() if record_timeline else None
-    tracer = CommTracer(timeline=timeline) if (trace or record_timeline) else contextlib.nullcontext()
     result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-    start_all = time.perf_counter()
-    with tracer:
-        for _ in range(train_cfg.steps):
-            x, y = (t.to(dev) for t in _shares(dataset, train_cfg, gen, world)[rank])
-            start = time.perf_counter()
-            loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, sync_gradients=sync_gradients,
-                              clip_grad_norm=clip, timeline=timeline)
-            result.step_seconds.append(time.perf_counter() - start)
-            result.train_losses.append(loss)
-    result.seconds = time.perf_counter() - start_all
+    train_loop(model, optimizer, dataset, train_cfg,
+               StepHooks(sync_gradients=sync_gradients, clip_grad_norm=clip, timeline=timeline),
+               rows=share_rows(rank, world, train_cfg.batch_size), device=dev, result=result,
+               tracer=CommTracer(timeline=timeline) if (trace or record_timeline) else None)
     if experts == "sharded":
         result.final_params, result.final_grads = full_flat(model, ep_group), full_flat(model, ep_group, grads=True)
     else:
         result.final_params, result.final_grads = flat_params(model), flat_grads(model)
-    if trace:
-        result.comm_summary = tracer.summary()
-    if timeline is not None:
-        result.timeline_events = timeline.events
     return result
 
 

@@ -10,14 +10,13 @@ R replicas (one all-reduce over dp and one over ep), so every rank reports the g
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from course_lib._validate import check_one_of
-from course_lib.data import CharDataset, get_batch
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hybrid, make_hybrid_optimizer,
@@ -29,17 +28,16 @@ from course_lib.parallel.tp import gather_full_state_dict
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.techniques.activation_checkpointing import recompute_in_place
-from course_lib.train import TrainResult, make_optimizer, train_step
+from course_lib.train import StepHooks, TrainResult, make_optimizer, share_rows, train_loop
 
 
 @dataclass
 class HybridResult(TrainResult):
-    """TrainResult (train_losses: the global loss, the same on every rank) plus the global
-    gradient norm of each step, this rank's coordinates, the single-process parameters it owns
+    """TrainResult (train_losses: the global loss, the same on every rank; grad_norms: the global
+    gradient norm of each step) plus this rank's coordinates, the single-process parameters it owns
     (full tensors, TP shards gathered, by their single-process names), and the bytes each mesh
     dimension moved on this rank ({"tp": {"calls", "bytes_sent", "bytes_recv"}, ...})."""
 
-    grad_norms: list[float] = field(default_factory=list)
     coords: dict = field(default_factory=dict)
     named_params: dict = field(default_factory=dict)
     traffic: dict = field(default_factory=dict)
@@ -118,6 +116,24 @@ def make_forward_backward(parts, dims, timeline=None):
     return forward_backward
 
 
+def replica_rows(parts, dims: ParallelDims, batch_size: int) -> slice:
+    """The rows of the global batch this rank's replica r = dp_index * ep + ep_index reads
+    (tp and pp ranks of one replica read the same rows)."""
+    return share_rows(parts.coords["dp"] * dims.ep + parts.coords["ep"], dims.replicas, batch_size)
+
+
+def mean_over_replicas(parts, dims: ParallelDims):
+    """train_loop's report_loss: this replica's loss -> the global loss, the mean over the
+    R = dp * ep replicas (an all-reduce over dp and one over ep, in float64), the same on every rank."""
+    def report(loss: float) -> float:
+        mean = torch.tensor(loss / dims.replicas, dtype=torch.float64, device=rank_device())
+        for d in ("dp", "ep"):
+            if getattr(dims, d) > 1:
+                dist.all_reduce(mean, group=parts.groups[d])
+        return float(mean)
+    return report
+
+
 def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = False) -> HybridResult:
     """Rank code: train_cfg.steps steps of the composed model (compose.py) on this rank."""
     world = dist.get_world_size()
@@ -127,35 +143,15 @@ def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = Fals
     module = trained_module(parts)
     optimizer = make_hybrid_optimizer(parts, train_cfg)
     dataset = CharDataset("train", block_size=model_config.block_size)
-    gen = torch.Generator().manual_seed(train_cfg.seed)
-    replica = parts.coords["dp"] * dims.ep + parts.coords["ep"]
-    share = train_cfg.batch_size // dims.replicas
     result = HybridResult(coords=dict(parts.coords))
     result.set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-
-    forward_backward = make_forward_backward(parts, dims)
-
-    def clip(max_norm):
-        result.grad_norms.append(float(clip_grad_norm_hybrid(parts, max_norm)))
-
-    tracer = CommTracer() if trace else contextlib.nullcontext()
-    start_all = time.perf_counter()
-    with tracer:
-        for _ in range(train_cfg.steps):
-            x, y = get_batch(dataset, train_cfg.batch_size, gen)
-            x, y = x[replica * share:(replica + 1) * share].to(dev), y[replica * share:(replica + 1) * share].to(dev)
-            start = time.perf_counter()
-            loss = train_step(module, optimizer, x, y, train_cfg.grad_clip, forward_backward=forward_backward,
-                              clip_grad_norm=clip)
-            result.step_seconds.append(time.perf_counter() - start)
-            mean = torch.tensor(loss / dims.replicas, dtype=torch.float64, device=dev)
-            for d in ("dp", "ep"):  # the loss reported once: the mean over the R replicas
-                if getattr(dims, d) > 1:
-                    dist.all_reduce(mean, group=parts.groups[d])
-            result.train_losses.append(float(mean))
-    result.seconds = time.perf_counter() - start_all
+    hooks = StepHooks(forward_backward=make_forward_backward(parts, dims),
+                      clip_grad_norm=lambda c: clip_grad_norm_hybrid(parts, c))
+    tracer = CommTracer() if trace else None
+    train_loop(module, optimizer, dataset, train_cfg, hooks, rows=replica_rows(parts, dims, train_cfg.batch_size),
+               device=dev, result=result, tracer=tracer, record_grad_norms=True,
+               report_loss=mean_over_replicas(parts, dims))
     if trace:
-        result.comm_summary = tracer.summary()
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
     result.named_params = owned_params(parts)
     return result
@@ -172,12 +168,8 @@ def train_single(model_config, train_cfg, precision: str = "fp32", recompute: st
         recompute_in_place(model.blocks)
     optimizer = make_optimizer(model, train_cfg)
     dataset = CharDataset("train", block_size=model_config.block_size)
-    gen = torch.Generator().manual_seed(train_cfg.seed)
     result = HybridResult()
     result.set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-
-    def clip(max_norm):
-        result.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
 
     def forward_backward(module, x, y):
         with precision_context(precision):
@@ -185,14 +177,9 @@ def train_single(model_config, train_cfg, precision: str = "fp32", recompute: st
             loss.backward()
         return loss.item()
 
-    for step in range(1, train_cfg.steps + 1):
-        x, y = get_batch(dataset, train_cfg.batch_size, gen)
-        start = time.perf_counter()
-        result.train_losses.append(train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=clip,
-                                              forward_backward=forward_backward))
-        result.step_seconds.append(time.perf_counter() - start)
-        if on_step is not None:
-            on_step(step, result.train_losses[-1])
+    # torch's clip over model.parameters() (hooks.clip_grad_norm=None), its norm recorded
+    train_loop(model, optimizer, dataset, train_cfg, StepHooks(forward_backward=forward_backward), result=result,
+               record_grad_norms=True, on_step=on_step)
     result.named_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return result
 

@@ -9,19 +9,17 @@ first and last stage by the same PipelineStage.sum_tied_gradients.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.data import CharDataset, get_batch
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.parallel.pp.training import PipelineResult, check_pipeline, clip_grad_norm_pipeline
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
-from course_lib.train import make_optimizer, train_step
+from course_lib.train import StepHooks, flat_grads, flat_params, make_optimizer, train_loop
 
 NATIVE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -77,22 +75,12 @@ def train_native(model_config, train_cfg, schedule: str = "1f1b", n_microbatches
     stage = build_stage(GPT(model_config, seed=train_cfg.seed).to(dev), group, virtual_stages)
     sched = native_schedule(stage, schedule, n_microbatches)
     optimizer = make_optimizer(stage, train_cfg)
-    gen = torch.Generator().manual_seed(train_cfg.seed)
     result = PipelineResult(param_names=list(stage.param_names),
                             param_shapes=[tuple(p.shape) for p in stage.parameters()])
-    start_all = time.perf_counter()
-    for _ in range(train_cfg.steps):
-        x, y = (t.to(dev) for t in get_batch(dataset, train_cfg.batch_size, gen))
-        start = time.perf_counter()
-        loss = train_step(stage, optimizer, x, y, train_cfg.grad_clip,
-                          forward_backward=lambda _s, x_, y_: native_forward_backward(stage, sched, x_, y_),
-                          clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
-        result.step_seconds.append(time.perf_counter() - start)
-        result.train_losses.append(loss)
-    result.seconds = time.perf_counter() - start_all
-    result.final_params = torch.cat([p.detach().reshape(-1) for p in stage.parameters()]).cpu()
-    result.final_grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                                    for p in stage.parameters()]).cpu()
+    hooks = StepHooks(forward_backward=lambda _s, x_, y_: native_forward_backward(stage, sched, x_, y_),
+                      clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
+    train_loop(stage, optimizer, dataset, train_cfg, hooks, device=dev, result=result)
+    result.final_params, result.final_grads = flat_params(stage), flat_grads(stage)  # this stage's, in its order
     return result
 
 

@@ -1,4 +1,4 @@
-"""The reference training loop (course_lib.train.train_step), pipelined.
+"""The reference training loop (course_lib.loop.train_loop), pipelined.
 
 Every rank builds the same single-process GPT from the seed, keeps its stage (build_stage) and
 draws the same batches as train_reference; train_step's forward_backward hook runs the
@@ -9,13 +9,12 @@ step equal the reference's.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from course_lib.data import CharDataset, get_batch
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.parallel.clip import clip_grad_norm_
@@ -24,7 +23,7 @@ from course_lib.dims import split_layers
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
-from course_lib.train import TrainResult, make_optimizer, train_step
+from course_lib.train import StepHooks, TrainResult, flat_grads, flat_params, make_optimizer, train_loop
 
 
 @dataclass
@@ -68,7 +67,6 @@ def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatch
     stage = build_stage(model, group, virtual_stages)
     del model
     optimizer = make_optimizer(stage, train_cfg)
-    gen = torch.Generator().manual_seed(train_cfg.seed)
     timeline = Timeline() if record_timeline else None
     result = PipelineResult(param_names=list(stage.param_names),
                             param_shapes=[tuple(p.shape) for p in stage.parameters()])
@@ -78,19 +76,11 @@ def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatch
         return run_schedule(_stage, x, y, schedule, n_microbatches, timeline=timeline,
                             action_seconds=action_seconds)
 
-    start_all = time.perf_counter()
-    for _ in range(train_cfg.steps):
-        x, y = (t.to(dev) for t in get_batch(dataset, train_cfg.batch_size, gen))
-        start = time.perf_counter()
-        loss = train_step(stage, optimizer, x, y, train_cfg.grad_clip, forward_backward=forward_backward,
-                          clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
-        result.step_seconds.append(time.perf_counter() - start)
-        result.train_losses.append(loss)
-        result.peak_activation_bytes.append(stage.last_peak_activation_bytes)
-    result.seconds = time.perf_counter() - start_all
-    result.final_params = torch.cat([p.detach().reshape(-1) for p in stage.parameters()]).cpu()
-    result.final_grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                                    for p in stage.parameters()]).cpu()
+    hooks = StepHooks(forward_backward=forward_backward, clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
+    # every stage reads the whole batch: the first embeds it, the last scores it
+    train_loop(stage, optimizer, dataset, train_cfg, hooks, device=dev, result=result,
+               on_step=lambda step, loss: result.peak_activation_bytes.append(stage.last_peak_activation_bytes))
+    result.final_params, result.final_grads = flat_params(stage), flat_grads(stage)  # this stage's, in its order
     if timeline is not None:
         result.timeline_events = timeline.events
     return result

@@ -10,12 +10,10 @@ AdamW on each rank trains the same model as `train_reference`.
 from __future__ import annotations
 
 import contextlib
-import time
 
-import torch
 import torch.distributed as dist
 
-from course_lib.data import CharDataset, get_batch
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
@@ -24,7 +22,7 @@ from course_lib.parallel.tp.apply import (apply_tensor_parallel, check_tensor_pa
 from course_lib.parallel.tp.dtensor import apply_dtensor_tensor_parallel, clip_grad_norm_dtensor
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
-from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, train_step
+from course_lib.train import StepHooks, TrainResult, flat_grads, flat_params, make_optimizer, train_loop
 
 IMPLS = ("course", "dtensor")
 
@@ -70,21 +68,14 @@ def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = Fal
         clip = lambda c: clip_grad_norm_dtensor(model, c)  # noqa: E731
     optimizer = make_optimizer(model, train_cfg)
     dataset = CharDataset("train", block_size=model_config.block_size)
-    gen = torch.Generator().manual_seed(train_cfg.seed)
     timeline = Timeline() if record_timeline else None
-    tracer = CommTracer(timeline=timeline) if (trace or record_timeline) else contextlib.nullcontext()
     dtensor_counts: dict[str, int] = {}
     result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-    start_all = time.perf_counter()
-    with tracer:
-        for _ in range(train_cfg.steps):
-            start = time.perf_counter()
-            x, y = (t.to(dev) for t in get_batch(dataset, train_cfg.batch_size, gen))
-            with _dtensor_counter(dtensor_counts) if (trace and impl == "dtensor") else contextlib.nullcontext():
-                loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=clip, timeline=timeline)
-            result.train_losses.append(loss)
-            result.step_seconds.append(time.perf_counter() - start)
-    result.seconds = time.perf_counter() - start_all
+    counted = trace and impl == "dtensor"  # DTensor's collectives run below the API CommTracer sees
+    # every rank reads the whole batch (rows=None): the loss is the single process's on every rank
+    train_loop(model, optimizer, dataset, train_cfg, StepHooks(clip_grad_norm=clip, timeline=timeline), device=dev,
+               result=result, tracer=CommTracer(timeline=timeline) if (trace or record_timeline) else None,
+               step_context=(lambda step: _dtensor_counter(dtensor_counts)) if counted else None)
     if impl == "course":
         full = GPT(model_config, seed=train_cfg.seed)
         full.load_state_dict({k: v.cpu() for k, v in gather_full_state_dict(model).items()})
@@ -92,12 +83,8 @@ def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = Fal
         for name, g in gather_full_gradients(model).items():
             full.get_parameter(name).grad = g.cpu()
         result.final_grads = flat_grads(full)
-        if trace:
-            result.comm_summary = tracer.summary()
     elif trace:
-        result.comm_summary = dtensor_counts
-    if timeline is not None:
-        result.timeline_events = timeline.events
+        result.comm_summary = dtensor_counts  # CommDebugMode's per-op counts
     return result
 
 

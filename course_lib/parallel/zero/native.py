@@ -15,8 +15,6 @@ them: comm_summary counts them with torch.distributed.tensor.debug.CommDebugMode
 
 from __future__ import annotations
 
-import contextlib
-import time
 import warnings
 
 import torch
@@ -26,9 +24,9 @@ import torch.nn as nn
 from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
-from course_lib.parallel.zero.training import _batches, _check_batch, default_optimizer_kwargs
+from course_lib.parallel.zero.training import _check_batch, default_optimizer_kwargs
 from course_lib.runtime.device import rank_device
-from course_lib.train import TrainResult, flat_grads, flat_params, train_step
+from course_lib.train import StepHooks, TrainResult, flat_grads, flat_params, share_rows, train_loop
 
 KINDS = ("zero_redundancy", "fsdp2")
 
@@ -74,42 +72,39 @@ def train_native(model_config, train_cfg, kind: str, optimizer_class=torch.optim
         ids = [dev.index] if dev.type == "cuda" else None
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class, process_group=group, **kwargs)
-        counter = CommTracer() if trace else contextlib.nullcontext()
+        tracer = CommTracer() if trace else None
     else:
         wrapped = fsdp2_model(model, group, compute_dtype)
         optimizer = optimizer_class(model.parameters(), **kwargs)
-        counter = contextlib.nullcontext()
-    result, fsdp_counts = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size), {}
-    start_all = time.perf_counter()
-    with counter, warnings.catch_warnings():
+        tracer = None
+    result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
+    modes = []  # fsdp2 with trace: one CommDebugMode per step (one kept open over several forwards
+    # stacks up its module hooks, torch 2.13, and fails on the second step)
+
+    def count_step(step):
+        modes.append(CommDebugMode())
+        return modes[-1]
+
+    hooks = StepHooks(clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
+    with warnings.catch_warnings():
         # Two warnings FSDP2 raises for this model, both harmless here: GPT returns its logits as a
         # view (nothing modifies it in place), and the root's inputs are token ids (no gradient).
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-        for x, y in _batches(train_cfg, dataset, rank, n, dev):
-            start = time.perf_counter()
-            # A fresh CommDebugMode per step: one kept open over several forwards stacks up its
-            # module hooks (torch 2.13) and fails on the second step.
-            mode = CommDebugMode() if trace and kind == "fsdp2" else contextlib.nullcontext()
-            with mode:
-                loss = train_step(wrapped, optimizer, x, y, train_cfg.grad_clip,
-                                  clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
-            if trace and kind == "fsdp2":
-                for op, calls in mode.get_comm_counts().items():
-                    name = str(op).split(".")[-1]
-                    fsdp_counts[name] = fsdp_counts.get(name, 0) + calls
-            result.train_losses.append(loss)
-            result.step_seconds.append(time.perf_counter() - start)
-    result.seconds = time.perf_counter() - start_all
+        train_loop(wrapped, optimizer, dataset, train_cfg, hooks, rows=share_rows(rank, n, train_cfg.batch_size),
+                   device=dev, result=result, tracer=tracer,
+                   step_context=count_step if trace and kind == "fsdp2" else None)
     if kind == "zero_redundancy":
         result.final_params, result.final_grads = flat_params(model), flat_grads(model)
     else:
         params = list(model.parameters())
         result.final_params = torch.cat([_full(p.detach()).float().reshape(-1) for p in params]).cpu()
         result.final_grads = torch.cat([_full(p.grad).float().reshape(-1) for p in params]).cpu()
-    if trace:
-        if kind == "fsdp2":
-            result.comm_summary = {op: {"calls": c} for op, c in sorted(fsdp_counts.items())}
-        else:
-            result.comm_summary = counter.summary()
+    if trace and kind == "fsdp2":
+        counts = {}
+        for mode in modes:
+            for op, calls in mode.get_comm_counts().items():
+                name = str(op).split(".")[-1]
+                counts[name] = counts.get(name, 0) + calls
+        result.comm_summary = {op: {"calls": c} for op, c in sorted(counts.items())}
     return result

@@ -1,8 +1,8 @@
 """ZeRO training on ranks, the single-process run it must equal, and what one step holds and sends.
 
-    train_zero(config, train_cfg, stage, ...)   rank code: course_lib.train.train_step on a ZeRO model
+    train_zero(config, train_cfg, stage, ...)   rank code: course_lib.loop.train_loop on a ZeRO model
     run_zero(world_size, config, train_cfg, stage, ...)   parent side: validate, then run it on ranks
-    train_single(config, train_cfg, ...)        one process, the same optimizer (fp32 masters for bf16)
+    train_zero_reference(config, train_cfg, ...)        one process, the same optimizer (fp32 masters for bf16)
     measure_zero_step(config, train_cfg, stage, ...)   rank code: bytes held after backward / after
                                                 the step, stage 3's gathered-bytes trace, offload bytes
     ring_bytes(summary, N)                      the tracer's logical payloads as bytes on a ring
@@ -14,13 +14,13 @@ contiguous 1/N share, as data parallel does (notebook 03). The optimizer is one 
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import time
 
 import torch
 import torch.distributed as dist
 
-from course_lib.data import CharDataset, collate, sample_indices
+from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
@@ -28,21 +28,13 @@ from course_lib.parallel.zero.apply import apply_zero, check_zero_args, unit_siz
 from course_lib.parallel.zero.memory import measure_state_bytes
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
-from course_lib.train import TrainResult, flat_grads, flat_params, train_step
+from course_lib.train import StepHooks, TrainResult, flat_grads, flat_params, share_rows, train_loop
 
 
 def default_optimizer_kwargs(train_cfg, optimizer_class=torch.optim.AdamW) -> dict:
     if optimizer_class is torch.optim.SGD:
         return {"lr": train_cfg.lr, "momentum": 0.9, "foreach": False}
     return {"lr": train_cfg.lr, "betas": train_cfg.betas, "weight_decay": train_cfg.weight_decay, "foreach": False}
-
-
-def _batches(train_cfg, dataset, rank: int, n: int, dev):
-    gen = torch.Generator().manual_seed(train_cfg.seed)
-    share = train_cfg.batch_size // n
-    for _ in range(train_cfg.steps):
-        idx = sample_indices(len(dataset), train_cfg.batch_size, gen)[rank * share:(rank + 1) * share]
-        yield tuple(t.to(dev) for t in collate(dataset, idx))
 
 
 def _check_batch(train_cfg, world_size):
@@ -70,25 +62,14 @@ def train_zero(model_config, train_cfg, stage: int, optimizer_class=torch.optim.
     model, optimizer = apply_zero(model, stage, optimizer_class, group, offload, compute_dtype=compute_dtype,
                                   timeline=timeline, **zero_kwargs, **kwargs)
     result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-    tracer = CommTracer() if trace else contextlib.nullcontext()
-    start_all = time.perf_counter()
-    with tracer:
-        for x, y in _batches(train_cfg, dataset, rank, n, dev):
-            start = time.perf_counter()
-            loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, accum_steps=accum_steps,
-                              clip_grad_norm=optimizer.clip_grad_norm_, timeline=timeline)
-            result.train_losses.append(loss)
-            result.step_seconds.append(time.perf_counter() - start)
-    result.seconds = time.perf_counter() - start_all
+    hooks = StepHooks(accum_steps=accum_steps, clip_grad_norm=optimizer.clip_grad_norm_, timeline=timeline)
+    train_loop(model, optimizer, dataset, train_cfg, hooks, rows=share_rows(rank, n, train_cfg.batch_size),
+               device=dev, result=result, tracer=CommTracer() if trace else None)
     full = optimizer.full_state_dict()
     by_name = dict(zip(full["names"], full["params"]))
     grads = dict(zip(full["names"], optimizer.full_gradients()))
     result.final_params = torch.cat([by_name[k].reshape(-1) for k in order]).cpu()
     result.final_grads = torch.cat([grads[k].reshape(-1).float() for k in order]).cpu()
-    if timeline is not None:
-        result.timeline_events = timeline.events
-    if trace:
-        result.comm_summary = tracer.summary()
     return result
 
 
@@ -133,8 +114,8 @@ class MasterWeights:
             m.grad = None
 
 
-def train_single(model_config, train_cfg, optimizer_class=torch.optim.AdamW, optimizer_kwargs=None,
-                 compute_dtype=None) -> TrainResult:
+def train_zero_reference(model_config, train_cfg, optimizer_class=torch.optim.AdamW, optimizer_kwargs=None,
+                         compute_dtype=None) -> TrainResult:
     """The run every stage must equal: one process, the whole batch, optimizer_class on all
     parameters (on fp32 masters of a compute_dtype model). final_params are fp32."""
     dataset = CharDataset("train", block_size=model_config.block_size)
@@ -146,10 +127,7 @@ def train_single(model_config, train_cfg, optimizer_class=torch.optim.AdamW, opt
         optimizer = MasterWeights(model, optimizer_class, compute_dtype, **kwargs)
         clip = optimizer.clip_grad_norm_
     result = TrainResult(model=model).set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-    for x, y in _batches(train_cfg, dataset, 0, 1, torch.device("cpu")):
-        start = time.perf_counter()
-        result.train_losses.append(train_step(model, optimizer, x, y, train_cfg.grad_clip, clip_grad_norm=clip))
-        result.step_seconds.append(time.perf_counter() - start)
+    train_loop(model, optimizer, dataset, train_cfg, StepHooks(clip_grad_norm=clip), result=result)
     masters = getattr(optimizer, "masters", None)
     result.final_params = torch.cat([m.reshape(-1) for m in masters]) if masters else flat_params(model)
     result.final_grads = flat_grads(model).float()
@@ -169,11 +147,12 @@ def measure_zero_step(model_config, train_cfg, stage: int, optimizer_class=torch
     kwargs = default_optimizer_kwargs(train_cfg, optimizer_class)
     model, opt = apply_zero(model, stage, optimizer_class, group, offload, compute_dtype=compute_dtype,
                             **zero_kwargs, **kwargs)
-    out = {"unit_sizes": unit_sizes(opt)}
-    cfg = type(train_cfg)(**{**train_cfg.__dict__, "steps": steps})
-    for i, (x, y) in enumerate(_batches(cfg, dataset, rank, n, dev)):
-        last = i == steps - 1
-        if last:
+    out, t0 = {"unit_sizes": unit_sizes(opt)}, 0.0
+    cfg = dataclasses.replace(train_cfg, steps=steps, grad_clip=None)
+
+    def before_step(step):
+        nonlocal t0
+        if step == steps:  # the measured step: clear what the earlier steps left in the counters
             if opt.offload is not None:
                 opt.offload.reset()
             if hasattr(opt, "buckets"):
@@ -183,13 +162,17 @@ def measure_zero_step(model_config, train_cfg, stage: int, optimizer_class=torch
                 fsdp.memory_trace.clear()
             t0 = time.perf_counter()
 
-        def after_backward(last=last):
-            if last:
-                out["after_backward"] = measure_state_bytes(model, opt)
+    def hooks(step):  # the bytes held at the end of the last backward, before the optimizer step
+        if step < steps:
+            return StepHooks()
+        return StepHooks(sync_gradients=lambda: out.update(after_backward=measure_state_bytes(model, opt)))
 
-        train_step(model, opt, x, y, None, sync_gradients=after_backward)
-        if last:
+    def after_step(step, loss):
+        if step == steps:
             out["after_step"] = measure_state_bytes(model, opt)
+
+    train_loop(model, opt, dataset, cfg, hooks, rows=share_rows(rank, n, cfg.batch_size), device=dev,
+               before_step=before_step, on_step=after_step)
     if hasattr(opt, "buckets"):
         out["peak_grad_bytes"] = opt.buckets.peak_grad_bytes
     if getattr(opt, "fsdp", None) is not None:
