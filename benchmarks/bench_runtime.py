@@ -82,45 +82,39 @@ def allreduce_loop(rounds: int = 8, iters: int = 4, mb: int = 16):
     return min(plain), min(traced)
 
 
-def recorder_cost(calls: int = 2000, mib: int = 1, iters: int = 8) -> tuple[float, float]:
-    """(seconds the flight recorder adds to one call, seconds of one `mib` MiB all_reduce): the
-    first as wrapper_cost measures the tracer's, on a group of one rank (no communication)."""
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+def added_per_call(observer, calls: int = 2000) -> float:
+    """Seconds an observer (CommTracer, FlightRecorder) adds to one call: an all_reduce of an
+    empty tensor on a group of one rank (no communication at all), timed with and without it."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
     solo, t = groups[dist.get_rank()], torch.empty(0)
-    start = time.perf_counter()
-    for _ in range(calls):
-        dist.all_reduce(t, group=solo)
-    bare = time.perf_counter() - start
-    with FlightRecorder():
+
+    def loop() -> float:
         start = time.perf_counter()
         for _ in range(calls):
             dist.all_reduce(t, group=solo)
-        recorded = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    bare = loop()
+    with observer():
+        observed = loop()
+    return (observed - bare) / calls
+
+
+def wrapper_cost(calls: int = 2000) -> float:
+    """Seconds the tracer adds to one call."""
+    return added_per_call(CommTracer, calls)
+
+
+def recorder_cost(calls: int = 2000, mib: int = 1, iters: int = 8) -> tuple[float, float]:
+    """(seconds the flight recorder adds to one call, seconds of one `mib` MiB all_reduce)."""
+    added = added_per_call(FlightRecorder, calls)
     x = torch.ones(mib * 2**20 // 4)
     dist.all_reduce(x)  # warm-up
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(x)
-    return (recorded - bare) / calls, (time.perf_counter() - start) / iters
-
-
-def wrapper_cost(calls: int = 2000) -> float:
-    """Seconds the tracer adds to one call: time an all_reduce of an empty tensor on a
-    group of one rank (no communication at all) with and without the tracer."""
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
-    solo = groups[dist.get_rank()]
-    t = torch.empty(0)
-    start = time.perf_counter()
-    for _ in range(calls):
-        dist.all_reduce(t, group=solo)
-    bare = time.perf_counter() - start
-    with CommTracer():
-        start = time.perf_counter()
-        for _ in range(calls):
-            dist.all_reduce(t, group=solo)
-        traced = time.perf_counter() - start
-    return (traced - bare) / calls
+    return added, (time.perf_counter() - start) / iters
 
 
 def main(argv=None):

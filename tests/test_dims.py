@@ -13,7 +13,9 @@ from course_lib.capstone.config import SCHEMA, TRAIN_WIDE
 from course_lib.estimate.bubble import formula_for
 from course_lib.estimate.step_time import memory_per_rank, step_time
 from course_lib.model import GPTConfig
+from course_lib.parallel.hybrid import run_hybrid
 from course_lib.parallel.pp.schedules import make_schedule, simulate
+from course_lib.train import TrainConfig
 from tests.test_planner import cpu_cluster
 
 MODELS = {  # small models whose sizes make rules bite: odd layer counts, heads of 2 and 6
@@ -40,8 +42,10 @@ def _message(fn):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_rule_book_and_the_estimator_accept_and_refuse_the_same_layouts(name):
     """Every layout the rule book accepts is costed (time and memory); every one it refuses, the
-    estimator refuses with the same message: one ParallelDims, one set of rules."""
+    estimator and the runtime refuse with the same message (run_hybrid before any rank starts):
+    one ParallelDims, one set of rules."""
     cfg = MODELS[name]
+    train = TrainConfig(steps=1, batch_size=BATCH, progress=False)
     accepted = refused = 0
     for kw in GRID:
         d = D.ParallelDims(**kw)
@@ -53,7 +57,8 @@ def test_the_rule_book_and_the_estimator_accept_and_refuse_the_same_layouts(name
             accepted += 1
         else:
             for cost in (lambda: step_time(cfg, d, cluster, BATCH, recipe="fp32"),
-                         lambda: memory_per_rank(cfg, d, BATCH, recipe="fp32")):
+                         lambda: memory_per_rank(cfg, d, BATCH, recipe="fp32"),
+                         lambda: run_hybrid(d, cfg, train)):
                 assert _message(cost) == rule, (kw, rule, _message(cost))
             refused += 1
     assert accepted and refused  # the grid exercises both sides
@@ -118,7 +123,7 @@ def test_layouts_only_the_rule_book_allowed_before_train_equal_to_one_process_an
     estimator refused them (pp | n_layer, m >= pp). Now the one rule book accepts them, the
     estimator costs them, and they train equal to the single process."""
     from course_lib.data import CharDataset
-    from course_lib.parallel.hybrid import run_hybrid, train_single
+    from course_lib.parallel.hybrid import train_single
     from test_hybrid import TRAIN, _assert_equal_to_single
 
     seq = 16
