@@ -1,4 +1,6 @@
 """One traffic model per mesh axis: the collectives of one optimizer step, as small records.
+(A little over 300 lines on purpose: the axes sit side by side in one notation, so a count can be
+compared across them and a new axis is one more function here.)
 
 Each axis function returns a list of `Collective`s, read by both sides of the course:
 the byte accounting of notebook 09 (course_lib.parallel.topology sums `world_bytes` per axis)
