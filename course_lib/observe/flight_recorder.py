@@ -97,7 +97,7 @@ class FlightRecorder:
             self.entries.append(entry)
         return entry
 
-    def _p2p(self, op, peer, group, tensor) -> dict:
+    def _p2p(self, op, peer, tensor) -> dict:
         me = dist.get_rank()
         kind = P2P[op]
         src, dst = (me, peer) if kind == "send" else (peer, me)
@@ -105,11 +105,11 @@ class FlightRecorder:
 
     def around(self, op, a, call):
         if op == "batch_isend_irecv":
-            entries = [self._p2p(getattr(p.op, "__name__", "isend"), p.peer, p.group, p.tensor)
+            entries = [self._p2p(getattr(p.op, "__name__", "isend"), p.peer, p.tensor)
                        for p in a["p2p_op_list"]]
         elif op in P2P:
             peer = a.get("dst") if P2P[op] == "send" else a.get("src")
-            entries = [self._p2p(op, peer, a.get("group"), _first_tensor(a.get("tensor")))]
+            entries = [self._p2p(op, peer, _first_tensor(a.get("tensor")))]
         else:
             ranks = _group_ranks(a.get("group"))
             tensor = next((_first_tensor(a[k]) for k in ("tensor", "input_tensor", "input", "tensor_list",
@@ -178,9 +178,9 @@ def _where(e) -> str:
     return f"{e['op']} #{e['seq']} {'to' if e['op'] == 'send' else 'from'} rank {peer}"
 
 
-def _partner(e, member: int, entries: list[dict]):
-    """The entry of `member` that must match e (same group and number, or the other end of a
-    message); None when member has not issued it."""
+def _partner(e, entries: list[dict]):
+    """The entry among a member's `entries` that must match e (same group and number, or the other
+    end of a message); None when the member has not issued it."""
     for f in entries:
         if "group" in e and f.get("group") == e["group"] and f["seq"] == e["seq"]:
             return f
@@ -215,7 +215,7 @@ def analyse(dumps: dict[int, list[dict]], world_size: int | None = None) -> str:
             if m not in dumps:
                 problems.append(f"rank {m} wrote no dump (it finished, died, or never recorded)")
                 continue
-            f = _partner(e, m, dumps[m])
+            f = _partner(e, dumps[m])
             if f is None:
                 problems.append(f"rank {m} never entered it ({_describe(m, dumps[m])})")
             elif "group" in e and (f["op"], f["shape"], f["dtype"]) != (e["op"], e["shape"], e["dtype"]):
