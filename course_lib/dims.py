@@ -37,6 +37,7 @@ ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallelism; 1 optimizer state, 2 + 
 COMPOSED_ZERO_STAGES = (0, 1)  # 2 and 3 act inside backward, once per micro-batch: not composed with pp/tp
 RECOMPUTE = ("none", "selective", "full")  # selective: attention's s^2 part (Korthikanti et al. 2022)
 PRECISIONS = ("fp32", "bf16")  # bf16: torch.autocast around forward and backward, fp32 master weights
+CP_METHODS = ("ring", "allgather", "ulysses")  # how context-parallel attention sees the other ranks' keys
 
 
 # ---------------------------------------------------------------- the rules, one function each
@@ -48,6 +49,31 @@ def check_tp(tp: int, n_head: int, d_ff: int, n_kv_head: int | None = None) -> N
     for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head), ("d_ff", d_ff)):
         if value is not None and value % tp:
             raise ValueError(f"tp={tp} must divide {name}={value}")
+
+
+def check_context_parallel(cp: int, seq: int | None, n_head: int, method: str = "ring",
+                           load_balance: bool = True, n_kv_head: int | None = None) -> None:
+    """Context parallelism splits the sequence of T = seq tokens over cp ranks in equal shards:
+    cp | T, and with causal load balancing ("zig-zag": rank r holds chunks r and 2cp-1-r of 2cp)
+    2cp | T. Ulysses re-shards from sequence to heads with an all-to-all: cp | n_head (and
+    n_kv_head). None for seq: not known yet, checked later."""
+    check_int("cp", cp)
+    check_one_of("cp_method", method, CP_METHODS)
+    if not isinstance(load_balance, bool):
+        raise ValueError(f"load_balance={load_balance!r} must be True or False")
+    if cp == 1:
+        return
+    if seq is not None:
+        chunks = 2 * cp if load_balance else cp
+        if seq % chunks:
+            why = (f"2*cp = {chunks} chunks (load_balance=True: rank r holds chunks r and 2cp-1-r)"
+                   if load_balance else f"cp = {cp} equal shards")
+            raise ValueError(f"seq_len={seq} must be divisible by {why}")
+    if method == "ulysses":
+        for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head)):
+            if value is not None and value % cp:
+                raise ValueError(f"cp={cp} must divide {name}={value} for method='ulysses' (its all-to-all "
+                                 f"gives each rank whole heads of the whole sequence)")
 
 
 def check_sequence_parallel(sequence_parallel: bool, tp: int, seq: int | None = None) -> None:

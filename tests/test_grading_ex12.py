@@ -1,167 +1,111 @@
-"""Exercise 12's checkers (course_lib.grading.ex12_capstone), called directly, no ranks: the plain
-stub fails, the reference solution passes, a module that uses the planner is refused (by its
-syntax tree, and at call time by a route the tree does not show), and plausible wrong answers
-fail without the message giving the answer. (The real 8-rank run of check 6 is graded by the
-exercise notebook under the solutions.)"""
+"""Exercise 11's checkers (course_lib.grading.ex11_reshard): the stub fails, the reference
+solution passes, a student module that imports the library's shard rule or resharding code is
+refused, and plausible wrong answers fail."""
 
-from dataclasses import replace
+import importlib.util
+import pathlib
 
 import pytest
 
 from course_lib import grading
-from course_lib.dims import ParallelDims as Dims
-from course_lib.grading import CheckFailed
-from course_lib.grading import ex12_capstone as grade
+from course_lib.grading import ex11_reshard as grade
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOLUTION = (ROOT / "exercises" / "solutions" / "ex11_reshard.py").read_text()
+CHEAP = (grade.check_shard_range, grade.check_read_plan, grade.check_reshard_flat)
 
 
-@pytest.fixture(scope="module")
-def problem():
-    return grade.stated_problem()
+def module_from(tmp_path, source, name):
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-@pytest.fixture(scope="module")
-def facts(problem):
-    return grade.facts(problem)
-
-
-def load(monkeypatch, which: str):
-    if which == "solution":
-        monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
-    else:
-        monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    return grading.load_student("ex12_capstone", refuse=grade.REFUSE)
-
-
-def test_the_plain_stub_fails(monkeypatch, problem):
-    stub = load(monkeypatch, "stub")
-    for function in (stub.choose_layout, stub.binding_constraint, stub.rejected_layout):
+def test_the_plain_stub_fails(monkeypatch):
+    monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
+    stub = grading.load_student("ex11_reshard", refuse=grade.REFUSE)
+    for check in CHEAP:
         with pytest.raises(NotImplementedError):
-            grade.ask(function, problem)
+            check(stub)
 
 
-def test_the_solution_passes(monkeypatch, capsys, problem):
-    solution = load(monkeypatch, "solution")
-    layout = grade.ask(solution.choose_layout, problem)
-    grade.check_runnable(layout, problem)
-    grade.check_fits(layout, problem)
-    grade.check_fast(layout, problem)
-    grade.check_binding(grade.ask(solution.binding_constraint, problem), problem)
-    grade.check_rejected(grade.ask(solution.rejected_layout, problem), layout, problem)
+def test_the_reference_solution_passes_the_cheap_checks(monkeypatch, capsys):
+    monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
+    solution = grading.load_student("ex11_reshard", refuse=grade.REFUSE)
+    for check in CHEAP:
+        check(solution)
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 7 and all(line.startswith("PASS  ") for line in out)
+    assert len(out) == 6 and all(line.startswith("PASS  ") for line in out)
 
 
-def test_the_stated_problem_is_bound_by_memory(problem, facts):
-    """The exercise's premise: the fastest layout the 3D trainer runs does not fit, and more than
-    one layout meets the throughput budget (the capstone stays open)."""
-    assert facts["binding"][0] == "memory" and facts["binding"][1] > problem.cluster.memory_bytes
-    passing = [lay for lay in grade.runnable_layouts(problem)
-               if grade.predicted(problem, lay)[1] <= problem.cluster.memory_bytes
-               and facts["best_time"] / grade.predicted(problem, lay)[0] >= problem.fraction]
-    assert len(passing) >= 2
+def test_the_reference_solution_passes_on_ranks(monkeypatch, capsys):
+    monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
+    solution = grading.load_student("ex11_reshard", refuse=grade.REFUSE)
+    grade.check_reads_on_ranks(solution)
+    grade.check_resume_on_fewer_ranks(solution)
+    out = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("[rank")]
+    assert len(out) == 5 and all(line.startswith("PASS  ") for line in out)
 
 
-def test_the_solution_agrees_when_memory_does_not_bind(monkeypatch, capsys, problem):
-    roomy = replace(problem, cluster=replace(problem.cluster, memory_bytes=1 << 30))
-    binding = grade.facts(roomy)["binding"]
-    assert binding[0] in grade.GROUPS  # a group of step-time terms, not memory
-    solution = load(monkeypatch, "solution")
-    grade.check_binding(grade.ask(solution.binding_constraint, roomy), roomy)
-    with pytest.raises(CheckFailed, match="binding constraint"):
-        grade.check_binding(("memory", 1 << 30), roomy)
-
-
-def test_a_module_that_uses_the_planner_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", [
+    "from course_lib.parallel.zero.flat import shard_bounds\n",
+    "from course_lib.parallel.zero import shard_bounds\n",
+    "import course_lib.parallel.zero as z\n\ndef shard_range(n, w, r):\n    return z.shard_bounds(n, w, r)\n",
+    "from course_lib.checkpoint.reshard import Box\n",
+    "from course_lib.checkpoint import flat_range_boxes\n",
+    "import course_lib.checkpoint.reader\n",
+])
+def test_a_student_module_using_the_library_answer_is_refused(tmp_path, monkeypatch, source):
+    (tmp_path / "ex11_reshard").mkdir()
+    (tmp_path / "ex11_reshard" / "student.py").write_text(source + SOLUTION)
     monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
     monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    (tmp_path / "ex12_capstone").mkdir()
-    student = tmp_path / "ex12_capstone" / "student.py"
-    for source, name in [
-        ("from course_lib.estimate.planner import plan\n", "course_lib.estimate.planner.plan"),
-        ("import course_lib.estimate.planner_figures as f\n", "course_lib.estimate.planner_figures"),
-        ("from course_lib.estimate import search\n", "course_lib.estimate.search"),
-        ("from course_lib.grading.ex12_capstone import facts\n", "course_lib.grading.ex12_capstone.facts"),
-    ]:
-        student.write_text(source + "\ndef choose_layout(*args):\n    return None\n")
-        with pytest.raises(CheckFailed, match=f"line 1 uses {name}"):
-            grading.load_student("ex12_capstone", refuse=grade.REFUSE)
+    with pytest.raises(grading.CheckFailed, match="already holds this exercise's answer"):
+        grading.load_student("ex11_reshard", refuse=grade.REFUSE)
 
 
-def test_the_planner_reached_at_call_time_is_refused(problem):
-    def sneaky(config, cluster, global_batch, seq, recipe):
-        import importlib
-
-        planner = importlib.import_module("course_lib.estimate." + "planner")  # no literal to refuse
-        return planner.plan(config, cluster, global_batch, seq, recipe).best.layout
-
-    with pytest.raises(CheckFailed, match="the planner is not available"):
-        grade.ask(sneaky, problem)
-    from course_lib.estimate import planner
-    assert planner.plan.__name__ == "plan"  # restored after the call
-
-
-def test_a_layout_that_does_not_fit_fails(problem, facts):
-    too_big = Dims(dp=8)  # the fastest of all, memory ignored
-    grade.check_runnable(too_big, problem)
-    with pytest.raises(CheckFailed, match="it fits"):
-        grade.check_fits(too_big, problem)
+# Plausible mistakes, each made in the reference solution's source.
+WRONG = {
+    # floor instead of ceiling: shards too small whenever the world does not divide the unit
+    "shard size rounded down": ("size = -(-numel // world_size)", "size = numel // world_size",
+                                grade.check_shard_range),
+    # one past the end: the last element of every shard read twice (or an extra padding element)
+    "overlap one too long": ("lo, hi = max(start, a), min(stop, b)", "lo, hi = max(start, a), min(stop, b) + 1",
+                             grade.check_read_plan),
+    # forgetting to stop at numel: the last new rank reads old padding
+    "reads the padding": ("stop = min(stop, numel)", "pass", grade.check_read_plan),
+    # the destination as a global offset instead of local to the new shard
+    "global destination": ("plan.append((old, lo - a, hi - a, lo - start))", "plan.append((old, lo - a, hi - a, lo))",
+                           grade.check_read_plan),
+    # empty overlaps listed too
+    "empty reads listed": ("if lo < hi:", "if lo <= hi:", grade.check_read_plan),
+}
 
 
-@pytest.mark.parametrize("layout, message", [
-    (Dims(dp=2, tp=2, pp=2, microbatches=8), "fitting layout's predicted throughput"),  # fits, slow
-])
-def test_a_slow_layout_fails(problem, layout, message):
-    grade.check_fits(layout, problem)
-    with pytest.raises(CheckFailed, match=message):
-        grade.check_fast(layout, problem)
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_a_plausible_wrong_answer_fails(tmp_path, name):
+    old, new, check = WRONG[name]
+    assert old in SOLUTION
+    wrong = module_from(tmp_path, SOLUTION.replace(old, new), "wrong_ex11")
+    with pytest.raises(grading.CheckFailed):
+        check(wrong)
 
 
-@pytest.mark.parametrize("layout, message", [
-    (Dims(dp=4, pp=2, microbatches=2, zero=2), "zero=2 must be one of \\(0, 1\\)"),
-    (Dims(dp=4, pp=2, microbatches=2, recompute="selective"), "whole blocks"),
-    (Dims(dp=4, tp=2, sequence_parallel=True), "no sequence parallelism"),
-    (Dims(dp=2, pp=2, microbatches=2), "all 8 devices"),
-    (Dims(dp=4, pp=2, microbatches=8), "per-replica batch"),
-    ("dp4 pp2", "not a course_lib.dims.ParallelDims"),
-])
-def test_a_layout_the_trainer_cannot_run_fails(problem, layout, message):
-    with pytest.raises(CheckFailed, match=message):
-        grade.check_runnable(layout, problem)
+def test_reading_the_padding_shows_in_the_resharded_values(tmp_path):
+    """reshard_flat on top of the padding-reading plan: the old padding's marker lands in the
+    new padding, where zeros belong."""
+    wrong = module_from(tmp_path, SOLUTION.replace("stop = min(stop, numel)", "pass"), "wrong_ex11_pad")
+    with pytest.raises(grading.CheckFailed, match="marks the old padding"):
+        grade.check_reshard_flat(wrong)
 
 
-@pytest.mark.parametrize("answer, message", [
-    (("communication", 0.02), "is not what stops a faster layout"),  # the biggest term, not the constraint
-    (("bubble", 0.0), "is not what stops a faster layout"),
-    (("memory", 120 * 1024), "below the estimator's"),  # the device's memory: binds, but not the threshold
-    (("memory", "221.8 KiB"), "must be a number"),
-    (("latency", 1.0), "must be one of"),
-    ("memory", "must return \\(name, number\\)"),
-])
-def test_a_wrong_binding_constraint_fails(problem, facts, answer, message):
-    with pytest.raises(CheckFailed, match=message) as err:
-        grade.check_binding(answer, problem)
-    assert str(facts["binding"][1]) not in str(err.value)  # the message never gives the answer
-
-
-def test_a_wrong_rejection_fails(monkeypatch, problem):
-    chosen = grade.ask(load(monkeypatch, "solution").choose_layout, problem)
-    too_big = Dims(dp=8)
-    excess = grade.predicted(problem, too_big)[1] - problem.cluster.memory_bytes
-    grade.check_rejected((too_big, "memory", excess), chosen, problem)
-    grade.check_rejected((too_big, "memory", excess + grade.BYTES_ATOL), chosen, problem)  # read off fmt_bytes
-    slow = Dims(dp=2, tp=2, pp=2, microbatches=8)
-    share = grade.facts(problem)["best_time"] / grade.predicted(problem, slow)[0]
-    grade.check_rejected((slow, "throughput", round(share, 2)), chosen, problem)  # read off a percentage
-    cases = [
-        ((too_big, "memory", 2 * excess), "above the estimator's"),
-        ((too_big, "throughput", 0.5), "fits but misses"),
-        ((slow, "memory", 1000), "exceeds the device's memory"),
-        ((slow, "throughput", share + 0.1), "above the estimator's"),
-        ((chosen, "memory", 0), "the one you chose"),
-        ((Dims(dp=4, pp=2, microbatches=2, zero=2), "memory", 0), "3D trainer could run"),
-        ((too_big, "too slow", 1.0), "must be one of"),
-        ((too_big, "memory"), "must return \\(layout, reason, number\\)"),
-    ]
-    for answer, message in cases:
-        with pytest.raises(CheckFailed, match=message):
-            grade.check_rejected(answer, chosen, problem)
+def test_the_rules_name_what_a_plan_breaks():
+    # 10 elements, old shards of 3 on 4 ranks, new shards of 4 on 3 ranks; new rank 2 owns [8, 12)
+    assert grade.plan_errors("p", [(2, 2, 3, 0), (3, 0, 1, 1)], 10, 4, 3, 2, 3, 4) == []
+    assert "padding" in grade.plan_errors("p", [(2, 2, 3, 0), (3, 0, 3, 1)], 10, 4, 3, 2, 3, 4)[0]
+    assert "into global offset" in grade.plan_errors("p", [(2, 2, 3, 1), (3, 0, 1, 2)], 10, 4, 3, 2, 3, 4)[0]
+    assert "each element once" in grade.plan_errors("p", [(2, 2, 3, 0)], 10, 4, 3, 2, 3, 4)[0]
+    assert "increasing" in grade.plan_errors("p", [(3, 0, 1, 1), (2, 2, 3, 0)], 10, 4, 3, 2, 3, 4)[0]
