@@ -9,8 +9,8 @@ same warm ranks, rotated order, a step's time is the slowest rank's, ratios pair
 
 What it measures is a CPU box with 2 cores shared by 8 processes, where communication is a
 memory copy and tp's many small all-reduces cost latency: the ranking here is NOT a cluster's
-(notebook 09, section 6). The traffic table (bytes per step by dimension, from the CommTracer)
-is the same on any machine; notebook 10's planner must predict both from its model. Ratios
+(notebook 10, section 6). The traffic table (bytes per step by dimension, from the CommTracer)
+is the same on any machine; notebook 11's planner must predict both from its model. Ratios
 (layout / pure DP, info only: no target) go to benchmarks/summary.py.
 """
 

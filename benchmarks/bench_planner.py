@@ -4,10 +4,10 @@ Calibrates the model here (course_lib.measure.calibrate.probe on every rank at o
 model's forward+backward at a few micro-batch sizes -> fixed cost per layer and FLOP/s; the
 optimizer per tensor and flat -> cost per tensor and bandwidth; a table of collective times
 per op, group size and bytes), then times each layout with the course's own strategy (DDP, ZeRO 1-3, tensor
-parallelism, GPipe and 1F1B pipelines, and notebook 09's hybrid meshes), predicts each with
+parallelism, GPipe and 1F1B pipelines, and notebook 10's hybrid meshes), predicts each with
 course_lib.estimate.step_time and prints both side by side: the rank correlation, the median error, and the planner's pick against the fastest measured.
 
-The measurement is stored in course_lib/assets/planner_validation.json (notebook 10 reads it
+The measurement is stored in course_lib/assets/planner_validation.json (notebook 11 reads it
 rather than spending minutes re-measuring): `python benchmarks/bench_planner.py --store`.
 `--quick` (2 steps, 1 round, QUICK_LAYOUTS only, the collective table at QUICK_PROBE_SIZES,
 nothing recorded or stored) is a smoke test of the same calls: every trainer and every option
@@ -53,7 +53,7 @@ LAYOUTS = [
     ("GPipe pp8 m8", ParallelDims(pp=8, microbatches=8, schedule="gpipe"), "pp"),
     ("1F1B pp8 m8", ParallelDims(pp=8, microbatches=8), "pp"),
     ("1F1B pp8 m16", ParallelDims(pp=8, microbatches=16), "pp"),
-    # notebook 09's hybrid runs (course_lib.parallel.hybrid): several dimensions on one mesh
+    # notebook 10's hybrid runs (course_lib.parallel.hybrid): several dimensions on one mesh
     ("dp4 x tp2", ParallelDims(dp=4, tp=2), "hybrid"),
     ("dp2 x tp4", ParallelDims(dp=2, tp=4), "hybrid"),
     ("dp2 x pp4 m4", ParallelDims(dp=2, pp=4, microbatches=4), "hybrid"),
@@ -113,7 +113,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--store", action="store_true", help=f"write {DEFAULT_PATH.name} for notebook 10")
+    parser.add_argument("--store", action="store_true", help=f"write {DEFAULT_PATH.name} for notebook 11")
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_PATH, help="where --store writes")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
     add_quick(parser, argv, steps=2, rounds=1)

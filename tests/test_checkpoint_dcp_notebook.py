@@ -1,5 +1,5 @@
 """torch.distributed.checkpoint on FSDP2's DTensor state dict (course_lib.checkpoint.dcp, notebook
-11 section 7): saved on one world size, loaded on another, every value equal bit for bit."""
+12 section 7): saved on one world size, loaded on another, every value equal bit for bit."""
 
 import pytest
 import torch

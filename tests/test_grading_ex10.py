@@ -1,4 +1,4 @@
-"""Exercise 09's checkers (course_lib.grading.ex09_mesh_coordinates): the untouched stubs fail, the
+"""Exercise 10's checkers (course_lib.grading.ex10_mesh_coordinates): the untouched stubs fail, the
 reference solution passes (one launch of 8 ranks builds the real meshes), plausible wrong answers
 fail, and a student module that imports the library's mesh bookkeeping is refused."""
 
@@ -8,10 +8,10 @@ import re
 import pytest
 
 from course_lib import grading
-from course_lib.grading import ex09_mesh_coordinates as grade
+from course_lib.grading import ex10_mesh_coordinates as grade
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXERCISE = "ex09_mesh_coordinates"
+EXERCISE = "ex10_mesh_coordinates"
 SOLUTION = ROOT / "exercises" / "solutions" / f"{EXERCISE}.py"
 CHECKS = (grade.check_coordinates, grade.check_groups, grade.check_links, grade.check_network_bytes)
 

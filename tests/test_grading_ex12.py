@@ -1,4 +1,4 @@
-"""Exercise 11's checkers (course_lib.grading.ex11_reshard): the stub fails, the reference
+"""Exercise 12's checkers (course_lib.grading.ex12_reshard): the stub fails, the reference
 solution passes, a student module that imports the library's shard rule or resharding code is
 refused, and plausible wrong answers fail."""
 
@@ -8,10 +8,10 @@ import pathlib
 import pytest
 
 from course_lib import grading
-from course_lib.grading import ex11_reshard as grade
+from course_lib.grading import ex12_reshard as grade
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOLUTION = (ROOT / "exercises" / "solutions" / "ex11_reshard.py").read_text()
+SOLUTION = (ROOT / "exercises" / "solutions" / "ex12_reshard.py").read_text()
 CHEAP = (grade.check_shard_range, grade.check_read_plan, grade.check_reshard_flat)
 
 
@@ -26,7 +26,7 @@ def module_from(tmp_path, source, name):
 
 def test_the_plain_stub_fails(monkeypatch):
     monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    stub = grading.load_student("ex11_reshard", refuse=grade.REFUSE)
+    stub = grading.load_student("ex12_reshard", refuse=grade.REFUSE)
     for check in CHEAP:
         with pytest.raises(NotImplementedError):
             check(stub)
@@ -34,7 +34,7 @@ def test_the_plain_stub_fails(monkeypatch):
 
 def test_the_reference_solution_passes_the_cheap_checks(monkeypatch, capsys):
     monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
-    solution = grading.load_student("ex11_reshard", refuse=grade.REFUSE)
+    solution = grading.load_student("ex12_reshard", refuse=grade.REFUSE)
     for check in CHEAP:
         check(solution)
     out = capsys.readouterr().out.splitlines()
@@ -43,7 +43,7 @@ def test_the_reference_solution_passes_the_cheap_checks(monkeypatch, capsys):
 
 def test_the_reference_solution_passes_on_ranks(monkeypatch, capsys):
     monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
-    solution = grading.load_student("ex11_reshard", refuse=grade.REFUSE)
+    solution = grading.load_student("ex12_reshard", refuse=grade.REFUSE)
     grade.check_reads_on_ranks(solution)
     grade.check_resume_on_fewer_ranks(solution)
     out = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("[rank")]
@@ -59,12 +59,12 @@ def test_the_reference_solution_passes_on_ranks(monkeypatch, capsys):
     "import course_lib.checkpoint.reader\n",
 ])
 def test_a_student_module_using_the_library_answer_is_refused(tmp_path, monkeypatch, source):
-    (tmp_path / "ex11_reshard").mkdir()
-    (tmp_path / "ex11_reshard" / "student.py").write_text(source + SOLUTION)
+    (tmp_path / "ex12_reshard").mkdir()
+    (tmp_path / "ex12_reshard" / "student.py").write_text(source + SOLUTION)
     monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
     monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
     with pytest.raises(grading.CheckFailed, match="already holds this exercise's answer"):
-        grading.load_student("ex11_reshard", refuse=grade.REFUSE)
+        grading.load_student("ex12_reshard", refuse=grade.REFUSE)
 
 
 # Plausible mistakes, each made in the reference solution's source.

@@ -1,4 +1,4 @@
-"""Exercise 12's checkers (course_lib.grading.ex12_capstone), called directly, no ranks: the plain
+"""Exercise 14's checkers (course_lib.grading.ex14_capstone), called directly, no ranks: the plain
 stub fails, the reference solution passes, a module that uses the planner is refused (by its
 syntax tree, and at call time by a route the tree does not show), and plausible wrong answers
 fail without the message giving the answer. (The real 8-rank run of check 6 is graded by the
@@ -11,7 +11,7 @@ import pytest
 from course_lib import grading
 from course_lib.dims import ParallelDims as Dims
 from course_lib.grading import CheckFailed
-from course_lib.grading import ex12_capstone as grade
+from course_lib.grading import ex14_capstone as grade
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def load(monkeypatch, which: str):
         monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
     else:
         monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    return grading.load_student("ex12_capstone", refuse=grade.REFUSE)
+    return grading.load_student("ex14_capstone", refuse=grade.REFUSE)
 
 
 def test_the_plain_stub_fails(monkeypatch, problem):
@@ -74,17 +74,17 @@ def test_the_solution_agrees_when_memory_does_not_bind(monkeypatch, capsys, prob
 def test_a_module_that_uses_the_planner_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
     monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    (tmp_path / "ex12_capstone").mkdir()
-    student = tmp_path / "ex12_capstone" / "student.py"
+    (tmp_path / "ex14_capstone").mkdir()
+    student = tmp_path / "ex14_capstone" / "student.py"
     for source, name in [
         ("from course_lib.estimate.planner import plan\n", "course_lib.estimate.planner.plan"),
         ("import course_lib.estimate.planner_figures as f\n", "course_lib.estimate.planner_figures"),
         ("from course_lib.estimate import search\n", "course_lib.estimate.search"),
-        ("from course_lib.grading.ex12_capstone import facts\n", "course_lib.grading.ex12_capstone.facts"),
+        ("from course_lib.grading.ex14_capstone import facts\n", "course_lib.grading.ex14_capstone.facts"),
     ]:
         student.write_text(source + "\ndef choose_layout(*args):\n    return None\n")
         with pytest.raises(CheckFailed, match=f"line 1 uses {name}"):
-            grading.load_student("ex12_capstone", refuse=grade.REFUSE)
+            grading.load_student("ex14_capstone", refuse=grade.REFUSE)
 
 
 def test_the_planner_reached_at_call_time_is_refused(problem):

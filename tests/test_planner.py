@@ -1,4 +1,4 @@
-"""The step-time model, the memory model per rank and the planner (notebook 10)."""
+"""The step-time model, the memory model per rank and the planner (notebook 11)."""
 
 import math
 
@@ -280,7 +280,7 @@ def test_stored_validation_compares_every_layout():
 
 # ----------------------------------------------------------------------------- memory model = measured
 def _measured_state(dims, config):
-    """Rank code: notebook 09's composed model and its optimizer after one step, measured."""
+    """Rank code: notebook 10's composed model and its optimizer after one step, measured."""
     import torch
 
     from course_lib.observe.memory import measured_state_bytes

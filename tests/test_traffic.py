@@ -1,6 +1,6 @@
 """One traffic model per mesh axis (course_lib.estimate.traffic): its records held against what the
 course's runtime sends (CommTracer on gloo ranks), and read by both the byte accounting of
-notebook 09 (parallel.topology) and the step-time model of notebook 10 (estimate.step_time)."""
+notebook 10 (parallel.topology) and the step-time model of notebook 11 (estimate.step_time)."""
 
 from dataclasses import replace
 
@@ -68,8 +68,8 @@ def test_records_equal_the_tracer(config, dims):
 
 
 def test_topology_and_step_time_read_the_same_records(monkeypatch):
-    """One extra all-reduce in tensor parallelism's record moves notebook 09's bytes and notebook
-    10's calls and seconds by exactly that call: neither keeps a count of its own."""
+    """One extra all-reduce in tensor parallelism's record moves notebook 10's bytes and notebook
+    11's calls and seconds by exactly that call: neither keeps a count of its own."""
     dims = ParallelDims(dp=2, tp=2, pp=2, zero=1, microbatches=2)
     before = topology.traffic_per_step(DENSE, dims, 8), step_time(DENSE, dims, CLUSTER, 8, recipe="fp32")
     tp_traffic = traffic.tp_traffic

@@ -82,7 +82,7 @@ def compare(run, cluster) -> dict:
 
 
 def traffic_formula(config, dims) -> dict:
-    """{dim: bytes sent per step, summed over the ranks} of a dense layout: notebook 09's traffic
+    """{dim: bytes sent per step, summed over the ranks} of a dense layout: notebook 10's traffic
     model (course_lib.parallel.topology.traffic_per_step, which reads each axis's records in
     course_lib.estimate.traffic) at fp32 on the wire, with what this run changes there: under
     bf16 the row-parallel matmuls' outputs carry bf16, and full recomputation repeats each

@@ -1,4 +1,4 @@
-"""Checkpoints that survive failures (notebook 11): sharded save and load, resharding, atomicity,
+"""Checkpoints that survive failures (notebook 12): sharded save and load, resharding, atomicity,
 async saves, the full training state, and elastic recovery.
 
     reshard.py     boxes of global tensors; a flat ZeRO range as boxes; copying overlaps
@@ -11,10 +11,10 @@ async saves, the full training state, and elastic recovery.
     async_save.py  the copy to host blocks, the write does not
     state.py       the full training state: model, optimizer, step, data position, every rank's RNG
     dcp.py         the same pieces through torch.distributed.checkpoint as the storage layer;
-                   DCP on FSDP2's DTensor state dict, saved and resharded (notebook 11, section 7)
+                   DCP on FSDP2's DTensor state dict, saved and resharded (notebook 12, section 7)
     training.py    the training loop with periodic checkpoints, resumption and a kill on purpose
     interval.py    failures at scale and the Young/Daly checkpoint interval
-    flat.py        ZeRO-3 flat shards saved as they are (exercise 11);  viz.py: notebook 11's figures
+    flat.py        ZeRO-3 flat shards saved as they are (exercise 12);  viz.py: notebook 12's figures
 """
 
 from course_lib.checkpoint.async_save import AsyncCheckpointer

@@ -22,7 +22,7 @@ only that warning. Limitation: the boxes of a sharded tensor must not overlap be
 slice would pass it once, as format.py does when saving).
 
 The second half runs DCP the way production code does, on FSDP2's own DTensor state dict
-(notebook 11, section 7): fsdp2_dcp_save (rank code: train, dcp.save, dcp.async_save),
+(notebook 12, section 7): fsdp2_dcp_save (rank code: train, dcp.save, dcp.async_save),
 fsdp2_dcp_load (rank code, any world size: dcp.load into a fresh model), dcp_chunks (the
 saved chunks of one tensor, from the .metadata file).
 """

@@ -1,4 +1,4 @@
-"""ZeRO-3 flat shards saved as they are (no boxes), for exercise 11: reshard them by hand.
+"""ZeRO-3 flat shards saved as they are (no boxes), for exercise 12: reshard them by hand.
 
 Each rank r of N writes `rank<r>.pt` holding, for every flat unit u of P_u elements, its padded
 shard [r*S_u, (r+1)*S_u), S_u = ceil(P_u / N) (course_lib.parallel.zero.flat), of the

@@ -1,4 +1,4 @@
-"""Notebook 11's pictures: flat shards resharded by global offsets, and the checkpoint-interval
+"""Notebook 12's pictures: flat shards resharded by global offsets, and the checkpoint-interval
 widget (expected waste against the interval, Young/Daly's optimum marked).
 
     draw_flat_reshard(ax, numel, old_world, new_world)   which old shard feeds which new one

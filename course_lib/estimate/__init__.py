@@ -8,10 +8,10 @@ which sits above this package.
     per_gpu.py      everything above on the busiest GPU of a dp x ep x tp x pp layout
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
     cluster.py      Cluster: devices, links, measured rates
-    traffic.py      each mesh axis's collectives of one step, as records (notebook 09 sums their
+    traffic.py      each mesh axis's collectives of one step, as records (notebook 10 sums their
                     bytes, the step-time model prices them)
     step_time.py    the step-time model of a layout (course_lib.dims.ParallelDims) on a cluster
-                    (notebook 10), memory per rank
+                    (notebook 11), memory per rank
     planner.py      the search over layouts, ranked by predicted step time, with its explanation
     clusters.py     GPU clusters and published runs
     planner_figures.py   the planner's figures and widget

@@ -1,5 +1,5 @@
 """A cluster: the devices and links the step-time model (step_time.py) and the planner cost a
-layout on (notebook 10), with the rates and fixed costs course_lib.measure.calibrate measures.
+layout on (notebook 11), with the rates and fixed costs course_lib.measure.calibrate measures.
 The layout itself is course_lib.dims.ParallelDims, the one the runtime runs.
 
 Cluster validates its fields on construction: a bad value is a ValueError naming it.

@@ -1,4 +1,4 @@
-"""Published clusters as course_lib.estimate.cluster.Cluster values (notebook 10).
+"""Published clusters as course_lib.estimate.cluster.Cluster values (notebook 11).
 
     gpu_cluster(gpu, n_gpus, gpus_per_node=8)    a cluster of one of calculator.GPUS
     PUBLISHED                                     the runs the planner is held against

@@ -1,4 +1,4 @@
-"""The automatic planner (notebook 10): every layout that fits, ranked by predicted step time.
+"""The automatic planner (notebook 11): every layout that fits, ranked by predicted step time.
 
 Two levels, in the spirit of Alpa (Zheng et al. 2022): the inter-operator split (pp stages,
 v chunks per rank, m micro-batches and a schedule) and the intra-operator sharding (tp with

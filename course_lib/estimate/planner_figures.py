@@ -1,4 +1,4 @@
-"""Notebook 10's figures: predicted against measured, the memory / step-time Pareto front, the
+"""Notebook 11's figures: predicted against measured, the memory / step-time Pareto front, the
 planner's top layouts with their cost breakdown, and the widget (model, cluster, batch).
 
     plot_predicted_vs_measured(ax, result)      a course_lib.measure.validation.compare result

@@ -1,4 +1,4 @@
-"""The step-time model of one layout (notebook 10): compute + overhead + exposed communication + bubble.
+"""The step-time model of one layout (notebook 11): compute + overhead + exposed communication + bubble.
 
 A layout is the runtime's course_lib.dims.ParallelDims: n_gpus = dp * ep * tp * pp ranks
 (make_mesh's order: tp innermost, then ep, dp, pp), m = microbatches micro-batches per
@@ -29,9 +29,9 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
                 parameters this rank owns; a per-tensor loop, or flat shards under ZeRO)
 
 The tp, pp, ep, dp terms and the norm's all-reduce are sums over each axis's records
-(course_lib.estimate.traffic, the traffic model notebook 09's byte accounting reads too): a
+(course_lib.estimate.traffic, the traffic model notebook 10's byte accounting reads too): a
 record's priced calls, each costed by course_lib.comm.measured.collective_time on the link its
-group crosses, placed as make_mesh places it (course_lib.dims.link_of, notebook 09): the node's
+group crosses, placed as make_mesh places it (course_lib.dims.link_of, notebook 10): the node's
 link (`intra`) when the whole group sits on one node, else the network (`inter`). A link is an
 alpha-beta LinkModel (T = a alpha + b S / beta, ring algorithms) or a table measured on the
 machine at hand (CollectiveTable). The records' calls are the course's own implementations' on

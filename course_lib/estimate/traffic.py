@@ -3,8 +3,8 @@
 compared across them and a new axis is one more function here.)
 
 Each axis function returns a list of `Collective`s, read by both sides of the course:
-the byte accounting of notebook 09 (course_lib.parallel.topology sums `world_bytes` per axis)
-and the step-time model of notebook 10 (course_lib.estimate.step_time prices `priced` calls
+the byte accounting of notebook 10 (course_lib.parallel.topology sums `world_bytes` per axis)
+and the step-time model of notebook 11 (course_lib.estimate.step_time prices `priced` calls
 of `nbytes` on a link and counts `calls`). Each axis package re-exports its function.
 
 Notation: B global batch, R = dp * ep replicas, m micro-batches of mb = B / (R m) sequences of

@@ -1,4 +1,4 @@
-"""Checkers of exercise 09 (mesh coordinates, groups and the links they cross).
+"""Checkers of exercise 10 (mesh coordinates, groups and the links they cross).
 
 The learner writes coordinates(rank, sizes, order), groups(sizes, order), link_of(dim, sizes,
 gpus_per_node, order) and inter_node_bytes(bytes_per_rank, sizes, gpus_per_node, order). Each
@@ -212,7 +212,7 @@ BY_HAND_INTER = {DIMS: ("pp", "dp"), NAIVE: ("tp", "pp", "dp")}  # from BY_HAND_
 
 def llama3_traffic() -> dict:
     """Bytes per rank and step of each dimension for Llama 3 405B on BIG (bf16, 128 sequences of
-    8192 tokens, 16 micro-batches), from the course's traffic model (notebook 09, section 7)."""
+    8192 tokens, 16 micro-batches), from the course's traffic model (notebook 10, section 7)."""
     dims = ParallelDims(**BIG, microbatches=16)
     return {d: row["bytes_per_rank"] for d, row in traffic_per_step(LLAMA3_405B, dims, 128, seq=8192,
                                                                        dtype_bytes=2).items()}

@@ -1,4 +1,4 @@
-"""Exercise 10's checkers: a learner's step-time model of a dp x tp (x pp) layout.
+"""Exercise 11's checkers: a learner's step-time model of a dp x tp (x pp) layout.
 
     check_no_pipeline(fn)      every term of four dp x tp layouts of two published models
     check_pipeline(fn)         the bubble under 1F1B and interleaved 1F1B (a property, then values)
@@ -37,13 +37,13 @@ ATOL = 1e-12  # seconds: lets a term that is exactly 0 be 0.0 or -0.0; every non
 A100_1024 = ("A100 SXM 80 GB", 1024)
 H100_512 = ("H100 SXM 80 GB", 512)
 
-# Expected seconds, computed once (2026-11-26) by exercises/solutions/ex10_step_time.py on these
+# Expected seconds, computed once (2026-11-26) by exercises/solutions/ex11_step_time.py on these
 # inputs (course_lib.estimate's flops_per_token and per_gpu_memory, course_lib.comm's alpha-beta
 # links and the calibration stored in course_lib/assets/planner_validation.json), rounded to 12
 # significant digits. They agree with the course's full model (course_lib.estimate.step_time):
 # compute exactly; tp, dp and the bubble within a few percent, as the full model also counts
 # the embedding's, head's and loss's all-reduces, DDP's buckets and the pipeline's sends;
-# tests/test_grading_ex10.py checks both.
+# tests/test_grading_ex11.py checks both.
 EXPECTED = {
     # (model, cluster, seq, layout) -> terms
     ("GPT-3 175B", A100_1024, 2048, (("dp", 128), ("tp", 8), ("micro_batch", 1), ("m", 12))): {
@@ -166,7 +166,7 @@ def check_exposed_dp(fn):
 
 
 def check_measured(fn):
-    """The 8-rank calibration of notebook 10, section 4 (fp32): every term of the four dp x tp
+    """The 8-rank calibration of notebook 11, section 4 (fp32): every term of the four dp x tp
     runs, then the order of your predictions against the order the runs were measured in."""
     data = load_validation()
     measured = {r["label"]: r["measured"] for r in data["runs"]}

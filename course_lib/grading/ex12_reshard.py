@@ -1,4 +1,4 @@
-"""Checkers of exercise 11 (reshard flat ZeRO shards from N to M ranks by global offsets).
+"""Checkers of exercise 12 (reshard flat ZeRO shards from N to M ranks by global offsets).
 
 Nothing here computes a plan: the checks hold the learner's functions to the rules a plan must
 obey, to values derived by hand for fixed cases, and to real runs.

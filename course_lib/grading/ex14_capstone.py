@@ -1,4 +1,4 @@
-"""Checkers of exercise 12 (the capstone's layout: choose it, say what binds, reject one).
+"""Checkers of exercise 14 (the capstone's layout: choose it, say what binds, reject one).
 
 The learner writes three functions of the stated problem (`PROBLEM`: a model, a cluster of 8
 ranks with tight memory, a global batch, a precision recipe and a throughput budget):
@@ -10,7 +10,7 @@ ranks with tight memory, a global batch, a precision recipe and a throughput bud
                              ("memory" or "throughput") and by how much
 
 Everything is graded against the course's estimator (course_lib.estimate.step_time:
-memory_per_rank and step_time, notebook 10's formulas), over the layouts the 3D trainer
+memory_per_rank and step_time, notebook 11's formulas), over the layouts the 3D trainer
 composes (`runnable_layouts`, enumerated here, never with the planner), and the chosen layout
 is trained for real on 8 ranks against the single process. The planner holds the answer, so
 REFUSE keeps it out of the learner's module, and `ask` runs the learner's functions with the
@@ -49,11 +49,11 @@ from course_lib.parallel.hybrid import run_hybrid, train_single
 from course_lib.tolerances import adamw_loss_atol
 from course_lib.train import TrainConfig
 
-# The planner and everything that wraps it (the widget of notebook 10), under every name a
+# The planner and everything that wraps it (the widget of notebook 11), under every name a
 # module could reach it by; course_lib.estimate.plan / search guard a future re-export.
 # This module is refused too: facts() computes the answers the checks compare with.
 REFUSE = ("course_lib.estimate.planner", "course_lib.estimate.planner_figures", "course_lib.estimate.plan",
-          "course_lib.estimate.search", "course_lib.grading.ex12_capstone")
+          "course_lib.estimate.search", "course_lib.grading.ex14_capstone")
 
 # Step-time terms (course_lib.estimate.step_time.TERMS) grouped by what a layout can trade
 GROUPS = {"compute": ("compute", "recompute"), "overhead": ("overhead",),
@@ -82,14 +82,14 @@ class Problem:
         c, k = self.config, self.cluster
         return (f"model: the course GPT, {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
                 f"vocabulary {c.vocab_size}\n"
-                f"cluster: {k.name}, calibrated in notebook 10; {k.n_gpus} devices of "
+                f"cluster: {k.name}, calibrated in notebook 11; {k.n_gpus} devices of "
                 f"{k.memory_bytes / 1024:g} KiB each\n"
                 f"budget: a global batch of {self.global_batch} sequences of {self.seq} tokens, recipe "
                 f"{self.recipe!r}; at least {self.fraction:.0%} of the best fitting layout's predicted throughput")
 
 
 def stated_problem() -> Problem:
-    """The exercise's problem: notebook 10's measured 8-rank cluster with 120 KiB per device."""
+    """The exercise's problem: notebook 11's measured 8-rank cluster with 120 KiB per device."""
     seq = 16
     model = GPTConfig(vocab_size=CharDataset("train", seq).vocab_size, block_size=seq, n_layer=2, n_head=2,
                       d_model=16)

@@ -1,4 +1,4 @@
-"""Runs on real ranks that measure what estimate/ predicts (notebook 10 onwards).
+"""Runs on real ranks that measure what estimate/ predicts (notebook 11 onwards).
 
     calibrate.py    the step-time model's inputs measured here: fixed costs, FLOP/s, a table of
                     collectives, fitted into an estimate Cluster

@@ -1,4 +1,4 @@
-"""Calibration: the step-time model's inputs measured on the machine at hand (notebook 10).
+"""Calibration: the step-time model's inputs measured on the machine at hand (notebook 11).
 
     matmul_flops(rows, inner, cols)    rank code: FLOP/s of one (rows x inner) @ (inner x cols)
     copy_bandwidth(nbytes)             rank code: bytes/s of reading + writing a tensor

@@ -1,4 +1,4 @@
-"""The per-rank memory model against the bytes the course's own layouts really hold (notebook 10).
+"""The per-rank memory model against the bytes the course's own layouts really hold (notebook 11).
 
     check_runnable(config, dims, batch_size, seq)             ValueError unless the course can build it here
     layout_memory_bytes(config, dims, batch_size, seq, seed)  rank code: build the layout, one step, measure

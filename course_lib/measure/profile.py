@@ -1,4 +1,4 @@
-"""Profiling any course strategy on real ranks (notebook 10): a Chrome/Perfetto trace per rank.
+"""Profiling any course strategy on real ranks (notebook 11): a Chrome/Perfetto trace per rank.
 
     profile_on_ranks(train_fn, *args, world_size, out_dir)   run train_fn on the ranks under
                                    torch.profiler; rank r writes out_dir/rank{r}.json

@@ -1,4 +1,4 @@
-"""Predicted against measured step times (notebook 10): the numbers that say how good the model is.
+"""Predicted against measured step times (notebook 11): the numbers that say how good the model is.
 
     spearman(xs, ys)                 rank correlation (ties get their mean rank)
     compare(config, cluster, runs)   per run: predicted terms beside the measured time; summary

@@ -1,5 +1,5 @@
 """Reading a profile of any course strategy: the timeline from a Chrome/Perfetto trace, and MFU
-(notebook 10). The traces come from course_lib.measure.profile.profile_on_ranks (each rank
+(notebook 11). The traces come from course_lib.measure.profile.profile_on_ranks (each rank
 under torch.profiler writes out_dir/rank{r}.json).
 
     trace_timeline(path)           the trace's top-level CPU ops and its collectives as

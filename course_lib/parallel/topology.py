@@ -1,4 +1,4 @@
-"""Rank placement: which mesh dimension's traffic crosses which link of a cluster (notebook 09).
+"""Rank placement: which mesh dimension's traffic crosses which link of a cluster (notebook 10).
 
 Ranks are numbered node by node (ranks 0..G-1 on node 0, G = GPUs per node). The order of the
 mesh dimensions decides which ranks form a group: with order (d_0, ..., d_3), d_3 innermost,
@@ -11,7 +11,7 @@ make_mesh uses TOPOLOGY_AWARE = ("pp", "dp", "ep", "tp"): tp innermost, on NVLin
 outermost, its point-to-point sends the only traffic that must leave the node. NAIVE reverses it.
 
 Traffic of one step, bytes sent, summed over all ranks: course_lib.estimate.traffic, one function
-per axis (re-exported by each axis package), whose records the step-time model (notebook 10)
+per axis (re-exported by each axis package), whose records the step-time model (notebook 11)
 prices too. With e bytes per element, B global batch, R = dp * ep replicas, b = B / R rows per
 replica, s sequence, d d_model, S = pp * v stages, V' the vocabulary padded to a multiple of tp,
 m micro-batches, L blocks:
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 from course_lib.comm.costmodel import CLUSTERS, LinkModel
 # the mesh geometry (orders, rank <-> coordinates, groups, which link a dimension crosses) is
-# course_lib.dims': re-exported here, where notebook 09 and the traffic model read it
+# course_lib.dims': re-exported here, where notebook 10 and the traffic model read it
 from course_lib.dims import MESH_DIMS, NAIVE, TOPOLOGY_AWARE, check_order, coordinates, groups, link_of, rank_of
-# each axis's traffic: the records the step-time model (notebook 10) prices too
+# each axis's traffic: the records the step-time model (notebook 11) prices too
 from course_lib.estimate.traffic import step_traffic
 
 

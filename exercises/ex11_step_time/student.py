@@ -1,5 +1,5 @@
-"""Exercise 10: predict one optimizer step's time, term by term. Fill in `step_time_dp_tp`, then
-run the check cells of ex10_step_time.ipynb. Each check prints PASS when your code is right.
+"""Exercise 11: predict one optimizer step's time, term by term. Fill in `step_time_dp_tp`, then
+run the check cells of ex11_step_time.ipynb. Each check prints PASS when your code is right.
 
 The inputs your model needs, all imported below:
 
@@ -22,7 +22,7 @@ def step_time_dp_tp(config, cluster, dp: int, tp: int, micro_batch: int, m: int 
                     seq: int | None = None, recipe: str = "bf16_mixed") -> dict:
     """Predicted seconds of one optimizer step of `config` on `cluster`, by term.
 
-    The layout: dp * tp * pp devices, numbered tp innermost, then dp, then pp (notebook 09's
+    The layout: dp * tp * pp devices, numbered tp innermost, then dp, then pp (notebook 10's
     mesh). Each data-parallel replica runs m micro-batches of `micro_batch` sequences of `seq`
     tokens (default config.block_size) through pp pipeline stages of n_layer / pp layers,
     scheduled by 1F1B (v = 1) or by interleaved 1F1B with v model chunks per rank (notebook 06).
@@ -50,4 +50,4 @@ def step_time_dp_tp(config, cluster, dp: int, tp: int, micro_batch: int, m: int 
                     (compute + overhead + tp)
         total       the step: compute + overhead + tp + dp_exposed + bubble
     """
-    raise NotImplementedError("exercise 10: write step_time_dp_tp")
+    raise NotImplementedError("exercise 11: write step_time_dp_tp")

@@ -1,8 +1,8 @@
-"""Exercise 11: reshard a flat ZeRO shard set from N ranks to M ranks by global offsets. Fill
-in the three functions, then run the check cells of ex11_reshard.ipynb. Each check prints PASS
+"""Exercise 12: reshard a flat ZeRO shard set from N ranks to M ranks by global offsets. Fill
+in the three functions, then run the check cells of ex12_reshard.ipynb. Each check prints PASS
 when your code is right.
 
-The layout (notebook 08 and notebook 11, section 4): a flat unit of P elements is padded with
+The layout (notebook 08 and notebook 12, section 4): a flat unit of P elements is padded with
 zeros to N * S elements, S = ceil(P / N), and rank r of N owns the global range
 [r * S, (r + 1) * S). The last ranks' ranges may run into the padding (or lie wholly in it).
 A saved shard is that range's S elements, padding included.
@@ -19,7 +19,7 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, stop) of `rank`'s shard of a flat unit of `numel` elements on `world_size` ranks:
     start = rank * S, stop = (rank + 1) * S with S = ceil(numel / world_size). stop may exceed
     numel (padding). Raise ValueError unless 0 <= rank < world_size."""
-    raise NotImplementedError("exercise 11: write shard_range")
+    raise NotImplementedError("exercise 12: write shard_range")
 
 
 def read_plan(numel: int, old_world: int, new_world: int, new_rank: int) -> list[tuple[int, int, int, int]]:
@@ -32,11 +32,11 @@ def read_plan(numel: int, old_world: int, new_world: int, new_rank: int) -> list
     Example: numel=10, 4 old ranks (S=3: [0,3) [3,6) [6,9) [9,12)), 3 new ranks (S'=4):
     new rank 1 owns [4, 8) -> [(1, 1, 3, 0), (2, 0, 2, 2)].
     """
-    raise NotImplementedError("exercise 11: write read_plan")
+    raise NotImplementedError("exercise 12: write read_plan")
 
 
 def reshard_flat(old_shards: list[torch.Tensor], numel: int, new_world: int) -> list[torch.Tensor]:
     """The new_world padded shards (S' = ceil(numel / new_world) elements each, same dtype as the
     old ones, zeros in the padding) built from the len(old_shards) saved shards with read_plan.
     Do not modify the old shards."""
-    raise NotImplementedError("exercise 11: write reshard_flat")
+    raise NotImplementedError("exercise 12: write reshard_flat")

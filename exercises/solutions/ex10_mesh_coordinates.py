@@ -1,4 +1,4 @@
-"""Exercise 09, reference solution: mesh coordinates, groups and links."""
+"""Exercise 10, reference solution: mesh coordinates, groups and links."""
 
 DIMS = ("pp", "dp", "ep", "tp")
 

@@ -1,4 +1,4 @@
-"""Exercise 10, reference solution: the step time of a DP x TP (x PP) layout."""
+"""Exercise 11, reference solution: the step time of a DP x TP (x PP) layout."""
 
 from course_lib.comm.measured import collective_time
 from course_lib.estimate import RECIPES, flops_per_token, per_gpu_memory

@@ -1,4 +1,4 @@
-"""Exercise 11, reference solution: reshard flat ZeRO shards from N to M ranks by global offsets."""
+"""Exercise 12, reference solution: reshard flat ZeRO shards from N to M ranks by global offsets."""
 
 import torch
 

@@ -1,8 +1,8 @@
 # %% [markdown]
-# # Exercise 09: mesh coordinates, groups and the links they cross
+# # Exercise 10: mesh coordinates, groups and the links they cross
 #
 # **Goal.** Write the bookkeeping of a 4-D device mesh in
-# `exercises/ex09_mesh_coordinates/student.py` (notebook `09_3d_parallelism` explains every
+# `exercises/ex10_mesh_coordinates/student.py` (notebook `10_3d_parallelism` explains every
 # idea used here; re-read §1 for the numbering, §2 for the groups, §6 for nodes and links):
 #
 # 1. `coordinates(rank, sizes, order)`: a rank's index along pp, dp, ep and tp;
@@ -35,10 +35,10 @@
 # refused before any check runs. Edit `student.py`, then *Kernel → Restart and run all*.
 
 # %%
-from course_lib.grading import ex09_mesh_coordinates as grade
+from course_lib.grading import ex10_mesh_coordinates as grade
 from course_lib.grading import load_student
 
-student = load_student("ex09_mesh_coordinates", refuse=grade.REFUSE)
+student = load_student("ex10_mesh_coordinates", refuse=grade.REFUSE)
 
 # %% [markdown]
 # ## Check 1: coordinates
@@ -86,14 +86,14 @@ grade.check_network_bytes(student)
 # ```
 #
 # How many times more bytes per rank does the naive order send over InfiniBand, and which
-# dimension accounts for the difference? Back in notebook 09 (§7), how many seconds per step
+# dimension accounts for the difference? Back in notebook 10 (§7), how many seconds per step
 # is that for Llama 3 405B, and which dimension would you move off the network first?
 #
 # <details><summary>Answer</summary>
 #
 # In make_mesh's order only pp and dp leave the node; the naive order also sends tp's
 # activation all-reduces over the network, so the factor is `(tp + pp + dp) / (pp + dp)` of
-# the bytes above. tp's traffic is the largest of the step (notebook 09, §7, prints all
+# the bytes above. tp's traffic is the largest of the step (notebook 10, §7, prints all
 # three), so tp is the one to bring back inside the node: that is why it goes innermost.
 # </details>
 #

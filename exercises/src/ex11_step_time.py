@@ -1,7 +1,7 @@
 # %% [markdown]
-# # Exercise 10: predict the step time of a DP x TP (x PP) layout
+# # Exercise 11: predict the step time of a DP x TP (x PP) layout
 #
-# **Goal.** In `exercises/ex10_step_time/student.py`, write `step_time_dp_tp(config, cluster,
+# **Goal.** In `exercises/ex11_step_time/student.py`, write `step_time_dp_tp(config, cluster,
 # dp, tp, micro_batch, m, pp, v, seq, recipe)`: how many seconds one optimizer step of a layout
 # takes, term by term: the compute, the layers' fixed launch cost, tensor parallelism's
 # all-reduces, the data-parallel all-reduce (all of it, and the part the step waits for) and
@@ -17,8 +17,8 @@
 # **Re-read:** notebook 01 (FLOPs per token; how a step's FLOPs split between forward and
 # backward), notebook 02 (the cost of an all-reduce), notebook 03 (gradient accumulation
 # without synchronising), notebook 05 (Megatron's f and g), notebook 06 (the bubble
-# fraction), notebook 09 (the mesh's order: which ranks form a group, and their stride) and
-# notebook 10, sections 1 to 4.
+# fraction), notebook 10 (the mesh's order: which ranks form a group, and their stride) and
+# notebook 11, sections 1 to 4.
 #
 # **Work on paper first.** GPT-3 175B on 1024 A100s, dp = 16, tp = 8, pp = 8, 16
 # micro-batches of one sequence: which term is the largest? Double the micro-batches at the same
@@ -40,9 +40,9 @@
 # *Kernel → Restart and run all*.
 
 # %%
-from course_lib.grading import ex10_step_time as ex10, load_student
+from course_lib.grading import ex11_step_time as ex11, load_student
 
-student = load_student("ex10_step_time", refuse=ex10.REFUSED)
+student = load_student("ex11_step_time", refuse=ex11.REFUSED)
 
 # %% [markdown]
 # ## Check 1: compute, tensor and data parallelism, no pipeline
@@ -50,7 +50,7 @@ student = load_student("ex10_step_time", refuse=ex10.REFUSED)
 # every term.
 
 # %%
-ex10.check_no_pipeline(student.step_time_dp_tp)
+ex11.check_no_pipeline(student.step_time_dp_tp)
 
 # %% [markdown]
 # ## Check 2: the bubble
@@ -58,7 +58,7 @@ ex10.check_no_pipeline(student.step_time_dp_tp)
 # interleaved 1F1B with v = 2 chunks per rank at 16.
 
 # %%
-ex10.check_pipeline(student.step_time_dp_tp)
+ex11.check_pipeline(student.step_time_dp_tp)
 
 # %% [markdown]
 # ## Check 3: the exposed data-parallel all-reduce
@@ -67,22 +67,22 @@ ex10.check_pipeline(student.step_time_dp_tp)
 # at all.
 
 # %%
-ex10.check_exposed_dp(student.step_time_dp_tp)
+ex11.check_exposed_dp(student.step_time_dp_tp)
 
 # %% [markdown]
 # ## Check 4: the measured runs
-# Notebook 10, section 4 calibrated 8 emulated ranks (16 sequences of 32 tokens, fp32): a
+# Notebook 11, section 4 calibrated 8 emulated ranks (16 sequences of 32 tokens, fp32): a
 # fixed cost per layer, FLOP/s, and a table of measured all-reduce times that
 # `collective_time` reads. Your model, fed that calibration, predicts DDP, tensor parallelism
 # and two mixes of both; the check also requires that it order them as they were measured.
 
 # %%
-ex10.check_measured(student.step_time_dp_tp)
+ex11.check_measured(student.step_time_dp_tp)
 
 # %% [markdown]
 # ## Having written it, compare
 #
-# The course's full model is `course_lib.estimate.step_time` (notebook 10, section 2): compare
+# The course's full model is `course_lib.estimate.step_time` (notebook 11, section 2): compare
 # its `step_time` with yours. It also counts what your model leaves out: the embedding's, the
 # head's and the loss's all-reduces, DDP's gradient buckets, the pipeline's point-to-point
 # sends, ZeRO, recomputation, expert parallelism, the optimizer's update, and ranks that share

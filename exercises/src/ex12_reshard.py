@@ -1,8 +1,8 @@
 # %% [markdown]
-# # Exercise 11: reshard ZeRO shards from N ranks to M ranks
+# # Exercise 12: reshard ZeRO shards from N ranks to M ranks
 #
 # **Goal.** A ZeRO-3 run saved its flat shards on 4 ranks; the job must continue on 2. In
-# `exercises/ex11_reshard/student.py`, write the resharding by global offsets:
+# `exercises/ex12_reshard/student.py`, write the resharding by global offsets:
 #
 # 1. `shard_range(numel, world_size, rank)`: the global range a rank owns in a padded flat unit.
 # 2. `read_plan(numel, old_world, new_world, new_rank)`: which slice of which old shard lands
@@ -11,7 +11,7 @@
 #
 # Draw it first: a unit of 10 elements on 4 ranks, then on 3; mark each rank's range and the
 # padding; for each new rank, list the overlaps. Then a unit of 3 elements on 4 ranks: what
-# does the last rank hold? **Re-read in notebook 11:** section 3 (what a sharded checkpoint
+# does the last rank hold? **Re-read in notebook 12:** section 3 (what a sharded checkpoint
 # holds), section 4 (resharding by global offsets, and its picture); in notebook 08, the flat
 # padded buffer of ZeRO.
 #
@@ -33,10 +33,10 @@
 # resharding code is refused before any check runs.
 
 # %%
-from course_lib.grading import ex11_reshard as grade
+from course_lib.grading import ex12_reshard as grade
 from course_lib.grading import load_student
 
-student = load_student("ex11_reshard", refuse=grade.REFUSE)
+student = load_student("ex12_reshard", refuse=grade.REFUSE)
 
 # %% [markdown]
 # ## Check 1: `shard_range`
@@ -89,4 +89,4 @@ grade.check_resume_on_fewer_ranks(student)
 #   what a rank needs, at any layout and world size.
 #
 # Notice what none of them needs: the old world size appears only through the saved offsets.
-# PyTorch's `torch.distributed.checkpoint` (notebook 11, section 7) plans its reads the same way.
+# PyTorch's `torch.distributed.checkpoint` (notebook 12, section 7) plans its reads the same way.

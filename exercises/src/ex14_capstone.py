@@ -1,9 +1,9 @@
 # %% [markdown]
-# # Exercise 12: choose the capstone's layout, and say why
+# # Exercise 14: choose the capstone's layout, and say why
 #
 # **Goal.** A layout is a decision, and a decision comes with reasons. For the problem printed
 # below (a model, 8 devices and their memory, a global batch, a throughput budget), write three
-# functions in `exercises/ex12_capstone/student.py`:
+# functions in `exercises/ex14_capstone/student.py`:
 #
 # 1. `choose_layout(...)`: the layout you would run, one the course's 3D trainer composes
 #    (dp x tp x pp, 1F1B, ZeRO 0 or 1, whole-block recomputation or none). It must fit each
@@ -19,8 +19,8 @@
 # of your own; the stub's docstrings give the exact definitions. The planner is not allowed:
 # it answers the first question by itself, and the checks refuse a module that uses it.
 #
-# **Re-read:** notebook 10, section 2 (the step-time model, term by term) and section 5 (what a
-# search must cover); notebook 09, sections 1 and 9 (what dp, tp and pp split, and the layouts
+# **Re-read:** notebook 11, section 2 (the step-time model, term by term) and section 5 (what a
+# search must cover); notebook 10, sections 1 and 9 (what dp, tp and pp split, and the layouts
 # that cannot work); notebook 04 (what recomputation saves and costs); notebook 08 (what ZeRO-1
 # shards).
 #
@@ -40,10 +40,10 @@
 # answer). Edit `student.py`, then *Kernel → Restart and run all*.
 
 # %%
-from course_lib.grading import ex12_capstone as grade
+from course_lib.grading import ex14_capstone as grade
 from course_lib.grading import load_student
 
-student = load_student("ex12_capstone", refuse=grade.REFUSE)
+student = load_student("ex14_capstone", refuse=grade.REFUSE)
 problem = grade.stated_problem()
 FRACTION = problem.fraction
 print(problem.describe())
@@ -88,7 +88,7 @@ grade.check_trains(layout, problem)
 # %% [markdown]
 # ## Having chosen: compare with the planner
 #
-# Once every check passes, set your reasoning beside notebook 10's planner, in a new cell:
+# Once every check passes, set your reasoning beside notebook 11's planner, in a new cell:
 #
 # ```python
 # from course_lib.estimate.planner import plan

@@ -575,7 +575,7 @@ assert nv[0] > nv[1] and ib[0] < ib[1]
 # Inside a node, at GPT-3's width the compute takes about twice as long as the all-reduces (and
 # could partly hide them); across nodes the all-reduces take about four times longer than the compute.
 # That is why Megatron keeps `tp` ≤ 8, the GPUs of one NVLink domain, and uses pipeline and data
-# parallelism (notebooks 06, 09) across nodes (Narayanan et al. 2021).
+# parallelism (notebooks 06, 10) across nodes (Narayanan et al. 2021).
 #
 # ## 10. Explore: one layer on one rank
 #

@@ -436,7 +436,7 @@ except ScheduleError as err:
 # micro-batch per stage boundary, point to point. So the usual layout (Narayanan et al. 2021)
 # puts TP inside a node (NVLink) and PP and DP across nodes. Which of those two is outermost
 # (its groups spread over the machines farthest apart) is a choice, and both are in use:
-# Megatron-LM orders its groups tp-cp-ep-dp-pp, pipeline outermost, the order notebook 09
+# Megatron-LM orders its groups tp-cp-ep-dp-pp, pipeline outermost, the order notebook 10
 # uses; Llama 3 orders them [TP, CP, PP, DP], data parallel outermost, because its sharded
 # data parallelism prefetches parameters ahead of use and so tolerates the longest latency
 # (Dubey et al. 2024, §3.3.2). With the α-β model

@@ -418,7 +418,7 @@ for row in viz.layout_comparison(LLAMA3_8B, gpus=8, seq=4096, sequences=8):
 # across nodes). Tensor parallelism moves activations, growing with the batch, in blocking
 # all-reduces inside every layer, so it needs NVLink-class bandwidth and stays within a node.
 # Pipeline parallelism sends the least but idles in its bubbles (notebook 06). Real runs
-# combine them (notebook 09): TP inside a node, pipeline stages across, ZeRO/FSDP over the
+# combine them (notebook 10): TP inside a node, pipeline stages across, ZeRO/FSDP over the
 # data-parallel replicas.
 #
 # ## 10. The same knobs in DeepSpeed and PyTorch FSDP2

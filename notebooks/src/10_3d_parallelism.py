@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 09 · 3D and 4D parallelism on one device mesh
+# # 10 · 3D and 4D parallelism on one device mesh
 #
 # Notebooks 03-08 built each strategy alone: data parallelism (DP) splits the batch, tensor
 # parallelism (TP) the weight matrices, pipeline parallelism (PP) the layers, expert
@@ -178,7 +178,7 @@ assert diff.pow(2).mean().sqrt() < TRAIN.lr / 100 and min(reference.grad_norms) 
 # embedding's gradient exchange, dp ZeRO-1's reduce-scatter and all-gather of the flat shards.
 # It adds up one traffic model per axis: each axis package exports a function
 # (`tp_traffic`, `pp_traffic`, `dp_traffic`, `ep_traffic`) that lists that axis's collectives
-# of one step as records, and notebook 10's step-time model prices the very same records.
+# of one step as records, and notebook 11's step-time model prices the very same records.
 
 # %%
 def measured_by_dim(results):
@@ -280,7 +280,7 @@ assert topology.link_of("tp", SIZES, 4) == "intra" and topology.link_of("tp", SI
 #
 # Dubey et al. (2024, Table 4) trained Llama 3 405B with TP 8 (one node), PP 16, DP 128 (and
 # context parallelism 16 for the long-context phase, not modelled here) at 38-43% MFU. The
-# course's estimator (notebooks 01 and 10) gives memory per GPU, step time and MFU for that
+# course's estimator (notebooks 01 and 11) gives memory per GPU, step time and MFU for that
 # layout, and `topology.placement` says which link each dimension's traffic takes.
 #
 # **What this models, and what it does not.** The estimate below is the *course's* composition
@@ -419,4 +419,4 @@ print("self-checks passed")
 #   GPUs, with what it takes to keep it running).
 #
 # Next: write the mesh's bookkeeping yourself (coordinates, groups, and which link each
-# dimension crosses) in `exercises/ex09_mesh_coordinates.ipynb`.
+# dimension crosses) in `exercises/ex10_mesh_coordinates.ipynb`.

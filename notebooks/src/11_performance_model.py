@@ -1,7 +1,7 @@
 # %% [markdown]
-# # 10 · A performance model and an automatic planner
+# # 11 · A performance model and an automatic planner
 #
-# Notebooks 03 to 09 each added one way to split training: data (DDP, ZeRO), tensors (TP),
+# Notebooks 03 to 10 each added one way to split training: data (DDP, ZeRO), tensors (TP),
 # layers (PP), experts (EP), and their combinations. For a real model on a real cluster the
 # number of layouts runs into the thousands: which one? This notebook turns "which layout?"
 # from folklore into a method. Every step of a layout is limited by one of three things:
@@ -232,7 +232,7 @@ print(f"8 ranks: 1 MiB takes {growth:.1f} x the time of 4 KiB (256 x the bytes);
 #
 # `benchmarks/bench_planner.py` calibrated 8 ranks and timed fifteen layouts of one model (8
 # layers, 8 heads, $d = 64$, 16 sequences of 32 tokens per step) with the course's own
-# strategies: DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B, and notebook 09's hybrid
+# strategies: DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B, and notebook 10's hybrid
 # meshes (dp x tp, dp x pp, tp x pp, dp x tp x pp), calibration and layouts in alternating
 # rounds, each at its least disturbed. That takes minutes on this machine, so the notebook
 # reads the stored measurement (`course_lib/assets/planner_validation.json`, written by
@@ -614,6 +614,6 @@ assert "memory does not bind" in narrow.explain() and "binding constraint: memor
 # methodology and tool for high-level codesign of systems and large language models* (SC23),
 # a step-time model like this one, taken further.
 #
-# **Next:** exercise 10 (`exercises/ex10_step_time.ipynb`): write the step-time model of a
+# **Next:** exercise 11 (`exercises/ex11_step_time.ipynb`): write the step-time model of a
 # dp x tp x pp layout yourself, including the two terms that need a derivation: the
 # data-parallel traffic backward cannot hide, and the bubble in seconds.

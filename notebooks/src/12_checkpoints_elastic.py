@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 11 · Checkpoints that survive failures
+# # 12 · Checkpoints that survive failures
 #
 # A training run on thousands of GPUs *will* be interrupted: a GPU falls off the bus, a host
 # loses power, a link flaps. What decides whether that costs minutes or days is the
@@ -226,7 +226,7 @@ plt.show()
 # $[\max(A_o, B_o),\ \min(A_o + A_\ell, B_o + B_\ell))$; copy it, and the wanted box is complete
 # when the overlaps' volumes add up to its own. Old and new world sizes never appear: the
 # same code loads ZeRO at 4 ranks into ZeRO at 2, ZeRO into plain data parallel, a
-# tensor-parallel checkpoint into one process, or a dp × tp × pp layout of notebook 09 into
+# tensor-parallel checkpoint into one process, or a dp × tp × pp layout of notebook 10 into
 # another one: each layout only has to say which boxes its rank holds.
 #
 # **Predict:** a flat vector of 10 elements was saved by 4 ranks (shards of 3, the last one
@@ -650,7 +650,7 @@ assert young_daly_interval(30.0, M) < young_daly_interval(300.0, M)
 #   USENIX NSDI 2024, on detecting faults and restarting quickly in production;
 # * torchft (https://github.com/pytorch/torchft), the per-replica fault tolerance of section 8.
 #
-# Next: reshard ZeRO shards yourself in `exercises/ex11_reshard.ipynb`.
+# Next: reshard ZeRO shards yourself in `exercises/ex12_reshard.ipynb`.
 
 # %%
 shutil.rmtree(WORK, ignore_errors=True)

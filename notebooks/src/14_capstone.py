@@ -1,12 +1,12 @@
 # %% [markdown]
-# # 12 · Capstone: plan, train, break and resume a model end to end
+# # 14 · Capstone: plan, train, break and resume a model end to end
 #
 # Every earlier notebook built one piece. Here they run together, as they would on a real
-# cluster: choose a model and a budget, ask the planner (notebook 10) for layouts, pick one and
-# say why, train the course GPT on a dp x tp x pp mesh of 8 ranks (notebook 09) with **bf16
+# cluster: choose a model and a budget, ask the planner (notebook 11) for layouts, pick one and
+# say why, train the course GPT on a dp x tp x pp mesh of 8 ranks (notebook 10) with **bf16
 # mixed precision** and **activation checkpointing** (notebook 04) and **ZeRO-1** (notebook 08),
 # watch the loss live, save the full training state, **lose half the ranks**, resume on the 4
-# that remain (notebook 11's resharding), and check that the loss curve is the single
+# that remain (notebook 12's resharding), and check that the loss curve is the single
 # process's. Then read one step on every rank's timeline, account for every byte each mesh
 # dimension moved, set the prediction against the measurement, train a mixture-of-experts
 # variant with expert parallelism (notebook 07), and let the trained model write.
@@ -71,7 +71,7 @@ for section, key, value in (("layout", "tp", 3), ("train", "precision", "fp16"))
 # ## 2. Ask the planner, then choose
 #
 # The planner ranks every layout of the 8 devices by predicted step time, using the cluster
-# that notebook 10 measured on this kind of machine (8 gloo ranks sharing two cores).
+# that notebook 11 measured on this kind of machine (8 gloo ranks sharing two cores).
 #
 # **Predict:** for a model this small, will the planner put tensor parallelism in its best
 # layout?
@@ -96,9 +96,9 @@ assert p.best.dims.tp == 1 and memory["total"] < cluster.memory_bytes
 # No: a 16-wide model gains nothing from splitting its matrices, and every TP all-reduce sits
 # on the critical path. The planner prefers data and pipeline parallelism. We run
 # dp2 x tp2 x pp2 on purpose, because it exercises all three dimensions, the point of this
-# capstone; on a real model (notebook 10's 70B) the same planner puts tp = 8 inside a node.
+# capstone; on a real model (notebook 11's 70B) the same planner puts tp = 8 inside a node.
 # A layout is chosen for a reason you can state: here "cover every dimension", there "fit
-# memory, then fastest". (Exercise 12 asks you to choose one yourself, under tight memory,
+# memory, then fastest". (Exercise 14 asks you to choose one yourself, under tight memory,
 # and to say what binds.)
 # </details>
 #
@@ -195,7 +195,7 @@ assert all(any(e[3] == "optimizer" for e in events) for events in run.timelines)
 # ## 5. Every byte, by dimension, against the formula
 #
 # The tracer recorded every collective of the 8-rank segment, and `traffic_by_dimension`
-# attributed each to the mesh dimension of its group. Notebook 09's formulas predict each
+# attributed each to the mesh dimension of its group. Notebook 10's formulas predict each
 # dimension's bytes per step in fp32; this run changes only tensor parallelism's share:
 #
 # * bf16: the 2 forward all-reduces per layer (a row-parallel matmul's output) carry bf16,
@@ -228,7 +228,7 @@ assert all(measured[d] == steps_traced * formula[d] for d in formula)
 #
 # ## 6. Predicted against measured, and the report
 #
-# The estimator (notebook 10) predicts the step time from the calibrated cluster and the
+# The estimator (notebook 11) predicts the step time from the calibrated cluster and the
 # memory per rank from notebook 01's formulas; the ranks measured their step time, their
 # model state (`measured_state_bytes`), the activations autograd kept (the pipeline's peak of
 # saved tensors) and the peak resident memory of their process.
@@ -243,7 +243,7 @@ assert all(m["state"] == m["state_estimated"] for m in per_rank)  # bytes: exact
 # %% [markdown]
 # How to read the gaps:
 #
-# * **Step time.** The prediction uses notebook 10's 8-rank calibration (fixed costs per
+# * **Step time.** The prediction uses notebook 11's 8-rank calibration (fixed costs per
 #   layer and per optimizer tensor, the measured table of collectives), measured in fp32
 #   without instrumentation. This run adds what that calibration never saw: bf16 autocast's
 #   casts before every matmul (on a CPU, bf16 matmuls are no faster than fp32 ones), the
@@ -272,7 +272,7 @@ assert all(m["state"] == m["state_estimated"] for m in per_rank)  # bytes: exact
 #    the bytes each dimension sends per step, the activations a rank keeps, and the step time?
 #    Write your guesses down.
 # 2. **Edit** `configs/capstone_small.toml`: under `[layout]`, set `microbatches = 4`. Run the
-#    cell below on its own: it reads the file again and prices it with notebook 10's estimator,
+#    cell below on its own: it reads the file again and prices it with notebook 11's estimator,
 #    beside the run above. Do the numbers agree with your guesses? Which term moves most?
 # 3. **Rerun** (*Kernel → Restart and run all*) and set the measurements beside the
 #    prediction: the bytes of section 5, the step time and the activations of section 6.
@@ -281,7 +281,7 @@ assert all(m["state"] == m["state_estimated"] for m in per_rank)  # bytes: exact
 
 # %%
 def priced(cfg) -> dict:
-    """The estimator's view of a config's first layout (notebook 10's formulas), as text."""
+    """The estimator's view of a config's first layout (notebook 11's formulas), as text."""
     model_e, rec = estimate_inputs(cfg)
     lay, batch = cfg.layout, cfg.train.batch_size
     t = step_time(model_e, lay, cluster, batch, SEQ, rec)
@@ -318,7 +318,7 @@ for key in ran:
 #   stage either way, and each is now half as large.
 # * **Step time:** close to twice as long. Every micro-batch pays the fixed cost of every layer,
 #   and tensor parallelism makes twice as many all-reduces, each half as large, which on gloo
-#   at these sizes cost about as much as before (notebook 10's measured table: latency, not
+#   at these sizes cost about as much as before (notebook 11's measured table: latency, not
 #   bandwidth).
 #
 # So keep m = 2 here: m = 4 buys memory this run does not need and pays for it in fixed costs.
@@ -454,4 +454,4 @@ assert fp32_run.max_difference < 1e-4 and run.equal and moe_run.equal
 #   measurements on up to 3072 GPUs.
 #
 # Next: choose a layout yourself, say what binds it and what you rejected, in
-# `exercises/ex12_capstone.ipynb`.
+# `exercises/ex14_capstone.ipynb`.

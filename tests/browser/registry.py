@@ -34,9 +34,9 @@ WIDGETS = {
     "06_pipeline_parallel": [lambda: schedule_widget("interleaved_1f1b", 4, 8, 2)],
     "07_mixture_of_experts": [lambda: ep_figures.load_widget()],
     "08_zero_fsdp": [lambda: zero_viz.zero_widget()],
-    "09_3d_parallelism": [lambda: hybrid_figures.mesh_widget()],
-    "10_performance_model": [lambda: planner_figures.planner_widget()],
-    "11_checkpoints_elastic": [lambda: checkpoint_interval_viz.interval_widget(30.0, 16384)],
+    "10_3d_parallelism": [lambda: hybrid_figures.mesh_widget()],
+    "11_performance_model": [lambda: planner_figures.planner_widget()],
+    "12_checkpoints_elastic": [lambda: checkpoint_interval_viz.interval_widget(30.0, 16384)],
 }
 
 # Text controls: what the keyboard types, then what the mouse-and-keyboard pass types

@@ -7,7 +7,7 @@
     large_batch.py   large global batches: LR scaling, warm-up, gradient-noise scale (notebook 03)
 """
 
-# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+# this axis's per-step collectives: the records notebook 10's bytes and notebook 11's step time read
 from course_lib.estimate.traffic import dp_traffic
 from course_lib.parallel.dp.apply import DataParallel, apply_data_parallel
 from course_lib.parallel.dp.compression import LowPrecisionHook, TopKHook

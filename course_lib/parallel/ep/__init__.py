@@ -8,7 +8,7 @@
     figures.py    notebook 07's widget: experts, top_k, capacity factor -> load and drops
 """
 
-# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+# this axis's per-step collectives: the records notebook 10's bytes and notebook 11's step time read
 from course_lib.estimate.traffic import ep_traffic
 from course_lib.parallel.ep.apply import (ExpertParallelExperts, apply_expert_parallel, check_expert_parallel,
                                           clip_grad_norm, ep_placements, expert_parameters, full_flat,

@@ -1,4 +1,4 @@
-"""3D and 4D parallelism on one device mesh (notebook 09): the strategies composed, not re-implemented.
+"""3D and 4D parallelism on one device mesh (notebook 10): the strategies composed, not re-implemented.
 
     ParallelDims (course_lib/dims.py, below this package and course_lib.estimate): the degrees
                  and options; .check(world_size, config, batch_size) rejects every impossible
@@ -8,7 +8,7 @@
                  clip (clip_grad_norm_hybrid) that counts each shard once across every dimension
     training.py  train_hybrid (rank side, on train_loop), run_hybrid (parent), train_single (the
                  single-process twin), the traffic of each mesh dimension from the CommTracer
-    figures.py   notebook 09's mesh picture and layout widget
+    figures.py   notebook 10's mesh picture and layout widget
 
 Rank placement and each dimension's traffic model live in course_lib/parallel/topology.py.
 """

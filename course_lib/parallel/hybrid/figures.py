@@ -1,4 +1,4 @@
-"""Notebook 09's mesh picture and widget: a layout of 8 ranks on a cluster shape -> the groups of
+"""Notebook 10's mesh picture and widget: a layout of 8 ranks on a cluster shape -> the groups of
 each dimension (ranks coloured by group, nodes as grey boxes), the link each dimension crosses,
 its traffic per step and the memory per rank of one model (course_lib.estimate).
 

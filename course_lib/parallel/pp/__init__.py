@@ -9,7 +9,7 @@ flowing through them by a schedule.
     native.py     the same stages under torch.distributed.pipelining
 """
 
-# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+# this axis's per-step collectives: the records notebook 10's bytes and notebook 11's step time read
 from course_lib.estimate.traffic import pp_traffic
 from course_lib.parallel.pp.runner import run_schedule
 from course_lib.parallel.pp.schedules import (

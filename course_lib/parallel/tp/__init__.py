@@ -13,7 +13,7 @@
     figures.py     notebook 05's figures and its tp / sequence-parallel widget
 """
 
-# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+# this axis's per-step collectives: the records notebook 10's bytes and notebook 11's step time read
 from course_lib.estimate.traffic import tp_traffic
 from course_lib.parallel.tp.apply import (
     TensorParallelInfo,

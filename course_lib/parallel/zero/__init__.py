@@ -12,7 +12,7 @@
     viz.py                notebook 08's figures and widget (the paper's table, memory by stage, offload time)
 """
 
-# this axis's per-step collectives: the records notebook 09's bytes and notebook 10's step time read
+# this axis's per-step collectives: the records notebook 10's bytes and notebook 11's step time read
 from course_lib.estimate.traffic import dp_traffic
 from course_lib.parallel.zero.apply import STAGES, apply_zero, check_zero_args
 from course_lib.parallel.zero.flat import FlatUnit, shard_bounds
