@@ -41,7 +41,7 @@ def _probe(env_extra):
 
 def _portable_paths() -> list[dict]:
     text = (ROOT / "Makefile").read_text()
-    line = re.search(r"^PORTABLE_PATHS := (.*)$", text, re.M)
+    line = re.search(r"^PORTABLE_PATHS [:?]= (.*)$", text, re.M)
     assert line, "the Makefile must define PORTABLE_PATHS, the CPU paths test-portability re-executes notebooks on"
     paths = []
     for item in line.group(1).split():
