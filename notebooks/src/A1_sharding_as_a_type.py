@@ -1,0 +1,400 @@
+# %% [markdown]
+# # A1 · Sharding as a type: the course's layouts in DTensor and in JAX
+#
+# *Appendix, optional reading after the capstone.*
+#
+# Every strategy of this course was written by hand: notebook 05's `ColumnParallelLinear`
+# knows that its backward must all-reduce, notebook 08's ZeRO-3 knows when to gather a weight
+# and when to scatter its gradient. There is another way to write the same programs: say only
+# **how each array is split over a mesh of devices** — its *sharding*, carried with the array
+# like a dtype — and let the framework work out which collectives the arithmetic needs.
+# PyTorch's DTensor does it operation by operation at run time; JAX hands the whole step to
+# the XLA compiler, whose partitioner (GSPMD, Xu et al. 2021; since JAX 0.7 its successor
+# Shardy, same idea) propagates the shardings through the program and inserts the collectives.
+#
+# By the end of this notebook you can:
+#
+# 1. write data parallelism, Megatron's column/row split, sequence parallelism, ZeRO-3/FSDP and
+#    a 2D dp × tp mesh as DTensor placements (`Shard`, `Replicate`, `Partial`) and as JAX
+#    `PartitionSpec`s, and translate between those and the Megatron / DeepSpeed / FSDP names;
+# 2. read the collectives a framework inserted (DTensor's `CommDebugMode`, the compiled HLO of
+#    a JAX function) and hold them against the course's formula and its hand-written strategy;
+# 3. say what `pjit` became, and when a sharding annotation on an intermediate changes the plan;
+# 4. write the same step per device with `shard_map`, beside the course's own layers.
+#
+# One program runs everywhere: an MLP on the residual stream, weights stored as `nn.Linear`
+# stores them (out × in), and one SGD step.
+#
+# $$h = \mathrm{gelu}(x\,W_{fc}^\top),\qquad y = h\,W_{proj}^\top,\qquad
+#   L = \mathrm{mean}\,(y - t)^2,\qquad W \leftarrow W - \eta\,\partial L/\partial W$$
+#
+# with the gradient of $x$ too (it stands for the activation a previous layer would need).
+# PyTorch runs on 4 gloo ranks as in every notebook; JAX runs in **its own process** on 8
+# emulated CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, set before JAX
+# starts; the layouts use 4 of them, to match the 4 ranks). Keeping JAX out of this kernel
+# also keeps XLA's thread pool and PyTorch's apart.
+
+# %%
+import numpy as np
+
+from course_lib.sharding import LAYOUTS, Shapes, formula, mapping_table, totals
+from course_lib.sharding import hlo
+from course_lib.sharding.run import (ATOL, RTOL, collective_table, format_table, make_data, max_rel_error,
+                                     numbers_table, run_jax, run_torch, source_of)
+
+SHAPES = Shapes()  # b=4 sequences of s=8 tokens, d=16, hidden f=64, fp32, lr=0.1
+DATA = make_data(SHAPES)
+M = SHAPES.b * SHAPES.s * SHAPES.d * SHAPES.e  # one activation of the residual stream, bytes
+P = SHAPES.f * SHAPES.d * SHAPES.e  # one weight matrix, bytes
+print(f"x, t: {DATA['x'].shape}   W_fc: {DATA['fc'].shape}   W_proj: {DATA['proj'].shape}")
+print(f"M = b s d e = {M:,} bytes (an activation)   P = f d e = {P:,} bytes (a weight)")
+
+# %% [markdown]
+# ## 1. A sharding is part of an array's type
+#
+# A **mesh** names the devices' axes: 4 devices in a row called `"tp"`, or a 2 × 2 grid
+# `("dp", "tp")`. A JAX **PartitionSpec** has one entry per *array* dimension: the mesh axis
+# that splits it, or `None`. DTensor's **placements** have one entry per *mesh* dimension:
+# `Shard(d)` (this mesh axis splits array dim `d`), `Replicate()` (every device along it holds
+# the whole), or `Partial()` (each holds a summand; the value is their sum, still to be
+# reduced). The two notations describe the same layouts, read from opposite ends:
+# `P(None, "tp")` on a 1D mesh `"tp"` is `[Shard(1)]`.
+#
+# The course's layouts, written once in `course_lib.sharding.layouts` (the torch side and the
+# JAX side both read that table):
+
+# %%
+for name, layout in LAYOUTS.items():
+    mesh = " x ".join(f"{a}={n}" for a, n in layout.axes)
+    print(f"{name:6} {layout.what}   mesh {mesh}")
+    for tensor in ("x", "fc", "proj"):
+        spec = "P(" + ", ".join("None" if a is None else repr(a) for a in layout.specs[tensor]) + ")"
+        placements = [f"Shard({p[1]})" if p[0] == "Shard" else "Replicate()" for p in layout.placements(tensor)]
+        print(f"         {tensor:5} {spec:24} {placements}")
+
+# %% [markdown]
+# The layouts also carry **annotations on intermediates** (`layout.use`): where a value must
+# have a given layout *at the point of use*. FSDP's weights are stored split by rows but used
+# whole; sequence parallelism's `x` is stored split along the sequence but enters `fc` whole.
+# A hand-written strategy encodes this in its code (notebook 08's gather before each block);
+# DTensor writes it as `redistribute(...)`; JAX as `jax.lax.with_sharding_constraint(...)`.
+
+# %%
+for name, layout in LAYOUTS.items():
+    print(f"{name:6}", {k: "P(" + ", ".join("None" if a is None else repr(a) for a in v) + ")"
+                        for k, v in layout.use.items()} or "(none)")
+
+# %% [markdown]
+# ## 2. What `pjit` became
+#
+# Articles about training large models in JAX (2021-2023) write `pjit(f, in_shardings=...,
+# out_shardings=...)` from `jax.experimental.pjit` (older code: `in_axis_resources`,
+# `out_axis_resources`): "partitioned jit". It has since been merged into `jax.jit`, which takes
+# the same `in_shardings` / `out_shardings`; the old name is deprecated. The shardings are `jax.sharding.NamedSharding(mesh, PartitionSpec(...))`.
+# Here is the whole JAX side of this notebook's step (`course_lib/sharding/jax_program.py`,
+# shown as text: this kernel never imports JAX):
+
+# %%
+print(source_of("loss_fn"))
+print()
+print(source_of("run_gspmd"))
+
+# %% [markdown]
+# Nothing in `loss_fn` mentions a device or a collective: the program is the single-device
+# one. `in_shardings` says how the arguments arrive, `out_shardings` how the results must
+# leave, and the compiler fills in the rest. `step.lower(*args).compile().as_text()` is the
+# compiled program in XLA's HLO text, collectives included: `course_lib.sharding.hlo` reads
+# them out (kind, full size in bytes, group size).
+#
+# **Predict.** For the Megatron layout (`tp`: `W_fc` split by rows of the stored matrix, i.e.
+# by output features — column-parallel; `W_proj` by input features — row-parallel; `x`
+# replicated), which collectives will the compiler insert for one step, and how large?
+#
+# <details><summary>Answer</summary>
+#
+# Exactly Megatron's: an all-reduce of the partial sums of `y` in forward (M bytes: `g`) and an
+# all-reduce of $\partial L/\partial x$ in backward (M bytes: `f`), both over the 4 devices.
+# The weight gradients stay where the weights are: each device's columns of $h$ only touch its
+# own rows of $W_{fc}$ and columns of $W_{proj}$. Nothing else moves: `y` is replicated, so the
+# loss is computed whole on every device.
+# </details>
+
+# %%
+JAX = run_jax(DATA, SHAPES)  # every JAX program of this notebook, in one process
+print(f"JAX process: {JAX['devices']} {JAX['platform']} devices")
+print("\n".join(hlo.describe(JAX["programs"]["tp"]["hlo"])))
+
+# %% [markdown]
+# ## 3. Every layout, three ways, against the formula
+#
+# For each layout we now run the same step three ways and list, on the first rank/device, the
+# bytes of every kind of collective over each group size (the full tensor of each call: an
+# all-reduce's tensor, an all-gather's output, a reduce-scatter's input — the convention of
+# `course_lib.estimate.traffic`):
+#
+# * **course**: the course's own pieces, written out (`course_lib/sharding/torch_side.py`):
+#   `ColumnParallelLinear` / `RowParallelLinear` from notebook 05 (with sequence parallelism:
+#   its all-gather and reduce-scatter), a ZeRO-3 unit gathered by the course's differentiable
+#   all-gather (its backward is the gradient's reduce-scatter), data-parallel gradients
+#   all-reduced; counted by `CommTracer`;
+# * **DTensor**: `DTensor.from_local` with the layout's placements, the annotations as
+#   `redistribute`, then the plain MLP; counted by `CommDebugMode` (its counts, plus the bytes);
+# * **JAX**: the HLO of `jax.jit` with the layout's shardings and annotations.
+#
+# The formula is the course's traffic model (`course_lib.estimate.traffic`) for one MLP:
+# `formula(name)` lists every call with what it is for.
+
+# %%
+for record in formula("sp"):
+    print(f"{record.op:15} {record.nbytes:>6,} bytes over {record.group}   {record.what}"
+          + ("   [only if the gathered x was freed]" if record.regather else ""))
+
+# %% [markdown]
+# **Predict.** Sequence parallelism sends, in forward, an all-gather of `x` and a
+# reduce-scatter of `y`; in backward their gradients. The course's `gathered_linear` (notebook
+# 05) keeps only its shard of `x` for backward and gathers it again there (Megatron's memory
+# trick, Korthikanti et al. 2022). Will DTensor and the compiler gather `x` again too?
+#
+# <details><summary>Answer</summary>
+#
+# No. Both keep what autograd saved — the gathered `x`, 4 times the shard — and gather once.
+# The re-gather is a memory-for-bandwidth choice the hand-written strategy makes; neither
+# framework makes it unless asked (activation checkpointing of that region would). The same
+# holds for FSDP: notebook 08's stage 3 frees the gathered weights after forward and gathers
+# them again in backward; a DTensor or JAX program that does not say so keeps them.
+# </details>
+
+# %%
+TORCH = run_torch(DATA)  # every layout, course and DTensor, on 4 gloo ranks
+for name in LAYOUTS:
+    rows = collective_table(name, TORCH, JAX)
+    print(f"--- {name}: {LAYOUTS[name].what}")
+    print(format_table(rows))
+    print("    DTensor, CommDebugMode.get_comm_counts():", TORCH[name]["dtensor"][0]["comm_counts"])
+    print("    DTensor placements of y before its annotation:", TORCH[name]["dtensor"][0]["y_placements"])
+    print("    JAX, collective instructions in the HLO:", hlo.calls(JAX["programs"][name]["hlo"]))
+    print()
+
+# %% [markdown]
+# Reading the tables:
+#
+# * **dp, tp, dp × tp**: all three equal the formula to the byte. Only the call counts differ:
+#   the compiler *combines* the gradient all-reduces and the loss's
+#   into one instruction (one `all-reduce` over a tuple of arrays), DTensor makes one call per
+#   gradient, the course one per parameter. In dp × tp both groups have 2 ranks, so one column
+#   holds both: the activations' all-reduces over `tp` (2 × M/dp), the gradients' over `dp`
+#   (2 × P/tp) and the loss's.
+# * **sp and fsdp**: the course's `gathered_linear` gathers `x` again in backward (the "with
+#   re-gather" row); the ZeRO-3 unit written here keeps its gathered weights for backward, as
+#   DTensor and JAX do (the row without; notebook 08's stage 3 frees them and would match the
+#   row with). JAX's CPU compiler writes each
+#   **reduce-scatter as an all-reduce** of the same full tensor, after which each device keeps
+#   its slice: XLA's GPU compiler has a pass that fuses the all-reduce and the slice into a
+#   reduce-scatter; the CPU pipeline here does not. Same result, twice the bytes on a ring
+#   ($2\frac{n-1}{n}$ instead of $\frac{n-1}{n}$ of the tensor, notebook 02). The check
+#   below counts a reduce-scatter as an all-reduce for JAX only, and says so.
+
+# %%
+for name in LAYOUTS:
+    rows = collective_table(name, TORCH, JAX)
+    course_regathers = name == "sp"  # gathered_linear's memory trick; the ZeRO-3 unit here keeps its weights
+    assert rows["course"] == totals(formula(name), regather=course_regathers), name
+    assert rows["DTensor"] == totals(formula(name)), name
+    assert rows["JAX jit"] == totals(formula(name), rs_as_all_reduce=True), name
+print("every layout: course, DTensor and JAX send what the formula says (JAX's reduce-scatters as all-reduces)")
+
+# %% [markdown]
+# ## 4. One step, the same numbers three ways
+#
+# Collectives that match are half the story; the step must also compute the same thing. Each
+# result — the loss, the three gradients and the two updated weights — is assembled from the
+# ranks' pieces by its layout and compared with one process on full tensors. fp32 results of
+# the same arithmetic in another order (a parallel sum adds the terms in another order; XLA and
+# ATen have their own GELU and matmul kernels) agree to a few units in the last place of each
+# value, so the check is $|a - b| \le$ `ATOL` $+$ `RTOL` $\cdot |b|$ with
+# `RTOL` = 1e-5 and `ATOL` = 1e-6 (room for values near zero): about 80 fp32 ulps of slack.
+
+# %% tags=["nbval-ignore-output"]
+NUMBERS = numbers_table(TORCH, JAX, DATA)
+print("largest |a - b| / (ATOL/RTOL + |b|) against the single process (<= RTOL passes):")
+for name, row in NUMBERS.items():
+    print(f"  {name:6}", "  ".join(f"{who} {max_rel_error(r, row['reference']):.1e}"
+                                   for who, r in row.items() if who != "reference"))
+    for who, r in row.items():
+        assert max_rel_error(r, row["reference"]) <= RTOL, (name, who)  # reason: fp32 reordering (above)
+print(f"loss of the step: {NUMBERS['tp']['reference']['loss']:.6f}")
+
+# %%
+within = all(max_rel_error(r, row["reference"]) <= RTOL for row in NUMBERS.values() for r in row.values())
+print(f"{len(NUMBERS)} layouts x (course, DTensor, JAX) equal to one process within rtol={RTOL}, atol={ATOL}: {within}")
+
+# %% [markdown]
+# ## 5. What the compiler decides
+#
+# A hand-written strategy fixes *where* every reduction happens and *when* an intermediate is
+# re-sharded. Given only the shardings of inputs and outputs, the compiler chooses. Take the
+# FSDP layout — weights split by rows, batch split — **without** the annotation that says "the
+# weights are used whole".
+#
+# **Predict.** FSDP would all-gather the two weights (2 × P bytes) and reduce-scatter their
+# gradients. Is that the only plan that computes this step? What else could move?
+#
+# <details><summary>Answer</summary>
+#
+# No. The matmul $x W_{fc}^\top$ with `x` split by batch and $W_{fc}$ split by rows can also be
+# computed by moving *activations* to the weights: gather the batch, let each device compute
+# its own output features, and send the results back where the batch lives (all-to-all). Which
+# one the partitioner picks depends on its heuristics and on the sizes; in this small MLP an
+# activation (M) is smaller than a weight (P, both printed at the top), so moving activations
+# is not absurd. Run it and see.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+# The plan without an annotation is the partitioner's heuristic choice: another JAX version may
+# pick other all-to-alls (this output is not compared between runs; the asserts below hold).
+for name in ("fsdp_unannotated", "fsdp_h", "fsdp"):
+    program = JAX["programs"][name]
+    print(f"--- {name}")
+    print("\n".join(hlo.describe(program["hlo"])))
+    print("    bytes by (op, group):", totals(program["collectives"]))
+    assert max_rel_error(program["out"], NUMBERS["fsdp"]["reference"]) <= RTOL  # same step (fp32, see above)
+
+# %% [markdown]
+# Without an annotation the partitioner chose another plan: it moves activations (it gathers
+# `x` along the batch) and re-splits intermediates between the batch and the feature dimension
+# with all-to-alls, sending more bytes than FSDP's plan (counted below). The details are the
+# partitioner's heuristics and change between JAX versions; the asserts say what holds. The
+# numbers are the same step (the assert above): only the communication differs. Two
+# annotations bring back FSDP's plan:
+#
+# * `fsdp`: `with_sharding_constraint(W, P(None, None))` on each weight where it is used
+#   (DTensor: `W.redistribute(mesh, [Replicate()])`): "gather the weights";
+# * `fsdp_h`: `with_sharding_constraint(h, P("dp", None, None))` on the hidden activation
+#   alone: "keep the batch split in the middle of the MLP" — and the weights must then come to
+#   the batch: the same two all-gathers, the same gradient reduction.
+#
+# This is the division of labour the GSPMD paper argues for (Xu et al. 2021): the programmer
+# annotates a few tensors, the compiler completes the rest; where its completion is not the
+# plan you wanted, one more annotation on an intermediate fixes it. A hand-written strategy
+# has no such freedom, and no such surprise.
+
+# %% tags=["nbval-ignore-output"]
+unannotated = totals(JAX["programs"]["fsdp_unannotated"]["collectives"])
+annotated = totals(JAX["programs"]["fsdp"]["collectives"])
+assert any(op == "all_to_all" for op, _ in unannotated) and not any(op == "all_to_all" for op, _ in annotated)
+assert sum(unannotated.values()) > sum(annotated.values())
+for name in ("fsdp", "fsdp_h"):  # either annotation: FSDP's collectives (reduce-scatters as all-reduces on CPU)
+    assert totals(JAX["programs"][name]["collectives"]) == totals(formula("fsdp"), rs_as_all_reduce=True)
+print(f"unannotated: {sum(unannotated.values()):,} bytes in {hlo.calls(JAX['programs']['fsdp_unannotated']['hlo'])}")
+print(f"annotated:   {sum(annotated.values()):,} bytes in {hlo.calls(JAX['programs']['fsdp']['hlo'])}")
+
+# %% [markdown]
+# ## 6. `shard_map`: the per-device program, beside the course's layers
+#
+# Sometimes you want to write the per-device program yourself: which piece each device holds
+# and which collective it calls. JAX's `shard_map` takes a function of the *local* blocks and
+# runs it on every device of the mesh, with explicit collectives inside (`psum`,
+# `all_gather`, `psum_scatter`). It is the course's style — `ColumnParallelLinear` and
+# `RowParallelLinear` are per-rank programs with `f` and `g` written in — inside a compiler.
+# Megatron's MLP both ways:
+
+# %%
+print(source_of("run_shard_map"))
+
+# %% [markdown]
+# The course's version is notebook 05's two layers: `fc = ColumnParallelLinear.from_linear(...)`
+# (forward: `f`, identity; backward: all-reduce of $\partial L/\partial x$) and
+# `proj = RowParallelLinear.from_linear(...)` (forward: `g`, the all-reduce of the partial
+# sums). In `shard_map` only `g` is written (`psum`); `f` is derived: the gradient of an input
+# every device holds whole is the sum over devices of their contributions, and JAX's autodiff
+# inserts that sum itself.
+#
+# **Predict.** Will the `shard_map` program send the same collectives as the course's layers
+# and as the compiler's own plan for the `tp` layout?
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Yes: two all-reduces of M bytes over the 4 devices, one forward (`psum`), one backward (the
+# transpose of the replicated input). The three rows below are equal, and so are the numbers.
+# </details>
+
+# %%
+rows = collective_table("tp", TORCH, JAX)
+print(format_table({k: rows[k] for k in ("formula (no re-gather)", "course", "JAX jit", "JAX shard_map")}))
+print("\n".join(hlo.describe(JAX["programs"]["tp_shard_map"]["hlo"])))
+assert rows["JAX shard_map"] == rows["course"] == totals(formula("tp"))
+assert max_rel_error(NUMBERS["tp"]["JAX shard_map"], NUMBERS["tp"]["reference"]) <= RTOL  # fp32 reordering
+print("shard_map: same collectives as the course's layers, same step within tolerance")
+
+# %% [markdown]
+# ## 7. The dictionary
+#
+# The same layouts under their names in Megatron-LM, DeepSpeed (ZeRO) and PyTorch FSDP, as
+# DTensor placements and as JAX PartitionSpecs (`fc` stored as `nn.Linear` stores it: out ×
+# in, so "column-parallel" splits its dim 0):
+
+# %%
+print(f"{'name in Megatron / DeepSpeed / FSDP':55}{'tensor':14}{'DTensor placements':26}JAX PartitionSpec")
+for who, tensor, placements, spec in mapping_table():
+    print(f"{who:55}{tensor:14}{placements:26}{spec}")
+
+# %% [markdown]
+# A few more entries without a row in the table: DeepSpeed's ZeRO-1 and ZeRO-2 shard only the
+# optimizer state (and the gradients): the weights stay `Replicate()` / `P()` while each
+# device updates its `Shard(0)` slice of a flat buffer (notebook 08); HSDP (FSDP's hybrid
+# mode) is a 2D mesh with `[Replicate(), Shard(0)]` on (replica, shard); expert parallelism
+# (notebook 07) is a `Shard(0)` over the experts dimension, with all-to-alls where tokens meet
+# their experts.
+#
+# ## Self-check
+#
+# 1. Write FSDP's weight layout as a PartitionSpec on a mesh `("dp",)` and as DTensor placements.
+#    Why do the two notations have different lengths?
+# 2. In Megatron's MLP, which tensor is `Partial` and where does it become `Replicate`?
+# 3. The compiler combined three all-reduces into one instruction in the dp layout. Does that
+#    change the bytes? What does it change?
+# 4. Why did the course's sequence-parallel layer send one more all-gather than DTensor, and
+#    what does it buy?
+# 5. On this CPU, JAX wrote every reduce-scatter as an all-reduce plus a slice. How many more
+#    bytes does a ring put on each link, as a fraction of the tensor?
+# 6. Without annotations, JAX's FSDP layout moved activations instead of weights. Name two
+#    annotations that bring back FSDP's plan.
+# 7. `jax.experimental.pjit.pjit(f, in_shardings=a, out_shardings=b)`: how is it spelled now?
+#
+# <details><summary>Answers</summary>
+#
+# 1. `P("dp", None)` (one entry per array dim) and `[Shard(0)]` (one entry per mesh dim); a
+#    spec is read from the array, placements from the mesh.
+# 2. The output of the row-parallel `proj` (each device's partial sum of `y`); the all-reduce
+#    (`g`) makes it `Replicate`.
+# 3. No, the same bytes; fewer calls, so fewer latency terms (α in notebook 02's model).
+# 4. It freed the gathered `x` after forward and gathered it again in backward: activation
+#    memory of one shard instead of the whole sequence.
+# 5. $2\frac{n-1}{n}$ against $\frac{n-1}{n}$: twice as many, $\frac{n-1}{n}$ of the tensor more.
+# 6. `with_sharding_constraint` of the weights to `P(None, None)` where they are used, or of
+#    the hidden activation `h` to `P("dp", None, None)`.
+# 7. `jax.jit(f, in_shardings=a, out_shardings=b)`.
+# </details>
+#
+# **Next:** this appendix has no graded exercise; the layouts it revisits are graded in ex05
+# (tensor parallel layers) and ex08 (a ZeRO step).
+#
+# ## References
+#
+# * Xu, Y., Lee, H., Chen, D., Hechtman, B., Huang, Y., Joshi, R., et al. (2021). *GSPMD:
+#   General and Scalable Parallelization for ML Computation Graphs.* arXiv:2105.04663. Sharding
+#   annotations, their propagation, and the partitioner that inserts the collectives.
+# * Shoeybi, M., Patwary, M., Puri, R., LeGresley, P., Casper, J., Catanzaro, B. (2019).
+#   *Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism.*
+#   arXiv:1909.08053. Column and row splits, f and g.
+# * Korthikanti, V., Casper, J., Lym, S., McAfee, L., Andersch, M., Shoeybi, M., Catanzaro, B.
+#   (2022). *Reducing Activation Recomputation in Large Transformer Models.* arXiv:2205.05198.
+#   Sequence parallelism.
+# * Rajbhandari, S., Rasley, J., Ruwase, O., He, Y. (2020). *ZeRO: Memory Optimizations Toward
+#   Training Trillion Parameter Models.* SC '20, arXiv:1910.02054.
+# * Zhao, Y., Gu, A., Varma, R., Luo, L., Huang, C.-C., Xu, M., et al. (2023). *PyTorch FSDP:
+#   Experiences on Scaling Fully Sharded Data Parallel.* VLDB 2023, arXiv:2304.11277.
+# * Further reading: the JAX documentation's "Distributed arrays and automatic
+#   parallelization" and "Manual parallelism with shard_map" tutorials; PyTorch's
+#   `torch.distributed.tensor` (DTensor) documentation, with `CommDebugMode`.
