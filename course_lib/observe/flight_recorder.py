@@ -21,7 +21,8 @@ It runs while the rank waits inside the collective, because torch releases the G
 rank that leaves the recorder normally writes its file too, so the analysis can say what a
 rank that never entered a call did last.
 
-The analysis takes each call a rank is stuck in, the oldest first, and asks every other member
+The analysis takes each call a rank is stuck in, the lowest sequence number first (then the
+lowest rank: the same order on every run, whatever the clocks say), and asks every other member
 of its group for its call with the same sequence number:
 
     rank 2 is in all_reduce #3 on group [0, 2]; rank 0 never entered it (it is in all_gather #3 on group [0, 1])
@@ -57,14 +58,24 @@ def _first_tensor(value):
     return value if isinstance(value, torch.Tensor) else None
 
 
-_RANKS: dict = {}  # group (None: the world) -> its global ranks, looked up once
+_RANKS: dict = {}  # group (None: the world) -> (its global ranks, its key in the counts), looked up once
+_TENSOR_ARGS = ("tensor", "input_tensor", "input", "tensor_list", "input_tensor_list", "output")
+_TENSOR_ARG: dict = {}  # op -> the first of _TENSOR_ARGS among its arguments (None: it has none), found once
+_DTYPE_NAMES: dict = {}  # torch.float32 -> "float32"
 
 
-def _group_ranks(group) -> list[int]:
+def _group_ranks(group) -> tuple[list[int], tuple]:
     if group not in _RANKS:
         whole = group is None or group is dist.group.WORLD
-        _RANKS[group] = list(range(dist.get_world_size())) if whole else list(dist.get_process_group_ranks(group))
+        ranks = list(range(dist.get_world_size())) if whole else list(dist.get_process_group_ranks(group))
+        _RANKS[group] = ranks, ("group", tuple(ranks))
     return _RANKS[group]
+
+
+def _dtype_name(dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return _DTYPE_NAMES[dtype]
 
 
 class FlightRecorder:
@@ -82,19 +93,22 @@ class FlightRecorder:
         self.entries: collections.deque = collections.deque(maxlen=self.capacity)
         self.dumped: pathlib.Path | None = None
         self._counts: collections.Counter = collections.Counter()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one dump at a time (the watchdog, or a caller's)
         self._stop = threading.Event()
         self.ops = frozenset(_GROUP_OPS) | frozenset(P2P) | {"batch_isend_irecv"}
 
     # ------------------------------------------------------------ the patching layer
+    # No lock on this path (it runs on every call): the calling thread alone appends and updates
+    # entries, and the watchdog reads them through list(self.entries), one C-level copy that no
+    # other Python thread can interleave with (the GIL is held throughout).
     def _issue(self, op, key, where, tensor) -> dict:
-        with self._lock:
-            self._counts[key] += 1
-            entry = {"seq": self._counts[key], "op": op, **where,
-                     "shape": list(tensor.shape) if tensor is not None else [],
-                     "dtype": str(tensor.dtype).replace("torch.", "") if tensor is not None else "-",
-                     "state": "issued", "issued_at": time.time()}
-            self.entries.append(entry)
+        counts = self._counts
+        counts[key] += 1
+        entry = {"seq": counts[key], "op": op, **where,
+                 "shape": list(tensor.shape) if tensor is not None else [],
+                 "dtype": _dtype_name(tensor.dtype) if tensor is not None else "-",
+                 "state": "issued", "issued_at": time.time()}
+        self.entries.append(entry)
         return entry
 
     def _p2p(self, op, peer, tensor) -> dict:
@@ -111,21 +125,22 @@ class FlightRecorder:
             peer = a.get("dst") if P2P[op] == "send" else a.get("src")
             entries = [self._p2p(op, peer, _first_tensor(a.get("tensor")))]
         else:
-            ranks = _group_ranks(a.get("group"))
-            tensor = next((_first_tensor(a[k]) for k in ("tensor", "input_tensor", "input", "tensor_list",
-                                                          "input_tensor_list", "output") if a.get(k) is not None), None)
-            entries = [self._issue(op, ("group", tuple(ranks)), {"group": ranks}, tensor)]
+            ranks, key = _group_ranks(a.get("group"))
+            if op not in _TENSOR_ARG:
+                _TENSOR_ARG[op] = next((k for k in _TENSOR_ARGS if k in a), None)
+            name = _TENSOR_ARG[op]
+            tensor = _first_tensor(a[name]) if name is not None else None
+            entries = [self._issue(op, key, {"group": ranks}, tensor)]
         result = call()
-        with self._lock:
-            for e in entries:
-                e["state"], e["completed_at"] = "completed", time.time()
+        done = time.time()
+        for e in entries:
+            e["state"], e["completed_at"] = "completed", done
         return result
 
     # ------------------------------------------------------------ the watchdog and the dump
     def _watch(self):
         while not self._stop.wait(self.poll_s):
-            with self._lock:
-                issued = [e["issued_at"] for e in self.entries if e["state"] == "issued"]
+            issued = [e["issued_at"] for e in list(self.entries) if e["state"] == "issued"]
             if issued and time.time() - min(issued) >= self.stuck_after_s and self.dumped is None:
                 self.dump()
 
@@ -136,11 +151,11 @@ class FlightRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             data = {"rank": rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                    "entries": [dict(e) for e in self.entries]}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)  # a reader never sees half a file
-        self.dumped = path
+                    "entries": [dict(e) for e in list(self.entries)]}
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(path)  # a reader never sees half a file
+            self.dumped = path
         return path
 
     def __enter__(self):
@@ -200,10 +215,13 @@ def _describe(member: int, entries: list[dict]) -> str:
 
 
 def analyse(dumps: dict[int, list[dict]], world_size: int | None = None) -> str:
-    """Lines naming, for each stuck call (oldest first), the ranks that do not match it; the
-    first line names the first divergence. Ranks missing from `dumps` (no file) are named."""
+    """Lines naming, for each stuck call (lowest sequence number, then rank, first), the ranks that
+    do not match it; the first line names the first divergence. Ranks missing from `dumps` (no
+    file) are named."""
     world = world_size or max(dumps) + 1
-    stuck = sorted(((e["issued_at"], r, e) for r, entries in dumps.items() for e in entries
+    # Earliest in its group's order first (sequence number, then rank), not by clock: clocks of
+    # different hosts disagree, and two ranks stuck at once would swap places from run to run.
+    stuck = sorted(((e["seq"], r, e) for r, entries in dumps.items() for e in entries
                     if e["state"] == "issued"), key=lambda t: (t[0], t[1]))
     lines, seen = [], set()
     for _, rank, e in stuck:
