@@ -1,0 +1,40 @@
+"""Exercise 13: three broken runs. Fill in the parts marked TODO, then run the check cells of
+ex13_debugging.ipynb. Each check prints PASS when your code is right.
+
+Every run is data parallelism on N ranks: each rank takes its 1/N share of the global batch,
+computes its loss (a mean over its share) and its gradients, and the ranks must then agree, so
+that the run equals one process training on the whole batch (notebook 03).
+"""
+
+import torch  # noqa: F401  (you will need these)
+import torch.distributed as dist  # noqa: F401
+
+
+def name_the_bugs() -> dict[str, str]:
+    """{"run 1": NAME, "run 2": NAME, "run 3": NAME}: each run's bug, by its name in the catalogue
+    (the names are listed in the exercise notebook)."""
+    # TODO: read each run's evidence (its loss curve, gradient norms, checksums, flight recorder)
+    raise NotImplementedError("exercise 13: name the three bugs")
+
+
+def average_gradients(model) -> None:
+    """Run 1 mended: after backward, leave on every rank, in each p.grad, the mean over the ranks
+    of their gradients. gloo has no ReduceOp.AVG."""
+    # TODO
+    raise NotImplementedError("exercise 13: write average_gradients")
+
+
+def should_stop(local_loss: float, target: float) -> bool:
+    """Run 2 mended: called on every rank after each step with that rank's own loss; return True to
+    leave the training loop. Every rank must return the same decision: True exactly when the loss of
+    the global batch (the one the single process sees) is below target."""
+    # TODO
+    raise NotImplementedError("exercise 13: write should_stop")
+
+
+def accumulation_step(model, optimizer, micro_batches) -> float:
+    """Run 3 mended: one optimizer step over this rank's micro_batches, a list of (x, y): zero the
+    gradients, backward each micro-batch's loss divided by their number, synchronise the gradients
+    across the ranks as the run needs, step. Return the rank's loss (the sum of the divided losses)."""
+    # TODO
+    raise NotImplementedError("exercise 13: write accumulation_step")
