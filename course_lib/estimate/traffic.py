@@ -1,5 +1,5 @@
 """One traffic model per mesh axis: the collectives of one optimizer step, as small records.
-(A little over 300 lines on purpose: the axes sit side by side in one notation, so a count can be
+(Over 300 lines on purpose: the five axes sit side by side in one notation, so a count can be
 compared across them and a new axis is one more function here.)
 
 Each axis function returns a list of `Collective`s, read by both sides of the course:
@@ -25,6 +25,8 @@ and one tp rank (the course's runtime, counted by course_lib.observe.CommTracer)
          way), and the loss broadcast from the last stage
     ep   per MoE block 4 all-to-alls of the mb s top_k routed rows (dispatch, combine, and their
          gradients) + one of E int64 counts; once per step the dense gradients averaged over ep
+    cp   per block the attention's K/V traffic of the method: all-gather + reduce-scatter, ring
+         hops of K||V and dK||dV, or Ulysses' 4 all-to-alls (cp_traffic)
     dp   the gradients over the replicas (DDP's buckets, or one all-reduce per parameter group;
          ZeRO-1 reduce-scatter + all-gather; ZeRO-2 the reduce-scatter every micro-batch; ZeRO-3
          per block 2 all-gathers and a reduce-scatter), and the loss averaged over dp for the log
@@ -46,7 +48,7 @@ from dataclasses import dataclass, replace
 
 from course_lib.comm.measured import collective_time
 from course_lib.dims import check_batch, layers_per_rank
-from course_lib.estimate.params import param_breakdown, param_count, unpack
+from course_lib.estimate.params import kv_dim, param_breakdown, param_count, unpack
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     if dims.tp == 1:
         return []
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
-    L, m, n, R, full = base.n_layer, dims.microbatches, dims.tp, dims.replicas, int(dims.recompute == "full")
+    s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
+    R = dims.replicas * getattr(dims, "cp", 1)  # every cp rank of a replica does this on its tokens
+    L, m, n, full = base.n_layer, dims.microbatches, dims.tp, int(dims.recompute == "full")
     M = mb * s * base.d_model * act_bytes
     Mb = mb * s * base.d_model * 2 if dims.precision == "bf16" else M
     megatron = "full recomputation priced as Megatron's, both of a block's; the runtime's checkpoint repeats one" \
@@ -140,7 +144,8 @@ def pp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     if dims.pp == 1:
         return []
     base, s, mb, _ = _shape(config, dims, batch_size, seq)
-    m, v, n, R = dims.microbatches, dims.virtual_stages, dims.tp, dims.replicas
+    s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
+    m, v, n, R = dims.microbatches, dims.virtual_stages, dims.tp, dims.replicas * getattr(dims, "cp", 1)
     # sequence parallelism sends each tp rank's shard of the sequence (Megatron); the runtime runs SP with pp = 1
     M = mb * s * base.d_model * act_bytes // (n if dims.sequence_parallel else 1)
     # rank 0: v activations sent and v gradients received per micro-batch, and 2 (v - 1) more
@@ -165,8 +170,9 @@ def ep_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     if dims.ep == 1:
         return []
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
+    s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
     _, n_experts, top_k = unpack(config)
-    L, m, n, R = base.n_layer, dims.microbatches, dims.ep, dims.replicas
+    L, m, n, R = base.n_layer, dims.microbatches, dims.ep, dims.replicas * getattr(dims, "cp", 1)
     rows = mb * s * top_k * base.d_model * act_bytes  # one micro-batch's routed rows, every rank sends all
     dense = (dense_params(config) + (padded_vocab(config, dims.tp) * base.d_model
                                      if dims.pp > 1 and getattr(base, "tie_weights", False) else 0))
@@ -188,14 +194,16 @@ def dp_traffic(config, dims, batch_size: int, seq: int | None = None, local_para
     really over dp alone); world_bytes counts every rank's flat shards exactly
     (replica_group_params), over dp. With dp = 1 and ep > 1 nothing crosses a dp group: the
     records are the model's price of EP's dense average (calls 0)."""
-    replicas = dims.replicas
+    cp = getattr(dims, "cp", 1)  # cp ranks hold whole weights: the gradients are reduced over dp * ep * cp
+    replicas = dims.replicas * cp
     if replicas == 1:
         return []
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
-    m, dp, pb = dims.microbatches, dims.dp, grad_bytes if param_bytes is None else param_bytes
+    m, dp, pb = dims.microbatches, dims.dp * cp, grad_bytes if param_bytes is None else param_bytes
     grads, params, world = local_params * grad_bytes, local_params * pb, dims.world_size
     psi = replica_group_params(config, dims)  # the parameters of one data-parallel copy
-    if dims.zero == 0 and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):  # the ZeRO engine: one per group
+    # the ZeRO engine (one all-reduce per parameter group) wherever the runtime composes
+    if dims.zero == 0 and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or cp > 1):
         out = [Collective("dp", "all-reduce of the gradients (both groups' bytes)", "all_reduce", grads, replicas, 1,
                           dp * psi * grad_bytes),
                Collective("dp", "all-reduce of the second group (norms, biases)", "all_reduce", 0, replicas, 1, 0,
@@ -233,6 +241,53 @@ def norm_traffic(dims) -> list[Collective]:
     return [Collective("norm", "the squared global norm", "all_reduce", 8, dims.world_size, 1, 8 * dims.world_size)]
 
 
+def cp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4) -> list[Collective]:
+    """Context parallelism's collectives: the attention of every block, per micro-batch, forward
+    and backward (course_lib.parallel.cp.attention). Each of the cp ranks of a replica holds s/cp
+    tokens of its mb sequences; C = mb (s/cp) kv e / tp is its keys (or values) of one micro-batch
+    (kv the key/value width: d_model, or n_kv_head * d_head under grouped-query attention; tp
+    splits the heads) and Q = mb (s/cp) d e / tp its queries. Per block and micro-batch, on every
+    cp rank (dims.cp_method; the layout, contiguous or zig-zag, moves no byte):
+
+        allgather  forward one all-gather of K||V (2C in, 2 cp C out); backward its gradient, one
+                   reduce-scatter of dK||dV (2 cp C in)
+        ring       forward cp-1 hops of K||V (2C), backward cp-1 hops of K||V again and cp hops of
+                   the dK||dV accumulator (2C); a hop is a send and a receive (the tracer counts
+                   both: the receives are a record of their own, with no bytes)
+        ulysses    forward two all-to-alls, Q||K||V to head shards (Q + 2C) and the output back
+                   (Q); backward their gradients (the same sizes)
+
+    Full recomputation runs every block's forward again, its calls included. The gradients'
+    average over the cp replicas (whole weights on every cp rank) is data parallelism's."""
+    cp = getattr(dims, "cp", 1)
+    if cp == 1:
+        return []
+    method = getattr(dims, "cp_method", "ring")
+    base, s, mb, l0 = _shape(config, dims, batch_size, seq)
+    L, m, n, R = base.n_layer, dims.microbatches, dims.tp, dims.replicas
+    C, Q = mb * (s // cp) * kv_dim(base) * act_bytes // n, mb * (s // cp) * base.d_model * act_bytes // n
+    fwd = 1 + int(dims.recompute == "full")  # forwards per block and micro-batch
+
+    def rec(what, op, nbytes, per_block, sent, group=cp, priced=None, why=""):
+        """per_block calls per block and micro-batch on rank 0, `sent` bytes per call on every
+        rank; the world's bytes over the L blocks of R replicas x tp x cp ranks."""
+        return Collective("cp", what, op, nbytes, group, m * l0 * per_block, R * n * cp * m * L * per_block * sent,
+                          priced, why)
+
+    if method == "allgather":
+        return [rec("all-gather of K||V (forward)", "all_gather", 2 * cp * C, fwd, 2 * C),
+                rec("reduce-scatter of dK||dV (backward)", "reduce_scatter", 2 * cp * C, 1, 2 * cp * C)]
+    if method == "ring":
+        hops = (fwd + 1) * (cp - 1) + cp  # K||V forward (again when recomputed) and backward; dK||dV
+        return [rec("K||V sent round the ring, forward and backward", "send", 2 * C, (fwd + 1) * (cp - 1), 2 * C, 2),
+                rec("the dK||dV accumulators sent round the ring (backward)", "send", 2 * C, cp, 2 * C, 2),
+                rec("the receives of those hops", "send", 0, hops, 0, 2, 0, "a receive: its bytes are its send's")]
+    return [rec("all-to-alls of Q||K||V to head shards and of their gradients back", "all_to_all", Q + 2 * C,
+                fwd + 1, Q + 2 * C),
+            rec("all-to-alls of the output back to sequence shards and of its gradient", "all_to_all", Q,
+                fwd + 1, Q)]
+
+
 def step_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4,
                  grad_bytes: int | None = None, param_bytes: int | None = None,
                  local_params: int | None = None) -> dict[str, list[Collective]]:
@@ -247,7 +302,8 @@ def step_traffic(config, dims, batch_size: int, seq: int | None = None, act_byte
             "pp": pp_traffic(config, dims, batch_size, seq, act_bytes, g),
             "ep": ep_traffic(config, dims, batch_size, seq, act_bytes, g),
             "dp": dp_traffic(config, dims, batch_size, seq, local_params, g, param_bytes),
-            "norm": norm_traffic(dims)}
+            "norm": norm_traffic(dims)} | ({"cp": cp_traffic(config, dims, batch_size, seq, act_bytes)}
+                                           if getattr(dims, "cp", 1) > 1 else {})
 
 
 # ----------------------------------------------------------------------------- reading a record
