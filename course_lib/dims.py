@@ -3,18 +3,28 @@
 Pure Python (no torch), below both course_lib.parallel (which runs layouts) and
 course_lib.estimate (which costs them), so both read the same rules and the same words:
 
-    MESH_DIMS = ("pp", "dp", "ep", "tp")   outermost -> innermost: tp ranks are neighbours
-    world_size = pp * dp * ep * tp
-    rank = ((pp_index * dp + dp_index) * ep + ep_index) * tp + tp_index
+    MESH_ORDER = ("pp", "dp", "ep", "cp", "tp")  outermost -> innermost: tp ranks are neighbours,
+                                                  cp next (its ring is the next heaviest traffic)
+    world_size = pp * dp * ep * cp * tp
+    rank = (((pp_index * dp + dp_index) * ep + ep_index) * cp + cp_index) * tp + tp_index
+
+With cp = 1 the mesh is the four-dimension one of before, MESH_DIMS (what make_mesh builds):
+ParallelDims.sizes() leaves cp out, and the geometry functions take sizes without a "cp" key,
+so every rank's coordinates and every group are unchanged. torchtitan orders its mesh pp, dp,
+cp, tp the same way.
 
 What each degree splits (B = global batch, L = layers, E = experts, T = sequence):
 
     tp   the weights of every matrix (heads, d_ff, vocabulary): tp | n_head, tp | d_ff;
-         with sequence parallelism also the activations outside attention/MLP: tp | T
+         with sequence parallelism also the activations outside attention/MLP: tp | T (T/cp)
     pp   the layers: pp * v stages (v virtual stages per rank), split as evenly as
          split_layers says (the first L mod S stages one block more): L >= pp * v
     dp   the batch: B / (dp * ep) rows per replica, in m micro-batches
     ep   the experts: E / ep per rank (ep | E); an ep rank is also a data replica
+    cp   the sequence T of every row: T / cp tokens per rank (cp | T; 2cp | T with causal load
+         balancing, rank r holding chunks r and 2cp-1-r); the cp ranks of a replica read the
+         SAME rows, so replicas stay dp * ep; they hold whole weights, so the gradients are
+         reduced (and ZeRO shards the state) over dp * ep * cp ranks
 
 The rules come in two kinds, kept apart: `check_model` is what any run of this layout needs
 (the estimator costs exactly what it accepts); `check_composable` is what the course's runtime
@@ -29,9 +39,10 @@ from dataclasses import asdict, dataclass
 
 from course_lib._validate import check_int, check_one_of
 
-MESH_DIMS = ("pp", "dp", "ep", "tp")  # make_mesh's order, outermost -> innermost
-TOPOLOGY_AWARE = MESH_DIMS  # tp innermost: its ranks share a node
-NAIVE = ("tp", "ep", "dp", "pp")  # tp outermost: its ranks sit gpus_per_node or more apart
+MESH_ORDER = ("pp", "dp", "ep", "cp", "tp")  # outermost -> innermost, context parallelism included
+MESH_DIMS = ("pp", "dp", "ep", "tp")  # make_mesh's dimensions (course_lib.parallel.mesh): MESH_ORDER at cp = 1
+TOPOLOGY_AWARE = MESH_ORDER  # tp innermost: its ranks share a node; cp next to it
+NAIVE = ("tp", "cp", "ep", "dp", "pp")  # tp outermost: its ranks sit gpus_per_node or more apart
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # the pipeline schedules the course runs
 ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallelism; 1 optimizer state, 2 + gradients, 3 + parameters
 COMPOSED_ZERO_STAGES = (0, 1)  # 2 and 3 act inside backward, once per micro-batch: not composed with pp/tp
@@ -147,15 +158,32 @@ def check_batch(batch_size: int, replicas: int, microbatches: int) -> int:
 # ---------------------------------------------------------------- the mesh's geometry
 
 def check_order(order) -> tuple[str, ...]:
+    """A permutation of MESH_ORDER, or of MESH_DIMS (the four without cp: a mesh of cp = 1,
+    where cp is one rank wherever it sits)."""
     order = tuple(order)
-    if sorted(order) != sorted(MESH_DIMS):
-        raise ValueError(f"order={order!r} must be a permutation of {MESH_DIMS}")
+    if sorted(order) not in (sorted(MESH_ORDER), sorted(MESH_DIMS)):
+        raise ValueError(f"order={order!r} must be a permutation of {MESH_ORDER} (cp may be left out: "
+                         f"one rank)")
+    return order
+
+
+def _axes(sizes: dict[str, int], order) -> tuple[str, ...]:
+    """`order` over the dims `sizes` names: sizes without "cp" are a four-dimension mesh (cp
+    dropped from the order); an order without cp takes a cp of size 1, placed next to tp."""
+    order = check_order(order)
+    if "cp" not in sizes:
+        return tuple(d for d in order if d != "cp")
+    if "cp" not in order:
+        if sizes["cp"] != 1:
+            raise ValueError(f"order={order!r} leaves out cp, so it needs cp=1, not cp={sizes['cp']}")
+        i = order.index("tp")
+        order = order[:i] + ("cp",) + order[i:]
     return order
 
 
 def coordinates(rank: int, sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[str, int]:
-    """{dim: index} of `rank` (the last dim of `order` varies fastest)."""
-    order = check_order(order)
+    """{dim: index} of `rank` (the last dim of `order` varies fastest), for the dims `sizes` names."""
+    order = _axes(sizes, order)
     world = math.prod(sizes[d] for d in order)
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} must be in [0, {world})")
@@ -163,22 +191,22 @@ def coordinates(rank: int, sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[
     for d in reversed(order):
         out[d] = rank % sizes[d]
         rank //= sizes[d]
-    return {d: out[d] for d in MESH_DIMS}
+    return {d: out[d] for d in MESH_ORDER if d in out}
 
 
 def rank_of(coords: dict[str, int], sizes: dict[str, int], order=TOPOLOGY_AWARE) -> int:
     rank = 0
-    for d in check_order(order):
-        rank = rank * sizes[d] + coords[d]
+    for d in _axes(sizes, order):
+        rank = rank * sizes[d] + (coords.get(d, 0) if d == "cp" else coords[d])
     return rank
 
 
 def groups(sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[str, list[list[int]]]:
-    """For each dim, its groups: the ranks that differ only in that dim's index."""
-    order = check_order(order)
+    """For each dim `sizes` names, its groups: the ranks that differ only in that dim's index."""
+    order = _axes(sizes, order)
     world = math.prod(sizes[d] for d in order)
     out = {}
-    for dim in MESH_DIMS:
+    for dim in (d for d in MESH_ORDER if d in order):
         seen: dict[tuple, list[int]] = {}
         for r in range(world):
             c = coordinates(r, sizes, order)
@@ -190,9 +218,9 @@ def groups(sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[str, list[list[i
 def link_of(dim: str, sizes: dict[str, int], gpus_per_node: int, order=TOPOLOGY_AWARE) -> str:
     """"intra" if every group of `dim` sits inside one node, else "inter" ("none" for size 1)."""
     check_int("gpus_per_node", gpus_per_node)
-    if sizes[dim] == 1:
+    if sizes.get(dim, 1 if dim == "cp" else None) == 1:
         return "none"
-    order = check_order(order)
+    order = _axes(sizes, order)
     stride = math.prod(sizes[d] for d in order[order.index(dim) + 1:])
     # Groups are {base + k*stride}; all of them fit a node iff the span does and never straddles.
     span = stride * sizes[dim]
@@ -216,30 +244,41 @@ class ParallelDims:
     sequence_parallel: bool = False
     precision: str = "fp32"  # PRECISIONS; the single-process twin (train_single) takes the same
     recompute: str = "none"  # RECOMPUTE; "full": every block's forward again in backward
+    cp: int = 1  # context parallelism: T / cp tokens of every sequence per rank
+    cp_method: str = "ring"  # CP_METHODS: how attention sees the other cp ranks' keys
+    cp_load_balance: bool = True  # zig-zag chunks (rank r: r and 2cp-1-r) even the causal work
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.ep * self.tp
+        return self.pp * self.dp * self.ep * self.cp * self.tp
 
     @property
     def replicas(self) -> int:
-        """How many different shares of the batch there are: dp * ep."""
+        """How many different shares of the batch there are: dp * ep (the cp ranks of a
+        replica read the same rows, each its own part of the sequence)."""
         return self.dp * self.ep
 
     def sizes(self) -> dict[str, int]:
-        return {d: getattr(self, d) for d in MESH_DIMS}
+        """{dim: degree} in MESH_ORDER; cp only when > 1 (otherwise MESH_DIMS, the mesh make_mesh
+        builds: coordinates and groups exactly as before cp existed)."""
+        return {d: getattr(self, d) for d in MESH_ORDER if d != "cp" or self.cp > 1}
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def label(self) -> str:
-        """'dp2·tp2·pp2' (ep only when > 1): how a resume names the layout it saved and loads."""
-        return "·".join(f"{d}{getattr(self, d)}" for d in ("dp", "tp", "pp", "ep") if d != "ep" or self.ep > 1)
+        """'dp2·tp2·pp2' (cp and ep only when > 1: 'dp8·tp8·pp16·cp16'): how a resume names the
+        layout it saved and loads."""
+        return "·".join(f"{d}{getattr(self, d)}" for d in ("dp", "tp", "pp", "cp", "ep")
+                        if d not in ("cp", "ep") or getattr(self, d) > 1)
 
     def describe(self, batch_size: int | None = None) -> str:
         """The whole layout: label() then every option that differs from its default, and the
-        micro-batch size when the global batch is given: 'dp8·tp8·pp16·sp·v2·m192·mb1·rc-full'."""
+        micro-batch size when the global batch is given: 'dp8·tp8·pp16·sp·v2·m192·mb1·rc-full'.
+        With cp > 1 its method and, when off, the load balancing: 'dp2·tp1·pp1·cp4·allgather·no-lb'."""
         parts = [self.label()]
+        parts += [self.cp_method] if self.cp > 1 and self.cp_method != "ring" else []
+        parts += ["no-lb"] if self.cp > 1 and not self.cp_load_balance else []
         parts += ["sp"] if self.sequence_parallel else []
         parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += [self.schedule] if self.pp > 1 and self.schedule not in ("1f1b", "interleaved_1f1b") else []
@@ -255,7 +294,7 @@ class ParallelDims:
         return check_batch(batch_size, self.replicas, self.microbatches) // self.microbatches
 
     def _check_counts(self) -> None:
-        for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+        for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches"):
             check_int(name, getattr(self, name))
 
     def check_model(self, model_config, batch_size: int, seq_len: int | None = None) -> "ParallelDims":
@@ -272,7 +311,9 @@ class ParallelDims:
         check_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         check_sequence_parallel(self.sequence_parallel, self.tp)
         split_layers(cfg.n_layer, self.pp * self.virtual_stages)
-        check_sequence_parallel(self.sequence_parallel, self.tp, seq)
+        check_context_parallel(self.cp, seq, cfg.n_head, self.cp_method, self.cp_load_balance,
+                               getattr(cfg, "n_kv_head", None))
+        check_sequence_parallel(self.sequence_parallel, self.tp, seq // self.cp)  # tp splits a cp shard
         check_tp(self.tp, cfg.n_head, cfg.ff_dim, getattr(cfg, "n_kv_head", None))
         check_experts(self.ep, cfg.n_experts)
         check_batch(batch_size, self.replicas, self.microbatches)
@@ -281,6 +322,20 @@ class ParallelDims:
     def check_composable(self, model_config) -> "ParallelDims":
         """What the course's runtime (course_lib.parallel.hybrid) cannot compose yet. Returns self."""
         cfg = model_config
+        if self.cp > 1:  # what course_lib.parallel.hybrid composes with context parallelism
+            if cfg.n_experts:
+                raise ValueError(f"cp={self.cp} with n_experts={cfg.n_experts}: context parallelism here splits the "
+                                 f"dense GPT only (the routers' balancing losses are means over all the batch's "
+                                 f"tokens, not over a shard)")
+            if getattr(cfg, "dropout", 0.0):
+                raise ValueError(f"cp={self.cp} with dropout={cfg.dropout}: context-parallel attention has no "
+                                 f"attention dropout; use dropout=0")
+            for name in ("n_head", "n_kv_head") if self.cp_method == "ulysses" else ():
+                heads = getattr(cfg, name, None)  # Ulysses re-shards the heads a tp rank holds
+                if heads is not None and (heads // self.tp) % self.cp:
+                    raise ValueError(f"cp={self.cp} must divide the {name}/tp = {heads}/{self.tp} = "
+                                     f"{heads // self.tp} heads of a tensor-parallel rank for cp_method='ulysses' "
+                                     f"(its all-to-all gives each cp rank whole heads of the whole sequence)")
         if self.zero not in COMPOSED_ZERO_STAGES:
             raise ValueError(f"zero={self.zero} must be one of {COMPOSED_ZERO_STAGES}: stages 2 and 3 act inside "
                              f"backward, once per pipeline micro-batch, and are not composed with the other "
@@ -307,7 +362,8 @@ class ParallelDims:
         if world_size is not None:
             self._check_counts()
             if self.world_size != world_size:
-                raise ValueError(f"pp*dp*ep*tp = {self.pp}*{self.dp}*{self.ep}*{self.tp} = {self.world_size} "
-                                 f"must equal world_size={world_size}")
+                names = ("pp", "dp", "ep", "cp", "tp") if self.cp > 1 else ("pp", "dp", "ep", "tp")
+                raise ValueError(f"{'*'.join(names)} = {'*'.join(str(getattr(self, d)) for d in names)} = "
+                                 f"{self.world_size} must equal world_size={world_size}")
         self.check_model(model_config, batch_size, seq_len)
         return self.check_composable(model_config)

@@ -5,15 +5,18 @@ which sits above this package.
     params.py       model shapes (GPT, Llama-like, MoE), presets, exact parameter counts
     memory.py       model state by precision recipe and ZeRO stage; activations
     compute.py      FLOPs per token, 6PD, time to train, GPUs needed
-    per_gpu.py      everything above on the busiest GPU of a dp x ep x tp x pp layout
+    per_gpu.py      everything above on the busiest GPU of a dp x ep x cp x tp x pp layout
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
     cluster.py      Cluster: devices, links, measured rates
     traffic.py      each mesh axis's collectives of one step, as records (notebook 10 sums their
                     bytes, the step-time model prices them)
     step_time.py    the step-time model of a layout (course_lib.dims.ParallelDims) on a cluster
                     (notebook 11), memory per rank
+    context.py      context parallelism (notebook 09): causal work per rank, the ring's exposed
+                    time, cp_costs (the widget's activations and bytes per rank)
     planner.py      the search over layouts, ranked by predicted step time, with its explanation
-    clusters.py     GPU clusters and published runs
+    clusters.py     GPU clusters and published runs (LONG_CONTEXT: Llama 3's 128K stage,
+                    published_estimate: the estimator on one of them)
     planner_figures.py   the planner's figures and widget
 
 Every function stays importable as `course_lib.estimate.<name>`. Bytes are printed in IEC

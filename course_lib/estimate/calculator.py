@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 
 from course_lib import estimate as E
 from course_lib.dims import ParallelDims
+from course_lib.estimate.step_time import fp8_flops_per_token
 from course_lib.units import GB, GiB
 
 @dataclass(frozen=True)
@@ -39,22 +40,27 @@ class GPU:
     peak_bf16: float  # dense FLOP/s, tensor cores
     peak_tf32: float  # what an fp32 recipe gets (TF32 tensor cores)
     memory: float  # bytes
+    peak_fp8: float = 0.0  # dense FP8 tensor-core FLOP/s; 0: none entered (A100 has no FP8 units)
 
 
-def _gpu(name, spec_gb, peak_bf16, peak_fp32):
-    return GPU(f"{name} {spec_gb:g} GB", peak_bf16, peak_fp32, spec_gb * GB)
+def _gpu(name, spec_gb, peak_bf16, peak_fp32, peak_fp8=0.0):
+    return GPU(f"{name} {spec_gb:g} GB", peak_bf16, peak_fp32, spec_gb * GB, peak_fp8)
 
 
 # Spec-sheet figures: memory in the vendor's decimal GB; dense (no sparsity) tensor-core peaks
-# in FLOP/s, bf16 and the rate an fp32 recipe gets (TF32 on NVIDIA, FP32 matrix on AMD).
+# in FLOP/s, bf16 and the rate an fp32 recipe gets (TF32 on NVIDIA, FP32 matrix on AMD), and
+# FP8 where entered (the "fp8" recipe's linears): NVIDIA's sheets quote FP8 with sparsity, half
+# of it dense: H100/H200 SXM 3,958 -> 1,979 TFLOP/s; HGX B200 9 -> 4.5 PFLOP/s; GB200 NVL72 720
+# PFLOP/s per 72 GPUs -> 5 dense. Not entered (0): A100 (no FP8 units), and parts whose dense
+# FP8 figure we did not check against a vendor sheet.
 GPUS = {g.name: g for g in (
     _gpu("A100 SXM", 80, 312e12, 156e12),
-    _gpu("H100 SXM", 80, 989e12, 495e12),
-    _gpu("H200 SXM", 141, 989e12, 495e12),
-    _gpu("B200", 180, 2.25e15, 1.1e15),  # HGX B200: 180 GB usable of 192 GB of HBM3e
+    _gpu("H100 SXM", 80, 989e12, 495e12, 1979e12),
+    _gpu("H200 SXM", 141, 989e12, 495e12, 1979e12),
+    _gpu("B200", 180, 2.25e15, 1.1e15, 4.5e15),  # HGX B200: 180 GB usable of 192 GB of HBM3e
     # GB200 NVL72, per GPU (the rack's spec / 72): 13.4 TB of HBM3e, 360 PFLOP/s bf16 and 180
     # TF32 with sparsity, so 2.5 PFLOP/s and 1.25 dense
-    _gpu("GB200", 186, 2.5e15, 1.25e15),
+    _gpu("GB200", 186, 2.5e15, 1.25e15, 5e15),
     _gpu("MI300X", 192, 1307e12, 163e12),
     _gpu("B300", 288, 2.25e15, 1.1e15),
     _gpu("MI355X", 288, 2.5e15, 157e12),
@@ -120,7 +126,7 @@ def evaluate(s: Settings) -> dict:
     L = s.layout
     memory = E.per_gpu_memory(config, s.batch, seq, s.recipe, L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
                               "optimizer" if s.offload else "none", s.attention,
-                              sequence_parallel=L.sequence_parallel)
+                              sequence_parallel=L.sequence_parallel, cp=L.cp, cp_method=L.cp_method)
     gpu = GPUS[s.gpu]
     tokens = PRESET_TOKENS[s.preset] if s.tokens is None else s.tokens
     flops = E.flops_per_token(config, seq) * tokens
@@ -129,6 +135,12 @@ def evaluate(s: Settings) -> dict:
         flops *= 4 / 3
     peak = gpu.peak_tf32 if s.recipe == "fp32" else gpu.peak_bf16
     seconds = E.training_time(flops, memory["n_gpus"], peak, s.mfu)
+    if s.recipe == "fp8":  # the blocks' linears at the FP8 peak, the rest at bf16's, the same MFU
+        if not gpu.peak_fp8 > 0:
+            raise ValueError(f"recipe='fp8' needs a GPU with an FP8 peak; {gpu.name} has none entered")
+        f8 = fp8_flops_per_token(config) * tokens * (4 / 3 if s.layout.recompute == "full" else 1)
+        seconds = (E.training_time(flops - f8, memory["n_gpus"], peak, s.mfu)
+                   + E.training_time(f8, memory["n_gpus"], gpu.peak_fp8, s.mfu))
     return {"settings": s, "config": config, "memory": memory, "gpu": gpu, "seq": seq, "tokens": tokens,
             "n_params": E.param_count(config), "active_params": E.param_count(config, active=True),
             "flops": flops, "seconds": seconds, "fits": memory["total"] <= gpu.memory}

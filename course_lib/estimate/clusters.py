@@ -2,6 +2,8 @@
 
     gpu_cluster(gpu, n_gpus, gpus_per_node=8)    a cluster of one of calculator.GPUS
     PUBLISHED                                     the runs the planner is held against
+    LONG_CONTEXT                                  a published run with context parallelism (notebook 09)
+    published_estimate(name, **changes)           the estimator's memory and step time of one of them
 
 Links per direction, from course_lib.comm.costmodel.CLUSTERS (NVLink 3/4, HDR/NDR InfiniBand)
 plus NVLink 5 (B200: 1.8 TB/s total per GPU = 900 GB/s each way, NVIDIA's NVLink page), for
@@ -15,13 +17,14 @@ bf16 GEMMs reach on these parts; course_lib.measure.calibrate measures it on the
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from course_lib.comm.costmodel import CLUSTERS as LINKS, LinkModel
 from course_lib.estimate.calculator import GPUS
 from course_lib.estimate.params import GPT3_175B, LLAMA3_405B
 from course_lib.dims import ParallelDims
 from course_lib.estimate.cluster import Cluster
+from course_lib.estimate.step_time import memory_per_rank, step_time
 
 GEMM_EFFICIENCY = 0.75
 _NVLINK5 = LinkModel(alpha=3e-6, beta=900e9, name="NVLink 5")
@@ -34,14 +37,25 @@ _FABRIC = {  # gpu -> (intra-node link, network link per GPU, HBM bytes/s)
 }
 
 
-def gpu_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, recipe: str = "bf16_mixed") -> Cluster:
-    """n_gpus of `gpu` (a key of _FABRIC), gpus_per_node sharing one NVLink domain."""
+@dataclass(frozen=True)
+class GPUCluster(Cluster):
+    """A Cluster of spec-sheet GPUs, with the FP8 matmul rates the "fp8" recipe's linears run at
+    (step_time reads achievable_fp8_flops; 0 where the GPU has no FP8 peak entered)."""
+
+    peak_fp8_flops: float = 0.0
+    achievable_fp8_flops: float = 0.0
+
+
+def gpu_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, recipe: str = "bf16_mixed") -> GPUCluster:
+    """n_gpus of `gpu` (a key of _FABRIC), gpus_per_node sharing one NVLink domain. The FP8
+    rate is assumed to reach the same GEMM_EFFICIENCY of its peak as bf16 does of its own."""
     if gpu not in _FABRIC:
         raise ValueError(f"gpu={gpu!r} must be one of {tuple(_FABRIC)}")
     spec, (intra, inter, hbm) = GPUS[gpu], _FABRIC[gpu]
     peak = spec.peak_tf32 if recipe == "fp32" else spec.peak_bf16
-    return Cluster(f"{n_gpus} x {gpu}", n_gpus, gpus_per_node, peak, GEMM_EFFICIENCY * peak, spec.memory,
-                   intra, inter, memory_bandwidth=hbm)
+    return GPUCluster(f"{n_gpus} x {gpu}", n_gpus, gpus_per_node, peak, GEMM_EFFICIENCY * peak, spec.memory,
+                      intra, inter, memory_bandwidth=hbm, peak_fp8_flops=spec.peak_fp8,
+                      achievable_fp8_flops=GEMM_EFFICIENCY * spec.peak_fp8)
 
 
 # 126 layers do not split into 16 stages; Llama 3 gave the first and last stages one layer
@@ -69,3 +83,37 @@ PUBLISHED = {
                    "about 400 TFLOP/s per GPU, 38-43% BF16 MFU across their configurations",
         reported_mfu=0.41),
 }
+
+# Llama 3's long-context stage: 131,072-token sequences, 16M tokens per batch (128 sequences),
+# tp 8, cp 16, pp 16 on 16,384 H100s at 380 TFLOP/s per GPU (Dubey et al. 2024, Table 4, as
+# Balaji's SC'24 slide repeats it). dp = 16,384 / (8 * 16 * 16) = 8, what the product leaves:
+# 16 sequences per replica. Their context parallelism all-gathers K and V (Dubey et al. 2024,
+# §3.3.2). The course's assumptions, not the paper's: full recomputation (without it the
+# estimator puts even the 8K stage's activations above 80 GB), ZeRO-1, 1F1B with one sequence
+# per micro-batch, causal attention with zig-zag chunks.
+LONG_CONTEXT = {
+    "Llama 3 405B 128K on 16k H100": dict(
+        config=replace(LLAMA3_405B_128, block_size=131072), cluster=gpu_cluster("H100 SXM 80 GB", 16384),
+        global_batch=128, seq=131072, causal=True,
+        dims=ParallelDims(dp=8, tp=8, pp=16, cp=16, cp_method="allgather", microbatches=16, zero=1,
+                          recompute="full", schedule="1f1b", sequence_parallel=True),
+        reported="Dubey et al. 2024, Table 4: tp 8, cp 16, pp 16 on 16,384 H100s, sequences of 131,072 "
+                 "tokens, 16M tokens per batch, 380 TFLOP/s per GPU",
+        reported_mfu=380e12 / 989e12),
+}
+
+
+def published_estimate(name: str, **changes) -> dict:
+    """The estimator on a run of PUBLISHED or LONG_CONTEXT, with `changes` to its layout (e.g.
+    cp=1: the same other degrees without context parallelism, on pp * dp * tp GPUs):
+    {"dims", "memory" (memory_per_rank's bytes), "time" (step_time's seconds), "fits" (in the
+    GPU's memory_bytes, 80 GB for an H100)}."""
+    runs = {**PUBLISHED, **LONG_CONTEXT}
+    if name not in runs:
+        raise ValueError(f"name={name!r} must be one of {list(runs)}")
+    run = runs[name]
+    dims = replace(run["dims"], **changes)
+    args = (run["config"], dims)
+    memory = memory_per_rank(*args, run["global_batch"], run["seq"])
+    time = step_time(*args, run["cluster"], run["global_batch"], run["seq"], causal=run.get("causal", False))
+    return {"dims": dims, "memory": memory, "time": time, "fits": memory["total"] <= run["cluster"].memory_bytes}

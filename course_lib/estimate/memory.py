@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_tp
+from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_context_parallel, check_tp
 from course_lib.estimate.params import cdiv, kv_dim, ff_dim, as_count, positive_int, unpack
 from course_lib.model import GPTConfig
 
@@ -82,7 +82,8 @@ ATTENTION = ("naive", "fused")
 
 def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: int = 4, recompute: str = "none",
                      attention: str | None = None, tp: int = 1, sequence_parallel: bool = False,
-                     dropout: bool | None = None, mask_bytes: int = 1) -> dict:
+                     dropout: bool | None = None, mask_bytes: int = 1, cp: int = 1,
+                     cp_method: str = "ring", fp8_linears: bool = False) -> dict:
     """Bytes of the tensors autograd keeps for backward (one model replica, one micro-batch).
 
     Read off the graph, op by op: each op saves what its backward needs. With n = b*s tokens,
@@ -110,8 +111,33 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     inputs, the fp32 log-softmax 4*n*V/tp (autocast computes the loss in fp32) and the targets.
     mask_bytes: 1 for PyTorch's fused GPU dropout (bool mask); on the CPU dropout multiplies by
     a noise tensor of the input dtype, so pass mask_bytes=dtype_bytes there.
+
+    Context parallelism (cp ranks, course_lib.dims): a rank holds s/cp tokens of every row, so
+    every term above is counted with n = b*s/cp (positions, ids and the loss too): they all fall
+    by cp exactly. The attention terms, per head: naive, the scores of the rank's s/cp queries
+    against all s keys, s/cp x s (the same for the three methods: Ulysses' s x s of a/cp heads
+    is as many); fused, the log-sum-exp of its s/cp queries. The course's ring keeps only q, k,
+    v, the output and the log-sum-exp (blocks merged by log-sum-exp, never saved whole): cost
+    it with attention="fused". cp_method="allgather" adds, per layer, the other ranks' keys and
+    values gathered for it, e*b*(s - s/cp)*2*kv/tp ("gathered k, v"): the course's
+    allgather_attention lets autograd keep the gathered tensor for backward (an implementation
+    that frees it and gathers again in backward holds it for one layer at a time only).
+
+    fp8_linears=True (recipe "fp8": course_lib.techniques.fp8.apply_fp8, per-tensor scales): each
+    linear of a layer saves its input in e4m3 (1 byte, not e) plus an e4m3 copy of its weight and
+    two fp32 scales, instead of its input in e. Per layer (GPT: qkv, attention proj, fc, mlp proj):
+
+        qkv input n*d, attention proj input n*d, mlp input n*d, mlp proj input n*f (1 byte each;
+        GELU's own input stays e*n*f), weight copies 4d^2 + 2df (1 byte each), scales 2 * 4 * 4
+
+    so fp32 saves 3(3nd + nf) fewer bytes and (4d^2 + 2df) + 32 more. The head stays high
+    precision (apply_fp8's default); attention, norms and GELU save what they saved. Llama-like
+    layers are counted with fused q|k|v and gate|up matmuls (one FP8 copy of each input, as
+    Transformer Engine fuses them); MoE with the top_k experts' weight copies.
     """
     base, n_experts, top_k = unpack(config)
+    if not isinstance(fp8_linears, bool):
+        raise ValueError(f"fp8_linears={fp8_linears!r} must be True or False")
     seq = base.block_size if seq is None else seq
     batch, seq, tp = positive_int("batch", batch), positive_int("seq", seq), positive_int("tp", tp)
     if seq > base.block_size:
@@ -123,28 +149,33 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} must be one of {ATTENTION}")
     check_tp(tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None))
+    # cp | s (the zig-zag's 2cp | s is the layout's, not the bytes'), cp | heads for Ulysses
+    check_context_parallel(cp, seq, base.n_head, cp_method, False, getattr(base, "n_kv_head", None))
     if dropout is None:
         dropout = base.dropout > 0
     gpt = isinstance(base, GPTConfig)
     s, b, d, f, a, e = seq, batch, base.d_model, ff_dim(base), base.n_head, dtype_bytes
-    n = s * b
+    q = s // cp  # this rank's tokens of each row (queries); keys: all s of them
+    n = q * b
     rep = tp if sequence_parallel else 1  # divisor outside the tensor-parallel regions
     stats = cdiv(n * 4 * (2 if gpt else 1), rep)  # fp32 mean + rstd (LayerNorm) or rstd (RMSNorm), per norm
     mask = mask_bytes if dropout else 0
 
     t = {"norm1 input": cdiv(e * n * d, rep) + stats, "qkv input": cdiv(e * n * d, rep),
          "q, k, v": e * n * (d + 2 * kv_dim(base)) // tp}
+    if cp > 1 and cp_method == "allgather":
+        t["gathered k, v"] = e * b * (s - q) * 2 * kv_dim(base) // tp
     quadratic = []  # the s^2 terms selective recomputation drops
     if attention == "naive":
-        t["softmax output"] = e * a * s * s * b // tp
-        t["causal mask (bool)"] = s * s
+        t["softmax output"] = e * a * q * s * b // tp
+        t["causal mask (bool)"] = q * s
         quadratic += ["softmax output", "causal mask (bool)"]
         if dropout:
-            t["attention dropout mask"] = mask * a * s * s * b // tp
-            t["attention dropout output"] = e * a * s * s * b // tp
+            t["attention dropout mask"] = mask * a * q * s * b // tp
+            t["attention dropout output"] = e * a * q * s * b // tp
             quadratic += ["attention dropout mask", "attention dropout output"]
     else:
-        t["log-sum-exp (fp32)"] = 4 * a * s * b // tp
+        t["log-sum-exp (fp32)"] = 4 * a * q * b // tp
     t["attention proj input"] = e * n * d // tp
     t["attention residual dropout mask"] = cdiv(mask * n * d, rep)
     t["norm2 input"] = cdiv(e * n * d, rep) + stats
@@ -156,6 +187,12 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     hidden = 2 if gpt else 4  # GELU: its input and output; SwiGLU: gate, up, silu(gate), product
     t["mlp hidden"] = hidden * e * n * f // tp * top_k
     t["mlp residual dropout mask"] = cdiv(mask * n * d, rep)
+    if fp8_linears:  # each linear's input in e4m3 (1 byte), an e4m3 weight copy, 2 fp32 scales
+        t["qkv input"], t["attention proj input"] = cdiv(n * d, rep), n * d // tp
+        t["mlp input"] = cdiv(n * d, rep) * top_k
+        t["mlp hidden"] = ((hidden - 1) * e * n * f // tp + n * f // tp) * top_k  # the down/proj input: 1 byte
+        t["fp8 weight copies"] = (d * (d + 2 * kv_dim(base)) + d * d + top_k * (hidden // 2 + 1) * d * f) // tp
+        t["fp8 scales (fp32)"] = 4 * 2 * 4  # 4 linears (fused), a scale for input and weight each
     t = {k: v for k, v in t.items() if v}
     full_layer = sum(t.values())
 
@@ -166,7 +203,7 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     else:
         layer_terms = t
     per_layer = sum(layer_terms.values())
-    input_side = 8 * n + (8 * s if gpt else 0) + cdiv(mask * n * d, rep)  # ids, positions, embedding dropout
+    input_side = 8 * n + (8 * q if gpt else 0) + cdiv(mask * n * d, rep)  # ids, positions, embedding dropout
     output_side = (cdiv(e * n * d, rep) + stats + cdiv(e * n * d, rep)  # final norm, head input
                    + 4 * n * cdiv(base.vocab_size, tp) + 8 * n)  # fp32 log-softmax, targets
     out = {"layer_terms": layer_terms, "per_layer": per_layer, "n_layer": base.n_layer,

@@ -51,7 +51,7 @@ def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int 
 def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str = "bf16_mixed", zero_stage: int = 0,
                    dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, recompute: str = "none",
                    offload: str = "none", attention: str | None = None, sequence_parallel: bool | None = None,
-                   stage: int | None = None) -> dict:
+                   stage: int | None = None, cp: int = 1, cp_method: str = "ring") -> dict:
     """Bytes on the busiest GPU: {"params", "grads", "optimizer", "activations", "total",
     "cpu_offload", "params_on_gpu", "n_gpus", "stage"}. `batch` is the micro-batch per GPU.
     stage=s: the bytes of a rank of pipeline stage s instead of the busiest one.
@@ -66,11 +66,16 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
     dp (ZeRO shards them over dp). Sharding rounds up: ceil(n / ranks) per rank.
     Activations follow the 1F1B schedule: stage s holds pp - s micro-batches of its n_layer/pp
     layers (stage 0: as much as one micro-batch through all layers, Korthikanti et al., / tp).
+    cp > 1 (context parallelism, cp_method one of course_lib.dims.CP_METHODS): n_gpus is
+    dp * ep * cp * tp * pp; every rank holds s/cp tokens of each micro-batch (activation_bytes'
+    cp), and the cp ranks of a replica hold whole weights, so ZeRO shards the dense state over
+    dp * ep * cp and the experts' over dp * cp (Megatron's distributed optimizer over dp x cp).
     sequence_parallel defaults to tp > 1. offload="optimizer" moves the optimizer state
     (fp32 master, m, v) to CPU memory (ZeRO-Offload), reported as "cpu_offload".
     """
     base, n_experts, _ = unpack(config)
-    dp, tp, pp, ep = (positive_int(name, v) for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)))
+    dp, tp, pp, ep, cp = (positive_int(name, v) for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep),
+                                                                  ("cp", cp)))
     batch = positive_int("batch", batch)
     # the rule book (course_lib.dims): what the runtime splits, the estimator costs
     check_tp(tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None))
@@ -84,13 +89,13 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
         raise ValueError(f"stage={stage!r} must be None (the busiest) or an int in [0, pp={pp})")
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     dtype = 4 if recipe == "fp32" else 2
-    act = activation_bytes(config, batch, seq, dtype, recompute, attention, tp, sp)
+    act = activation_bytes(config, batch, seq, dtype, recompute, attention, tp, sp, cp=cp, cp_method=cp_method)
 
     def bytes_of(s: int) -> dict:
         counts = rank_param_counts(config, tp, pp, ep, s)
-        state = model_state_bytes(counts["dense"], recipe, zero_stage, dp * ep)
+        state = model_state_bytes(counts["dense"], recipe, zero_stage, dp * ep * cp)
         if counts["expert"]:
-            expert = model_state_bytes(counts["expert"], recipe, zero_stage, dp)
+            expert = model_state_bytes(counts["expert"], recipe, zero_stage, dp * cp)
             state = {k: state[k] + expert[k] for k in state}
         # 1F1B: stage s has pp - s micro-batches in flight through its layers.
         in_flight = pp - s
@@ -102,7 +107,7 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
         if offload == "optimizer":
             out["cpu_offload"], out["optimizer"] = out["optimizer"], 0
         out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"]
-        out.update(params_on_gpu=counts["dense"] + counts["expert"], n_gpus=dp * ep * tp * pp, stage=s)
+        out.update(params_on_gpu=counts["dense"] + counts["expert"], n_gpus=dp * ep * cp * tp * pp, stage=s)
         return out
 
     if stage is not None:

@@ -2,29 +2,31 @@
 
 Two levels, in the spirit of Alpa (Zheng et al. 2022): the inter-operator split (pp stages,
 v chunks per rank, m micro-batches and a schedule) and the intra-operator sharding (tp with
-sequence parallelism, ep, dp with a ZeRO stage), plus micro-batch size and recomputation.
+sequence parallelism, cp over the sequence, ep, dp with a ZeRO stage), plus micro-batch size
+and recomputation.
 
     search(config, cluster, global_batch, ...)   every candidate: Candidate(dims, time, memory, fits)
     plan(config, cluster, global_batch, ...)     a Plan: the fitting ones fastest first, and why
 
 A candidate is a course_lib.dims.ParallelDims (the layout the runtime runs) with its costs: it
-uses all n_gpus = dp * ep * tp * pp devices, keeps tp inside a node (the TP all-reduces are on
+uses all n_gpus = dp * ep * cp * tp * pp devices, keeps tp inside a node (the TP all-reduces are on
 the critical path), and has global_batch = dp * ep * m * micro_batch. The
 search is narrower than the rule book (course_lib.dims), by choice: pp | n_layer (uneven stages
-run, but a balanced split is never slower here), and m >= pp except for GPipe. Step
+run, but a balanced split is never slower here), m >= pp except for GPipe, and cp with
+zig-zag load balancing, by the methods in cp_methods (ring by default). Step
 time and memory come from course_lib.estimate.step_time; a layout fits when its busiest rank's
 bytes are at most the device's memory_bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from course_lib._validate import check_int
-from course_lib.dims import RECOMPUTE, ZERO_STAGES, ParallelDims, check_tp
+from course_lib.dims import RECOMPUTE, ZERO_STAGES, ParallelDims, check_context_parallel, check_tp
 from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.params import ff_dim, unpack
-from course_lib.estimate.step_time import TERMS, memory_per_rank, step_time
+from course_lib.estimate.step_time import ALL_TERMS, memory_per_rank, step_time
 from course_lib.units import fmt_bytes
 
 
@@ -38,7 +40,7 @@ class Candidate:
 
     @property
     def biggest_term(self) -> str:
-        return max(TERMS, key=lambda k: self.time[k])
+        return max(ALL_TERMS, key=lambda k: self.time[k])
 
     def label(self) -> str:
         """The layout with its micro-batch size: ParallelDims.describe(batch_size)."""
@@ -46,7 +48,7 @@ class Candidate:
 
     def row(self) -> str:
         t = self.time
-        terms = ", ".join(f"{k} {t[k] * 1e3:.3g}" for k in TERMS if t[k] > 0)
+        terms = ", ".join(f"{k} {t[k] * 1e3:.3g}" for k in ALL_TERMS if t[k] > 0)
         return (f"{self.label():<40} {t['total'] * 1e3:10.4g} ms  MFU {t['mfu']:6.1%}  "
                 f"{fmt_bytes(self.memory['total']):>10}  [{terms} ms]")
 
@@ -67,8 +69,23 @@ def _obeys(rule, *args) -> bool:
 def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, recipe: str = "bf16_mixed",
            micro_batches=(1, 2, 4, 8), zero_stages=ZERO_STAGES, recomputes=RECOMPUTE,
            schedules=("1f1b", "interleaved_1f1b"), max_v: int = 4, max_tp: int | None = None,
-           attention: str | None = None) -> list[Candidate]:
-    """Every valid layout of `config` on all of `cluster`'s devices, fitting or not."""
+           attention: str | None = None, cps="auto", cp_methods=("ring",), causal: bool = False) -> list[Candidate]:
+    """Every valid layout of `config` on all of `cluster`'s devices, fitting or not.
+
+    cps: the context-parallel degrees to try: a list, None for every divisor of the device
+    count the rule book accepts for this sequence, or "auto": cp = 1, and every cp > 1 as well
+    only when no layout without it fits (memory forces it: a long sequence). cp_methods: how
+    cp > 1 attends (course_lib.dims.CP_METHODS). causal: attention under a causal mask."""
+    if cps == "auto":
+        kw = dict(micro_batches=micro_batches, zero_stages=zero_stages, recomputes=recomputes, schedules=schedules,
+                  max_v=max_v, max_tp=max_tp, attention=attention, cp_methods=cp_methods, causal=causal)
+        try:
+            out = search(config, cluster, global_batch, seq, recipe, cps=(1,), **kw)
+        except ValueError:  # no whole layout without cp (e.g. tp does not divide the sequence)
+            out = []
+        if any(c.fits for c in out):
+            return out
+        return out + search(config, cluster, global_batch, seq, recipe, cps=divisors(cluster.n_gpus)[1:], **kw)
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster={cluster!r} must be a course_lib.estimate.cluster.Cluster")
     global_batch = check_int("global_batch", global_batch)
@@ -77,23 +94,27 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
     if seq > base.block_size:
         raise ValueError(f"seq={seq} must be <= block_size={base.block_size}")
     max_tp = cluster.gpus_per_node if max_tp is None else check_int("max_tp", max_tp)
-    n = cluster.n_gpus
+    n, kv = cluster.n_gpus, getattr(base, "n_kv_head", None)
     out = []
     for tp in divisors(n):
-        if tp > max_tp or not _obeys(check_tp, tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None)):
+        if tp > max_tp or not _obeys(check_tp, tp, base.n_head, ff_dim(base), kv):
             continue
-        for pp in divisors(n // tp):
-            if base.n_layer % pp:
-                continue
-            for ep in divisors(n // (tp * pp)):
-                if n_experts % ep or (ep > 1 and n_experts == 1):
+        for cp, method in [(c, m) for c in (divisors(n // tp) if cps is None else cps) for m in cp_methods
+                           if (n // tp) % c == 0 and (c > 1 or m == cp_methods[0])
+                           and _obeys(check_context_parallel, c, seq, base.n_head, m, True, kv)]:
+            for pp in divisors(n // (tp * cp)):
+                if base.n_layer % pp:
                     continue
-                dp = n // (tp * pp * ep)
-                if global_batch % (dp * ep):
-                    continue
-                per_replica = global_batch // (dp * ep)
-                out += _inner(config, cluster, global_batch, seq, recipe, attention, dp, tp, pp, ep,
-                              per_replica, micro_batches, zero_stages, recomputes, schedules, max_v)
+                for ep in divisors(n // (tp * cp * pp)):
+                    if n_experts % ep or (ep > 1 and n_experts == 1):
+                        continue
+                    dp = n // (tp * cp * pp * ep)
+                    if global_batch % (dp * ep) or (tp > 1 and (seq // cp) % tp):
+                        continue
+                    per_replica = global_batch // (dp * ep)
+                    out += _inner(config, cluster, global_batch, seq, recipe, attention, causal,
+                                  ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, cp_method=method),
+                                  per_replica, micro_batches, zero_stages, recomputes, schedules, max_v)
     if not out:
         raise ValueError(f"no layout of n_gpus={n} devices divides global_batch={global_batch} into whole "
                          f"micro-batches per replica with tp | n_head={base.n_head} (tp <= {max_tp}) and "
@@ -101,9 +122,9 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
     return out
 
 
-def _inner(config, cluster, global_batch, seq, recipe, attention, dp, tp, pp, ep, per_replica, micro_batches,
+def _inner(config, cluster, global_batch, seq, recipe, attention, causal, degrees, per_replica, micro_batches,
            zero_stages, recomputes, schedules, max_v):
-    base = unpack(config)[0]
+    base, pp = unpack(config)[0], degrees.pp
     out = []
     for mb in micro_batches:
         if per_replica % mb:
@@ -118,12 +139,12 @@ def _inner(config, cluster, global_batch, seq, recipe, attention, dp, tp, pp, ep
             if m < pp:
                 shapes = [(s, v) for s, v in shapes if s == "gpipe"]
         for schedule, v in shapes:
-            for zero in zero_stages if dp * ep > 1 else (0,):
+            for zero in zero_stages if degrees.dp * degrees.ep * degrees.cp > 1 else (0,):
                 for rc in recomputes:
-                    dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep, virtual_stages=v, microbatches=m, zero=zero,
-                                        recompute=rc, schedule=schedule, sequence_parallel=tp > 1)
+                    dims = replace(degrees, virtual_stages=v, microbatches=m, zero=zero, recompute=rc,
+                                   schedule=schedule, sequence_parallel=degrees.tp > 1)
                     mem = memory_per_rank(config, dims, global_batch, seq, recipe, attention)
-                    t = step_time(config, dims, cluster, global_batch, seq, recipe, attention)
+                    t = step_time(config, dims, cluster, global_batch, seq, recipe, attention, causal)
                     out.append(Candidate(dims, global_batch, t, mem, mem["total"] <= cluster.memory_bytes))
     return out
 

@@ -13,11 +13,11 @@ from course_lib.comm.costmodel import predict_time
 from course_lib.estimate.clusters import gpu_cluster
 from course_lib.estimate.params import PRESETS
 from course_lib.estimate.planner import plan
-from course_lib.estimate.step_time import TERMS
+from course_lib.estimate.step_time import ALL_TERMS, TERMS
 from course_lib.units import GiB
 
 COLORS = {"compute": "tab:blue", "recompute": "tab:cyan", "tp": "tab:red", "pp": "tab:purple", "ep": "tab:pink",
-          "bubble": "tab:gray", "dp_exposed": "tab:orange", "optimizer": "tab:green"}
+          "bubble": "tab:gray", "dp_exposed": "tab:orange", "optimizer": "tab:green", "cp": "tab:olive"}
 MODELS = ("Llama-3 8B", "Llama-3 70B", "GPT-3 175B", "Llama-3 405B")
 GPUS = {"A100 (8 per node)": ("A100 SXM 80 GB", 8), "H100 (8 per node)": ("H100 SXM 80 GB", 8),
         "H200 (8 per node)": ("H200 SXM 141 GB", 8), "B200 (8 per node)": ("B200 180 GB", 8),
@@ -91,7 +91,7 @@ def plot_breakdown(ax, p, top: int = 5):
     cands = p.ranked[:top][::-1]
     for i, c in enumerate(cands):
         left = 0.0
-        for term in TERMS:
+        for term in ALL_TERMS:  # cp drawn only where it is > 0
             w = c.time[term]
             if w > 0:
                 ax.barh(i, w, left=left, color=COLORS[term], label=term if i == len(cands) - 1 else None)

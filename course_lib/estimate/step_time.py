@@ -1,13 +1,16 @@
 """The step-time model of one layout (notebook 11): compute + overhead + exposed communication + bubble.
 
-A layout is the runtime's course_lib.dims.ParallelDims: n_gpus = dp * ep * tp * pp ranks
-(make_mesh's order: tp innermost, then ep, dp, pp), m = microbatches micro-batches per
+A layout is the runtime's course_lib.dims.ParallelDims: n_gpus = dp * ep * cp * tp * pp ranks
+(make_mesh's order: tp innermost, then cp, ep, dp, pp), m = microbatches micro-batches per
 data-parallel replica. The global batch B = batch_size sequences of `seq` tokens is given beside
 it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One optimizer step:
 
     compute     F / (n_gpus * R)                   F = flops_per_token * B * seq (notebook 01),
                                                    R = achievable FLOP/s of one device;
                                                    forward = F/3, backward = 2F/3
+                recipe "fp8": (F - F8) / (n_gpus * R) + F8 / (n_gpus * R8), F8 the blocks' linear
+                matmuls (fp8_flops_per_token; attention scores, router and head stay bf16), R8
+                = cluster.achievable_fp8_flops (clusters.gpu_cluster: 75% of the FP8 peak)
     overhead    (layers on the rank + 1) * m * c   c = cluster.layer_overhead: a layer's fixed
                                                    cost per micro-batch, whatever its size
     recompute   + forward again ("full") or + the attention scores' forward ("selective")
@@ -17,6 +20,12 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
                 never hidden (the next matmul needs the result)
     pp          each micro-batch crosses each stage boundary as an activation and a gradient
     ep          2 all-to-alls forward and 2 backward per MoE layer
+    cp          context parallelism (n_gpus then counts dp * ep * cp * tp * pp): every rank
+                computes T/cp tokens, and under a causal mask the busiest rank's attention is
+                attention_imbalance times an even share (1 with zig-zag chunks); all-gather
+                and Ulysses collectives are priced whole (nothing overlaps them in the course's
+                runtime); the ring only where its hops outlast the attention of a block pair
+                (course_lib.estimate.context.ring_exposed), per layer and micro-batch
     bubble      busy * f / (1 - f), f = the schedule's bubble fraction (course_lib.estimate.bubble);
                 ranks sharing fewer CPU cores lose only the part no other rank can use
     dp          the gradient all-reduce in DDP's buckets (ZeRO-1: reduce-scatter + all-gather;
@@ -24,6 +33,8 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
                 and a reduce-scatter), overlapped with backward: only
                 max(0, T_dp - overlap * T_backward / m) is exposed (the gradients are final
                 only during the last micro-batch's backward)
+                gather_dtype="fp8" (zero=3): the parameter all-gathers at 1 byte per parameter
+                (course_lib.parallel.zero.fp8_gather; its N 4-byte scales per gather left out)
     optimizer   tensors * cluster.tensor_overhead + bytes the update touches / memory bandwidth
                 (AdamW reads and writes the weights, gradients and both moments of the
                 parameters this rank owns; a per-tensor loop, or flat shards under ZeRO)
@@ -41,13 +52,14 @@ rank 0, so the tracer checks them (step_time(...)["calls"], the trainer's loss l
 from __future__ import annotations
 
 from course_lib._validate import check_int, check_one_of
-from course_lib.dims import (RECOMPUTE, ZERO_STAGES, ParallelDims, check_batch, check_schedule,
-                             check_sequence_parallel, layers_per_rank)
+from course_lib.dims import (RECOMPUTE, ZERO_STAGES, ParallelDims, check_batch, check_context_parallel,
+                             check_schedule, check_sequence_parallel, layers_per_rank)
 from course_lib.estimate.bubble import formula_for
 from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.compute import flops_per_token
+from course_lib.estimate.context import attention_imbalance, ring_exposed
 from course_lib.estimate.memory import RECIPES
-from course_lib.estimate.params import GPTConfig, unpack
+from course_lib.estimate.params import GPTConfig, param_breakdown, unpack
 from course_lib.estimate.per_gpu import per_gpu_memory
 from course_lib.estimate.traffic import ddp_buckets, seconds, step_traffic  # noqa: F401 (ddp_buckets: re-exported)
 
@@ -62,7 +74,7 @@ def check_layout(config, dims: ParallelDims, batch_size: int, seq: int | None = 
     seq = base.block_size if seq is None else check_int("seq", seq)
     if seq > base.block_size:
         raise ValueError(f"seq={seq} must be <= block_size={base.block_size}")
-    for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+    for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches"):
         check_int(name, getattr(dims, name))
     check_one_of("zero", dims.zero, ZERO_STAGES)
     check_one_of("recompute", dims.recompute, RECOMPUTE)
@@ -72,8 +84,10 @@ def check_layout(config, dims: ParallelDims, batch_size: int, seq: int | None = 
     # the sequence shared whole by sequence parallelism; per_gpu_memory checks tp against heads
     # and d_ff, ep against the experts
     layers_per_rank(base.n_layer, dims.pp, dims.virtual_stages)
-    check_sequence_parallel(dims.sequence_parallel, dims.tp, seq)
-    per_gpu_memory(config, 1, seq, "fp32", 0, dims.dp, dims.tp, dims.pp, dims.ep)
+    check_context_parallel(dims.cp, seq, base.n_head, dims.cp_method, dims.cp_load_balance,
+                           getattr(base, "n_kv_head", None))
+    check_sequence_parallel(dims.sequence_parallel, dims.tp, seq // dims.cp)  # tp splits a cp shard
+    per_gpu_memory(config, 1, seq, "fp32", 0, dims.dp, dims.tp, dims.pp, dims.ep, cp=dims.cp)
     share = check_batch(batch_size, dims.replicas, dims.microbatches)
     return seq, share // dims.microbatches
 
@@ -86,7 +100,7 @@ def memory_per_rank(config, dims: ParallelDims, batch_size: int, seq: int | None
     seq, micro_batch = check_layout(config, dims, batch_size, seq)
     L, m, v = dims, dims.microbatches, dims.virtual_stages
     mem = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
-                         attention=attention, sequence_parallel=L.sequence_parallel)
+                         attention=attention, sequence_parallel=L.sequence_parallel, cp=L.cp, cp_method=L.cp_method)
     if L.pp > 1:
         # 1F1B and ZB-H1 hold min(m, pp) micro-batches on stage 0: all of them when m < pp
         factor = {"gpipe": m / L.pp, "interleaved_1f1b": 1 + (L.pp - 1) / (L.pp * v)}.get(
@@ -109,24 +123,58 @@ def parameter_tensors(config, ep: int = 1) -> tuple[int, int]:
     return 2 * per + 2 * per + mlp, 2 + per + (0 if base.tie_weights else 1)
 
 
+def fp8_flops_per_token(config) -> float:
+    """Training FLOPs per token of the matmuls apply_fp8 runs in FP8: the blocks' linears,
+    3 * 2 * n_layer * (attention matrices + top_k MLP matrices) (flops_per_token's N_mm without
+    the router and the head, which stay in bf16, and without the attention scores)."""
+    base, _, top_k = unpack(config)
+    p = param_breakdown(config)
+    d, f = base.d_model, (base.ff_dim if isinstance(base, GPTConfig) else base.d_ff)
+    attn_mm, mlp_mm = (4 * d * d, 2 * d * f) if isinstance(base, GPTConfig) else (p["attention"], p["mlp"])
+    return 6.0 * base.n_layer * (attn_mm + top_k * mlp_mm)
+
+
+def fp8_rate(cluster) -> float:
+    """The cluster's achievable FP8 matmul rate; ValueError when it has none (A100, CPU ranks)."""
+    rate = getattr(cluster, "achievable_fp8_flops", 0.0)
+    if not rate > 0:
+        raise ValueError(f"recipe='fp8' needs a cluster with an FP8 matmul rate (achievable_fp8_flops > 0, "
+                         f"e.g. clusters.gpu_cluster('H100 SXM 80 GB', n)); {cluster.name!r} has none")
+    return rate
+
+
 def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq: int | None = None,
-              recipe: str = "bf16_mixed", attention: str | None = None, causal: bool = False) -> dict:
+              recipe: str = "bf16_mixed", attention: str | None = None, causal: bool = False,
+              gather_dtype: str | None = None) -> dict:
     """Seconds of one optimizer step by term (see the module docstring) and the totals:
     {"compute", "overhead", "recompute", "tp", "pp", "ep", "bubble", "dp_total", "dp_exposed",
     "optimizer", "total", "flops" (model FLOPs of the step, recomputation excluded), "mfu",
-    "tokens", "calls" (collective calls of the busiest rank per step, by mesh dimension)}."""
+    "tokens", "calls" (collective calls of the busiest rank per step, by mesh dimension)}.
+    mfu is against cluster.peak_flops (bf16's peak) whatever the recipe, so an fp8 run can pass
+    what bf16 could reach. gather_dtype="fp8" needs dims.zero == 3 (module docstring)."""
     seq, micro_batch = check_layout(config, dims, batch_size, seq)
     check_one_of("recipe", recipe, RECIPES)
+    check_one_of("gather_dtype", gather_dtype, (None, "fp8"))
+    if gather_dtype == "fp8" and dims.zero != 3:
+        raise ValueError(f"gather_dtype='fp8' needs zero=3 (only stage 3 gathers parameters before using them), "
+                         f"got zero={dims.zero}")
     L, C = dims, cluster
     n_gpus, m, v = L.world_size, L.microbatches, L.virtual_stages
     if n_gpus > C.n_gpus:
-        raise ValueError(f"the layout needs dp*ep*tp*pp = {n_gpus} devices, the cluster has n_gpus={C.n_gpus}")
+        product = "dp*ep*cp*tp*pp" if L.cp > 1 else "dp*ep*tp*pp"
+        raise ValueError(f"the layout needs {product} = {n_gpus} devices, the cluster has n_gpus={C.n_gpus}")
     base = unpack(config)[0]
     e = 4 if recipe in ("fp32", "bf16_autocast") else 2  # bytes of an activation / gradient on the wire
     batch = batch_size
     tokens = batch * seq
     flops = flops_per_token(config, seq, causal=causal) * tokens
     compute = flops / (n_gpus * C.achievable_flops)
+    if recipe == "fp8":  # the blocks' linears at the FP8 rate, the rest at bf16's
+        f8 = fp8_flops_per_token(config) * tokens
+        compute = (flops - f8) / (n_gpus * C.achievable_flops) + f8 / (n_gpus * fp8_rate(C))
+    if L.cp > 1 and causal:  # the busiest cp rank's causal attention: imbalance x an even share
+        attn = 3 * 4 * base.n_layer * seq * base.d_model * 0.5 * tokens  # flops_per_token's causal term
+        compute += attn * (attention_imbalance(seq, L.cp, L.cp_load_balance) - 1) / (n_gpus * C.achievable_flops)
     layers = max(layers_per_rank(base.n_layer, L.pp, v))  # the busiest rank's, over its v chunks
     # fixed cost: every layer's ops (and the embedding, head and loss: one layer's worth on the
     # busiest end rank) once per micro-batch, whatever their size
@@ -145,12 +193,13 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     # pp: an activation forward and a gradient backward per micro-batch and chunk boundary, the
     # tied embedding's gradient between the end stages. ep: 2 all-to-alls forward and 2 backward
     # of top_k copies of each token per MoE layer. dp: the gradients of the parameters this rank
-    # holds, over dp*ep replicas (experts: dp): DDP's buckets, or the ZeRO engine's one all-reduce
+    # holds, over dp*ep*cp ranks (experts: dp*cp): DDP's buckets, or the ZeRO engine's one all-reduce
     # per parameter group (a composed layout), ZeRO-1 reduce-scatter + all-gather, ZeRO-2 the
     # reduce-scatter every micro-batch, ZeRO-3 per block 2 all-gathers and a reduce-scatter per
     # micro-batch (the root once). norm: the global norm's all-reduce, over the whole world.
-    local = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep)["params_on_gpu"]
-    traffic = step_traffic(config, L, batch_size, seq, e, RECIPES[recipe].grad, RECIPES[recipe].param, local)
+    local = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep, cp=L.cp)["params_on_gpu"]
+    param_bytes = 1 if gather_dtype == "fp8" else RECIPES[recipe].param  # what ZeRO's all-gathers carry
+    traffic = step_traffic(config, L, batch_size, seq, e, RECIPES[recipe].grad, param_bytes, local)
     term, calls = {}, {}
     for axis, records in traffic.items():
         if axis == "norm":
@@ -160,7 +209,13 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
         term[axis] = sum(seconds(r, link) for r in records)
         calls[axis] = sum(r.calls for r in records if not r.report)
     tp, pp, ep = term["tp"], term["pp"], term["ep"]
-    busy = compute + overhead + recompute + tp + pp + ep
+    cp_total = cp = term.get("cp", 0.0)
+    if L.cp > 1 and L.cp_method == "ring":  # the hops' sends priced where compute does not cover them
+        ring = ring_exposed(config, L, micro_batch, seq, C.link_of("cp", L), C.achievable_flops, e, causal)
+        repeats = 2 if L.recompute == "full" else 1  # full recomputation runs the forward ring again
+        cp = layers * m * (repeats * ring["forward"] + ring["backward"]) + sum(
+            seconds(r, C.link_of("cp", L)) for r in traffic.get("cp", []) if r.op != "send")
+    busy = compute + overhead + recompute + tp + pp + ep + cp
     bubble = 0.0
     if L.pp > 1:
         f = formula_for(L.schedule, L.pp, m, v)
@@ -171,7 +226,7 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
         bubble = max(0.0, busy * share / (1 - f) - busy)
 
     dp_total = term["dp"]
-    replicas, units = L.dp * L.ep, layers + 1
+    replicas, units = L.dp * L.ep * L.cp, layers + 1  # ZeRO shards over every rank holding these weights
     # gradients are final only in the last micro-batch's backward, so only that one hides them
     hidden_by = C.overlap * (2 / 3) * compute / m
     dp_exposed = max(0.0, dp_total - hidden_by)
@@ -184,10 +239,13 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     if traffic["norm"]:  # the global norm's all-reduce
         optimizer += term["norm"]
     total = busy + bubble + dp_exposed + optimizer
-    return {"compute": compute, "overhead": overhead, "recompute": recompute, "tp": tp, "pp": pp, "ep": ep,
+    return {"compute": compute, "overhead": overhead, "recompute": recompute, "tp": tp, "cp": cp,
+            "cp_total": cp_total, "pp": pp, "ep": ep,
             "bubble": bubble, "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer,
             "total": total, "flops": flops, "tokens": tokens, "batch": batch, "calls": calls,
             "mfu": flops / (total * n_gpus * C.peak_flops)}
 
 
 TERMS = ("compute", "overhead", "recompute", "tp", "pp", "ep", "bubble", "dp_exposed", "optimizer")
+# with context parallelism's exposed traffic: TERMS stays the list notebook 11 prints
+ALL_TERMS = ("compute", "overhead", "recompute", "tp", "cp", "pp", "ep", "bubble", "dp_exposed", "optimizer")
