@@ -3,8 +3,11 @@
     [model]   n_layer, n_head, d_model, seq_len, n_experts, top_k   (the vocabulary is the dataset's)
     [train]   steps, batch_size, lr, grad_clip, seed, checkpoint_step, precision, recompute
     [layout]  the fields of course_lib.dims.ParallelDims (dp, tp, pp required; ep, zero,
-              virtual_stages, microbatches, schedule, sequence_parallel with its defaults)
-              except the two of [train]: the first run, on dp*tp*pp*ep ranks
+              virtual_stages, microbatches, schedule, sequence_parallel, cp, cp_method,
+              cp_load_balance with its defaults) except the two of [train]: the first run, on
+              dp*tp*pp*ep*cp ranks (cp: context parallelism, each rank T/cp tokens of every
+              sequence; cp_method "ring", "allgather" or "ulysses"; cp_load_balance the zig-zag
+              chunks, which need 2cp | seq_len)
     [resume]  the same keys: after losing ranks, another world size
 
 load_config(path) checks every key (unknown, missing, wrong type or value, and each layout
@@ -25,7 +28,7 @@ from dataclasses import MISSING, dataclass, fields
 
 from course_lib._validate import check_int
 from course_lib.data import CharDataset
-from course_lib.dims import PRECISIONS, RECOMPUTE, SCHEDULES, ParallelDims
+from course_lib.dims import CP_METHODS, PRECISIONS, RECOMPUTE, SCHEDULES, ParallelDims
 from course_lib.model import GPTConfig
 from course_lib.train import TrainConfig
 
@@ -55,7 +58,7 @@ SCHEMA = {  # section -> {key: (kind, default or None = required)}
     "resume": layout_schema(),
 }
 MINIMUM = {"zero": 0, "seed": 0, "n_experts": 0}
-CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "recompute": RECOMPUTE}
+CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "recompute": RECOMPUTE, "cp_method": CP_METHODS}
 # |loss - single process| allowed for a whole curve. fp32: only the order of sums differs
 # (~1e-6). bf16: a tensor-parallel matmul rounds each rank's partial sum to bf16 before the
 # all-reduce (one process rounds the full sum once), pipeline and expert layouts sum in other

@@ -50,8 +50,9 @@ def main(argv=None) -> int:
         config = load_config(args.config)
         dims = config.resume if args.resume else config.layout
         if dims.world_size != world:
-            raise ValueError(f"[{section}] dp*tp*pp*ep = {dims.dp}*{dims.tp}*{dims.pp}*{dims.ep} = {dims.world_size} "
-                             f"must equal the number of processes (WORLD_SIZE={world})")
+            names = ("dp", "tp", "pp", "ep") + (("cp",) if dims.cp > 1 else ())
+            raise ValueError(f"[{section}] {'*'.join(names)} = {'*'.join(str(getattr(dims, d)) for d in names)} = "
+                             f"{dims.world_size} must equal the number of processes (WORLD_SIZE={world})")
         if args.kill_rank is not None and not 0 <= args.kill_rank < world:
             raise ValueError(f"--kill-rank={args.kill_rank} must be in [0, WORLD_SIZE={world})")
     except ValueError as err:  # before any rank waits: one clear line, no traceback

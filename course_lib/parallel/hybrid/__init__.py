@@ -1,11 +1,12 @@
-"""3D and 4D parallelism on one device mesh (notebook 10): the strategies composed, not re-implemented.
+"""3D, 4D and 5D parallelism on one device mesh (notebook 10): the strategies composed, not re-implemented.
 
     ParallelDims (course_lib/dims.py, below this package and course_lib.estimate): the degrees
                  and options; .check(world_size, config, batch_size) rejects every impossible
                  layout with its rule, in the parent, before any rank starts
     compose.py   build_hybrid: make_mesh -> apply_tensor_parallel (tp) -> apply_expert_parallel (ep)
-                 -> build_stage (pp) -> ZeRO-1 / AdamW over dp; sync_gradients; the ONE global-norm
-                 clip (clip_grad_norm_hybrid) that counts each shard once across every dimension
+                 -> apply_context_parallel (cp) -> build_stage (pp) -> ZeRO-1 / AdamW over dp
+                 (dp·cp when cp > 1); sync_gradients; the ONE global-norm clip
+                 (clip_grad_norm_hybrid) that counts each shard once across every dimension
     training.py  train_hybrid (rank side, on train_loop), run_hybrid (parent), train_single (the
                  single-process twin), the traffic of each mesh dimension from the CommTracer
     figures.py   notebook 10's mesh picture and layout widget

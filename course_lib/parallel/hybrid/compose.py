@@ -1,12 +1,30 @@
 """The ordered composition on one mesh, and the one global-norm clip.
 
-    mesh  = make_mesh(dp, tp, pp, ep)                       dims ("pp", "dp", "ep", "tp")
+    mesh  = make_mesh(dp, tp, pp, ep, cp)                   dims ("pp", "dp", "ep", ["cp",] "tp")
     model = GPT(config, seed)                               the same plain model on every rank
     apply_tensor_parallel(model, mesh["tp"], sp)            1. TP (+SP): inside every block
     apply_expert_parallel(model, mesh["ep"])                2. EP: each MoE layer keeps E/ep experts
+    apply_context_parallel(model, mesh["cp"], method, lb)   3. CP: each block's attention (tp's local
+                                                               heads) over the cp group
     recompute_in_place(model.blocks)                        (recompute='full') in place
-    stage = build_stage(model, mesh["pp"], v)               3. PP: this rank's blocks (+ embedding/head)
-    optimizer = ShardedOptimizer (stage 0 or 1, dp group)    4. ZeRO-1 (or plain DP) across replicas
+    stage = build_stage(model, mesh["pp"], v)               4. PP: this rank's blocks (+ embedding/head)
+    optimizer = ShardedOptimizer (stage 0 or 1, dp·cp)      5. ZeRO-1 (or plain DP) across replicas
+                                                               and cp ranks
+
+Context parallelism (cp > 1). Every rank of a replica reads the replica's rows; rank c of the
+cp group keeps its shard of their sequence, T/cp tokens (idx, targets and their absolute
+positions, SequenceLayout: contiguous or zig-zag), and runs the model, or its pipeline stage,
+on that shard alone: the first stage embeds the shard's positions (held by the stage, below),
+and the pipeline's messages carry T/cp tokens, cp times smaller. Attention is the one op that
+mixes positions: ContextParallelAttention sees the other ranks' keys (ring, all-gather or
+Ulysses). The loss of a rank is the mean over its local tokens; the shards are equal, so the
+mean over cp of the local means is the single process's loss, and the gradient of the whole
+batch is the MEAN over the cp ranks of their local gradients, as over dp replicas. The cp
+ranks hold whole weights, so dp and cp are one reduction group: ZeRO's engine runs over the
+dp·cp ranks (groups["dp_cp"]; torchtitan's FSDP over dp_shard x cp does the same), averaging
+the gradients over dp * cp and, at ZeRO-1, sharding the optimizer state over dp * cp ranks
+instead of keeping cp identical copies of it. The alternative, an all-reduce over cp and
+then ZeRO over dp, moves more bytes and keeps cp copies of the state for no gain.
 
 After backward: the pipeline sums the tied embedding's two parts (stage 0 and the last stage
 hold one copy each), EP averages dense gradients over ep and divides expert gradients by ep,
@@ -18,15 +36,17 @@ element lives on several ranks, as identical copies; every rank counts parameter
 1 / (its number of copies), course_lib.parallel.clip's rule, a product over the dimensions:
 
     w(p) = 1/[tp if p is replicated over tp, 1 if tp-sharded] * 1/[ep if dense, 1 if an expert]
-           * 1/[2 for the tied matrix on the first and last stage, else 1] * 1/[dp at zero=0, 1 at zero=1]
+           * 1/[2 for the tied matrix on the first and last stage, else 1]
+           * 1/[dp * cp at zero=0, 1 at zero=1 (the state's flat range is on one rank of dp·cp)]
 
 and one all-reduce (sum) over the whole world of sum_p w(p) * ||g_p||^2 gives ||g||^2, each
 element counted exactly once. Every rank then scales by min(1, max_norm / (||g|| + 1e-6)).
 
 Each factor is read from the axis's own record (course_lib.parallel.placement): `placements(parts)`
-lists every parameter's Placement on tp, ep, pp and dp, as the layers, the experts, the stage and
-the ZeRO units report them, and w(p) = 1 / the product of their copies. The same records rebuild
-the single-process state dict from any layout (`full_state_dict`) and give the checkpoint its boxes.
+lists every parameter's Placement on tp, ep, pp, cp (cp > 1: whole on every cp rank) and dp, as
+the layers, the experts, the stage, the context-parallel model and the ZeRO units report them,
+and w(p) = 1 / the product of their copies. The same records rebuild the single-process state
+dict from any layout (`full_state_dict`) and give the checkpoint its boxes.
 """
 
 from __future__ import annotations
@@ -38,11 +58,13 @@ import torch.distributed as dist
 
 from course_lib.model import GPT
 from course_lib.parallel.clip import clip_grad_norm_
+from course_lib.parallel.cp.apply import apply_context_parallel, cp_placements
 from course_lib.parallel.ep import apply_expert_parallel, reduce_gradients
 from course_lib.parallel.ep.apply import ep_placements
-from course_lib.parallel.mesh import make_mesh
+from course_lib.parallel.mesh import make_mesh, mesh_groups
 from course_lib.parallel.placement import Placement, gather_full, parameter_names, weight
 from course_lib.parallel.pp import build_stage
+from course_lib.parallel.pp.stage import TokenAndPositionEmbedding
 from course_lib.parallel.tp import apply_tensor_parallel
 from course_lib.parallel.tp.apply import tp_placements
 from course_lib.parallel.zero import ShardedOptimizer
@@ -62,11 +84,42 @@ class HybridParts:
     optimizer: object = None
 
 
+class ShardPositionEmbedding(TokenAndPositionEmbedding):
+    """The first pipeline stage's input under context parallelism: the same token and position
+    embedding modules, fed this cp rank's positions (a buffer, not saved) instead of 0..T/cp-1."""
+
+    def __init__(self, embed: TokenAndPositionEmbedding, positions: torch.Tensor):
+        super().__init__(embed.tok_emb, embed.pos_emb, embed.drop)
+        self.register_buffer("positions", positions, persistent=False)
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(idx, self.positions if pos is None else pos)
+
+
+def _dp_cp_group(dims, world_size: int):
+    """The ZeRO group at cp > 1: the dp * cp ranks sharing this rank's pp, ep and tp indices.
+    Collective: every rank creates every such group, in the same order."""
+    by_dim = mesh_groups(world_size, **dims.sizes())
+    rank, mine = dist.get_rank(), None
+    for ranks in dp_cp_ranks(by_dim):
+        g = dist.new_group(ranks)
+        mine = g if rank in ranks else mine
+    return mine
+
+
+def dp_cp_ranks(by_dim: dict[str, list[list[int]]]) -> list[list[int]]:
+    """The rank lists of the dp·cp groups: each dp group joined with the cp groups of its members."""
+    cp_of = {r: g for g in by_dim["cp"] for r in g}
+    out = {tuple(sorted(r for d in dp for r in cp_of[d])) for dp in by_dim["dp"]}
+    return [list(g) for g in sorted(out)]
+
+
 def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
     """Rank code: the composition in the module docstring, on this rank. `dims` must have been
-    checked in the parent (ParallelDims.check)."""
+    checked in the parent (ParallelDims.check). groups and coords have a "cp" entry only when
+    cp > 1 (then also groups["dp_cp"], the ZeRO group)."""
     mesh = make_mesh(dims)
-    groups = {d: mesh[d].get_group() for d in ("pp", "dp", "ep", "tp")}
+    groups = {d: mesh[d].get_group() for d in mesh.mesh_dim_names}
     coords = {d: dist.get_rank(groups[d]) for d in groups}
     model = GPT(model_config, seed=seed)
     if device is not None:
@@ -75,10 +128,23 @@ def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
         apply_tensor_parallel(model, groups["tp"], dims.sequence_parallel)
     if dims.ep > 1:
         apply_expert_parallel(model, groups["ep"])
+    if dims.cp > 1:  # after tp: the attention it wraps holds tp's n_head / tp heads
+        apply_context_parallel(model, groups["cp"], dims.cp_method, dims.cp_load_balance)
+        groups["dp_cp"] = _dp_cp_group(dims, dist.get_world_size())
     if dims.recompute == "full":  # in place: the names stay the single-process ones
         recompute_in_place(model.blocks)
     stage = build_stage(model, groups["pp"], dims.virtual_stages) if dims.pp > 1 else None
+    if stage is not None and dims.cp > 1 and stage.chunks[0].first:  # the chunk holding stage 0
+        first = stage.chunks[0]
+        positions = model.cp_layout.positions(coords["cp"])
+        first.embed = ShardPositionEmbedding(first.embed, positions if device is None else positions.to(device))
     return HybridParts(dims, mesh, coords, groups, model, stage)
+
+
+def zero_group(parts: HybridParts):
+    """The ranks that average the gradients and (ZeRO-1) shard the optimizer state: dp, and
+    dp·cp when cp > 1 (module docstring)."""
+    return parts.groups["dp_cp"] if parts.dims.cp > 1 else parts.groups["dp"]
 
 
 def trained_module(parts: HybridParts):
@@ -94,15 +160,16 @@ def make_hybrid_optimizer(parts: HybridParts, train_cfg):
     groups = [g for g in groups if g["params"]]
     kw = dict(lr=train_cfg.lr, betas=train_cfg.betas, foreach=False, fused=False)
     # ZeRO's engine at stage 0 is plain data parallelism with one flat all-reduce per group;
-    # at stage 1 it shards the optimizer state. Either way it averages the gradients over dp.
+    # at stage 1 it shards the optimizer state. Either way it averages the gradients over dp
+    # (dp·cp when cp > 1: the cp ranks' local gradients are averaged like replicas').
     parts.optimizer = ShardedOptimizer.for_stage([(i, g["params"]) for i, g in enumerate(groups)], torch.optim.AdamW,
-                                                 parts.groups["dp"], kw, parts.dims.zero, groups=groups)
+                                                 zero_group(parts), kw, parts.dims.zero, groups=groups)
     return parts.optimizer
 
 
 def sync_gradients(parts: HybridParts) -> None:
-    """After backward: EP's reduction over ep. The dp mean is the ZeRO engine's (stage 0: an
-    all-reduce, stage 1: a reduce-scatter), in the clip or the step; the pipeline already
+    """After backward: EP's reduction over ep. The dp (dp·cp) mean is the ZeRO engine's (stage 0:
+    an all-reduce, stage 1: a reduce-scatter), in the clip or the step; the pipeline already
     summed the tied matrix's two parts."""
     if parts.dims.ep > 1:
         reduce_gradients(trained_module(parts), parts.groups["ep"])
@@ -115,35 +182,51 @@ def trained_parameters(parts: HybridParts) -> list[tuple[str, torch.nn.Parameter
     return list(parts.model.named_parameters())
 
 
-def _dp_state_placements(parts: HybridParts) -> dict[int, Placement]:
-    """{id(p): Placement over dp} of the optimizer's copy of p: at ZeRO-1 its range of the flat
-    unit's dp shards, at zero=0 whole on every replica (the engine's units have one shard)."""
-    opt, rank, dp = parts.optimizer, parts.coords["dp"], parts.dims.dp
+def _dp_state_placements(parts: HybridParts) -> dict[int, tuple[Placement, Placement]]:
+    """{id(p): (Placement over cp, Placement over dp)} of the optimizer's copy of p: at ZeRO-1
+    its range of the flat unit's shards, at zero=0 whole on every replica (the engine's units
+    have one shard). When the engine runs over dp·cp (cp > 1) its flat range is one rank's of
+    all dp * cp: the flat placement (axis "dp_cp") says which, and on cp the range is then held
+    by this rank alone; at zero=0 the copy is whole on every dp and cp rank."""
+    opt, c = parts.optimizer, parts.coords
     if opt is None:
         raise ValueError("the optimizer's placements need parts.optimizer (make_hybrid_optimizer first)")
+    cp, rank_cp = parts.dims.cp, c.get("cp", 0)
+    over_cp = cp > 1 and opt.group is parts.groups.get("dp_cp")
+    whole_cp = Placement.replicated("cp", rank_cp, cp)
     out = {}
     for s in opt.shards:
         u = s.unit
         for p, off, n in zip(u.params, u.offsets, u.numels):
-            out[id(p)] = (Placement.replicated("dp", rank, dp) if u.world_size == 1 else
-                          Placement.of_flat_unit("dp", off, n, u.shard_numel, u.rank, u.world_size))
+            if u.world_size == 1:
+                out[id(p)] = (whole_cp, Placement.replicated("dp", c["dp"], parts.dims.dp))
+            else:
+                out[id(p)] = (Placement.whole("cp", (rank_cp,), rank_cp, cp) if over_cp else whole_cp,
+                              Placement.of_flat_unit("dp_cp" if over_cp else "dp", off, n, u.shard_numel, u.rank,
+                                                     u.world_size))
     return out
 
 
 def placements(parts: HybridParts, state: bool = False) -> dict[str, tuple[Placement, ...]]:
-    """{single-process name: its Placements on (tp, ep, pp, dp)} for the parameters this rank trains,
-    each read from its axis: the TP layers, the expert layers, the pipeline stage; on dp the
+    """{single-process name: its Placements on (tp, ep, pp[, cp], dp)} for the parameters this rank
+    trains, each read from its axis: the TP layers, the expert layers, the pipeline stage, the
+    context-parallel model (cp > 1 only: every parameter whole on every cp rank); on dp the
     parameters are whole on every replica or, with state=True, what the optimizer holds of them
     (masters, their state, the dp-mean gradient the clip reads): at ZeRO-1 a flat range of the
-    TP-local tensor."""
+    TP-local tensor (over dp·cp when cp > 1, and then on cp this rank's alone)."""
     dims, coords = parts.dims, parts.coords
     tp = tp_placements(parts.model) if dims.tp > 1 else {}
     ep = ep_placements(parts.model, parts.groups["ep"]) if dims.ep > 1 else {}
     pp = parts.stage.placements() if parts.stage is not None else {}
-    dp = _dp_state_placements(parts) if state else {}
+    cp = cp_placements(parts.model) if dims.cp > 1 else {}
+    state_of = _dp_state_placements(parts) if state else {}
     whole = {a: Placement.replicated(a, coords[a], getattr(dims, a)) for a in ("tp", "ep", "pp", "dp")}
-    return {name: (tp.get(name, whole["tp"]), ep.get(name, whole["ep"]), pp.get(name, whole["pp"]),
-                   dp.get(id(p), whole["dp"])) for name, p in trained_parameters(parts)}
+    out = {}
+    for name, p in trained_parameters(parts):
+        on_cp, on_dp = state_of.get(id(p), (cp.get(name), whole["dp"]))
+        out[name] = (tp.get(name, whole["tp"]), ep.get(name, whole["ep"]), pp.get(name, whole["pp"]),
+                     *((on_cp,) if dims.cp > 1 else ()), on_dp)
+    return out
 
 
 def count_weights(parts: HybridParts) -> dict[int, float]:

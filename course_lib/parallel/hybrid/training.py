@@ -1,10 +1,12 @@
-"""The reference training loop on a dp x tp x pp x ep mesh, its single-process twin, and the
-bytes each mesh dimension moved.
+"""The reference training loop on a dp x tp x pp x ep (x cp) mesh, its single-process twin, and
+the bytes each mesh dimension moved.
 
 Every rank draws the reference's global batch (a generator seeded with train_cfg.seed) and
 keeps the share of its replica, r = dp_index * ep + ep_index: rows [r*B/R, (r+1)*B/R), R = dp*ep.
-tp and pp ranks of one replica read the same rows. The loss of a step is the mean over the
-R replicas (one all-reduce over dp and one over ep), so every rank reports the global loss.
+tp, pp and cp ranks of one replica read the same rows; a cp rank then keeps its shard of their
+sequence (T/cp tokens, with their positions). The loss of a step is the mean over the R
+replicas and the cp shards (one all-reduce over dp, one over ep, one over cp), so every rank
+reports the global loss.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from course_lib._validate import check_one_of
 from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
-from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hybrid, make_hybrid_optimizer,
-                                                sync_gradients, trained_module)
+from course_lib.parallel.cp.apply import shard_batch
+from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hybrid, dp_cp_ranks,
+                                                make_hybrid_optimizer, sync_gradients, trained_module)
 from course_lib.dims import ParallelDims
 from course_lib.parallel.mesh import mesh_groups
 from course_lib.parallel.pp import run_schedule
@@ -56,7 +59,12 @@ def dimension_of(group_ranks, groups_by_dim: dict[str, list[list[int]]], world_s
 
 
 def traffic_by_dimension(records, dims: ParallelDims, world_size: int) -> dict[str, dict[str, int]]:
-    groups = mesh_groups(world_size, dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=dims.ep)
+    """{dimension: calls and bytes} of the tracer's records. At cp > 1 the attention's calls run
+    on the cp groups ("cp") and ZeRO's on the dp·cp groups ("dp_cp"; with dp = 1 that group is
+    the cp group, so they count under "cp" too)."""
+    groups = mesh_groups(world_size, **dims.sizes())
+    if dims.cp > 1:
+        groups["dp_cp"] = dp_cp_ranks(groups)
     out: dict[str, dict[str, int]] = {}
     for r in records:
         s = out.setdefault(dimension_of(r.group_ranks, groups, world_size),
@@ -87,17 +95,21 @@ def precision_context(precision: str):
 
 
 def make_forward_backward(parts, dims, timeline=None):
-    """train_step's forward_backward for a hybrid layout: the pipeline schedule when there are
-    stages, else `microbatches` accumulated micro-batches, under dims.precision; then the
-    gradient synchronisation of every mesh dimension. Returns the mean loss of the rank's
-    share. A Timeline (optional) gets the forward/backward (or the pipeline's F/B, sends and
-    receives) and the synchronisation. The pipeline runs backward inside its schedule, so
+    """train_step's forward_backward for a hybrid layout: at cp > 1 the rank's sequence shard of
+    its rows first; the pipeline schedule when there are stages, else `microbatches` accumulated
+    micro-batches, under dims.precision; then the gradient synchronisation of every mesh
+    dimension. Returns the mean loss of the rank's share (its local tokens). A Timeline
+    (optional) gets the forward/backward (or the pipeline's F/B, sends and receives) and the
+    synchronisation. The pipeline runs backward inside its schedule, so
     autocast covers forward and backward in both branches (backward runs each op in the dtype
     its forward chose either way)."""
     m = dims.microbatches
     span = timeline.span if timeline is not None else (lambda *a: contextlib.nullcontext())
 
     def forward_backward(_module, x, y):
+        pos = None
+        if dims.cp > 1:  # this cp rank's tokens of every row, and their positions (the stage holds them)
+            x, y, pos = shard_batch(x, y, parts.model.cp_layout, parts.coords["cp"])
         with precision_context(dims.precision):
             if parts.stage is not None:
                 loss = run_schedule(parts.stage, x, y, dims.schedule, m, timeline=timeline)
@@ -105,7 +117,7 @@ def make_forward_backward(parts, dims, timeline=None):
                 loss = 0.0
                 for i, (xc, yc) in enumerate(zip(x.chunk(m), y.chunk(m))):
                     with span(f"F{i}", "forward"):
-                        part = parts.model(xc, yc)[1] / m
+                        part = parts.model(xc, yc, pos)[1] / m
                     with span(f"B{i}", "backward"):
                         part.backward()
                     loss += part.item()
@@ -124,10 +136,11 @@ def replica_rows(parts, dims: ParallelDims, batch_size: int) -> slice:
 
 def mean_over_replicas(parts, dims: ParallelDims):
     """train_loop's report_loss: this replica's loss -> the global loss, the mean over the
-    R = dp * ep replicas (an all-reduce over dp and one over ep, in float64), the same on every rank."""
+    R = dp * ep replicas and the cp equal sequence shards (an all-reduce over dp, one over ep
+    and one over cp, in float64), the same on every rank."""
     def report(loss: float) -> float:
-        mean = torch.tensor(loss / dims.replicas, dtype=torch.float64, device=rank_device())
-        for d in ("dp", "ep"):
+        mean = torch.tensor(loss / (dims.replicas * dims.cp), dtype=torch.float64, device=rank_device())
+        for d in ("dp", "ep", "cp"):
             if getattr(dims, d) > 1:
                 dist.all_reduce(mean, group=parts.groups[d])
         return float(mean)
