@@ -15,6 +15,7 @@ from course_lib.comm import ringviz
 from course_lib.data import VOCAB_SIZE
 from course_lib.estimate import calculator, calculator_widget, planner_figures
 from course_lib.model import GPTConfig
+from course_lib.parallel.cp import figures as cp_figures
 from course_lib.parallel.dp import bucketviz
 from course_lib.parallel.ep import figures as ep_figures
 from course_lib.parallel.hybrid import figures as hybrid_figures
@@ -34,6 +35,7 @@ WIDGETS = {
     "06_pipeline_parallel": [lambda: schedule_widget("interleaved_1f1b", 4, 8, 2)],
     "07_mixture_of_experts": [lambda: ep_figures.load_widget()],
     "08_zero_fsdp": [lambda: zero_viz.zero_widget()],
+    "09_context_parallelism": [lambda: cp_figures.cp_widget(131072, 8, "ring")],
     "10_3d_parallelism": [lambda: hybrid_figures.mesh_widget()],
     "11_performance_model": [lambda: planner_figures.planner_widget()],
     "12_checkpoints_elastic": [lambda: checkpoint_interval_viz.interval_widget(30.0, 16384)],
