@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from course_lib import run_on_ranks
 from course_lib.data import CharDataset
-from course_lib.model import GPT, GPTConfig
+from course_lib.model import GPT
 from course_lib.parallel.zero import (FlatUnit, ShardedOptimizer, apply_zero, shard_bounds, train_zero_reference,
                                       train_zero)
 from course_lib.parallel.zero.native import train_native
-from course_lib.train import TrainConfig, make_optimizer, train_step
+from course_lib.train import make_optimizer, train_step
 
 from _tolerances import (ADAMW_GRAD_REL_NORM, FP32_EPS, adamw_loss_atol, assert_adamw_params_close,
                          assert_close_fp32_sums, assert_grads_close_after_adamw, bf16_loss_atol, by_name,
@@ -30,19 +30,12 @@ from _tolerances import (ADAMW_GRAD_REL_NORM, FP32_EPS, adamw_loss_atol, assert_
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 torch.set_num_threads(1)
 
-STEPS = 3
+from _zero_setup import STEPS, train_cfg, uneven_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def config():
-    c = GPTConfig.tiny(CharDataset("train").vocab_size, n_layer=3, d_ff=127, block_size=32)
-    n = GPT(c).num_params()
-    assert n % 2 and n % 3 and n % 4, f"{n} parameters: the test needs uneven shards at N = 2, 3, 4"
-    return c
-
-
-def train_cfg(clip=0.0, lr=3e-3):
-    return TrainConfig(steps=STEPS, batch_size=12, lr=lr, grad_clip=clip, eval_every=10**6, progress=False)
+    return uneven_config()
 
 
 # ------------------------------------------------------------------ the flat buffer (no ranks)

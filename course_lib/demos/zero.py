@@ -2,12 +2,17 @@
 
     torchrun --nproc-per-node=4 -m course_lib.demos.zero --stage 3
     torchrun --nproc-per-node=8 -m course_lib.demos.zero --stage 2 --bf16 --offload --steps 20
+    torchrun --nproc-per-node=4 -m course_lib.demos.zero --stage 3 --sharding per_param --hsdp 2 \
+             --offload nvme --offload-dir /tmp/zero_nvme --check
 
 Every rank trains the course GPT with `apply_zero(model, S, torch.optim.AdamW)` on its share
 of each batch (course_lib.parallel.zero.train_zero). Rank 0 also trains the same model alone
 on the whole batch (train_zero_reference) and prints the two loss curves side by side, then the bytes
 of parameters, gradients and optimizer state each rank holds (measured from its tensors)
-beside notebook 01's formula (course_lib.estimate.model_state_bytes per flat unit).
+beside notebook 01's formula (course_lib.estimate.model_state_bytes per flat unit; per-parameter
+sharding: 4, 4 and 8 bytes per local element, sum over W of ceil(d0/S) * row). --check exits
+non-zero when a step's mean loss differs from the single process's by more than
+course_lib.tolerances.adamw_loss_atol(lr) (fp32) or bf16_loss_atol (bf16), their reasons there.
 
 In a notebook: `run_on_ranks(zero_demo, stage=3, world_size=4)`.
 """
@@ -15,20 +20,58 @@ In a notebook: `run_on_ranks(zero_demo, stage=3, world_size=4)`.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
 
 from course_lib.data import CharDataset
+from course_lib.model import GPT
 from course_lib.model import GPTConfig
 from course_lib.parallel.zero import expected_state_bytes, measure_zero_step, train_zero_reference, train_zero
+from course_lib.parallel.zero.apply import apply_zero
+from course_lib.parallel.zero.nvme import NVMeStore, check_nvme_dir
+from course_lib.parallel.zero.per_param_optim import check_per_param_args, local_elements
 from course_lib.runtime.launch import init_from_env, leave_process_group
-from course_lib.train import TrainConfig
+from course_lib.tolerances import adamw_loss_atol
+from course_lib.train import StepHooks, TrainConfig, share_rows, train_loop
 from course_lib.units import fmt_bytes
 
 
-def zero_demo(stage: int, steps: int = 5, bf16: bool = False, offload: bool = False, batch_size: int = 8) -> dict:
-    """Rank code. Returns {"losses": mean over ranks per step, "reference": single-process losses
+def bf16_loss_atol(losses) -> float:
+    """bf16 losses are bf16 numbers 2^-7 of their size apart, plus ~1e-2 for the bf16 rounding of
+    the activations (tests/_tolerances.py gives the same bound its reasons)."""
+    return 2.0**-7 * max(abs(x) for x in losses) + 1e-2
+
+
+def _per_param_bytes(config, cfg, bf16, hsdp, offload, offload_dir) -> tuple[dict, dict]:
+    """Measured after one step (local shards, their fp32 grads, Adam's m and v in memory, NVMe
+    files) and the formula from the local element count L: 4L, 4L, 8L (NVMe: 8L in files)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kw = {"sharding": "per_param", "hsdp": hsdp, "compute_dtype": torch.bfloat16 if bf16 else None}
+    if offload == "nvme":
+        kw["offload_dir"] = offload_dir
+    model, opt = apply_zero(GPT(config, seed=cfg.seed), 3, torch.optim.AdamW, None,
+                            "nvme" if offload == "nvme" else False, lr=cfg.lr, foreach=False, **kw)
+    measured = {}
+    hooks = StepHooks(clip_grad_norm=opt.clip_grad_norm_, sync_gradients=lambda: measured.update(
+        grads=sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())))
+    one = TrainConfig(steps=1, batch_size=cfg.batch_size, grad_clip=1.0, progress=False)
+    train_loop(model, opt, CharDataset("train", block_size=config.block_size), one, hooks,
+               rows=share_rows(rank, n, cfg.batch_size))
+    measured["params"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    measured["optimizer"] = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                                if torch.is_tensor(v) and v.dim() > 0)
+    measured["host"] = opt.store.summary()["nvme_files"] if opt.store is not None else 0
+    local = local_elements(GPT(config), "block", n // hsdp)
+    formula = {"params": 4 * local, "grads": 4 * local, "optimizer": 0 if opt.store else 8 * local,
+               "host": 8 * local if opt.store else 0}
+    return measured, formula
+
+
+def zero_demo(stage: int, steps: int = 5, bf16: bool = False, offload=False, batch_size: int = 8,
+              sharding: str = "flat", hsdp: int = 1, offload_dir: str | None = None) -> dict:
+    """Rank code. offload: False, True / "host" or "nvme" (per_param, under offload_dir). Returns {"losses": mean over ranks per step, "reference": single-process losses
     (rank 0; None elsewhere), "measured": this rank's bytes after backward (grads) and after the
     step (params, optimizer, host), "formula": the same from the formula}."""
     n = dist.get_world_size()
@@ -37,17 +80,27 @@ def zero_demo(stage: int, steps: int = 5, bf16: bool = False, offload: bool = Fa
     config = GPTConfig.tiny(CharDataset("train").vocab_size)
     cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_clip=1.0, progress=False)
     dtype = torch.bfloat16 if bf16 else None
-    res = train_zero(config, cfg, stage, offload=offload, compute_dtype=dtype)
+    if sharding == "per_param":
+        res = train_zero(config, cfg, 3, offload="nvme" if offload == "nvme" else False, compute_dtype=dtype,
+                         sharding="per_param", hsdp=hsdp, offload_dir=offload_dir if offload == "nvme" else None)
+    else:
+        res = train_zero(config, cfg, stage, offload=bool(offload), compute_dtype=dtype)
     losses = torch.tensor(res.train_losses, dtype=torch.float64)
     dist.all_reduce(losses)
+    reference = train_zero_reference(config, cfg, compute_dtype=dtype).train_losses if dist.get_rank() == 0 else None
+    if sharding == "per_param":
+        measured, formula = _per_param_bytes(config, cfg, bf16, hsdp, offload, offload_dir)
+        return {"losses": (losses / n).tolist(), "reference": reference, "measured": measured, "formula": formula,
+                "tier": "nvme" if offload == "nvme" else "host"}
+    offload = bool(offload)
     mem = measure_zero_step(config, cfg, stage, offload=offload, compute_dtype=dtype)
     measured = {"params": mem["after_step"]["params"], "grads": mem["after_backward"]["grads"],
                 "optimizer": mem["after_step"]["optimizer"], "host": mem["after_step"]["host"]}
     formula = expected_state_bytes(mem["unit_sizes"], "bf16_mixed" if bf16 else "fp32", stage, n)
     if offload:
         formula["host"], formula["optimizer"] = formula["optimizer"], 0
-    reference = train_zero_reference(config, cfg, compute_dtype=dtype).train_losses if dist.get_rank() == 0 else None
-    return {"losses": (losses / n).tolist(), "reference": reference, "measured": measured, "formula": formula}
+    return {"losses": (losses / n).tolist(), "reference": reference, "measured": measured, "formula": formula,
+            "tier": "host"}
 
 
 def format_demo(per_rank: list[dict], stage: int) -> str:
@@ -57,7 +110,8 @@ def format_demo(per_rank: list[dict], stage: int) -> str:
     for i, (a, b) in enumerate(zip(first["losses"], first["reference"]), start=1):
         lines.append(f"{i:>4} {a:>21.5f} {b:>15.5f}")
     lines.append("bytes each rank holds, measured / formula (notebook 01):")
-    lines.append(f"{'rank':>4} " + " ".join(f"{k:>23}" for k in ("params", "grads", "optimizer", "host")))
+    heads = ("params", "grads", "optimizer", first.get("tier", "host"))
+    lines.append(f"{'rank':>4} " + " ".join(f"{k:>23}" for k in heads))
     for r, out in enumerate(per_rank):
         cells = [f"{fmt_bytes(out['measured'][k]):>10} / {fmt_bytes(out['formula'].get(k, 0)):>10}"
                  for k in ("params", "grads", "optimizer", "host")]
@@ -65,12 +119,25 @@ def format_demo(per_rank: list[dict], stage: int) -> str:
     return "\n".join(lines)
 
 
+def check_losses(first: dict, bf16: bool, lr: float) -> tuple[bool, float, float]:
+    """(within, largest |mean loss - single process|, tolerance): fp32 adamw_loss_atol(lr), bf16 bf16_loss_atol."""
+    diff = max(abs(a - b) for a, b in zip(first["losses"], first["reference"]))
+    tol = bf16_loss_atol(first["reference"]) if bf16 else adamw_loss_atol(lr)
+    return diff <= tol, diff, tol
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, required=True, help="0 (DDP), 1, 2 or 3 (FSDP)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters")
-    parser.add_argument("--offload", action="store_true", help="optimizer state and step on the host")
+    parser.add_argument("--offload", nargs="?", const="host", default=False, choices=("host", "nvme"),
+                        help="optimizer state and step on the host (--offload), or on disk (--offload nvme)")
+    parser.add_argument("--offload-dir", default=None, help="--offload nvme: the directory for the state files")
+    parser.add_argument("--sharding", default="flat", choices=("flat", "per_param"),
+                        help="stage 3: one flat buffer per unit, or each parameter on dim 0 (FSDP2)")
+    parser.add_argument("--hsdp", type=int, default=1, help="per_param: R replicas of an N/R-rank shard group")
+    parser.add_argument("--check", action="store_true", help="exit non-zero beyond the loss tolerance")
     args = parser.parse_args(argv)
     if args.stage not in (0, 1, 2, 3):
         parser.error(f"--stage={args.stage} must be 0, 1, 2 or 3")
@@ -78,16 +145,41 @@ def main(argv=None):
         parser.error(f"--steps={args.steps} must be >= 1")
     if args.offload and args.stage == 0:
         parser.error("--offload needs --stage 1, 2 or 3")
+    if args.sharding == "per_param" and args.stage != 3:
+        parser.error(f"--sharding per_param needs --stage 3 (got --stage {args.stage})")
+    if args.sharding == "flat" and (args.hsdp != 1 or args.offload == "nvme"):
+        parser.error("--hsdp and --offload nvme need --sharding per_param")
+    if args.sharding == "per_param":
+        if args.offload == "host":
+            parser.error("--sharding per_param offloads to --offload nvme (with --offload-dir DIR)")
+        try:  # before any rank waits: the same check every rank would make
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            check_per_param_args(world, hsdp=args.hsdp, offload=args.offload or False, offload_dir=args.offload_dir)
+            if args.offload == "nvme":  # writable, with room for every rank's files
+                model = GPT(GPTConfig.tiny(CharDataset("train").vocab_size))
+                check_nvme_dir(args.offload_dir, NVMeStore.bytes_needed(local_elements(model, "block",
+                                                                                      world // args.hsdp)) * world)
+        except ValueError as e:
+            parser.error(str(e))
     init_from_env()
+    failed = False
     try:
         n = dist.get_world_size()
-        out = zero_demo(args.stage, args.steps, args.bf16, args.offload, batch_size=8 * n)
+        out = zero_demo(args.stage, args.steps, args.bf16, args.offload, batch_size=8 * n, sharding=args.sharding,
+                        hsdp=args.hsdp, offload_dir=args.offload_dir)
         gathered = [None] * n
         dist.all_gather_object(gathered, out)
         if dist.get_rank() == 0:
             print(format_demo(gathered, args.stage), flush=True)
+            if args.check:
+                ok, diff, tol = check_losses(gathered[0], args.bf16, TrainConfig().lr)
+                print(f"check {'passed' if ok else 'FAILED'}: largest loss difference {diff:.2e} "
+                      f"{'<=' if ok else '>'} tolerance {tol:.2e}", flush=True)
+                failed = not ok
     finally:
         leave_process_group()
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,13 @@ Keyword options taken out of **optimizer_kwargs before the rest goes to optimize
     bucket_cap_mb   stage 2's bucket size (default 25)
     prefetch        stage 3: gather the next block while computing this one (default True)
     timeline        a course_lib.observe.timeline.Timeline for communication spans
+    gather_dtype    "fp8" (stage 3, flat): all-gather the parameters as e4m3 with a scale per
+                    rank's shard, half of bf16's bytes (fp8_gather.py); default None
 offload=True (stages 1-3) keeps master weights, optimizer state and the step on the host
 (offload.py). Stage 3 also needs the model's blocks in `model.blocks` (each one unit).
+sharding="per_param" (stage 3): each parameter sharded on dim 0 under its own name, FSDP2's design
+(per_param_optim.py: policy, reshard_after_forward, hsdp, param_dtype, reduce_dtype, prefetch,
+decay_groups, offload="nvme" with offload_dir).
 """
 
 from __future__ import annotations
@@ -30,12 +35,15 @@ import torch
 import torch.distributed as dist
 
 from course_lib.parallel.dp.ddp import assign_buckets, broadcast_parameters
+from course_lib.parallel.zero.fp8_gather import check_gather_dtype
 from course_lib.parallel.zero.offload import OffloadCounter
+from course_lib.parallel.zero.per_param_optim import apply_per_param
 from course_lib.parallel.zero.sharded_optimizer import ShardedOptimizer, check_optimizer_class
 from course_lib.parallel.zero.stage2 import GradientBuckets
 from course_lib.parallel.zero.stage3 import FullyShardedModel
 
 STAGES = (0, 1, 2, 3)
+SHARDINGS = ("flat", "per_param")  # flat.py's one buffer per unit, or each parameter on dim 0 (FSDP2)
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 MB = 2**20
 
@@ -66,7 +74,25 @@ def stage2_buckets(params, bucket_cap_bytes: float) -> list[list]:
 def apply_zero(model, stage, optimizer_class, group=None, offload=False, **optimizer_kwargs):
     """Returns (model, optimizer): the model changed in place, and a ShardedOptimizer engine
     for `stage` (see the module docstring). Rank 0's parameters are broadcast first, so every
-    rank starts from the same replica. Collective: every rank of `group` calls it."""
+    rank starts from the same replica. Collective: every rank of `group` calls it.
+    sharding="per_param" (stage 3 only) shards each parameter on dim 0 instead (FSDP2's design,
+    per_param_optim.py, which lists its options: policy, reshard_after_forward, hsdp, ...)."""
+    sharding = optimizer_kwargs.pop("sharding", "flat")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} must be one of {SHARDINGS}")
+    gather_dtype = optimizer_kwargs.pop("gather_dtype", None)
+    check_gather_dtype(gather_dtype, stage, sharding)
+    if sharding == "per_param":
+        if isinstance(stage, bool) or stage != 3:
+            raise ValueError(f"sharding='per_param' is stage 3 (parameters sharded too): got stage={stage!r}")
+        check_optimizer_class(optimizer_class)
+        if not dist.is_initialized():
+            raise RuntimeError("apply_zero needs an initialised process group: run inside run_on_ranks or torchrun")
+        optimizer_kwargs.pop("bucket_cap_mb", None)
+        return apply_per_param(model, optimizer_class, group, offload, **optimizer_kwargs)
+    if offload == "nvme":
+        raise ValueError("offload='nvme' (optimizer state in files) is built for sharding='per_param'; "
+                         "the flat design offers offload=True (the host)")
     compute_dtype = optimizer_kwargs.pop("compute_dtype", None)
     bucket_cap_mb = optimizer_kwargs.pop("bucket_cap_mb", 25)
     prefetch = optimizer_kwargs.pop("prefetch", True)
@@ -77,7 +103,7 @@ def apply_zero(model, stage, optimizer_class, group=None, offload=False, **optim
     broadcast_parameters(model, group)
     counter = OffloadCounter() if offload else None
     if stage == 3:
-        fsdp = FullyShardedModel(model, group, compute_dtype, counter, prefetch, timeline)
+        fsdp = FullyShardedModel(model, group, compute_dtype, counter, prefetch, timeline, gather_dtype)
         optimizer = ShardedOptimizer.for_stage(fsdp.units, optimizer_class, group, optimizer_kwargs, 3,
                                                offload=counter or False)
         optimizer.fsdp = fsdp

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 from course_lib.parallel.zero.flat import FlatUnit
+from course_lib.parallel.zero.fp8_gather import FP8Gather
 
 SHARD_NAME = "flat_shard"  # the parameter every unit module gets
 
@@ -86,6 +87,10 @@ class FullyShardedUnit:
         shard = self.shard_param.detach()
         if self.offload is not None:
             self.offload.to_device(shard, dtype=self.compute_dtype)  # the shard crosses to the device
+        if self.manager.gather_dtype == "fp8":  # quantized from the fp32 shard, dequantized on wait()
+            self.work = FP8Gather(self.buffer.data, shard.to(self.device), self.group)
+            self.manager.note(f"gather {self.name}")
+            return
         shard = shard.to(device=self.device, dtype=self.compute_dtype).contiguous()
         # .data: writing the gathered values must not bump the version counter autograd checks
         self.work = all_gather_single(self.buffer.data, shard, group=self.group, async_op=True)
@@ -141,8 +146,9 @@ class FullyShardedModel:
     then blocks in forward order), memory_trace [(time, event, gathered bytes)], timeline."""
 
     def __init__(self, model: nn.Module, group=None, compute_dtype=None, offload=None, prefetch: bool = True,
-                 timeline=None):
+                 timeline=None, gather_dtype=None):
         self.group, self.offload, self.prefetch, self.timeline = group, offload, prefetch, timeline
+        self.gather_dtype = gather_dtype  # "fp8": fp8_gather.py's 1-byte all-gather
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.compute_dtype = compute_dtype or next(model.parameters()).dtype
         self.memory_trace = []

@@ -26,6 +26,7 @@ from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.zero.apply import apply_zero, check_zero_args, unit_sizes
 from course_lib.parallel.zero.memory import measure_state_bytes
+from course_lib.parallel.zero.per_param_optim import check_per_param_args
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import StepHooks, TrainResult, flat_grads, flat_params, share_rows, train_loop
@@ -77,7 +78,11 @@ def run_zero(world_size: int, model_config, train_cfg, stage: int, optimizer_cla
              offload: bool = False, compute_dtype=None, timeout_s: float = 120, backend: str = "auto",
              **kwargs) -> list[TrainResult]:
     """Parent side: reject bad input here, then train_zero on `world_size` ranks."""
-    check_zero_args(stage, optimizer_class, offload, compute_dtype, kwargs.get("bucket_cap_mb", 25))
+    if kwargs.get("sharding") == "per_param":
+        keys = ("policy", "reshard_after_forward", "hsdp", "param_dtype", "reduce_dtype", "offload_dir", "prefetch")
+        check_per_param_args(world_size, offload=offload, **{k: kwargs[k] for k in keys if k in kwargs})
+    else:
+        check_zero_args(stage, optimizer_class, offload, compute_dtype, kwargs.get("bucket_cap_mb", 25))
     _check_batch(train_cfg, world_size)
     return run_on_ranks(train_zero, model_config, train_cfg, stage, optimizer_class, world_size=world_size,
                         timeout_s=timeout_s, backend=backend, offload=offload, compute_dtype=compute_dtype, **kwargs)

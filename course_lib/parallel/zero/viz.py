@@ -7,11 +7,13 @@ the offload time model, and the widget (model size, dp, stage -> per-rank memory
     plot_gathered_over_time(ax, traces, persistent)  stage 3: bytes held over one step, per rank
     plot_offload_time(ax, n_params, dp, ...)  step time parts vs tokens per GPU
     zero_view(...) / zero_widget(...)         the widget (show with course_lib.widgets.show_interactive)
+    plot_prefetch_gantt(ax, per_rank_events)  per-parameter stage 3: compute and all-gather lanes per rank
 """
 
 from __future__ import annotations
 
 from course_lib.estimate import PRESETS, model_state_bytes, param_count, per_gpu_memory
+from course_lib.observe.timeline import plot_gantt
 from course_lib.parallel.zero.offload import PCIE_GEN4_X16, host_step_seconds, pcie_seconds
 from course_lib.units import GB, GiB
 
@@ -164,3 +166,16 @@ def layout_comparison(config, gpus: int = 8, seq: int = 4096, sequences: int = 8
         out.append({"layout": name, "model_state": mem["params"] + mem["grads"] + mem["optimizer"],
                     "activations": mem["activations"], "total": mem["total"], "sent_per_step": sent})
     return out
+
+
+def plot_prefetch_gantt(ax, per_rank_events, title=None):
+    """Per-parameter stage 3 in time: for each rank a compute lane (train_loop's forward / backward /
+    optimizer spans) and a communication lane (the units' all-gathers, issue to wait, and gradient
+    reductions: category "comm"), from train_zero(..., record_timeline=True).timeline_events."""
+    lanes, labels = [], []
+    for r, events in enumerate(per_rank_events):
+        lanes += [[e for e in events if e[3] != "comm"], [e for e in events if e[3] == "comm"]]
+        labels += [f"rank {r} compute", f"rank {r} comm"]
+    ax = plot_gantt(lanes, ax=ax, title=title, label_min_width=0.08)
+    ax.set_yticks(range(len(lanes)), labels)
+    return ax
