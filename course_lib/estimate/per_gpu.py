@@ -89,7 +89,8 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
         raise ValueError(f"stage={stage!r} must be None (the busiest) or an int in [0, pp={pp})")
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     dtype = 4 if recipe == "fp32" else 2
-    act = activation_bytes(config, batch, seq, dtype, recompute, attention, tp, sp, cp=cp, cp_method=cp_method)
+    act = activation_bytes(config, batch, seq, dtype, recompute, attention, tp, sp, cp=cp, cp_method=cp_method,
+                           fp8_linears=recipe == "fp8")
 
     def bytes_of(s: int) -> dict:
         counts = rank_param_counts(config, tp, pp, ep, s)

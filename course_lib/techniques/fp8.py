@@ -39,7 +39,8 @@ accumulated in fp32. On CPU the matmul runs in fp32 on the exact dequantized val
 numerics are the lesson, the speed is the GPU's. On CUDA, per-tensor or row-wise scales go
 through torch._scaled_mm for the forward (the hardware FP8 path); this path is not exercised
 by the course's CPU tests. `all_gather_fp8` gathers FP8 shards and their scales (ZeRO-3/FSDP's
-parameter all-gather at half of bf16's bytes) and dequantizes them.
+parameter all-gather at half of bf16's bytes) and dequantizes them; ZeRO-3 does the same inside
+its unit gathers with apply_zero(..., stage=3, gather_dtype="fp8") (course_lib.parallel.zero.fp8_gather).
 """
 
 from __future__ import annotations

@@ -672,6 +672,92 @@ for rank, (b8, b16, err) in enumerate(run_on_ranks(gather_both, weights, world_s
     print(f"rank {rank}: received bf16 {fmt(b16)}, FP8 {fmt(b8)} ({b8 / b16:.4f}x); every value within e4m3's rounding")
 
 # %% [markdown]
+# **Inside ZeRO-3.** Notebook 08's FSDP takes the same option: `apply_zero(model, 3, ...,
+# gather_dtype="fp8")` quantizes each rank's fp32 shard of every unit before each all-gather and
+# sends the scale's 4 bytes in the same message, so a gather of a unit padded to N·S elements
+# brings N(S + 4) bytes instead of bf16's 2NS. Backward's reduce-scatter keeps the bf16
+# gradients, and the optimizer still updates fp32 shards.
+#
+# **Predict first.** One forward and backward of the tiny GPT on two ranks gathers the root once
+# and each block twice (forward, backward). What fraction of the bf16 run's all-gather bytes does
+# the FP8 run receive?
+#
+# <details><summary>Answer</summary>
+#
+# Just over a half: half of the elements' bytes, plus 4 bytes of scale per rank per gather, a
+# few dozen bytes against tens of kilobytes here.
+# </details>
+
+# %%
+from course_lib.parallel.zero import apply_zero
+from course_lib.parallel.zero.fp8_gather import gather_bytes
+
+
+def zero3_gathers(cfg, x, y):
+    """Rank code: one forward and backward under ZeRO-3 with bf16 compute, parameters gathered in
+    bf16, then in FP8; the all-gather bytes this rank received, as the tracer counts them."""
+    out = {}
+    for g in ("bf16", "fp8"):
+        model, _ = apply_zero(GPT(cfg, seed=0), 3, torch.optim.AdamW, lr=1e-3, compute_dtype=torch.bfloat16,
+                              gather_dtype=None if g == "bf16" else g)
+        with CommTracer() as tracer:
+            model(x, y)[1].backward()
+        out[g] = sum(v["bytes_recv"] for op, v in tracer.summary().items() if op.startswith("all_gather"))
+    return out
+
+
+units = [P_tiny - sum(p.numel() for p in GPT(cfg).blocks.parameters())] + \
+        [sum(p.numel() for p in b.parameters()) for b in GPT(cfg).blocks]
+padded = [-(-u // 2) * 2 for u in units]  # N * ceil(P_u / N), N = 2 ranks
+gathers = [(padded[0], 1)] + [(u, 2) for u in padded[1:]]  # root once, blocks twice
+want = {g: sum(k * gather_bytes(u, 2, g, 2) for u, k in gathers) for g in ("bf16", "fp8")}  # bf16: 2 B each
+for rank, got in enumerate(run_on_ranks(zero3_gathers, cfg, *batch(4), world_size=2)):
+    assert got == want
+print(f"one forward and backward under ZeRO-3, all-gathers a rank receives: bf16 {fmt(want['bf16'])}, FP8 {fmt(want['fp8'])} "
+      f"({want['fp8'] / want['bf16']:.4f}x) = N(S + 4) per gather, the formula, on both ranks")
+
+# %% [markdown]
+# **At scale, in the estimator.** The `fp8` recipe keeps bf16_mixed's model state; its
+# activations are the formula above (`activation_bytes(..., fp8_linears=True)`); the step-time
+# model runs the blocks' linear matmuls at the GPU's FP8 rate (75% of NVIDIA's 1,979 TFLOP/s
+# dense for an H100, against 75% of 989 for bf16) and, with `gather_dtype="fp8"`, ZeRO-3's
+# all-gathers at one byte per parameter. GPT-3 175B on 64 H100s, ZeRO-3, one 2,048-token
+# sequence per GPU:
+
+# %%
+from course_lib.dims import ParallelDims
+from course_lib.estimate.clusters import gpu_cluster
+from course_lib.estimate.step_time import step_time
+from course_lib.estimate.traffic import step_traffic
+
+gpt3, h100, zero3 = estimate.PRESETS["GPT-3 175B"], gpu_cluster("H100 SXM 80 GB", 64), ParallelDims(dp=64, zero=3)
+rows = {}
+for label, recipe, gather in (("bf16_mixed", "bf16_mixed", None), ("fp8", "fp8", None), ("fp8 + FP8 gather", "fp8", "fp8")):
+    state = estimate.model_state_bytes(estimate.param_count(gpt3), recipe, 3, 64)["total"]
+    act = estimate.activation_bytes(gpt3, 1, 2048, 2, fp8_linears=recipe == "fp8")["per_layer"]
+    t = step_time(gpt3, zero3, h100, 64, 2048, recipe=recipe, gather_dtype=gather)
+    local = estimate.per_gpu_memory(gpt3, 1, 2048, recipe, 3, 64)["params_on_gpu"]
+    dp = step_traffic(gpt3, zero3, 64, 2048, 2, 2, 1 if gather else 2, local)["dp"]
+    gathered = sum(r.calls * r.nbytes for r in dp if r.op == "all_gather")
+    rows[label] = (state, act, gathered, t["compute"], t["dp_total"])
+    print(f"{label:17} state/GPU {fmt(state):>10}  saved per layer {fmt(act):>10}  all-gathered/step "
+          f"{fmt(gathered):>10}  compute {t['compute']:6.2f} s  ZeRO-3 traffic {t['dp_total']:6.2f} s")
+assert rows["fp8"][0] == rows["bf16_mixed"][0] and rows["fp8 + FP8 gather"][2] == rows["fp8"][2] / 2
+d_, f_ = gpt3.d_model, gpt3.ff_dim
+assert rows["bf16_mixed"][1] - rows["fp8"][1] == (3 * 2048 * d_ + 2048 * f_) - (4 * d_ * d_ + 2 * d_ * f_) - 32
+even = (4 * d_ * d_ + 2 * d_ * f_ + 32) / (3 * d_ + f_)  # tokens per micro-batch where the two terms cancel
+print(f"FP8 saves (e - 1)(3d + f) = {3 * d_ + f_:,} bytes per token per layer and adds 4d^2 + 2df + 32 = "
+      f"{fmt(4 * d_ * d_ + 2 * d_ * f_ + 32)} of weight copies: it saves memory past {even:,.0f} tokens per micro-batch")
+
+# %% [markdown]
+# The compute term falls by less than half (attention's score matmuls and the head stay bf16),
+# and the traffic by a third, not a half: the reduce-scatter of the gradients still carries
+# bf16. Whether the saved activations fall depends on the tokens per micro-batch: each FP8 linear
+# keeps an e4m3 copy of its weight until backward (4d² + 2df bytes per layer, divided by tp under
+# tensor parallelism), which a single sequence's inputs do not pay back. (An implementation can
+# quantize the weight again in backward instead of keeping the copy, as ZeRO-3 gathers it again.)
+
+# %% [markdown]
 # ### 1.9 Speed is a GPU property
 #
 # Nothing above is faster on this CPU: it has no FP8 multiplier, so the course emulates FP8 with
