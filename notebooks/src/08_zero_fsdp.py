@@ -27,25 +27,37 @@
 # * explain why stages 1 and 2 send no more bytes than DDP and stage 3 sends 1.5 times as much,
 #   and verify it with the tracer;
 # * read FSDP's gather/free timeline and say what prefetching overlaps and what memory peaks;
-# * decide when ZeRO-Offload's PCIe transfers and host-side step become the bottleneck;
+# * contrast the flat design with FSDP2's per-parameter sharding (names, shapes, state dicts),
+#   predict the all-gathers of each `reshard_after_forward` mode, and read HSDP's traffic per
+#   mesh dimension;
+# * decide when ZeRO-Offload's PCIe transfers, host-side step or NVMe tier become the bottleneck;
 # * choose between ZeRO-3, tensor and pipeline parallelism for a memory budget, and map the
 #   course's options to DeepSpeed's config keys and PyTorch's FSDP2.
 
 # %%
 %matplotlib inline
+import dataclasses
+import shutil
+import tempfile
+
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from course_lib import RankError, run_on_ranks
 from course_lib.data import CharDataset
 from course_lib.estimate import LLAMA3_8B, model_state_bytes
 from course_lib.model import GPT, GPTConfig
-from course_lib.parallel.zero import (FlatUnit, apply_zero, expected_state_bytes, measure_zero_step,
-                                      offload_bytes_per_step, ring_bytes, train_zero_reference, train_zero)
+from course_lib.observe.timeline import Timeline
+from course_lib.observe.tracer import CommTracer
+from course_lib.parallel.zero import (FlatUnit, apply_zero, disk_bandwidth, expected_state_bytes, full_state_dict,
+                                      hsdp_payloads, measure_zero_step, offload_bytes_per_step, ring_bytes,
+                                      train_zero_reference, train_zero)
 from course_lib.parallel.zero import viz
 from course_lib.parallel.zero.native import train_native
-from course_lib.train import TrainConfig
+from course_lib.parallel.zero.training import default_optimizer_kwargs
+from course_lib.train import StepHooks, TrainConfig, share_rows, train_loop
 from course_lib.units import GB, GiB, fmt_bytes
 
 torch.manual_seed(0)
@@ -95,11 +107,13 @@ assert [round(t["total"] / GB, 1) for t in paper.values()] == [120.0, 31.4, 16.6
 #
 # ## 2. The flat buffer and its shards
 #
-# ZeRO does not shard each tensor separately: it lays a group of parameters end to end in one
+# The ZeRO paper's design, which DeepSpeed's stages 1 and 2 and PyTorch's first FSDP (Zhao et al.
+# 2023) also use, does not shard each tensor separately: it lays a group of parameters end to end in one
 # **flat buffer**, pads it with zeros to a multiple of N and gives rank r the slice
 # $[rS, (r+1)S)$ with $S = \lceil P/N \rceil$. Equal slices are what the collectives need:
 # `reduce_scatter` and `all_gather` move one S-element piece per rank. A tensor may straddle a
-# boundary (below, the 2x3 matrix is split between ranks 0 and 1):
+# boundary (below, the 2x3 matrix is split between ranks 0 and 1). PyTorch's FSDP2 shards each
+# tensor on its own instead; section 8 runs both designs side by side.
 
 # %%
 demo = [torch.nn.Parameter(torch.arange(1.0, 7.0).view(2, 3)), torch.nn.Parameter(torch.tensor([7.0, 8.0]))]
@@ -360,8 +374,201 @@ print("FSDP2 per step:         ", {op: v["calls"] // TRAIN.steps for op, v in bo
 # `ZeroRedundancyOptimizer` gives each rank whole parameters (greedily, by size) instead of a
 # flat slice, and broadcasts them after the step on top of DDP's all-reduce: $1.5\times$ DDP's
 # bytes where ZeRO's reduce-scatter + all-gather costs $1\times$.
+
+# %% [markdown]
+# ## 8. Per-parameter sharding (FSDP2): the same stage 3, every name kept
 #
-# ## 8. Offload: the optimizer on the host
+# The flat unit of section 2 has a price that shows as soon as other code looks at the model:
+# `named_parameters()` yields one `flat_shard` per unit, a 1-D slice that cuts tensors
+# anywhere, whose gradient differs on every rank. Code that walks the parameters by name (weight
+# decay only on matrices, a per-layer learning rate, freezing a layer, a checkpoint) sees no
+# names and no shapes, and cannot tell a sharded weight from a replicated one. PyTorch's FSDP2
+# (`fully_shard`), which torchtitan and most new training code use, therefore shards **each
+# parameter on its dim 0**: a weight $W$ of $d_0$ rows becomes $S$ blocks of
+# $c = \lceil d_0/S \rceil$ rows (the last rank padded with zero rows), kept under $W$'s name
+# with a placement record that says which rows ($\texttt{Shard(0)}$, a DTensor in FSDP2).
+# Flat buffers survive only as the copy-in and copy-out around each unit's one all-gather.
+#
+# `apply_zero(model, 3, torch.optim.AdamW, sharding="per_param", policy=...)` builds it. The
+# policy chooses the units: `"block"` (each block, plus a root unit), `"whole"`, or module
+# classes such as `(nn.Linear, nn.Embedding)`, where every other parameter (the LayerNorms) stays
+# **replicated**, its gradient all-reduced. One pool of 4 ranks runs every experiment of this
+# section and of section 9's NVMe tier; the cells below read its results.
+
+# %%
+def per_param_run(config, cfg, **kw):
+    """Rank code: per-parameter stage 3 trained as train_zero does; returns what the cells below read."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    tl = Timeline()
+    model, opt = apply_zero(GPT(config, seed=cfg.seed), 3, torch.optim.AdamW, sharding="per_param", timeline=tl,
+                            **kw, **default_optimizer_kwargs(cfg))
+    res = train_loop(model, opt, CharDataset("train", block_size=config.block_size), cfg, StepHooks(timeline=tl),
+                     rows=share_rows(rank, n, cfg.batch_size), tracer=CommTracer())
+    pp = model.per_param
+    return {"params": torch.cat([t.reshape(-1) for t in full_state_dict(model, opt).values()]),
+            "comm": res.comm_summary, "timeline": res.timeline_events, "events": pp.events,
+            "calls": pp.gather_calls, "bytes": pp.gather_bytes, "units": [(u.name, u.numel) for u in pp.units],
+            "store": opt.store.summary() if opt.store is not None else None}
+
+def per_param_tour(config, cfg, nvme_dir):
+    flat, _ = apply_zero(GPT(config), 3, torch.optim.AdamW, lr=cfg.lr)
+    mine, _ = apply_zero(GPT(config), 3, torch.optim.AdamW, sharding="per_param", policy=(nn.Linear, nn.Embedding),
+                         lr=cfg.lr)
+    out = {"flat": [(name, tuple(p.shape)) for name, p in flat.named_parameters()],
+           "per_param": [(name, tuple(p.shape)) for name, p in mine.named_parameters()],
+           "replicated": [e.name for u in mine.per_param.units if u.replicate for e in u.entries],
+           "trained": train_zero(config, TRAIN, 3, sharding="per_param", policy=(nn.Linear, nn.Embedding))}
+    runs = {True: {}, False: {"reshard_after_forward": False}, 2: {"reshard_after_forward": 2},
+            "prefetch": {"prefetch": True}, "hsdp": {"hsdp": 2}, "nvme": {"offload": "nvme", "offload_dir": nvme_dir}}
+    return out | {name: per_param_run(config, cfg, **kw) for name, kw in runs.items()}
+
+TWO = dataclasses.replace(TRAIN, steps=2, grad_clip=0.0)  # two steps: the second reads the state the first wrote
+nvme_dir = tempfile.mkdtemp(prefix="zero_nvme_")  # section 9's optimizer-state files
+tour = run_on_ranks(per_param_tour, CONFIG, TWO, nvme_dir, world_size=N, **RANKS)
+reference_two = train_zero_reference(CONFIG, TWO)
+
+# %%
+flat_names, mine = tour[0]["flat"], tour[N - 1]["per_param"]
+print(f"flat design, model.named_parameters() on any rank: {flat_names}")
+print(f"per-parameter design (Linear and Embedding units), rank {N - 1} of {N}:")
+full = dict(GPT(CONFIG).named_parameters())
+for name, shape in mine:
+    if not name.startswith(("blocks.1", "blocks.2")):
+        kind = "replicated" if name in tour[0]["replicated"] else f"rows {(N - 1) * shape[0]}..{N * shape[0] - 1}"
+        print(f"  {name:<26} full {str(tuple(full[name].shape)):<10} local {str(shape):<10} {kind}")
+assert [n for n, _ in mine] == list(full)  # every name kept, in the model's own order
+assert all(shape[0] == -(-full[n].shape[0] // N) for n, shape in mine if n not in tour[0]["replicated"])
+
+# %% [markdown]
+# Every name survives with its own rows: `tok_emb.weight` has 97 rows, so each rank holds
+# $\lceil 97/4 \rceil = 25$ and the last keeps 22 real rows plus 3 zero rows; the MLP's 127 rows
+# leave one padding row. (`blocks.1` and `blocks.2` look the same and are not printed.) Padding
+# is now per tensor, not per unit: a few more zeros, the price of keeping tensors whole.
+#
+# **Why FSDP2 moved** (Zhao et al. 2023 describe FSDP1, built on the flat `FlatParameter`;
+# FSDP2 replaced it): with names kept, (1) optimizers and hooks that treat parameters differently by
+# name or shape work unchanged; (2) the state dict of each rank is a set of named DTensor shards,
+# which torch's distributed checkpoint saves and loads by name, on any number of ranks; (3) a
+# parameter already sharded by tensor parallelism (notebook 05) can be sharded again on dim 0
+# over the data-parallel dimension of a 2-D mesh, which a flat buffer mixing tensors cannot
+# express (notebook 10 composes them). The arithmetic is unchanged, so it trains exactly as one
+# process, the replicated LayerNorms included (their gradient is one all-reduce, the same bits
+# on every rank, and clipping counts each of their N copies 1/N):
+
+# %%
+assert same_training(tour[0]["trained"], reference)  # section 3's criterion, the same 3 clipped steps
+print(f"per-parameter stage 3, Linear/Embedding units, LayerNorms replicated: parameters and gradients equal "
+      f"the single process's after {TRAIN.steps} steps")
+
+# %% [markdown]
+# ### `reshard_after_forward`: what to free after forward
+#
+# FSDP2 names section 6's choice. With `reshard_after_forward=True` each block is freed after its
+# forward and gathered again for its backward; `False` keeps it gathered until its backward
+# (ZeRO-2-like traffic, and ZeRO-2-like memory during the step, but the parameters still
+# sharded between steps); an int $k$ dividing the shard group keeps $1/k$ of each gathered tensor and
+# gathers the rest in backward from only $k$ ranks (inside a node, say). The root unit is
+# gathered once per step in every mode.
+#
+# **Predict:** with $L = 3$ blocks on $S = 4$ ranks, how many all-gathers per step does each mode
+# issue, and how many bytes does a rank receive, in terms of each unit's gathered size $P_u$?
+#
+# <details><summary>Answer</summary>
+#
+# Forward gathers every unit once: $\sum_u \frac{S-1}{S} P_u$. Backward gathers each block again
+# from $k$ ranks: $\sum_{b} \frac{k-1}{k} P_b$, with $k = S$ for `True`, $k = 1$ (nothing) for
+# `False`. Calls: $1 + 2L = 7$ for `True` and $k = 2$, $1 + L = 4$ for `False`. So $k = 2$ costs
+# as many calls as `True`, but its backward gathers receive $\frac12$ instead of $\frac34$ of
+# each block, over the faster links.
+# </details>
+
+# %%
+units = dict(tour[0][True]["units"])  # local elements S_u of each unit; gathered: P_u = 4 S S_u bytes
+P = {u: 4 * N * s for u, s in units.items()}
+L = CONFIG.n_layer
+print(f"{'mode':<24}{'all-gathers / step':>20}{'bytes received / step':>24}{'formula':>12}")
+for mode, k in ((True, N), (False, 1), (2, 2)):
+    calls, got = tour[0][mode]["calls"] // TWO.steps, tour[0][mode]["bytes"] // TWO.steps
+    want = sum(P[u] * (N - 1) // N for u in P) + sum(P[f"block{i}"] * (k - 1) // k for i in range(L))
+    print(f"reshard_after_forward={str(mode):<6}{calls:>17}{got:>24,}{want:>12,}")
+    assert calls == 1 + L + (L if k > 1 else 0) and got == want
+    assert (tour[0][mode]["params"] - reference_two.final_params).pow(2).mean().sqrt() < TRAIN.lr / 100  # section 3
+print("each mode trains as the single process (parameters after", TWO.steps, "steps, section 3's criterion)")
+
+# %% [markdown]
+# ### Prefetch in time
+#
+# Section 6 drew prefetching as memory; here it is time. Each rank gets two lanes: its compute
+# (forward, backward, optimizer) and its communication (each unit's all-gather, from issue to
+# the moment the data is used, and each unit's gradient reduction). With `prefetch=True` the
+# pre-forward hook of block $i$ starts block $i+1$'s all-gather, and the pre-backward hook of
+# block $i$ starts block $i-1$'s.
+#
+# **Predict:** without prefetch, where do the all-gathers sit relative to the compute?
+#
+# <details><summary>Answer</summary>
+#
+# In series: a block's gather is issued only when the block is about to run, so compute waits
+# for each one. With prefetch the next gather is in flight while the current block computes, so
+# the communication bars overlap the forward and backward bars. (On these CPU ranks the
+# "network" is the same two cores, so the overlap saves little time here; on GPUs the copy
+# engines and the network run beside the SMs.)
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+fig, axes = plt.subplots(2, 1, figsize=(10, 5.6), sharex=False)
+for ax, (name, run) in zip(axes, (("prefetch off", True), ("prefetch on", "prefetch"))):
+    viz.plot_prefetch_gantt(ax, [r[run]["timeline"] for r in tour[:2]], title=f"{name}: ranks 0 and 1, two steps")
+plt.tight_layout()
+plt.show()
+
+# %%
+def issued_before_done(events, i):
+    """Was block i's all-gather issued before block i-1's forward finished?"""
+    return events.index(("gather", f"block{i}")) < events.index(("done", f"block{i - 1}"))
+
+for name, run in (("prefetch off", True), ("prefetch on", "prefetch")):
+    early = [issued_before_done(tour[0][run]["events"], i) for i in range(1, L)]
+    print(f"{name}: block i+1's gather issued while block i computes: {early}")
+    assert all(early) == (run == "prefetch") and any(early) == (run == "prefetch")
+
+# %% [markdown]
+# ### HSDP: shard inside a group, replicate across groups
+#
+# Hybrid sharding (Zhao et al. 2023) arranges the N ranks as an $R \times S$ mesh:
+# each of the $R$ replicas is a shard group of $S$ ranks (a node) that all-gathers and
+# reduce-scatters inside itself; then the reduced shard, $1/S$ of the gradient, is all-reduced
+# across the $R$ replicas, as DDP would. The gathers stay on the fast links and only gradients
+# cross the slow ones, at the price of $R$ times the shard memory. Here `hsdp=2` on the 4 ranks:
+# a 2 x 2 mesh.
+#
+# **Predict:** per step, what does a rank hand to the reduce-scatter and to the all-reduce, in
+# terms of its local elements $S_u$ per unit (fp32)?
+#
+# <details><summary>Answer</summary>
+#
+# The reduce-scatter takes the whole padded gradient of the unit, $4 S S_u$ bytes with $S = 2$;
+# the all-reduce one reduced shard, $4 S_u$ bytes. On a ring the shard dimension sends
+# $\frac{S-1}{S}$ of the first and the replicate dimension $2\frac{R-1}{R}$ of the second.
+# </details>
+
+# %%
+hsdp = tour[0]["hsdp"]
+local = [s for _, s in hsdp["units"]]
+want = hsdp_payloads(local, replicas=2, shards=2)
+got = {"shard": hsdp["comm"]["reduce_scatter_single"]["bytes_sent"] // TWO.steps,
+       "replicate": hsdp["comm"]["all_reduce"]["bytes_sent"] // TWO.steps}
+print(f"per step, rank 0: reduce-scatter in the shard group {got['shard']:,} bytes (formula {want['shard']:,}); "
+      f"all-reduce across replicas {got['replicate']:,} bytes (formula {want['replicate']:,})")
+S, R = 2, 2  # ring: (S-1)/S of the reduce-scatter (the all-gathers are counted so already), 2(R-1)/R of the all-reduce
+print(f"on a ring: shard dim {got['shard'] * (S - 1) // S + hsdp['bytes'] // TWO.steps:,} bytes "
+      f"(reduce-scatter + all-gathers), replicate dim {got['replicate'] * 2 * (R - 1) // R:,} bytes")
+assert got == want
+assert (hsdp["params"] - reference_two.final_params).pow(2).mean().sqrt() < TRAIN.lr / 100  # section 3
+print("HSDP 2 x 2 trains as the single process")
+
+# %% [markdown]
+# ## 9. Offload: the optimizer on the host
 #
 # ZeRO-Offload (Ren et al. 2021) keeps the fp32 master weights and Adam's moments in CPU
 # memory and runs the step there. Per step and rank, the gradient shard goes down the PCIe link
@@ -377,8 +584,10 @@ print(f"per step: {off['offload']['to_host']:,} bytes to the host, {off['offload
 assert off["offload"] == offload_bytes_per_step(N_PARAMS, N)
 
 # %% [markdown]
-# Whether that is affordable is arithmetic. One GPU (the paper's main case: a 10B model on a
-# single GPU), 10B parameters: $2 \times 20$ GB cross a PCIe 4 x16 link (32 GB/s each way) per
+# Whether that is affordable is arithmetic. ZeRO-Offload's headline (Ren et al. 2021, abstract)
+# is a model of over 13 billion parameters trained on a single GPU, ten times what PyTorch alone
+# fits, with 40 TFLOP/s on one V100 for a 10B model. Take 10B parameters on one H100:
+# $2 \times 20$ GB cross a PCIe 4 x16 link (32 GB/s each way) per
 # step, and the CPU's Adam reads and writes about 28 bytes per parameter at, say, 100 GB/s of
 # host memory bandwidth. The GPU's forward and backward take $6\Psi$ FLOPs per token (989
 # TFLOP/s bf16 at 40 % MFU on an H100):
@@ -396,10 +605,73 @@ print(f"PCIe {times['pcie'][0]:.2f} s, host Adam {times['host step'][0]:.2f} s p
 # %% [markdown]
 # Below the crossing printed above the GPU waits for the host, and here the CPU's Adam, not
 # the PCIe link, is the slower part. ZeRO-Offload answers with a vectorised CPU Adam and a *one-step
-# delayed* update that overlaps the host step with the next forward/backward; with N GPUs each
-# moves and updates only its 1/N shard, so both costs fall by N.
+# delayed* update that overlaps the host step with the next forward/backward. With N GPUs each
+# moves only its 1/N shard over its own PCIe link, so the transfer time falls by N. The host step
+# does not: the GPUs of a node share its CPUs and memory bandwidth, so a node of G GPUs updates G
+# shards, $\Psi/\text{nodes}$ parameters, on one host. Host-side Adam time falls with the number
+# of **nodes**, not of GPUs: 8 GPUs in one node wait as long for their host as one GPU holding the
+# whole model.
 #
-# ## 9. ZeRO against tensor and pipeline parallelism
+# ### The NVMe tier (ZeRO-Infinity)
+#
+# ZeRO-Infinity (Rajbhandari et al. 2021) takes offload one tier further, to the node's NVMe
+# drives. The per-parameter design of section 8 offers it as `offload="nvme", offload_dir=DIR`:
+# Adam's m and v (8 bytes per local element, fp32) live in one memory-mapped file per unit and
+# rank under DIR; around the step, unit by unit, they are read into a host buffer, the unit's
+# shards are stepped, and m and v are written back. The run of section 8's pool used it.
+#
+# **Predict:** per step and rank, in terms of each unit's local elements $S_u$: bytes read from
+# the disk, bytes written, and the largest host buffer? Are the parameters equal to those of the
+# same run without offload to rounding, or bit for bit?
+#
+# <details><summary>Answer</summary>
+#
+# Read and written: $8 \sum_u S_u$ each (m and v of every local element). Host buffer: one
+# unit at a time, $8 \max_u S_u$, so host memory stays bounded whatever the model size. Bit for
+# bit: AdamW is element-wise, so stepping unit by unit does the same arithmetic on the same
+# numbers; the files only hold them between steps.
+# </details>
+
+# %%
+store, local = tour[0]["nvme"]["store"], sum(units.values())
+print(f"rank 0 per step: read {store['nvme_read'] // TWO.steps:,} bytes from its files, wrote "
+      f"{store['nvme_written'] // TWO.steps:,}; files {store['nvme_files']:,} bytes; largest host buffer "
+      f"{store['host_peak']:,} bytes (formula: 8 x {local:,} elements, 8 x {max(units.values()):,} for the largest unit)")
+assert store["nvme_read"] == store["nvme_written"] == TWO.steps * 8 * local and store["nvme_files"] == 8 * local
+assert store["host_peak"] == 8 * max(units.values())
+assert all(torch.equal(r["nvme"]["params"], r[True]["params"]) for r in tour)  # the same arithmetic: bit for bit
+print(f"NVMe offload: parameters bit for bit those of the run without offload on all {N} ranks")
+
+# %% [markdown]
+# Is the disk fast enough? Per step a node reads and writes the m and v of its share,
+# $\Psi/\text{nodes}$ parameters: $8\Psi/\text{nodes}$ bytes each way. The GPUs of the node
+# compute $6\Psi t$ FLOPs each for $t$ tokens per GPU. The disk time can hide behind compute (a
+# real system reads the next unit's state while it steps this one; the course's store takes them
+# in turn) only when
+# $8\Psi/\text{nodes}\,(1/B_r + 1/B_w) \le 6\Psi t / (\text{peak} \cdot \text{MFU})$, so
+# $\Psi$ cancels and the tokens per GPU per step needed are
+# $t^* = 8 (1/B_r + 1/B_w)\,\text{peak}\cdot\text{MFU} / (6\,\text{nodes})$. Below $t^*$ the
+# offload costs more step time than it saves. With this machine's disk, measured now (the
+# read comes right after the write, so the page cache may serve it: an upper bound):
+
+# %% tags=["nbval-ignore-output"]
+bw = disk_bandwidth(nvme_dir, nbytes=32 * 2**20)
+shutil.rmtree(nvme_dir)
+peak_mfu = 989e12 * 0.4  # an H100's bf16 at 40 % MFU, as above
+t_star = {nodes: 8 * (1 / bw["read"] + 1 / bw["write"]) * peak_mfu / (6 * nodes) for nodes in (1, 8, 64)}
+print(f"disk here: write {bw['write'] / 1e9:.2f} GB/s (fsynced), read {bw['read'] / 1e9:.2f} GB/s")
+print("tokens per GPU per step that hide the NVMe traffic: "
+      + ", ".join(f"{t:,.0f} with {nodes} node(s)" for nodes, t in t_star.items()))
+assert bw["write"] > 0 and bw["read"] > 0  # rates of real transfers: positive, whatever the disk
+assert abs(t_star[1] / t_star[8] - 8) < 1e-9  # the formula: 1/nodes (float rounding only)
+
+# %% [markdown]
+# Like the host step, the disk is shared by a node's GPUs, so $t^*$ falls with the number of
+# nodes, not of GPUs. ZeRO-Infinity adds what this sketch leaves out: parameters and master
+# weights on NVMe too, reads spread over all drives of all nodes, and overlap of the transfers
+# with compute.
+#
+# ## 10. ZeRO against tensor and pipeline parallelism
 #
 # The same 8 GPUs can hold Llama-3 8B three ways. Memory per GPU from notebook 01's estimator
 # (8 sequences of 4,096 tokens per step, bf16 + AdamW, no recomputation), bytes each GPU sends
@@ -421,7 +693,7 @@ for row in viz.layout_comparison(LLAMA3_8B, gpus=8, seq=4096, sequences=8):
 # combine them (notebook 10): TP inside a node, pipeline stages across, ZeRO/FSDP over the
 # data-parallel replicas.
 #
-# ## 10. The same knobs in DeepSpeed and PyTorch FSDP2
+# ## 11. The same knobs in DeepSpeed and PyTorch FSDP2
 #
 # | course (`apply_zero`) | DeepSpeed `zero_optimization` | PyTorch FSDP2 |
 # |---|---|---|
@@ -432,23 +704,45 @@ for row in viz.layout_comparison(LLAMA3_8B, gpus=8, seq=4096, sequences=8):
 # | `compute_dtype=torch.bfloat16` | `"bf16": {"enabled": true}` | `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)` |
 # | `offload=True` | `offload_optimizer: {"device": "cpu"}` (and `offload_param` for stage 3) | `offload_policy=CPUOffloadPolicy()` |
 # | root kept gathered | `stage3_param_persistence_threshold` keeps small tensors whole | root: `reshard_after_forward=False` by default |
+# | `sharding="per_param"` (section 8) | stage 3 already partitions tensor by tensor, but as flattened 1-D pieces | the only design: each parameter a DTensor, `Shard(0)` |
+# | `policy="block"` / `(nn.Linear, nn.Embedding)` | (units follow the modules) | one `fully_shard` call per chosen module, then the root |
+# | `param_dtype`, `reduce_dtype` | `"bf16"`, `communication_data_type` | `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)` |
+# | `reshard_after_forward=True/False/k` | `stage3_max_reuse_distance`; ZeRO++'s `zero_hpz_partition_size` for $k$ | `fully_shard(..., reshard_after_forward=True/False/k)` |
+# | `hsdp=R` (section 8) | MiCS: `mics_shard_size` | `fully_shard(model, mesh=...)` on a 2-D (replicate, shard) mesh |
+# | `offload="nvme", offload_dir=DIR` (section 9) | `offload_optimizer: {"device": "nvme", "nvme_path": DIR}` | none built in (host only) |
 #
-# **HSDP** (hybrid sharding) shards within a node and replicates across nodes: FSDP2 takes a
-# 2-D mesh, `fully_shard(model, mesh=init_device_mesh("cuda", (nodes, 8), mesh_dim_names=("replicate",
-# "shard")))`. The gathers then stay on NVLink, and across nodes only the gradients are
-# all-reduced, as in DDP, at the price of N/8 times the shard memory. DeepSpeed's ZeRO++
-# (Wang et al. 2023) does the same with `zero_hpz_partition_size` plus quantised gathers.
+# **HSDP** as FSDP2 writes it: `fully_shard(model, mesh=init_device_mesh("cuda", (nodes, 8),
+# mesh_dim_names=("replicate", "shard")))`. The gathers stay on NVLink, and across nodes only
+# the reduced gradient shards are all-reduced (section 8 measured both dimensions), at the price
+# of N/8 times the shard memory. DeepSpeed's ZeRO++ (Wang et al. 2023) keeps a secondary copy of
+# the parameters sharded within a node (`zero_hpz_partition_size`, the int `reshard_after_forward`)
+# and adds quantised gathers.
 #
-# ## 11. Try it: model, dp and stage
+# ## 12. Try it: model, dp and stage
 #
 # The widget computes per-GPU model state for each stage (bf16 + fp32 AdamW) and what each GPU
 # sends per step. Find the smallest dp at which Llama-3 70B fits an 80 GB H100 under stage 1,
 # 2 and 3 (before activations).
+#
+# <details><summary>Answer</summary>
+#
+# Llama-3 70B has $\Psi \approx 70.6 \cdot 10^9$ parameters. Stages 1 and 2 never fit, at any
+# dp: they keep the bf16 weights whole ($2\Psi \approx 141$ GB), stage 1 the gradients too
+# ($4\Psi$ in all). Stage 3 needs $16\Psi/N \le 80$ GB, $N \ge 14.1$: among the widget's
+# powers of two, dp = 16 (70.6 GB per GPU), which leaves under 10 GB for activations.
+# </details>
 
 # %% tags=["nbval-ignore-output"]
 from course_lib.widgets import show_interactive
 
 show_interactive(lambda: viz.zero_view(), lambda: viz.zero_widget())
+
+# %%
+def smallest_dp(stage, model="Llama-3 70B"):  # the answer above, from the widget's own table
+    return next((dp for dp in viz.DP_CHOICES
+                 if viz.paper_table(viz.MODELS[model], dp)[stage]["total"] <= viz.H100_BYTES), None)
+
+assert [smallest_dp(s) for s in (1, 2, 3)] == [None, None, 16]
 
 # %% [markdown]
 # ## What to remember
@@ -459,8 +753,13 @@ show_interactive(lambda: viz.zero_view(), lambda: viz.zero_widget())
 # * Shards are slices of a flat, padded buffer; exact for element-wise optimizers only.
 # * Stages 1-2 cost DDP's bytes (reduce-scatter + all-gather = all-reduce); stage 3 costs
 #   1.5x, in exchange for dividing everything by N; prefetching hides the gathers.
+# * The flat buffer is one design; FSDP2 shards each parameter on dim 0 and keeps its name, so
+#   optimizers, state dicts and tensor parallelism see real tensors. `reshard_after_forward`
+#   trades backward all-gathers for memory; HSDP keeps the gathers inside a node and all-reduces
+#   only the reduced shards across nodes.
 # * Offload trades GPU memory for $2S$ bytes each way over PCIe and a host-side Adam; it pays
-#   when the batch per GPU is large enough to hide them.
+#   when the batch per GPU is large enough to hide them. The host and the NVMe drives are shared
+#   by a node's GPUs, so their cost falls with the number of nodes, not of GPUs.
 #
 # ## Self-check
 #
@@ -472,6 +771,10 @@ show_interactive(lambda: viz.zero_view(), lambda: viz.zero_widget())
 #    matrix) with the flat buffer. What goes wrong?
 # 5. Your stage 3 run's memory grows by one block per layer during forward. Which hook is
 #    missing?
+# 6. Per-parameter sharding on 4 ranks: what does each rank hold of a weight of shape (10, 6),
+#    under which name?
+# 7. HSDP on 4 nodes of 8 GPUs: per step, how many bytes of a unit's $P$-byte gradient does a
+#    rank send to other nodes (ring algorithms)?
 #
 # <details><summary>Answers</summary>
 #
@@ -485,6 +788,11 @@ show_interactive(lambda: viz.zero_view(), lambda: viz.zero_widget())
 #    the update would differ from the single-process one (apply_zero rejects it).
 # 5. The free after forward (the forward post-hook): each block stays gathered until its
 #    backward, so the full model piles up, as in section 6's trace but without the drops.
+# 6. $c = \lceil 10/4 \rceil = 3$ rows, shape (3, 6) on every rank, under the weight's own name:
+#    ranks 0-2 hold rows 0-8, rank 3 holds row 9 and two zero rows of padding.
+# 7. Only the all-reduce of its reduced shard, $P/8$, across the 4 replicas:
+#    $2 \cdot \frac34 \cdot \frac P8 = \frac{3}{16}P$. The all-gathers and the reduce-scatter
+#    stay inside the node.
 # </details>
 #
 # ## References
@@ -492,19 +800,20 @@ show_interactive(lambda: viz.zero_view(), lambda: viz.zero_widget())
 # * Rajbhandari, S., Rasley, J., Ruwase, O., He, Y. (2020). *ZeRO: Memory Optimizations Toward
 #   Training Trillion Parameter Models.* SC20, arXiv:1910.02054. The three stages, the
 #   per-GPU formulas and the 7.5B-parameter table of section 1, and the communication volumes
-#   of section 7.
+#   of sections 7 and 8.
 # * Ren, J., Rajbhandari, S., Aminabadi, R. Y., Ruwase, O., Yang, S., Zhang, M., Li, D., He, Y.
 #   (2021). *ZeRO-Offload: Democratizing Billion-Scale Model Training.* USENIX ATC '21,
-#   arXiv:2101.06840. The optimizer state and step on the host, section 8.
+#   arXiv:2101.06840. The optimizer state and step on the host, section 9.
 # * Rajbhandari, S., Ruwase, O., Rasley, J., Smith, S., He, Y. (2021). *ZeRO-Infinity: Breaking
 #   the GPU Memory Wall for Extreme Scale Deep Learning.* SC21, arXiv:2104.07857. Stage 3
-#   offloaded to host memory and NVMe, and what bandwidth each needs.
+#   offloaded to host memory and NVMe, and what bandwidth each needs (section 9's NVMe tier).
 # * Zhao, Y., Gu, A., Varma, R., Luo, L., Huang, C.-C., Xu, M., et al. (2023). *PyTorch FSDP:
 #   Experiences on Scaling Fully Sharded Data Parallel.* PVLDB 16(12), arXiv:2304.11277. FSDP's
-#   units, prefetching, the rate limiter and hybrid sharding, in PyTorch.
+#   units, the flat parameter, prefetching, the rate limiter and hybrid sharding, in PyTorch
+#   (sections 6 and 8).
 # * Wang, G., Qin, H., Jacobs, S. A., Holmes, C., Rajbhandari, S., Ruwase, O., et al. (2023).
 #   *ZeRO++: Extremely Efficient Collective Communication for Giant Model Training.*
-#   arXiv:2306.10209. Hierarchical partitioning and quantised gathers, section 10.
+#   arXiv:2306.10209. Hierarchical partitioning and quantised gathers, section 11.
 #
 # Further reading:
 #
@@ -516,7 +825,7 @@ show_interactive(lambda: viz.zero_view(), lambda: viz.zero_widget())
 #   (docs.pytorch.org/tutorials/intermediate/FSDP_tutorial.html): `fully_shard`, per-parameter
 #   sharding with DTensor, mixed precision and prefetching.
 # * DeepSpeed, *Zero Redundancy Optimizer* tutorial (deepspeed.ai/tutorials/zero): the
-#   `zero_optimization` config of section 10 on a real model.
+#   `zero_optimization` config of section 11 on a real model.
 #
 # Next: write a ZeRO-2 step yourself in `exercises/ex08_zero2_step.ipynb`: every gradient
 # reduce-scattered and dropped as backward produces it, so that no rank ever holds the whole
