@@ -30,6 +30,8 @@ The rules come in two kinds, kept apart: `check_model` is what any run of this l
 (the estimator costs exactly what it accepts); `check_composable` is what the course's runtime
 (course_lib.parallel.hybrid) cannot compose yet. ParallelDims.check is both, plus the world size.
 Each rule is one ValueError naming the value and the rule, raised before any rank starts.
+(Over 300 lines on purpose: the one rule book, the vocabulary and the mesh geometry stay in one
+file that both the runtime and the estimator read; splitting them would give a rule two homes.)
 """
 
 from __future__ import annotations
