@@ -68,12 +68,13 @@ test: $(STAMP)
 # leaves cores idle; the outputs do not depend on the load), each into its own log under
 # $(PORTABILITY_LOGS), printed when both are done.
 PORTABLE_PATHS ?= default:1 avx2:2
+PORTABLE_DIRS ?= notebooks exercises
 PORTABILITY_LOGS := build/portability
 test-portability: $(STAMP)
 	@rm -rf $(PORTABILITY_LOGS) && mkdir -p $(PORTABILITY_LOGS)
 	@for p in $(PORTABLE_PATHS); do \
 		( ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:} COURSE_GRADE_WITH=solutions \
-			$(PY) -m pytest -p no:cacheprovider -q notebooks exercises $(NBVAL) \
+			$(PY) -m pytest -p no:cacheprovider -q $(PORTABLE_DIRS) $(NBVAL) \
 			> $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.log 2>&1; echo $$? > $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.rc ) & \
 	done; wait
 	@status=0; for p in $(PORTABLE_PATHS); do \

@@ -35,8 +35,8 @@ def test_exercise_is_complete(exercise):
 
 @pytest.mark.parametrize("exercise", EXERCISES)
 @pytest.mark.skipif(os.environ.get("COURSE_STUBS_IN_BROWSER") == "1",
-                    reason="CI runs every exercise's stubs in JupyterLab instead (tests/browser/test_exercises.py: "
-                           "the same Run All, plus one clear message and no traceback wall)")
+                    reason="CI runs the exercises' stubs in JupyterLab (tests/browser/test_exercises.py) and "
+                           "each checker against its stub (tests/test_grading_exNN.py)")
 def test_exercise_notebook_fails_with_the_stubs(exercise):
     env = {k: v for k, v in os.environ.items() if k != grading.GRADE_WITH_ENV}
     # -x: stop at the first failing cell, as Run All does for a learner (the cells after it would

@@ -60,7 +60,8 @@ def test_portability_covers_both_kernels_and_both_thread_counts():
     assert {p["ATEN_CPU_CAPABILITY"] for p in paths} == {"default", "avx2"}
     assert {p["OMP_NUM_THREADS"] for p in paths} == {"1", "2"}
     recipe = _recipe("test-portability")
-    assert "$(PORTABLE_PATHS)" in recipe and "ATEN_CPU_CAPABILITY=" in recipe and "notebooks exercises" in recipe
+    assert "$(PORTABLE_PATHS)" in recipe and "ATEN_CPU_CAPABILITY=" in recipe and "$(PORTABLE_DIRS)" in recipe
+    assert re.search(r"^PORTABLE_DIRS \?= notebooks exercises$", (ROOT / "Makefile").read_text(), re.M)
 
 
 def test_make_test_runs_on_the_machines_own_path_and_ci_runs_the_others():
