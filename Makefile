@@ -14,7 +14,9 @@ NBVAL  := --nbval --nbval-sanitize-with tools/nbval_sanitize.cfg --nbval-cell-ti
 # so a fresh clone next year installs what was tested, not whatever was released since.
 # `make test-latest` empties it to try the newest releases.
 CONSTRAINTS ?= constraints.txt
-PIP     = $(PY) -m pip install --quiet --disable-pip-version-check $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
+# --no-compile: pip would byte-compile every installed file (all of torch, jax and scipy: 63 s of a
+# fresh set-up here); Python compiles what is imported, once, on first import.
+PIP     = $(PY) -m pip install --quiet --disable-pip-version-check --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
 
 .PHONY: portable-paths browser-deps lab test setup notebooks exercises bench bench-quick clean-venv test-portability test-latest lock
 
