@@ -2,7 +2,8 @@
 
 The test needs Chromium and playwright, so a plain `pytest tests` (make test) does not collect
 it: `make test-browser` sets COURSE_BROWSER_TEST=1. Screenshots go to COURSE_BROWSER_ARTIFACTS
-(default build/browser-artifacts/), which CI keeps.
+(default build/browser-artifacts/), which CI keeps. COURSE_BROWSER_SLICE=1 (CI) runs only the code
+cells each widget needs (slice.py): `make test` has just run every notebook whole.
 """
 
 import os
@@ -28,13 +29,21 @@ def artifacts() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def lab():
+def lab(tmp_path_factory):
     import lab as L
 
     L.install_signal_handlers()
     L.find_chromium()  # a clear message before anything starts
+    notebooks = NOTEBOOKS
+    if os.environ.get("COURSE_BROWSER_SLICE"):  # CI: the widgets' cells only (slice.py says why)
+        import slice as S
+        from registry import WIDGETS
+
+        notebooks = tmp_path_factory.mktemp("sliced") / "notebooks"
+        for name, (kept, total) in S.slice_folder(NOTEBOOKS, notebooks, WIDGETS).items():
+            print(f"{name}: {kept} of {total} code cells run (the widgets' own and what they read)")
     try:
-        with L.Lab(REPO, notebooks=NOTEBOOKS) as server:
+        with L.Lab(REPO, notebooks=notebooks) as server:
             yield server
     finally:
         L.stop_all()
