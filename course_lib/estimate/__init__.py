@@ -3,7 +3,8 @@ What runs ranks to check them (calibration, measured memory, validation) is cour
 which sits above this package.
 
     params.py       model shapes (GPT, Llama-like, MoE), presets, exact parameter counts
-    memory.py       model state by precision recipe and ZeRO stage; activations
+    memory.py       model state by precision recipe and ZeRO stage (per-parameter stage 3 and
+                    HSDP too); activations
     compute.py      FLOPs per token, 6PD, time to train, GPUs needed
     per_gpu.py      everything above on the busiest GPU of a dp x ep x cp x tp x pp layout
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
@@ -26,13 +27,13 @@ only for quoting a spec sheet (an "80 GB" GPU holds 80 * GB bytes = 74.5 GiB).
 
 from course_lib.estimate.compute import flops_per_token, fmt_duration, gpus_needed, training_flops, training_time
 from course_lib.estimate.memory import (ATTENTION, RECIPES, RECOMPUTE, ZERO_STAGES, Recipe, activation_bytes,
-                                        model_state_bytes)
+                                        model_state_bytes, per_param_memory)
 from course_lib.estimate.params import (COURSE_GPT, GPT3_175B, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, PRESETS,
                                         LlamaLikeConfig, MoEConfig, param_breakdown, param_count)
 from course_lib.estimate.per_gpu import per_gpu_memory
 from course_lib.units import GB, GiB, fmt_bytes
 
 __all__ = ["LlamaLikeConfig", "MoEConfig", "param_breakdown", "param_count", "Recipe", "model_state_bytes",
-           "activation_bytes", "flops_per_token", "training_flops", "training_time", "gpus_needed",
+           "per_param_memory", "activation_bytes", "flops_per_token", "training_flops", "training_time", "gpus_needed",
            "per_gpu_memory", "fmt_bytes", "fmt_duration", "GB", "GiB", "COURSE_GPT", "GPT3_175B", "LLAMA3_8B",
            "LLAMA3_70B", "LLAMA3_405B", "PRESETS", "RECIPES", "ZERO_STAGES", "RECOMPUTE", "ATTENTION"]

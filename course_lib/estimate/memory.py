@@ -4,6 +4,7 @@ in IEC units (GiB = 2**30 bytes).
 
     RECIPES, Recipe                               bytes per parameter of each precision recipe
     model_state_bytes(n_params, recipe, zero_stage, dp)
+    per_param_memory(units, dp, hsdp, reshard_after_forward)   per-parameter stage 3 (FSDP2), HSDP
     activation_bytes(config, batch, seq, ...)    tensors saved for backward, per layer and total
 """
 
@@ -72,6 +73,88 @@ def model_state_bytes(n_params: int, recipe: str = "fp32", zero_stage: int = 0, 
         "optimizer": r.optimizer * (shard if zero_stage >= 1 else n_params),
     }
     out["total"] = sum(out.values())
+    return out
+
+
+def per_param_memory(units, dp: int, hsdp: int = 1, reshard_after_forward=True, param_bytes: int = 4,
+                     optimizer_bytes: int = 8) -> dict[str, int]:
+    """Bytes ONE rank holds under per-parameter stage 3 (FSDP2's design, Zhao et al. 2023; the
+    course's apply_zero(..., sharding="per_param"), without prefetch). `units`: each unit's
+    parameter shapes in forward order, the root first (policy "block": [[the shapes outside the
+    blocks], [block 0's shapes], ...]). Returns {"params", "grads", "optimizer", "total",
+    "local_elements", "gathered_after_forward", "gathered_peak"}.
+
+    Shards. HSDP lays the dp ranks out as R x S (R = hsdp replicas of a shard group of S = dp/R
+    ranks): the state is sharded over S only, each replica holding the same shards. A parameter of
+    shape (d0, rest) is cut on dim 0 into S blocks of ceil(d0/S) rows, the last rank(s) padded with
+    zero rows, and every rank holds its block, padding included:
+
+        S_u = sum over W in unit u of ceil(d0_W / S) * prod(rest_W)     local elements
+        P_u = S * S_u                                                 the gathered (padded) unit
+
+    Model state: the local shards are the fp32 masters and their gradients are reduced into fp32,
+    so params = 4 sum_u S_u, grads = 4 sum_u S_u, optimizer = optimizer_bytes * sum_u S_u (AdamW's
+    m and v: 8); HSDP keeps R times the bytes of plain sharding over dp ranks.
+
+    Gathered parameters, param_bytes per element (4; 2 with param_dtype=bfloat16). A gather
+    allocates the unit's padded tensors (P_u elements) and an all-gather output of P_u elements,
+    copied out and dropped when the gather completes (the copy-in of S_u elements handed to it is
+    not counted). The root is gathered once per step and kept until its gradients are reduced, at
+    the end of backward. After its forward, block b keeps
+
+        kept_b = 0        reshard_after_forward=True: freed, gathered again before its backward
+                 P_b      False: kept until its gradients are reduced
+                 P_b / k  an int k dividing S: this rank's 1/k of each padded tensor, the rest
+                          gathered again from the k ranks of its subgroup (k = S is True, 1 False)
+
+    and a block's gathered tensors (and its kept piece) are freed when its gradients are reduced,
+    before the block in front of it is gathered again. So, with r = P_root:
+
+        gathered_after_forward = r + sum_b kept_b
+        gathered_peak = max(2 r,                                 the root's gather
+                            r + sum_{b<i} kept_b + 2 P_i,        block i's gather in forward
+                            r + sum_{b<=i} kept_b + 2 P_i)       again in backward (True or k)
+
+    each times param_bytes.
+    """
+    dp, hsdp = positive_int("dp", dp), positive_int("hsdp", hsdp)
+    if dp % hsdp:
+        raise ValueError(f"hsdp={hsdp} replicas must divide the {dp} data-parallel ranks (the mesh is "
+                         f"replicas x shard group)")
+    s = dp // hsdp
+    k = reshard_after_forward
+    if not isinstance(k, bool):
+        if not isinstance(k, int) or k < 1 or s % k:
+            raise ValueError(f"reshard_after_forward={k!r} must be True, False or an int dividing the shard "
+                             f"group size {s}")
+        k = True if k == s else (False if k == 1 else k)
+    local = []
+    for i, shapes in enumerate(units):
+        n = 0
+        for shape in shapes:
+            shape = tuple(shape)
+            if not shape or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
+                raise ValueError(f"units[{i}] has shape {shape!r}: per-parameter sharding needs a dim 0 "
+                                 f"(a tuple of positive ints)")
+            row = 1  # elements per dim-0 row
+            for x in shape[1:]:
+                row *= x
+            n += cdiv(shape[0], s) * row
+        local.append(n)
+    if not local:
+        raise ValueError("units is empty: give at least the root unit's parameter shapes")
+    total = sum(local)
+    out = {"params": 4 * total, "grads": 4 * total, "optimizer": as_count("optimizer_bytes", optimizer_bytes) * total}
+    out["total"] = sum(out.values())
+    root, *blocks = [s * n for n in local]
+    kept = [0 if k is True else b if k is False else b // k for b in blocks]
+    held = [2 * root]
+    for i, b in enumerate(blocks):
+        held.append(root + sum(kept[:i]) + 2 * b)
+        if k is not False:
+            held.append(root + sum(kept[:i + 1]) + 2 * b)
+    e = positive_int("param_bytes", param_bytes)
+    out.update(local_elements=total, gathered_after_forward=e * (root + sum(kept)), gathered_peak=e * max(held))
     return out
 
 

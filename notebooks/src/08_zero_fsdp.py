@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from course_lib import RankError, run_on_ranks
 from course_lib.data import CharDataset
-from course_lib.estimate import LLAMA3_8B, model_state_bytes
+from course_lib.estimate import LLAMA3_8B, model_state_bytes, per_param_memory
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
@@ -55,6 +55,7 @@ from course_lib.parallel.zero import (FlatUnit, apply_zero, disk_bandwidth, expe
                                       hsdp_payloads, measure_zero_step, offload_bytes_per_step, ring_bytes,
                                       train_zero_reference, train_zero)
 from course_lib.parallel.zero import viz
+from course_lib.parallel.zero.memory import measure_state_bytes, watch_gathered
 from course_lib.parallel.zero.native import train_native
 from course_lib.parallel.zero.training import default_optimizer_kwargs
 from course_lib.train import StepHooks, TrainConfig, share_rows, train_loop
@@ -402,13 +403,18 @@ def per_param_run(config, cfg, **kw):
     tl = Timeline()
     model, opt = apply_zero(GPT(config, seed=cfg.seed), 3, torch.optim.AdamW, sharding="per_param", timeline=tl,
                             **kw, **default_optimizer_kwargs(cfg))
-    res = train_loop(model, opt, CharDataset("train", block_size=config.block_size), cfg, StepHooks(timeline=tl),
+    gathered, grads = watch_gathered(model.per_param), []  # bytes gathered at every hook; grads after backward
+    hooks = StepHooks(timeline=tl, sync_gradients=lambda: grads.append(measure_state_bytes(model, opt)["grads"]))
+    res = train_loop(model, opt, CharDataset("train", block_size=config.block_size), cfg, hooks,
                      rows=share_rows(rank, n, cfg.batch_size), tracer=CommTracer())
-    pp = model.per_param
+    pp, state = model.per_param, measure_state_bytes(model, opt)
+    memory = {"params": state["params"], "grads": max(grads), "optimizer": state["optimizer"],
+              "after forward": max(b for what, unit, b in gathered if (what, unit) == ("done", "root")),
+              "peak gathered": max(b for _, _, b in gathered)}
     return {"params": torch.cat([t.reshape(-1) for t in full_state_dict(model, opt).values()]),
             "comm": res.comm_summary, "timeline": res.timeline_events, "events": pp.events,
             "calls": pp.gather_calls, "bytes": pp.gather_bytes, "units": [(u.name, u.numel) for u in pp.units],
-            "store": opt.store.summary() if opt.store is not None else None}
+            "store": opt.store.summary() if opt.store is not None else None, "memory": memory}
 
 def per_param_tour(config, cfg, nvme_dir):
     flat, _ = apply_zero(GPT(config), 3, torch.optim.AdamW, lr=cfg.lr)
@@ -566,6 +572,46 @@ print(f"on a ring: shard dim {got['shard'] * (S - 1) // S + hsdp['bytes'] // TWO
 assert got == want
 assert (hsdp["params"] - reference_two.final_params).pow(2).mean().sqrt() < TRAIN.lr / 100  # section 3
 print("HSDP 2 x 2 trains as the single process")
+
+# %% [markdown]
+# ### Memory per rank: the modes against the estimator
+#
+# The same runs recorded what rank 0 holds: its shards, their gradients at the end of backward,
+# AdamW's m and v, and at every hook the bytes gathered (padded tensors, an all-gather's output
+# until it is copied out, the $1/k$ pieces). `per_param_memory` computes each from the parameter
+# shapes alone: $\lceil d_0/S \rceil$ rows of every tensor, padding included; after forward the
+# root plus, per block, nothing (`True`), all of it (`False`) or $1/k$ of it ($k$); HSDP shards over
+# $S = N/R$ ranks only.
+#
+# **Predict:** which mode holds the most gathered bytes between forward and backward, and what
+# does HSDP 2 x 2 do to the shard bytes?
+#
+# <details><summary>Answer</summary>
+#
+# `False`: every block stays gathered until its backward ($k = 2$ keeps half of each, `True` none).
+# HSDP shards over 2 ranks instead of 4, so each rank holds about twice the state (a little
+# less: fewer padding rows), the price of keeping the gathers inside a group.
+# </details>
+
+# %%
+one = GPT(CONFIG)  # policy "block": the root (everything outside the blocks), then each block
+unit_shapes = [[tuple(p.shape) for n, p in one.named_parameters() if not n.startswith("blocks.")]]
+unit_shapes += [[tuple(p.shape) for p in block.parameters()] for block in one.blocks]
+KEYS = ("params", "grads", "optimizer", "after forward", "peak gathered")
+print(f"{'bytes, rank 0 of ' + str(N):<21}" + "".join(f"{k:>15}" for k in KEYS))
+for label, run, kw in (("True", True, {}), ("False", False, {"reshard_after_forward": False}),
+                       ("k = 2", 2, {"reshard_after_forward": 2}), ("HSDP 2 x 2", "hsdp", {"hsdp": 2})):
+    e = per_param_memory(unit_shapes, N, **kw)
+    est = {"params": e["params"], "grads": e["grads"], "optimizer": e["optimizer"],
+           "after forward": e["gathered_after_forward"], "peak gathered": e["gathered_peak"]}
+    print(f"{label:<11} measured " + "".join(f"{tour[0][run]['memory'][k]:>15,}" for k in KEYS))
+    print(f"{'':<11} estimate " + "".join(f"{est[k]:>15,}" for k in KEYS))
+    assert all(r[run]["memory"] == est for r in tour), label  # exactly, on every rank
+
+# %% [markdown]
+# Each measured figure equals the estimate exactly, on every rank: the per-tensor padding and
+# the rule of what stays gathered are all there is to a rank's bytes (the peak counts the unit
+# being gathered twice, its padded tensors and the all-gather's output).
 
 # %% [markdown]
 # ## 9. Offload: the optimizer on the host
