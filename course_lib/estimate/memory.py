@@ -76,6 +76,25 @@ def model_state_bytes(n_params: int, recipe: str = "fp32", zero_stage: int = 0, 
     return out
 
 
+def check_mesh_args(world_size: int, replicas: int = 1, reshard_after_forward=True) -> int:  # HSDP, FSDP2's reshard
+    """ValueError naming the value and the rule; returns S = world_size // replicas. Pure Python:
+    call it in the parent, before any rank starts (apply_zero calls it before any collective)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"hsdp={replicas!r} (replicas) must be an int >= 1")
+    if world_size % replicas:
+        raise ValueError(f"hsdp={replicas} replicas must divide the {world_size} data-parallel ranks "
+                         f"(the mesh is replicas x shard group)")
+    shards = world_size // replicas
+    k = reshard_after_forward
+    if not isinstance(k, bool):
+        if not isinstance(k, int) or k < 1 or shards % k:
+            divisors = [d for d in range(1, shards + 1) if shards % d == 0]
+            raise ValueError(f"reshard_after_forward={k!r} must be True, False or an int dividing the shard "
+                             f"group size {shards} (one of {divisors}): after forward each tensor is kept "
+                             f"in k equal pieces, gathered again from k ranks")
+    return shards
+
+
 def per_param_memory(units, dp: int, hsdp: int = 1, reshard_after_forward=True, param_bytes: int = 4,
                      optimizer_bytes: int = 8) -> dict[str, int]:
     """Bytes ONE rank holds under per-parameter stage 3 (FSDP2's design, Zhao et al. 2023; the
@@ -118,15 +137,9 @@ def per_param_memory(units, dp: int, hsdp: int = 1, reshard_after_forward=True, 
     each times param_bytes.
     """
     dp, hsdp = positive_int("dp", dp), positive_int("hsdp", hsdp)
-    if dp % hsdp:
-        raise ValueError(f"hsdp={hsdp} replicas must divide the {dp} data-parallel ranks (the mesh is "
-                         f"replicas x shard group)")
-    s = dp // hsdp
+    s = check_mesh_args(dp, hsdp, reshard_after_forward)
     k = reshard_after_forward
     if not isinstance(k, bool):
-        if not isinstance(k, int) or k < 1 or s % k:
-            raise ValueError(f"reshard_after_forward={k!r} must be True, False or an int dividing the shard "
-                             f"group size {s}")
         k = True if k == s else (False if k == 1 else k)
     local = []
     for i, shapes in enumerate(units):

@@ -20,24 +20,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-
-def check_mesh_args(world_size: int, replicas: int = 1, reshard_after_forward=True) -> int:
-    """ValueError naming the value and the rule; returns S = world_size // replicas. Pure Python:
-    call it in the parent, before any rank starts (apply_zero calls it before any collective)."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"hsdp={replicas!r} (replicas) must be an int >= 1")
-    if world_size % replicas:
-        raise ValueError(f"hsdp={replicas} replicas must divide the {world_size} data-parallel ranks "
-                         f"(the mesh is replicas x shard group)")
-    shards = world_size // replicas
-    k = reshard_after_forward
-    if not isinstance(k, bool):
-        if not isinstance(k, int) or k < 1 or shards % k:
-            divisors = [d for d in range(1, shards + 1) if shards % d == 0]
-            raise ValueError(f"reshard_after_forward={k!r} must be True, False or an int dividing the shard "
-                             f"group size {shards} (one of {divisors}): after forward each tensor is kept "
-                             f"in k equal pieces, gathered again from k ranks")
-    return shards
+from course_lib.estimate.memory import check_mesh_args  # the rule the estimator and the runtime share
 
 
 def hsdp_payloads(unit_local_numels, replicas: int, shards: int, elem_bytes: int = 4) -> dict[str, int]:
