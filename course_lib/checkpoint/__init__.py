@@ -12,6 +12,8 @@ async saves, the full training state, and elastic recovery.
     state.py       the full training state: model, optimizer, step, data position, every rank's RNG
     dcp.py         the same pieces through torch.distributed.checkpoint as the storage layer;
                    DCP on FSDP2's DTensor state dict, saved and resharded (notebook 12, section 7)
+    per_param.py   the per-parameter stage 3 (course_lib.parallel.zero sharding="per_param") through
+                   DCP: each rank's dim-0 rows a DTensor(Shard(0)), saved at N ranks, loaded at any M
     training.py    the training loop with periodic checkpoints, resumption and a kill on purpose
     interval.py    failures at scale and the Young/Daly checkpoint interval
     flat.py        ZeRO-3 flat shards saved as they are (exercise 12);  viz.py: notebook 12's figures
