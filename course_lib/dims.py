@@ -45,9 +45,9 @@ MESH_ORDER = ("pp", "dp", "ep", "cp", "tp")  # outermost -> innermost, context p
 MESH_DIMS = ("pp", "dp", "ep", "tp")  # make_mesh's dimensions (course_lib.parallel.mesh): MESH_ORDER at cp = 1
 TOPOLOGY_AWARE = MESH_ORDER  # tp innermost: its ranks share a node; cp next to it
 NAIVE = ("tp", "cp", "ep", "dp", "pp")  # tp outermost: its ranks sit gpus_per_node or more apart
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # the pipeline schedules the course runs
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "pipedream_2bw")  # the course runs
 ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallelism; 1 optimizer state, 2 + gradients, 3 + parameters
-COMPOSED_ZERO_STAGES = (0, 1)  # 2 and 3 act inside backward, once per micro-batch: not composed with pp/tp
+COMPOSED_ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3 with pp/tp: gradients reduced once per step (parallel/hybrid/zero_pp.py)
 RECOMPUTE = ("none", "selective", "full")  # selective: attention's s^2 part (Korthikanti et al. 2022)
 PRECISIONS = ("fp32", "bf16")  # bf16: torch.autocast around forward and backward, fp32 master weights
 CP_METHODS = ("ring", "allgather", "ulysses")  # how context-parallel attention sees the other ranks' keys
@@ -108,7 +108,10 @@ def check_schedule(schedule: str, pp: int, m: int, v: int = 1) -> None:
     check_one_of("schedule", schedule, SCHEDULES)
     if v > 1 and pp == 1:
         raise ValueError(f"virtual_stages={v} needs pp > 1")
-    if v > 1 and schedule != "interleaved_1f1b":
+    if schedule in ("zbv", "dualpipev") and v != 2:
+        raise ValueError(f"schedule={schedule!r} places exactly 2 chunks per rank in a V (rank r holds stages r and "
+                         f"2p-1-r): virtual_stages must be 2, got {v}")
+    if v > 1 and schedule not in ("interleaved_1f1b", "zbv", "dualpipev"):
         raise ValueError(f"virtual_stages={v} needs schedule='interleaved_1f1b' ({schedule!r} runs one chunk per rank)")
     if schedule == "interleaved_1f1b" and pp > 1 and m % pp:
         raise ValueError(f"microbatches={m} must be a multiple of the pp={pp} ranks for interleaved_1f1b "
@@ -249,6 +252,7 @@ class ParallelDims:
     cp: int = 1  # context parallelism: T / cp tokens of every sequence per rank
     cp_method: str = "ring"  # CP_METHODS: how attention sees the other cp ranks' keys
     cp_load_balance: bool = True  # zig-zag chunks (rank r: r and 2cp-1-r) even the causal work
+    reshard_after_forward: bool = True  # zero=3: free a stage's gathered parameters after each forward
 
     @property
     def world_size(self) -> int:
@@ -287,6 +291,7 @@ class ParallelDims:
         parts += [f"m{self.microbatches}"] if self.microbatches > 1 else []
         parts += [f"mb{self.micro_batch(batch_size)}"] if batch_size is not None else []
         parts += [f"zero{self.zero}"] if self.zero else []
+        parts += ["no-reshard"] if not self.reshard_after_forward else []
         parts += [f"rc-{self.recompute}"] if self.recompute != "none" else []
         parts += [self.precision] if self.precision != "fp32" else []
         return "·".join(parts)
@@ -339,18 +344,31 @@ class ParallelDims:
                                      f"{heads // self.tp} heads of a tensor-parallel rank for cp_method='ulysses' "
                                      f"(its all-to-all gives each cp rank whole heads of the whole sequence)")
         if self.zero not in COMPOSED_ZERO_STAGES:
-            raise ValueError(f"zero={self.zero} must be one of {COMPOSED_ZERO_STAGES}: stages 2 and 3 act inside "
-                             f"backward, once per pipeline micro-batch, and are not composed with the other "
-                             f"dimensions here")
+            raise ValueError(f"zero={self.zero} must be one of {COMPOSED_ZERO_STAGES}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be True or False")
+        if not self.reshard_after_forward and self.zero != 3:
+            raise ValueError(f"reshard_after_forward=False with zero={self.zero}: it is a ZeRO-3 policy (keep the "
+                             f"gathered parameters for the whole step); below stage 3 they are never freed")
+        looped = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # build_stage's stage s on rank s mod pp
+        if self.pp > 1 and self.schedule not in looped:
+            raise ValueError(f"schedule={self.schedule!r} with pp={self.pp}: the composed runtime builds looped stages "
+                             f"(stage s on rank s mod pp) and runs a flushed schedule each step, one of {looped}; "
+                             f"the V and PipeDream-2BW schedules run in course_lib.parallel.pp alone")
+        if self.zero >= 2:  # parallel/hybrid/zero_pp.py: each gradient reduced once, when final
+            for name in ("ep", "cp"):
+                if getattr(self, name) > 1:
+                    raise ValueError(f"zero={self.zero} with {name}={getattr(self, name)}: stages 2 and 3 reduce each "
+                                     f"gradient over dp as soon as its last micro-batch's backward ends, "
+                                     + ("before expert parallelism's average over ep; use zero=0 or 1"
+                                        if name == "ep" else "and are composed over the dp group only, not over "
+                                        "the dp*cp ranks that context parallelism reduces over; use zero=0 or 1"))
         if self.recompute == "selective":
             raise ValueError("recompute='selective' is costed by the estimator, not run here: the runtime "
                              "recomputes whole blocks (recompute='full') or nothing ('none')")
         if self.tp > 1 and cfg.n_experts:
             raise ValueError(f"tp={self.tp} with n_experts={cfg.n_experts}: tensor parallelism here splits the "
                              f"dense GPT only; give an MoE model tp=1 and split its experts with ep")
-        if self.sequence_parallel and self.pp > 1:
-            raise ValueError(f"sequence_parallel=True with pp={self.pp}: the pipeline sends whole-sequence "
-                             f"activations between stages; use sequence parallelism with pp=1")
         if cfg.n_experts and self.pp > 1 and (cfg.aux_loss_coef or cfg.z_loss_coef or cfg.capacity_factor):
             raise ValueError(f"pp={self.pp} with an MoE model needs aux_loss_coef=0, z_loss_coef=0 and "
                              f"capacity_factor=None: the pipeline's last stage computes only the cross-entropy, "

@@ -117,7 +117,7 @@ def test_a_slow_layout_fails(problem, layout, message):
 
 
 @pytest.mark.parametrize("layout, message", [
-    (Dims(dp=4, pp=2, microbatches=2, zero=2), "zero=2 must be one of \\(0, 1\\)"),
+    (Dims(dp=4, pp=2, microbatches=2, zero=1, reshard_after_forward=False), "reshard_after_forward=False with zero=1"),
     (Dims(dp=4, pp=2, microbatches=2, recompute="selective"), "whole blocks"),
     (Dims(dp=4, tp=2, sequence_parallel=True), "no sequence parallelism"),
     (Dims(dp=2, pp=2, microbatches=2), "all 8 devices"),
@@ -158,7 +158,7 @@ def test_a_wrong_rejection_fails(monkeypatch, problem):
         ((slow, "memory", 1000), "exceeds the device's memory"),
         ((slow, "throughput", share + 0.1), "above the estimator's"),
         ((chosen, "memory", 0), "the one you chose"),
-        ((Dims(dp=4, pp=2, microbatches=2, zero=2), "memory", 0), "3D trainer could run"),
+        ((Dims(dp=4, pp=2, microbatches=2, zero=1, reshard_after_forward=False), "memory", 0), "3D trainer could run"),
         ((too_big, "too slow", 1.0), "must be one of"),
         ((too_big, "memory"), "must return \\(layout, reason, number\\)"),
     ]

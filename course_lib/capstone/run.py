@@ -31,7 +31,7 @@ from course_lib.parallel.hybrid import (HybridResult, build_hybrid, clip_grad_no
                                         make_hybrid_optimizer, merged_params, owned_params, traffic_by_dimension,
                                         train_single, trained_module)
 from course_lib.parallel.hybrid.training import mean_over_replicas, replica_rows
-from course_lib.parallel.zero import measure_state_bytes
+from course_lib.parallel.hybrid.zero_pp import measure_stage_bytes
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.runtime.pool import shutdown_pools
@@ -66,7 +66,11 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
     result = HybridResult(coords=dict(parts.coords))
     result.set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     if first > 1:
+        if hasattr(optimizer, "unshard"):  # ZeRO-3: the checkpoint fills whole parameters, then the masters
+            optimizer.unshard()
         info = load_training_state(checkpoint_path(root, first - 1), parts, optimizer, "hybrid", gen)
+        if hasattr(optimizer, "reshard_from_parameters"):
+            optimizer.reshard_from_parameters()
         if info.step != first - 1:
             raise ValueError(f"checkpoint of step {info.step} found where step {first - 1} was expected")
         result.train_losses = list(info.extra["losses"])  # the curve so far, whatever layout ran it
@@ -94,7 +98,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
         if step == first:  # state after a step (gradients and Adam's moments exist); activations of it
             # params and AdamW's moments after the step; the gradients at their peak, the end
             # of backward, before the ZeRO engine reduces them to its shard: one per parameter
-            result.memory = dict(measure_state_bytes(module, optimizer))
+            result.memory = dict(measure_stage_bytes(module, optimizer))  # ZeRO-3: its shards
             result.memory["grads"] = sum(p.numel() * p.element_size() for p in module.parameters())
             result.memory["total"] = result.memory["params"] + result.memory["grads"] + result.memory["optimizer"]
             result.memory["activations"] = (saved["first"].bytes if parts.stage is None
@@ -122,6 +126,8 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
     save_training_state(checkpoint_path(root, last), last, parts, optimizer, "hybrid", gen,
                         extra={"losses": list(result.train_losses)}, dims=dims)
+    if hasattr(optimizer, "unshard"):  # ZeRO-3: the parameters whole again, to be read
+        optimizer.unshard()
     result.named_params = owned_params(parts)
     return result
 

@@ -2,6 +2,9 @@
 
     torchrun --nproc-per-node 8 -m course_lib.demos.train_3d --dp 2 --tp 2 --pp 2 --zero 1 \\
         --microbatches 2 --steps 3 --check
+    ... --zero 3 --no-reshard-after-forward     FSDP x TP x PP, each stage's parameters gathered
+                                                once per step (Llama 3's policy)
+    ... --dp 1 --tp 2 --pp 2 --sequence-parallel --microbatches 2   sequence-sharded stage messages
 
 The layout is checked before the process group starts (course_lib.parallel.hybrid.ParallelDims):
 a bad one exits with code 2 and its rule, printed once. With --check rank 0 also trains the
@@ -29,7 +32,10 @@ def parse(argv=None):
     for name in ("dp", "tp", "pp"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp: 0 or 1")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp: 0-3 (2 and 3 reduce once per step)")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="--zero 3: free a stage's gathered parameters after each micro-batch's forward (default) "
+                        "or, with --no-reshard-after-forward, keep them for the whole step")
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--virtual-stages", type=int, default=1)
@@ -62,7 +68,8 @@ def build(args, world_size: int):
                        d_model=args.d_model, **moe)
     dims = ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, zero=args.zero,
                         virtual_stages=args.virtual_stages, microbatches=args.microbatches,
-                        schedule=args.schedule, sequence_parallel=args.sequence_parallel)
+                        schedule=args.schedule, sequence_parallel=args.sequence_parallel,
+                        reshard_after_forward=args.reshard_after_forward)
     dims.check(world_size, config, args.batch_size)
     if args.tolerance is not None and not args.tolerance >= 0:
         raise ValueError(f"--tolerance={args.tolerance} must be >= 0")
@@ -91,7 +98,7 @@ def main(argv=None) -> int:
     if rank != 0:
         return 0
     layout = " x ".join(f"{d} {getattr(dims, d)}" for d in ("pp", "dp", "ep", "tp"))
-    print(f"train_3d on {world} ranks ({backend}): {layout}, zero {dims.zero}, {dims.microbatches} micro-batches, "
+    print(f"train_3d on {world} ranks ({backend}): {layout}, {dims.describe()}, {dims.microbatches} micro-batches, "
           f"global batch {train.batch_size}", flush=True)
     if not args.check:
         for step, loss in enumerate(result.train_losses):

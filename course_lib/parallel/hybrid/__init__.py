@@ -7,6 +7,8 @@
                  -> apply_context_parallel (cp) -> build_stage (pp) -> ZeRO-1 / AdamW over dp
                  (dp·cp when cp > 1); sync_gradients; the ONE global-norm clip
                  (clip_grad_norm_hybrid) that counts each shard once across every dimension
+    zero_pp.py   ZeRO-2 / ZeRO-3 over dp on a pipeline (and tp) stage: each gradient reduced once
+                 per step, when its last micro-batch's backward ends; stage 3's two reshard policies
     training.py  train_hybrid (rank side, on train_loop), run_hybrid (parent), train_single (the
                  single-process twin), the traffic of each mesh dimension from the CommTracer
     figures.py   notebook 10's mesh picture and layout widget

@@ -9,7 +9,13 @@
     recompute_in_place(model.blocks)                        (recompute='full') in place
     stage = build_stage(model, mesh["pp"], v)               4. PP: this rank's blocks (+ embedding/head)
     optimizer = ShardedOptimizer (stage 0 or 1, dp·cp)      5. ZeRO-1 (or plain DP) across replicas
-                                                               and cp ranks
+                                                               and cp ranks; stages 2 and 3 (dp) the
+                                                               engine of zero_pp.py: the gradients
+                                                               reduced once per step, not per micro-batch
+
+Sequence parallelism with pp > 1: between blocks a tp rank holds its T/tp tokens of the
+residual stream, so a stage boundary sends that shard (stage.sequence_shards = tp sizes the
+receive): the pipeline's messages are tp times smaller, as in Megatron.
 
 Context parallelism (cp > 1). Every rank of a replica reads the replica's rows; rank c of the
 cp group keeps its shard of their sequence, T/cp tokens (idx, targets and their absolute
@@ -37,7 +43,7 @@ element lives on several ranks, as identical copies; every rank counts parameter
 
     w(p) = 1/[tp if p is replicated over tp, 1 if tp-sharded] * 1/[ep if dense, 1 if an expert]
            * 1/[2 for the tied matrix on the first and last stage, else 1]
-           * 1/[dp * cp at zero=0, 1 at zero=1 (the state's flat range is on one rank of dp·cp)]
+           * 1/[dp * cp at zero=0, 1 at zero>=1 (the state's flat range is on one rank of dp·cp)]
 
 and one all-reduce (sum) over the whole world of sum_p w(p) * ||g_p||^2 gives ||g||^2, each
 element counted exactly once. Every rank then scales by min(1, max_norm / (||g|| + 1e-6)).
@@ -59,11 +65,13 @@ import torch.distributed as dist
 from course_lib.model import GPT
 from course_lib.parallel.clip import clip_grad_norm_
 from course_lib.parallel.cp.apply import apply_context_parallel, cp_placements
+from course_lib.parallel.hybrid.zero_pp import build_stage_optimizer
 from course_lib.parallel.ep import apply_expert_parallel, reduce_gradients
 from course_lib.parallel.ep.apply import ep_placements
 from course_lib.parallel.mesh import make_mesh, mesh_groups
 from course_lib.parallel.placement import Placement, gather_full, parameter_names, weight
 from course_lib.parallel.pp import build_stage
+from course_lib.parallel.pp.schedules import make_schedule
 from course_lib.parallel.pp.stage import TokenAndPositionEmbedding
 from course_lib.parallel.tp import apply_tensor_parallel
 from course_lib.parallel.tp.apply import tp_placements
@@ -134,6 +142,8 @@ def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
     if dims.recompute == "full":  # in place: the names stay the single-process ones
         recompute_in_place(model.blocks)
     stage = build_stage(model, groups["pp"], dims.virtual_stages) if dims.pp > 1 else None
+    if stage is not None and dims.sequence_parallel:  # the blocks' output is this tp rank's T/tp tokens
+        stage.sequence_shards = dims.tp
     if stage is not None and dims.cp > 1 and stage.chunks[0].first:  # the chunk holding stage 0
         first = stage.chunks[0]
         positions = model.cp_layout.positions(coords["cp"])
@@ -159,6 +169,15 @@ def make_hybrid_optimizer(parts: HybridParts, train_cfg):
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kw = dict(lr=train_cfg.lr, betas=train_cfg.betas, foreach=False, fused=False)
+    if parts.dims.zero >= 2:  # zero_pp.py: once per step; the tied matrix's other part comes after the schedule
+        chunks = list(parts.stage.chunks) if parts.stage is not None else [parts.model]
+        tied = parts.stage.tied_weight() if parts.stage is not None else None
+        d = parts.dims  # split backward (W actions): weight gradients land after their hooks fired
+        split = d.pp > 1 and make_schedule(d.schedule, d.pp, d.microbatches, d.virtual_stages).split_backward
+        parts.optimizer = build_stage_optimizer(chunks, groups, torch.optim.AdamW, zero_group(parts), kw, d.zero,
+                                                d.microbatches, d.reshard_after_forward,
+                                                late=[tied] if tied is not None else [], overlap=not split)
+        return parts.optimizer
     # ZeRO's engine at stage 0 is plain data parallelism with one flat all-reduce per group;
     # at stage 1 it shards the optimizer state. Either way it averages the gradients over dp
     # (dp·cp when cp > 1: the cp ranks' local gradients are averaged like replicas').

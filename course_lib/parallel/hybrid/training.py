@@ -23,8 +23,9 @@ from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.cp.apply import shard_batch
 from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hybrid, dp_cp_ranks,
-                                                make_hybrid_optimizer, sync_gradients, trained_module)
+                                                make_hybrid_optimizer, sync_gradients, trained_module, zero_group)
 from course_lib.dims import ParallelDims
+from course_lib.parallel.hybrid.zero_pp import measure_stage_bytes
 from course_lib.parallel.mesh import mesh_groups
 from course_lib.parallel.pp import run_schedule
 from course_lib.parallel.tp import gather_full_state_dict
@@ -45,6 +46,8 @@ class HybridResult(TrainResult):
     named_params: dict = field(default_factory=dict)
     traffic: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)  # bytes measured on this rank, when the run measured them
+    zero_ops: dict = field(default_factory=dict)  # trace: {op: {"calls", "bytes_sent"}} of ZeRO's group, all steps
+    zero_units: dict = field(default_factory=dict)  # {name: P_u}: the elements of each of this rank's ZeRO units
     resumed_from: str = ""  # a run resumed from a checkpoint: "saved at dp2·tp2·pp2, loading at dp1·tp2·pp2"
 
 
@@ -73,6 +76,19 @@ def traffic_by_dimension(records, dims: ParallelDims, world_size: int) -> dict[s
         s["bytes_sent"] += r.bytes_sent
         s["bytes_recv"] += r.bytes_recv
     return dict(sorted(out.items()))
+
+
+def ops_on_group(records, group) -> dict[str, dict[str, int]]:
+    """{op: {"calls", "bytes_sent"}} of the tracer's records on `group`'s ranks (reduce-scatters
+    and all-gathers under one name each, whatever torch calls them)."""
+    ranks, out = sorted(dist.get_process_group_ranks(group)), {}
+    for r in records:
+        if sorted(r.group_ranks) == ranks:
+            op = "all_gather" if "all_gather" in r.op else "reduce_scatter" if "reduce_scatter" in r.op else r.op
+            s = out.setdefault(op, {"calls": 0, "bytes_sent": 0})
+            s["calls"] += 1
+            s["bytes_sent"] += r.bytes_sent
+    return out
 
 
 def owned_params(parts) -> dict[str, torch.Tensor]:
@@ -166,6 +182,14 @@ def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = Fals
                report_loss=mean_over_replicas(parts, dims))
     if trace:
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
+        result.zero_ops = ops_on_group(tracer.records, zero_group(parts))
+    result.zero_units = {getattr(s, "name", f"unit{i}"): s.unit.numel for i, s in enumerate(optimizer.shards)}
+    if dims.zero >= 2:  # what the rank holds between steps, and (stage 3) its most gathered bytes at once
+        result.memory = measure_stage_bytes(module, optimizer)
+        if dims.zero == 3:
+            result.memory["gathered_peak"] = optimizer.fsdp.peak_gathered_bytes
+    if hasattr(optimizer, "unshard"):  # ZeRO-3: the parameters whole again, to be read
+        optimizer.unshard()
     result.named_params = owned_params(parts)
     return result
 

@@ -4,7 +4,8 @@
 
 The batch is cut into m equal micro-batches. For each action of this rank, in order:
 
-    F(j, c)  stage s = c*p + rank: receive the activation from stage s-1 (stage 0 embeds idx_j),
+    F(j, c)  stage s = c*p + rank (V placement: rank, 2p-1-rank): receive the activation from stage s-1
+             (stage 0 embeds idx_j),
              run the chunk, send the output to stage s+1; the last stage computes
              L_j = cross_entropy(logits_j, targets_j) and keeps L_j / m for its backward.
     B(j, c)  receive dL/d(output) from stage s+1 (the last stage starts from L_j / m), back-propagate
@@ -112,6 +113,9 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
     crowded CPU. After the call stage.last_peak_activation_bytes holds this rank's peak."""
     p, v, m = stage.n_ranks, stage.virtual_stages, n_microbatches
     sched = validate_run(schedule, p, v, m, idx.shape[0])
+    if sched.placement != getattr(stage, "placement", "loop"):
+        raise ValueError(f"schedule {sched.name!r} places its stages {sched.placement!r}, the stage was built "
+                         f"with placement {getattr(stage, 'placement', 'loop')!r} (build_stage(..., placement=...))")
     S, last = stage.n_stages, stage.n_stages - 1
     pad = {k: 0.0 for k in "FBW"} | dict(action_seconds or {})
     if not sched.split_backward:
@@ -157,7 +161,8 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
         while next_post < min(i + PREFETCH + 1, len(acts)):
             if needs[next_post] is not None:
                 src, tg = needs[next_post]
-                buf = torch.empty(mb, T, d_model, dtype=dtype, device=idx.device)
+                tokens = T // getattr(stage, "sequence_shards", 1)  # sequence parallelism: the tp rank's T/tp
+                buf = torch.empty(mb, tokens, d_model, dtype=dtype, device=idx.device)
                 posted[tg] = (dist.irecv(buf, stage.global_rank_of_stage(src), group=stage.group, tag=tg), buf)
             next_post += 1
 
