@@ -103,9 +103,11 @@ def why_not_runnable(layout, p: Problem) -> str | None:
     if not isinstance(layout, ParallelDims):
         return f"{layout!r} is not a course_lib.dims.ParallelDims"
     if (layout.ep, layout.virtual_stages, layout.schedule, layout.sequence_parallel) != (1, 1, "1f1b", False):
-        return ("the 3D trainer composes ep=1, virtual_stages=1, schedule '1f1b', no sequence parallelism; got "
+        return ("this problem asks for ep=1, virtual_stages=1, schedule '1f1b', no sequence parallelism; got "
                 f"ep={layout.ep}, virtual_stages={layout.virtual_stages}, schedule={layout.schedule!r}, "
                 f"sequence_parallel={layout.sequence_parallel}")
+    if layout.zero > 1:  # the problem's choice: the 3D trainer composes stages 2 and 3 too
+        return f"zero={layout.zero}: this problem asks for ZeRO 0 or 1"
     if layout.precision != "fp32":
         return f"precision={layout.precision!r}: this problem's recipe is fp32"
     if layout.world_size != p.cluster.n_gpus:

@@ -5,8 +5,9 @@
 # below (a model, 8 devices and their memory, a global batch, a throughput budget), write three
 # functions in `exercises/ex14_capstone/student.py`:
 #
-# 1. `choose_layout(...)`: the layout you would run, one the course's 3D trainer composes
-#    (dp x tp x pp, 1F1B, ZeRO 0 or 1, whole-block recomputation or none). It must fit each
+# 1. `choose_layout(...)`: the layout you would run, one the course's 3D trainer composes,
+#    within this problem's limits (dp x tp x pp, 1F1B, ZeRO 0 or 1, whole-block recomputation
+#    or none). It must fit each
 #    device's memory and reach at least `FRACTION` of the predicted throughput of the best
 #    layout that fits.
 # 2. `binding_constraint(...)`: what stops *any* layout from being faster than the best one
