@@ -8,6 +8,18 @@ Rank 0 also trains the single-process MoE on the same shares and prints both los
 mean of the ranks' losses against the reference's), then the tokens each expert received on one
 more batch, summed over the ranks, and the tokens dropped by the capacity limit.
 
+The frontier options (course_lib.model.moe_config.MoEGPTConfig), each checked against the
+single process the same way:
+
+    --n-shared-experts S        S experts every token passes through (replicated on every rank)
+    --router sigmoid            sigmoid scores, the chosen k renormalised (DeepSeek-V3)
+    --balance bias|aux|none     auxiliary-loss-free bias balancing, the Switch loss, or neither
+    --max-ranks-per-token M     device-limited routing: each token's experts on at most M ranks
+    --check                     print each step's verdict; the demo always exits 1 on a mismatch
+
+    torchrun --nproc-per-node=2 -m course_lib.demos.expert_parallel --n-experts 8 --top-k 4 \
+        --n-shared-experts 1 --router sigmoid --balance bias --max-ranks-per-token 1 --check
+
 In a notebook: `course_lib.parallel.ep.run_expert_parallel(world_size, config, train_cfg)`.
 """
 
@@ -21,7 +33,8 @@ import torch.distributed as dist
 
 from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT, GPTConfig
-from course_lib.model.moe import routing_stats
+from course_lib.model.moe import BALANCES, ROUTERS, routing_stats
+from course_lib.model.moe_config import MoEGPTConfig
 from course_lib.parallel.ep import apply_expert_parallel, check_expert_parallel, train_expert_parallel, train_moe_reference
 from course_lib.runtime.device import rank_device
 from course_lib.runtime.launch import init_from_env, leave_process_group
@@ -44,6 +57,13 @@ def parse(argv=None):
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest accepted |loss difference|")
+    parser.add_argument("--n-shared-experts", type=int, default=0, help="experts every token passes through")
+    parser.add_argument("--router", choices=ROUTERS, default="softmax")
+    parser.add_argument("--balance", choices=BALANCES, default="aux",
+                        help="aux: Switch loss; bias: auxiliary-loss-free bias (Wang et al. 2024); none")
+    parser.add_argument("--max-ranks-per-token", type=int, default=None, metavar="M",
+                        help="device-limited routing: each token's experts on at most M ranks")
+    parser.add_argument("--check", action="store_true", help="print every step's verdict against the single process")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.steps < 1:
@@ -52,10 +72,16 @@ def parse(argv=None):
         parser.error(f"--tolerance={args.tolerance} must be >= 0")
     if args.batch_size % world:
         parser.error(f"--batch-size={args.batch_size} must be divisible by the {world} ranks")
-    try:  # the model's own checks (top_k, capacity factor, ...) and ep dividing n_experts
+    try:  # the model's own checks (top_k, capacity factor, M, ...) and ep dividing n_experts
         config = GPTConfig.tiny(CharDataset("train", 32).vocab_size, block_size=32, n_layer=args.n_layer,
                                 d_model=args.d_model, n_experts=args.n_experts, top_k=args.top_k,
                                 capacity_factor=args.capacity_factor or None)
+        frontier = dict(n_shared_experts=args.n_shared_experts, router=args.router, balance=args.balance,
+                        max_groups_per_token=args.max_ranks_per_token)
+        if frontier != dict(n_shared_experts=0, router="softmax", balance="aux", max_groups_per_token=None):
+            if args.max_ranks_per_token is not None:  # the groups are the ranks
+                frontier["expert_groups"] = world
+            config = MoEGPTConfig.from_config(config, **frontier)
         check_expert_parallel(config, world)
     except ValueError as e:
         parser.error(str(e))
@@ -90,9 +116,13 @@ def main(argv=None):
             print(f"expert parallel on {world} ranks ({backend}): {config.n_experts} experts, "
                   f"{config.n_experts // world} per rank, top_k={config.top_k}, "
                   f"capacity_factor={config.capacity_factor}")
+            if isinstance(config, MoEGPTConfig):
+                print(f"shared experts {config.n_shared_experts}, router {config.router}, balance "
+                      f"{config.balance}, at most {config.max_groups_per_token or world} ranks per token")
             print(f"{'step':>5} {'EP loss (mean of ranks)':>24} {'single process':>15}")
             for step, (a, b) in enumerate(zip(losses.tolist(), ref.train_losses), start=1):
-                print(f"{step:>5} {a:>24.6f} {b:>15.6f}")
+                verdict = ("  ok" if abs(a - b) < args.tolerance else "  DIFFERS") if args.check else ""
+                print(f"{step:>5} {a:>24.6f} {b:>15.6f}{verdict}")
             diff = max(abs(a - b) for a, b in zip(losses.tolist(), ref.train_losses))
             print(f"max |loss difference| = {diff:.2e}: {'MATCH' if diff < args.tolerance else 'MISMATCH'}")
             for layer, (routed, kept) in enumerate(load.tolist()):

@@ -4,6 +4,8 @@
     COURSE_GPT, GPT3_175B, LLAMA3_*      published shapes; PRESETS by name
     param_breakdown(config)              counts by part (one layer, one expert)
     param_count(config, active=False)    the exact total
+    moe_flops_per_token(config, seq)     FLOPs with shared experts, expert size, dense first layers
+    mla_attention_params(...)            one multi-head latent attention layer (DeepSeek-V2/V3)
 
 Configs: `course_lib.model.GPTConfig` (GPT-2/GPT-3 style), `LlamaLikeConfig` (SwiGLU, RMSNorm,
 no biases, untied head, grouped-query attention, rotary positions) and `MoEConfig`, which
@@ -69,11 +71,22 @@ class LlamaLikeConfig:
 @dataclass(frozen=True)
 class MoEConfig:
     """`base` with every MLP replaced by `n_experts` expert MLPs and a router (a d x n_experts
-    matrix, no bias); each token is sent to `top_k` experts (capacity limits ignored)."""
+    matrix, no bias); each token is sent to `top_k` experts (capacity limits ignored).
+
+    The DeepSeekMoE / DeepSeek-V3 shape (Dai et al. 2024; DeepSeek-AI 2024) adds: `n_shared_experts`
+    experts every token passes through, `d_expert` the hidden size of every expert (routed and
+    shared; None: the base's d_ff), `first_dense_layers` leading layers that keep the base's dense
+    MLP, and `attention_params`, the parameters of one attention layer when the base's formula
+    does not describe it (MLA: `mla_attention_params`). Only param_count / param_breakdown /
+    moe_flops_per_token read these four; the other estimators see n_experts and top_k."""
 
     base: GPTConfig | LlamaLikeConfig
     n_experts: int = 8
     top_k: int = 2
+    n_shared_experts: int = 0
+    d_expert: int | None = None
+    first_dense_layers: int = 0
+    attention_params: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.base, (GPTConfig, LlamaLikeConfig)):
@@ -82,6 +95,13 @@ class MoEConfig:
             raise ValueError(f"n_experts={self.n_experts!r} must be a positive int")
         if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts):
             raise ValueError(f"top_k={self.top_k!r} must satisfy 1 <= top_k <= n_experts={self.n_experts}")
+        as_count("n_shared_experts", self.n_shared_experts)
+        if self.d_expert is not None:
+            positive_int("d_expert", self.d_expert)
+        if as_count("first_dense_layers", self.first_dense_layers) >= self.base.n_layer:
+            raise ValueError(f"first_dense_layers={self.first_dense_layers} must be < n_layer={self.base.n_layer}")
+        if self.attention_params is not None:
+            positive_int("attention_params", self.attention_params)
 
 
 # Published shapes. GPT-3: Brown et al. 2020, Table 2.1 (GPT-2 tokenizer, learned positions,
@@ -135,7 +155,32 @@ def param_breakdown(config) -> dict[str, int]:
         parts = dict(embedding=V * d, position=0, attention=2 * d * d + 2 * d * kv_dim(base),
                      mlp=3 * d * f, norms=2 * d, final_norm=d, head=V * d)
     parts["router"] = d * n_experts if n_experts > 1 else 0
+    # one routed expert and the S shared ones of a layer (DeepSeekMoE); "mlp" stays the base's MLP
+    fe = getattr(config, "d_expert", None) or f
+    expert = (2 * d * fe + b * (fe + d)) if isinstance(base, GPTConfig) else 3 * d * fe
+    parts["expert"], parts["shared"] = expert, _n_shared(config) * expert
+    if getattr(config, "attention_params", None):
+        parts["attention"] = config.attention_params
     return parts
+
+
+def _n_shared(config) -> int:
+    """Shared experts of an MoEConfig or a course MoEGPTConfig (course_lib.model.moe_config)."""
+    return getattr(config, "n_shared_experts", 0)
+
+
+def mla_attention_params(d_model: int, n_head: int, d_head: int, q_rank: int, kv_rank: int, rope_dim: int) -> int:
+    """One multi-head latent attention layer (DeepSeek-V2 §2.1; no biases): queries through a
+    rank-q_rank bottleneck, keys and values through one rank-kv_rank latent, plus a shared
+    rotary key of rope_dim and per-head rotary queries; RMSNorms on both latents.
+
+        d q_rank + q_rank n_head (d_head + rope_dim)        W_DQ, W_UQ (content and rotary queries)
+        + d (kv_rank + rope_dim) + kv_rank n_head 2 d_head  W_DKV with W_KR, then W_UK and W_UV
+        + n_head d_head d + q_rank + kv_rank                W_O and the two latent norms
+    """
+    h = n_head
+    return (d_model * q_rank + q_rank * h * (d_head + rope_dim) + d_model * (kv_rank + rope_dim)
+            + kv_rank * h * 2 * d_head + h * d_head * d_model + q_rank + kv_rank)
 
 
 def param_count(config, active: bool = False) -> int:
@@ -147,13 +192,47 @@ def param_count(config, active: bool = False) -> int:
 
     with E = n_experts, or E = top_k when active=True (the parameters one token uses).
     GPT-3 175B gives 174.6e9; Llama-3 8B / 70B / 405B give 8.03e9 / 70.55e9 / 405.85e9.
+    An MoEConfig with shared experts, d_expert or dense first layers (the DeepSeek shape):
+
+        ... + dense * (attention + norms + mlp) + (n_layer - dense) * (attention + norms + router
+              + E * expert + S * expert)
+
+    DeepSeek-V3 (with mla_attention_params) gives 671.0e9 total and 37.6e9 active.
     """
     base, n_experts, top_k = unpack(config)
-    if isinstance(config, GPTConfig):
-        return expected_num_params(config)
+    if isinstance(config, GPTConfig):  # + the shared experts of a course MoEGPTConfig
+        return expected_num_params(config) + config.n_layer * param_breakdown(config)["shared"]
     p = param_breakdown(config)
     experts = top_k if active else n_experts
-    per_layer = p["attention"] + p["norms"] + p["router"] + experts * p["mlp"]
-    return p["embedding"] + p["position"] + p["final_norm"] + p["head"] + base.n_layer * per_layer
+    if not isinstance(config, MoEConfig) or config.d_expert is None and not config.n_shared_experts:
+        moe_mlp = experts * p["mlp"]  # the plain MoE: each expert is the base's MLP
+    else:
+        moe_mlp = experts * p["expert"] + p["shared"]
+    dense = getattr(config, "first_dense_layers", 0)
+    per_layer = p["attention"] + p["norms"]
+    moe_layers = (base.n_layer - dense) * (per_layer + p["router"] + moe_mlp)
+    return p["embedding"] + p["position"] + p["final_norm"] + p["head"] + moe_layers + dense * (per_layer + p["mlp"])
+
+
+def moe_flops_per_token(config, seq: int | None = None, training: bool = True) -> float:
+    """Matmul FLOPs per token of an MoEConfig with shared experts, expert size and dense layers
+    (course_lib.estimate.compute.flops_per_token's rule, which it equals for a plain MoEConfig):
+
+        forward = 2 * [L * A + dense * F + (L - dense) * (R + (top_k + S) * X) + V d] + 4 L s d
+        A attention matrices, F the dense MLP, R = d E the router, X one expert's matrices
+    Fine-grained experts (course_lib.model.moe_config.fine_grained) keep (top_k + S) * X, so they
+    change only R. Training = 3 * forward."""
+    base, n_experts, top_k = unpack(config)
+    s = positive_int("seq", base.block_size if seq is None else seq)
+    p = param_breakdown(config)
+    d, L, V = base.d_model, base.n_layer, base.vocab_size
+    fe = getattr(config, "d_expert", None) or ff_dim(base)
+    gpt = isinstance(base, GPTConfig)
+    attn = p["attention"] if not gpt or getattr(config, "attention_params", None) else 4 * d * d
+    dense_mlp, expert = (2 * d * ff_dim(base), 2 * d * fe) if gpt else (p["mlp"], 3 * d * fe)
+    dense = getattr(config, "first_dense_layers", 0)
+    n_mm = L * attn + dense * dense_mlp + (L - dense) * (p["router"] + (top_k + _n_shared(config)) * expert) + V * d
+    forward = 2 * n_mm + 4 * L * s * d
+    return 3 * forward if training else forward
 
 

@@ -2,6 +2,8 @@
 
     gpt.py     GPTConfig, the reference GPT and its closed-form parameter count
     moe.py     the mixture-of-experts layer that replaces a block's MLP when n_experts > 0
+    moe_config.py  MoEGPTConfig: shared experts, sigmoid router, bias balancing, device-limited
+               routing; fine_grained (DeepSeekMoE's split at equal active FLOPs)
     layers.py  the MLP and the attention core CausalAttention (q, k, v -> out), the submodule
                a sequence-splitting strategy swaps
 """

@@ -22,6 +22,22 @@ Auxiliary losses, summed over layers and added to the model's loss (GPT.forward)
     router z      L_z = mean_n (logsumexp_e z_n,e)^2   keeps the logits small (Zoph et al. 2022)
     loss = cross-entropy + aux_loss_coef * sum L_bal + z_loss_coef * sum L_z
 
+Frontier variants (fields of course_lib.model.moe_config.MoEGPTConfig; a plain GPTConfig has
+their defaults, and the layer then computes exactly as above):
+
+    router="sigmoid"   p = sigmoid(z) per expert (DeepSeek-V3); the same top-k and gate rule
+                       (k > 1: the chosen p renormalised to sum 1; k = 1: the raw p)
+    balance="bias"     auxiliary-loss-free balancing (Wang et al. 2024): choose the top k of
+                       p + b, gate with p alone; after each step b_e += gamma * sign(mean_e' c_e' - c_e),
+                       c_e the step's assignments to e (update_expert_bias). No Switch loss.
+    balance="none"     neither the Switch loss nor the bias ("aux", the default, is the Switch loss)
+    n_shared_experts   S MLPs every token passes through, added to the routed sum (DeepSeekMoE,
+                       Dai et al. 2024): y_n = sum_j g_nj expert_e_nj(x_n) + sum_s shared_s(x_n)
+    expert_groups=G, max_groups_per_token=M   device-limited routing (DeepSeek-V2/V3): experts
+                       in G contiguous groups (one per expert-parallel rank); a group's score is
+                       the sum of its ceil(k/M) largest selection scores (V3: k/M = 8/4 = 2);
+                       each token picks the M best groups, then its top k among their experts.
+
 The layer computes in three steps that expert parallelism (course_lib.parallel.ep) reuses:
 `route` (who goes where, sorted by expert), `self.experts(rows, counts)` (the only step that
 changes under EP: it swaps this module), and the gated scatter-add back to the tokens.
@@ -77,10 +93,29 @@ class Routing:
     stats: RoutingStats
 
 
-def route(probs: torch.Tensor, top_k: int, capacity: int | None) -> Routing:
-    """Top-k choice, gate weights, capacity, and the sort by expert. probs: (N, E) softmax."""
+def limit_groups(select: torch.Tensor, top_k: int, groups: int, max_groups: int) -> torch.Tensor:
+    """Device-limited routing: select (N, E) with every expert outside each token's M = max_groups
+    best groups set to -inf. Group score = sum of its ceil(k / M) largest entries (DeepSeek-V3 §2.1.2)."""
+    n_tokens, n_experts = select.shape
+    per_group = n_experts // groups
+    by_group = select.view(n_tokens, groups, per_group)
+    group_score = by_group.topk(min(per_group, math.ceil(top_k / max_groups)), dim=-1).values.sum(-1)
+    chosen = group_score.topk(max_groups, dim=-1).indices  # (N, M)
+    allowed = torch.zeros(n_tokens, groups, dtype=torch.bool, device=select.device).scatter(1, chosen, True)
+    return by_group.masked_fill(~allowed[:, :, None], float("-inf")).view(n_tokens, n_experts)
+
+
+def route(probs: torch.Tensor, top_k: int, capacity: int | None, bias: torch.Tensor | None = None,
+          groups: int = 1, max_groups: int | None = None) -> Routing:
+    """Top-k choice, gate weights, capacity, and the sort by expert. probs: (N, E) router scores
+    (softmax or sigmoid). bias (E,): added for the choice only (the gates stay probs);
+    max_groups: each token's experts from at most that many of `groups` contiguous groups."""
     n_tokens, n_experts = probs.shape
-    gate, expert = probs.topk(top_k, dim=-1)  # (N, k), largest first
+    select = probs.detach() if bias is None else probs.detach() + bias
+    if max_groups is not None and max_groups < groups:
+        select = limit_groups(select, top_k, groups, max_groups)
+    expert = select.topk(top_k, dim=-1).indices  # (N, k), largest first
+    gate = probs.gather(1, expert)
     if top_k > 1:
         gate = gate / gate.sum(dim=-1, keepdim=True)
     # Slot-major: every first choice (in token order) queues before any second choice.
@@ -125,6 +160,22 @@ class Experts(nn.Module):
         return torch.cat([mlp(chunk) for mlp, chunk in zip(self.mlps, chunks)])
 
 
+ROUTERS = ("softmax", "sigmoid")
+BALANCES = ("aux", "bias", "none")
+
+
+class SharedExperts(nn.Module):
+    """S expert MLPs every token passes through; their outputs are summed. (Named `experts`
+    inside, so GPT's init gives their projections the residual std like the routed experts'.)"""
+
+    def __init__(self, config, n_shared: int):
+        super().__init__()
+        self.experts = nn.ModuleList([MLP(config) for _ in range(n_shared)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(mlp(x) for mlp in self.experts)
+
+
 class MoELayer(nn.Module):
     """Router + experts, a drop-in for the block's MLP: (B, T, d) -> (B, T, d)."""
 
@@ -133,30 +184,65 @@ class MoELayer(nn.Module):
         self.n_experts, self.top_k = config.n_experts, config.top_k
         self.capacity_factor = config.capacity_factor
         self.aux_loss_coef, self.z_loss_coef = config.aux_loss_coef, config.z_loss_coef
+        # the frontier fields (moe_config.MoEGPTConfig); a plain GPTConfig has none: the defaults
+        self.router_kind = getattr(config, "router", "softmax")
+        self.balance = getattr(config, "balance", "aux")
+        self.bias_rate = getattr(config, "bias_rate", 0.0)
+        self.groups = getattr(config, "expert_groups", 1)
+        self.max_groups = getattr(config, "max_groups_per_token", None)
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = Experts(config)
+        n_shared = getattr(config, "n_shared_experts", 0)
+        self.shared = SharedExperts(config, n_shared) if n_shared else None
+        if self.balance == "bias":  # a buffer, not a parameter: the optimizer never touches it
+            self.register_buffer("expert_bias", torch.zeros(config.n_experts))
+            self.register_buffer("load_since_update", torch.zeros(config.n_experts, dtype=torch.int64))
         self.last_stats: RoutingStats | None = None
         self.balance_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
 
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router scores from fp32 logits: softmax over experts, or one sigmoid per expert."""
+        return F.softmax(logits, dim=-1) if self.router_kind == "softmax" else torch.sigmoid(logits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (N, d)
-        logits = self.router(flat).float()  # the router's softmax in fp32 whatever x's dtype
-        probs = F.softmax(logits, dim=-1)
+        logits = self.router(flat).float()  # the router's scores in fp32 whatever x's dtype
+        probs = self.scores(logits)
         capacity = expert_capacity(flat.shape[0], self.n_experts, self.top_k, self.capacity_factor)
-        routing = route(probs, self.top_k, capacity)
+        bias = self.expert_bias if self.balance == "bias" else None
+        routing = route(probs, self.top_k, capacity, bias, self.groups, self.max_groups)
         self.last_stats = routing.stats
-        self.balance_loss = load_balancing_loss(probs, routing.stats.routed, self.top_k)
+        if bias is not None and self.training and torch.is_grad_enabled():  # a training forward
+            self.load_since_update += routing.stats.routed.to(self.load_since_update.device)
+        # Switch's P_e is a probability: sigmoid scores are first normalised over the experts
+        shares = probs if self.router_kind == "softmax" else probs / probs.sum(dim=-1, keepdim=True)
+        self.balance_loss = load_balancing_loss(shares, routing.stats.routed, self.top_k)
         self.z_loss = router_z_loss(logits)
-        out = self.experts(flat[routing.token], routing.counts)  # (M, d), same order as routing
+        if getattr(self.experts, "needs_tokens", False):  # an EP dispatch that sends each token once per rank
+            out = self.experts(flat[routing.token], routing.counts, routing.token)
+        else:
+            out = self.experts(flat[routing.token], routing.counts)  # (M, d), same order as routing
         weighted = out * routing.gate.to(out.dtype)[:, None]
         # weighted is bf16 under autocast (the experts' matmuls), flat fp32: add in flat's dtype
         y = flat.new_zeros(flat.shape).index_add(0, routing.token, weighted.to(flat.dtype))  # dropped: stays 0
+        if self.shared is not None:
+            y = y + self.shared(flat).to(flat.dtype)
         return y.view(shape)
 
     def auxiliary_loss(self) -> torch.Tensor:
-        return self.aux_loss_coef * self.balance_loss + self.z_loss_coef * self.z_loss
+        """aux_loss_coef * L_bal (balance="aux" only) + z_loss_coef * L_z."""
+        balance = self.aux_loss_coef * self.balance_loss if self.balance == "aux" else 0.0
+        return balance + self.z_loss_coef * self.z_loss
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """b_e += gamma * sign(mean load - c_e), c_e = assignments to e since the last update
+        (Wang et al. 2024, Algorithm 1: overloaded experts lose, underloaded gain), then c = 0."""
+        load = self.load_since_update.double()
+        self.expert_bias += self.bias_rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+        self.load_since_update.zero_()
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
@@ -172,3 +258,12 @@ def auxiliary_loss(model: nn.Module) -> torch.Tensor:
 def routing_stats(model: nn.Module) -> list[RoutingStats]:
     """The last forward's RoutingStats of every MoE layer, in block order."""
     return [layer.last_stats for layer in moe_layers(model)]
+
+
+def update_expert_bias(model: nn.Module) -> None:
+    """After a step's backward: every balance="bias" layer nudges its bias from the load it
+    counted since the last update (a distributed run sums those counts over its ranks first:
+    course_lib.parallel.ep.sync_expert_load)."""
+    for layer in moe_layers(model):
+        if layer.balance == "bias":
+            layer.update_bias()

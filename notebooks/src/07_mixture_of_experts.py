@@ -23,7 +23,12 @@
 # 5. run expert parallelism on 4 ranks, draw its two all-to-alls, account for every byte,
 #    and prove it equal to the single-process model, also combined with data parallelism;
 # 6. explain why an expert's gradient is divided by the EP degree, and why all-to-all
-#    traffic grows with `top_k`.
+#    traffic grows with `top_k`;
+# 7. split experts finely and add shared ones at equal FLOPs, balance a sigmoid router with a
+#    bias instead of a loss, and limit each token to `M` ranks, each proven equal to its
+#    single process on 4 ranks;
+# 8. show that a rank with no tokens still finishes with the right gradients, that the busiest
+#    rank's expert time sets the layer's, and count DeepSeek-V3's 671 B parameters.
 
 # %%
 %matplotlib inline
@@ -519,7 +524,7 @@ assert round(state[1] / state[8], 1) == 2.6  # the ratio quoted below
 # rank when routing is uniform. Doubling `k` doubles the traffic (and the expert FLOPs), which
 # is one reason Switch chose `k = 1` and GShard and Mixtral `k = 2`. Recent fine-grained MoEs
 # route many more, smaller experts per token: DeepSeek-V3 sends each token to 8 of 256 routed
-# experts, plus 1 shared expert that every token passes through unrouted (DeepSeek-AI 2024);
+# experts, plus 1 shared expert that every token passes through unrouted (DeepSeek-AI 2024b);
 # Qwen3's MoE models to 8 of 128 (Yang et al. 2025). Each routed row is still `d_model` wide,
 # so the all-to-all grows with `k` all the same: DeepSeek-V3 limits each token to experts on at
 # most 4 nodes to bound the traffic that crosses the network.
@@ -574,16 +579,409 @@ for call in (lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=2, top_k=3),
         print("ValueError:", err)
 
 # %% [markdown]
-# ## 10. Modern practice
+# ## 10. Fine-grained and shared experts
 #
-# * **Fine-grained and shared experts** (DeepSeekMoE, Dai et al. 2024): many small experts
-#   (an MLP split into `m` narrower ones, with `k` scaled by `m`) give the router more
-#   combinations at the same FLOPs, and one or two **shared experts** that every token passes
-#   through hold the common knowledge, so the routed experts can specialise.
-# * **Balancing without an auxiliary loss** (Wang et al. 2024; used at scale in DeepSeek-V3,
-#   DeepSeek-AI 2024): a per-expert bias added to the router's scores for the top-k choice
-#   only, nudged after each step toward balance, so the language-model gradient is not mixed
-#   with a balancing one (DeepSeek-V3 keeps a very small sequence-level balancing loss beside it).
+# DeepSeekMoE (Dai et al. 2024) splits each expert of hidden size `f` into `m` experts of hidden
+# `f/m` and routes `m·k` of them: the same FLOPs per token, but far more ways to combine
+# experts (`C(8, 2) = 28` choices per token for 8 experts, top-2; `C(32, 8) ≈ 10.5 million` for
+# 32 of a quarter the size, top-8). It also turns `S` of the chosen experts into **shared
+# experts** that every token passes through, unrouted, so that knowledge every token needs is
+# not copied into many routed experts:
+#
+# $$y_n = \sum_{j=1}^{mk-S} g_{nj}\,\mathrm{expert}_{e_{nj}}(x_n) + \sum_{s=1}^{S}\mathrm{shared}_s(x_n),
+# \qquad E' = mE - S \text{ routed experts of hidden } f/m .$$
+#
+# Active expert weights per token: `(mk − S + S) · 2d·f/m = k · 2df`, the coarse MoE's; total:
+# `(mE − S + S) · 2d·f/m = E · 2df`, the coarse MoE's too. `course_lib.model.moe_config.fine_grained(config, m,
+# n_shared)` builds that config (a `MoEGPTConfig`, a `GPTConfig` with the new fields).
+# Under expert parallelism a shared expert is a dense part: a copy on every rank, computing on
+# that rank's tokens, its gradient all-reduced over the ranks with the attention's.
+#
+# **Predict first.** From the coarse model (8 experts, top-2) to `m = 4`, first without shared
+# experts (32 experts, top-8), then with `S = 4` (28 routed, top-4, 4 shared): do the parameters,
+# the training FLOPs per token and the bytes of a rank's dispatch grow, shrink or stay?
+#
+# <details><summary>Answer</summary>
+#
+# The expert matrices stay the same in total and per token; what changes is small: the router
+# grows from `d·8` to `d·32` or `d·28`, and each expert has its own biases. The FLOPs barely
+# move (only the router's). The dispatch grows with the routed `k`: 8 routed experts per token
+# instead of 2 is 4× the rows (each still `d_model` wide), 4 routed is 2×; the shared experts
+# send nothing. Fine-grained experts trade all-to-all bytes for combinations, which is why
+# DeepSeek-V3 bounds each token's destinations (section 12).
+# </details>
+
+# %%
+from course_lib.estimate.params import moe_flops_per_token
+from course_lib.model.moe_config import MoEGPTConfig, fine_grained
+
+variants = {"coarse: 8 experts, top-2": MOE, "m=4: 32 experts, top-8": fine_grained(MOE, 4),
+            "m=4, S=4: 28 routed, top-4, +4 shared": fine_grained(MOE, 4, n_shared=4)}
+print(f"{'model':<40}{'hidden':>7}{'params':>10}{'expert matmul weights/token':>30}{'train FLOPs/token':>19}")
+for name, cfg in variants.items():
+    assert GPT(cfg).num_params() == param_count(cfg)  # the model's tensors = the estimator, shared experts included
+    active = (cfg.top_k + getattr(cfg, "n_shared_experts", 0)) * 2 * cfg.d_model * cfg.ff_dim * cfg.n_layer
+    print(f"{name:<40}{cfg.ff_dim:>7}{param_count(cfg):>10,}{active:>30,}{moe_flops_per_token(cfg):>19,.0f}")
+assert moe_flops_per_token(MOE) == flops_per_token(MOE)  # the estimator's two FLOP formulas agree on a plain MoE
+
+# %% [markdown]
+# The FLOPs differ only by the router (`2 · 3 · d · ΔE` per layer). And the bytes, traced on 4
+# ranks, one forward and backward of each model: without a capacity limit a rank's layer-0
+# dispatch holds `k · N · d · 4` bytes (`N = 128` tokens per rank).
+
+# %% tags=["nbval-ignore-output"]
+def dispatch_bytes(configs):
+    return [one_traced_step(cfg)[1][0][0] for cfg in configs]  # layer 0's dispatch, bytes sent
+
+fine_bytes = run_on_ranks(dispatch_bytes, list(variants.values()), world_size=WORLD)
+for (name, cfg), sent in zip(variants.items(), zip(*fine_bytes)):
+    assert list(sent) == [cfg.top_k * 128 * cfg.d_model * 4] * WORLD  # traced = formula, every rank
+    print(f"{name:<40} top_k={cfg.top_k}: dispatch {fmt_bytes(sent[0])} per rank = k x 128 x 64 x 4")
+
+# %% [markdown]
+# ## 11. Sigmoid gates and balancing without a loss
+#
+# DeepSeek-V3 (DeepSeek-AI 2024b) scores each expert with its own sigmoid, `s_{n,e} = σ(z_{n,e})`,
+# instead of a softmax over the experts, chooses the top `k`, and normalises the chosen scores
+# to sum to 1 for the gates (the same rule as section 2, applied to `s`).
+#
+# Its balancing has no loss. Wang et al. 2024 add a bias `b_e` per expert to the scores **for
+# the choice only**: token `n` picks the top `k` of `s_{n,e} + b_e`, while the gates still use
+# `s`. After each step, with `c_e` the step's assignments to `e` and `c̄` their mean,
+#
+# $$b_e \leftarrow b_e + \gamma\,\mathrm{sign}(\bar c - c_e):$$
+#
+# an overloaded expert (`c_e > c̄`) loses `γ`, an underloaded one gains it (their Algorithm 1;
+# DeepSeek-V3 §2.1.2 says the same in words). The bias is a buffer, not a parameter: no gradient,
+# so the language-model gradient is not mixed with a balancing one, which is the paper's point
+# against the Switch loss. Under expert parallelism each rank counts its own tokens; the counts are
+# summed over the ranks (one all-reduce of `E` integers per layer) before the update, so every
+# rank's copy of the bias moves alike (`course_lib.parallel.ep.sync_expert_load`).
+#
+# **Predict first.** Three sigmoid routers, top-2, trained 40 steps as in section 3: no balancing,
+# the Switch loss (0.01), the bias with `γ = 0.01`. Which ends best balanced, and which has the
+# lowest language-model loss?
+#
+# <details><summary>Answer</summary>
+#
+# Unbalanced, a few experts take most tokens. The Switch loss spreads them, but only as far as
+# its small weight pushes; the bias keeps pulling every step until each expert is near `1/E`, so
+# it ends the most even, and here it reaches a slightly lower loss too (one short run: not a
+# benchmark). `γ` is 0.001 in the paper over hundreds of thousands of steps; 40 steps need a
+# larger one.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+from course_lib.model.moe import update_expert_bias
+
+def train_router(cfg, steps=40):
+    m = GPT(cfg, seed=0)
+    opt = make_optimizer(m, TrainConfig(lr=1e-3))
+    gen = torch.Generator().manual_seed(0)
+    loads, losses = [], []
+    for _ in range(steps):
+        xb, yb = get_batch(DATA, 8, gen)
+        losses.append(train_step(m, opt, xb, yb, 1.0))
+        update_expert_bias(m)  # balance="bias": b_e += gamma * sign(mean load - load_e); others: nothing
+        loads.append(routing_stats(m)[0].routed)
+    last = torch.stack(loads[-10:]).float().mean(0)
+    return last / last.sum(), losses[-1]
+
+balancing = {"none": dict(balance="none", z_loss_coef=0.0), "Switch loss 0.01": dict(balance="aux"),
+             "bias, gamma 0.01": dict(balance="bias", bias_rate=0.01)}
+loads = {name: train_router(MoEGPTConfig.from_config(MOE, router="sigmoid", **kw)) for name, kw in balancing.items()}
+fig, ax = plt.subplots(figsize=(7.5, 3.2))
+for i, (name, (share, loss)) in enumerate(loads.items()):
+    ax.bar([e + (i - 1) * 0.27 for e in range(8)], share.numpy(), width=0.27,
+           label=f"{name}: busiest {share.max() * 8:.2f}x fair, loss {loss:.3f}")
+ax.axhline(1 / 8, color="k", ls="--", lw=1, label="fair share 1/8")
+ax.set_xlabel("expert (layer 0)")
+ax.set_ylabel("share of assignments, last 10 steps")
+ax.legend(fontsize=8)
+plt.show()
+for name, (share, loss) in loads.items():
+    print(f"{name:<18} busiest expert {share.max():.1%} = {share.max() * 8:.2f}x its fair share, final loss {loss:.3f}")
+# training outcomes (here ~2.8x, ~1.6x, ~1.1x of the fair share): the order is the claim, with margins
+# far beyond what CPU rounding moves in 40 steps
+assert loads["bias, gamma 0.01"][0].max() < loads["Switch loss 0.01"][0].max() < loads["none"][0].max()
+
+# %% [markdown]
+# The same three on 4 ranks, with fine-grained and shared experts and the device limit of the
+# next section, each against its single process (the bias's loads summed over the ranks make
+# the update equal to the one process's):
+
+# %% tags=["nbval-ignore-output"]
+def frontier_runs(configs):
+    return [train_expert_parallel(cfg, TC, once_per_rank=once) for cfg, once in configs]
+
+FRONTIER = {"fine-grained m=4, 4 shared": fine_grained(EP_CFG, 4, n_shared=4),
+            "sigmoid + bias balancing": MoEGPTConfig.from_config(EP_CFG, router="sigmoid", balance="bias", bias_rate=0.01),
+            "device-limited, M = 1": MoEGPTConfig.from_config(EP_CFG, expert_groups=WORLD, max_groups_per_token=1)}
+runs = [(cfg, False) for cfg in FRONTIER.values()] + [(FRONTIER["device-limited, M = 1"], True)]
+per_rank = run_on_ranks(frontier_runs, runs, world_size=WORLD, timeout_s=180)
+for i, name in enumerate([*FRONTIER, "M = 1, once per rank (sec. 12)"]):
+    print(compare([r[i] for r in per_rank], train_moe_reference(runs[i][0], TC, shares=WORLD), name))
+
+# %% [markdown]
+# ## 12. Device-limited routing
+#
+# A token's `k` experts may sit on `k` different ranks, and with fine-grained experts `k` is 8.
+# DeepSeek-V2 (DeepSeek-AI 2024a) bounds that: each token's experts come from at most `M`
+# devices; DeepSeek-V3 bounds it in nodes (`M = 4` of its nodes of 8 GPUs). V3's rule (§2.1.2):
+# score each group (a node; here an expert-parallel rank) by the **sum of its `k/M` highest
+# scores**, keep the `M` best groups, then take the top `k` among their experts (V2 scored a
+# device by its single best expert). `MoEGPTConfig(expert_groups=ep, max_groups_per_token=M)`;
+# when `M` does not divide `k` the course sums the best `⌈k/M⌉`.
+#
+# What it saves depends on the dispatch. Section 5's dispatch sends one row per *assignment*,
+# so a token whose two experts share a rank still travels twice: `k·N` rows whatever `M` is.
+# DeepSeek-V3 sends each token **once per node** and fans it out to that node's experts over the
+# fast NVLink, so its cross-node rows are the token's distinct destinations, at most `M`. The
+# course has that dispatch too: `apply_expert_parallel(model, once_per_rank=True)`
+# (`dispatch_once_per_rank`) sends each rank the distinct tokens routed to it, plus, for every
+# assignment, the index of its token among them (8 bytes instead of `d·4`), and the receiver
+# expands them; the combine still returns one row per assignment, since each carries another
+# expert's output.
+#
+# **Predict first.** 16 experts on 4 ranks (4 each), top-4, a real batch of 512 tokens: how many
+# distinct ranks does a token reach without a limit, and how many rows would a one-copy-per-rank
+# dispatch send with `M = 1, 2, 4`?
+#
+# <details><summary>Answer</summary>
+#
+# Four experts chosen at random among 16 miss a given rank with probability
+# `C(12,4)/C(16,4) ≈ 0.27`, so they reach about `4 · 0.73 ≈ 2.9` of the 4 ranks; a fresh router
+# is close to random. With `M` the count is at most `M`, so the one-copy rows are at most `M·N`,
+# while the per-assignment rows stay `4N = 2048`. The table measures both on the real routing.
+# </details>
+
+# %%
+DL = GPTConfig.tiny(DATA.vocab_size, n_experts=16, top_k=4)
+xb, _ = get_batch(DATA, 8, torch.Generator().manual_seed(99))
+print(f"{'limit':<12}{'ranks per token (mean, max)':>29}{'one-copy-per-rank rows':>24}{'per-assignment rows':>21}")
+for M in (None, 2, 1):
+    cfg = DL if M is None else MoEGPTConfig.from_config(DL, expert_groups=WORLD, max_groups_per_token=M)
+    m = GPT(cfg, seed=0)
+    layer0, seen = m.blocks[0].mlp, []
+    layer0.register_forward_pre_hook(lambda module, args: seen.append(args[0]))  # layer 0's MLP input
+    with torch.no_grad():
+        m(xb)
+        scores = layer0.scores(layer0.router(seen[0].reshape(-1, DL.d_model)).float())
+    r = route(scores, 4, None, None, layer0.groups, layer0.max_groups)  # the layer's routing, token by token
+    assert r.stats.routed.tolist() == routing_stats(m)[0].routed.tolist()  # the same as the model's
+    owner = r.expert // (16 // WORLD)  # each assignment's rank
+    pairs = torch.unique(r.token * WORLD + owner).numel()  # distinct (token, rank): one copy each
+    per_token = torch.bincount(torch.unique(r.token * WORLD + owner) // WORLD, minlength=512).float()
+    assert per_token.max() <= (M or WORLD)
+    print(f"{str(M or 'none'):<12}{f'{per_token.mean():.2f}, {int(per_token.max())}':>29}{pairs:>24}{r.token.numel():>21}")
+
+# %% [markdown]
+# The bytes, traced on the 4 ranks (one forward and backward of each model, the fp32 rows of
+# every all-to-all summed over ranks and layers): per assignment, four all-to-alls of `kN`
+# rows each; once per rank, the dispatch and its backward move only the distinct
+# (token, rank) pairs.
+
+# %% tags=["nbval-ignore-output"]
+def traced_row_bytes(configs):
+    out = []
+    for cfg in configs:
+        for once in (False, True):
+            m = apply_expert_parallel(GPT(cfg, seed=0), once_per_rank=once)
+            xb, yb = get_batch(CharDataset("train", T), 2, torch.Generator().manual_seed(dist.get_rank()))
+            with CommTracer() as tracer:
+                m(xb, yb)[1].backward()
+            out.append(sum(r.bytes_sent for r in tracer.records if r.op == "all_to_all_single" and r.dtype == "float32"))
+    return out
+
+limits = {M: DL if M is None else MoEGPTConfig.from_config(DL, expert_groups=WORLD, max_groups_per_token=M)
+          for M in (None, 2, 1)}
+row_bytes = [sum(col) for col in zip(*run_on_ranks(traced_row_bytes, list(limits.values()), world_size=WORLD))]
+per_assignment = 4 * 4 * 128 * WORLD * DL.d_model * 4 * DL.n_layer  # 4 all-to-alls of kN rows, every layer
+print(f"{'limit':<8}{'per assignment':>16}{'once per rank':>15}{'saved':>8}")
+for i, M in enumerate(limits):
+    plain, once = row_bytes[2 * i], row_bytes[2 * i + 1]
+    assert plain == per_assignment and once < plain  # the limit changes nothing without the deduplication
+    print(f"{str(M or 'none'):<8}{fmt_bytes(plain):>16}{fmt_bytes(once):>15}{1 - once / plain:>8.0%}")
+
+# %% [markdown]
+# Bad input is refused before any rank starts: a limit larger than the expert-parallel group, a
+# limit whose groups hold fewer than `k` experts, groups that are not the ranks:
+
+# %%
+for call in (lambda: MoEGPTConfig.from_config(EP_CFG, expert_groups=WORLD, max_groups_per_token=5),
+             lambda: MoEGPTConfig.from_config(EP_CFG, top_k=4, expert_groups=WORLD, max_groups_per_token=1),
+             lambda: run_expert_parallel(2, MoEGPTConfig.from_config(EP_CFG, expert_groups=WORLD, max_groups_per_token=1), TC)):
+    try:
+        call()
+    except ValueError as err:
+        print("ValueError:", err)
+
+# %% [markdown]
+# Without a limit a token reaches most ranks; `M = 1` sends every token to one rank. With the
+# per-assignment dispatch the bytes do not change with `M`; once per rank, the dispatch and its
+# backward carry the distinct (token, rank) pairs, at most `M·N`, and at `M = 1` the fp32 row
+# traffic falls by up to 3/8 (the two combine all-to-alls still carry `kN` rows each; the
+# first table's counts of distinct pairs are what the dispatch sends). The price is routing
+# freedom: a token may lose an expert it scored highly because its group lost, and the
+# groups' loads must still balance (the bias of section 11 counts per expert, so it balances
+# the groups too).
+#
+# ## 13. A rank that receives nothing
+#
+# A collapsed router can send a whole step's tokens to one rank's experts. The others then
+# receive zero rows for every expert, and a known failure of real systems is a rank that
+# skips its collectives or its backward when it has nothing to do: the other ranks wait for
+# it forever, or its experts miss from the optimizer. Here every rank takes part in every
+# all-to-all with zero-length splits, and every local expert runs on its (possibly empty) block,
+# so each has a gradient (zero).
+#
+# **Predict first.** Force every token of every rank onto rank 0's experts. Do the 4 ranks
+# finish, and are the gradients the single process's?
+#
+# <details><summary>Answer</summary>
+#
+# Yes and yes: ranks 1-3 send their rows to rank 0 and receive none, their experts' gradients
+# are zero, as in the single process, where those experts saw no token either.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+def collapse(m):
+    """Every MLP input becomes the vector 1 (ln2 outputs its bias alone), and experts 0 and 1 (rank 0's)
+    get +3 on their router logit for it: every token of every rank chooses them."""
+    with torch.no_grad():
+        for block in m.blocks:
+            block.ln2.weight.zero_()
+            block.ln2.bias.fill_(1.0)
+            block.mlp.router.weight[:2] += 3.0 / block.mlp.router.weight.shape[1]
+    return m
+
+def collapsed_gradients(cfg):
+    m = apply_expert_parallel(collapse(GPT(cfg, seed=0)))
+    xb, yb = get_batch(CharDataset("train", T), 2, torch.Generator().manual_seed(dist.get_rank()))
+    m(xb, yb)[1].backward()
+    reduce_gradients(m)
+    return full_flat(m, grads=True), [m_.experts.last_received for m_ in moe_layers(m)]
+
+NO_CAP = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=2)
+out = run_on_ranks(collapsed_gradients, NO_CAP, world_size=WORLD)
+ref = collapse(GPT(NO_CAP, seed=0))
+for r in range(WORLD):
+    xb, yb = get_batch(DATA, 2, torch.Generator().manual_seed(r))
+    (ref(xb, yb)[1] / WORLD).backward()
+ref_grads = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+for r, (grads, received) in enumerate(out):
+    print(f"rank {r}: rows its experts received per layer {received}, "
+          f"max |grad - single process| {(grads - ref_grads).abs().max():.1e}")
+    # one backward: the same fp32 sums in another order (~1e-7 apart)
+    assert torch.allclose(grads, ref_grads, rtol=1e-5, atol=1e-6)
+assert [o[1] for o in out] == [[4 * 2 * 128] * 2] + [[0, 0]] * (WORLD - 1)  # all 4 x 2 x 128 assignments to rank 0
+
+# %% [markdown]
+# ## 14. Imbalance is time
+#
+# The combine all-to-all cannot finish before the slowest rank has run its experts, so under
+# expert parallelism every rank's layer takes at least the **busiest** rank's expert time:
+# `max_s R_s · t_row`, with `R_s` the rows rank `s` receives. Balanced, every rank computes
+# `kN_total/ep` rows; collapsed, one rank computes all `kN_total` while the others wait inside
+# the all-to-all.
+#
+# **Predict first.** One MoE layer (8 experts, hidden 512, top-2) on 2 ranks (one CPU core
+# each) with 1024 tokens each: how much longer is the busiest rank's expert compute when every
+# token goes to rank 0's experts?
+#
+# <details><summary>Answer</summary>
+#
+# About 2× the balanced ranks' (rank 0 computes the rows of both ranks), and the layer as a
+# whole about that much slower, since rank 1 waits in the combine. The timeline below measures
+# it (timings on shared CPU cores vary from run to run; on 4 ranks sharing these 2 cores the
+# balanced ranks would also share cores, which hides part of the effect).
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+from course_lib.parallel.ep.imbalance import timed_moe_layer
+
+BIG = GPTConfig.tiny(DATA.vocab_size, d_model=128, d_ff=512, n_experts=8, top_k=2)
+timed = {label: run_on_ranks(timed_moe_layer, BIG, skew, 1024, world_size=2)
+         for label, skew in (("balanced (fresh router)", 0.0), ("collapsed onto rank 0", 10.0))}
+fig, axes = plt.subplots(2, 1, figsize=(10, 3.4), sharex=True)
+for ax, (label, per_rank) in zip(axes, timed.items()):
+    plot_gantt([r[2] for r in per_rank], ax=ax, title=f"one MoE layer forward, {label}")
+plt.tight_layout()
+plt.show()
+for label, per_rank in timed.items():
+    rows = [r[0] for r in per_rank]
+    print(f"{label:<25} rows per rank {rows}, expert ms per rank (fastest of 4 repeats) "
+          f"{[round(r[1] * 1e3, 1) for r in per_rank]}")
+    assert sum(rows) == 2 * 1024 * 2  # every assignment computed once, somewhere
+assert [r[0] for r in timed["collapsed onto rank 0"]] == [2 * 1024 * 2, 0]
+busiest = {label: max(r[1] for r in per_rank) for label, per_rank in timed.items()}
+print(f"busiest rank's expert time: {busiest['collapsed onto rank 0'] / busiest['balanced (fresh router)']:.1f}x "
+      f"the balanced run's (rows: {2 * 1024 * 2} against {max(r[0] for r in timed['balanced (fresh router)'])})")
+
+# %% [markdown]
+# The rows are exact; the times are measurements, proportional to the rows on a quiet machine
+# and blurred by whatever else shares these cores. In the collapsed run rank 1 has nothing to
+# compute and spends the layer waiting in the combine all-to-all for rank 0. This is why
+# balance matters beyond wasted parameters: at scale the step runs at the
+# pace of the most loaded GPU, and capacity limits (section 4) or balancing (sections 3 and
+# 11) exist as much to bound that rank's work as to share the learning.
+#
+# ## 15. DeepSeek-V3 in the estimator
+#
+# DeepSeek-V3 (DeepSeek-AI 2024b, §4.2): 61 layers, `d_model = 7168`, vocabulary 129,280; the
+# first 3 layers keep a dense SwiGLU MLP (hidden 18,432); the other 58 have 1 shared and 256
+# routed experts of hidden 2048, top-8; attention is multi-head latent attention (MLA,
+# DeepSeek-V2): 128 heads of 128, queries through a rank-1536 bottleneck, keys and values
+# through one rank-512 latent, plus 64 rotary dimensions. The report gives 671 B total and
+# 37 B activated parameters.
+#
+# The course's Llama formula cannot express MLA: it assumes `d_head = d_model / n_head` and
+# full-size key and value projections. `MoEConfig(attention_params=...)` takes the MLA count
+# from `mla_attention_params` instead; the cell shows both.
+#
+# **Predict first.** How much of the 671 B is routed experts, and how many bytes does one token
+# put on the network per MoE layer in the forward pass, if it is dispatched in FP8 (1 byte) and
+# combined in BF16 (2 bytes) to at most 4 nodes?
+#
+# <details><summary>Answer</summary>
+#
+# 58 layers × 256 experts × 3 · 7168 · 2048 ≈ 654 B, 97 % of the model. Per token and layer at
+# most 4 copies cross the network each way: 4 · 7168 · (1 + 2) ≈ 86 KB.
+# </details>
+
+# %%
+from course_lib.estimate.params import mla_attention_params
+
+v3_base = LlamaLikeConfig(vocab_size=129280, n_layer=61, d_model=7168, n_head=128, n_kv_head=128, d_ff=18432)
+mla = mla_attention_params(7168, n_head=128, d_head=128, q_rank=1536, kv_rank=512, rope_dim=64)
+v3 = MoEConfig(v3_base, 256, 8, n_shared_experts=1, d_expert=2048, first_dense_layers=3, attention_params=mla)
+v3_mha = MoEConfig(v3_base, 256, 8, n_shared_experts=1, d_expert=2048, first_dense_layers=3)
+for name, cfg in (("MLA (mla_attention_params)", v3), ("the Llama formula's attention", v3_mha)):
+    print(f"{name:<32} total {param_count(cfg) / 1e9:6.1f} B, active {param_count(cfg, active=True) / 1e9:5.1f} B")
+assert round(param_count(v3) / 1e9) == 671 and round(param_count(v3, active=True) / 1e9, 1) == 37.6  # quoted below
+assert abs(param_count(v3_mha) - param_count(v3)) < 1.3e9 and abs(param_count(v3_mha, True) - param_count(v3, True)) < 1.3e9
+routed = 58 * 256 * 3 * 7168 * 2048
+print(f"routed experts: {routed / 1e9:.0f} B = {routed / param_count(v3):.1%} of the total")
+per_token = 4 * 7168 * (1 + 2)  # at most 4 nodes; dispatch FP8, combine BF16
+tokens = 4096  # an example: tokens per GPU in one micro-batch
+print(f"forward all-to-all per token and MoE layer: at most {per_token / 1e3:.0f} KB across nodes; "
+      f"{tokens} tokens per GPU at 50 GB/s of InfiniBand per GPU: >= {tokens * per_token / 50e9 * 1e3:.1f} ms per layer")
+
+# %% [markdown]
+# The estimator gives 671.0 B and 37.6 B with MLA (the report: 671 B and 37 B); the Llama
+# formula's attention (128 heads of `7168/128 = 56`, full keys and values) lands within 1.3 B
+# of both because attention is a small part of this model. The time bound is why V3's
+# DualPipe overlaps each micro-batch's all-to-alls with another's compute (§3.2.1): milliseconds
+# per layer, 58 layers, forward and backward, would otherwise stall the GPUs. The bandwidth
+# is the report's for its H800 cluster (§3.2.2: InfiniBand 50 GB/s, NVLink 160 GB/s); the bound
+# ignores the NVLink forwarding inside a node.
+
+# %% [markdown]
+# ## 16. Modern practice
+#
+# * Fine-grained and shared experts, sigmoid gates with bias balancing, and device-limited
+#   routing are sections 10-12; DeepSeek-V3 combines all three and keeps, beside the bias, a
+#   very small sequence-level balancing loss (DeepSeek-AI 2024b §2.1.2).
 # * **Expert-choice routing** (Zhou et al. 2022): experts pick their top-C tokens instead of
 #   tokens picking experts; perfect balance by construction, but a token may get no expert.
 # * **Dropless MoE** (MegaBlocks, Gale et al. 2023): block-sparse kernels run experts of
@@ -604,7 +1002,11 @@ for call in (lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=2, top_k=3),
 # * EP = experts split over ranks + tokens routed to them: count exchange, dispatch, local
 #   experts, combine; 4 row all-to-alls per layer and step, bytes ∝ `k`.
 # * Dense gradients: all-reduce / ep. Expert gradients: / ep only (their backward already
-#   summed every rank's tokens).
+#   summed every rank's tokens). Shared experts are dense.
+# * Fine-grained experts keep FLOPs and parameters but multiply the routed rows; device-limited
+#   routing bounds each token's destinations (it saves bytes when the dispatch sends one copy per
+#   destination); a selection-only bias, `b_e += γ·sign(c̄ − c_e)`, balances without a gradient.
+# * The busiest rank's expert time sets the layer's time.
 #
 # ## Self-check
 #
@@ -618,6 +1020,8 @@ for call in (lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=2, top_k=3),
 #    expert's gradient after `reduce_gradients`, and does AdamW still change its weights?
 # 5. You double `top_k` from 1 to 2 at a fixed capacity factor. What happens to the
 #    all-to-all bytes, to the expert FLOPs, and to the capacity `C`?
+# 6. An expert received 150 assignments in a step where the mean was 100, and `γ = 0.001`.
+#    What happens to its bias, and to its gate weights for the tokens that still choose it?
 #
 # <details><summary>Answers</summary>
 #
@@ -630,6 +1034,8 @@ for call in (lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=2, top_k=3),
 #    AdamW still moves it: the momentum of earlier steps and the weight decay.
 # 5. Twice the bytes (every assignment travels) and twice the expert FLOPs; `C` doubles too,
 #    since it is proportional to `kN/E`.
+# 6. Its bias falls by 0.001 (`sign(100 − 150) = −1`), so fewer tokens choose it next step; the
+#    gates of those that do are unchanged, since the bias only enters the choice.
 # </details>
 #
 # ## References
@@ -642,12 +1048,16 @@ for call in (lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=2, top_k=3),
 # * Fedus, Zoph and Shazeer 2022, *Switch Transformers* (JMLR; arXiv 2021): top-1 routing, the
 #   load-balancing loss `E Σ f_e P_e` and capacity factors (sections 3 and 4 here).
 # * Wang et al. 2024, *Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts*:
-#   the per-expert bias of section 10.
-# * DeepSeek-AI 2024, *DeepSeek-V3 Technical Report*: 256 fine-grained routed experts and one
-#   shared, auxiliary-loss-free balancing and node-limited routing at 671 B parameters.
+#   the per-expert bias and its sign rule of section 11.
+# * Dai et al. 2024, *DeepSeekMoE: Towards Ultimate Expert Specialization in Mixture-of-Experts
+#   Language Models*: fine-grained and shared experts (section 10).
+# * DeepSeek-AI 2024a, *DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts
+#   Language Model*: device-limited routing and multi-head latent attention (sections 12, 15).
+# * DeepSeek-AI 2024b, *DeepSeek-V3 Technical Report*: 256 fine-grained routed experts and one
+#   shared, sigmoid gates, auxiliary-loss-free balancing and node-limited routing at 671 B
+#   parameters (sections 11, 12, 15).
 # * Further reading: Zoph et al. 2022, *ST-MoE: Designing Stable and Transferable Sparse Expert
-#   Models* (the router z-loss, and a practical guide to training MoEs stably); Dai et al.
-#   2024, *DeepSeekMoE* (fine-grained and shared experts); Gale et al. 2023, *MegaBlocks*
+#   Models* (the router z-loss, and a practical guide to training MoEs stably); Gale et al. 2023, *MegaBlocks*
 #   (dropless MoE with block-sparse kernels). Also cited above: Jiang et al. 2024 (*Mixtral of
 #   Experts*), Zhou et al. 2022 (expert-choice routing), Yang et al. 2025 (*Qwen3 Technical
 #   Report*).

@@ -4,6 +4,7 @@
     reduce_gradients(model, group)        after backward: the gradient of the mean loss
     clip_grad_norm(model, max_norm, group)  the global norm over dense + every rank's experts
     full_flat(model, group)               all parameters (or gradients) in single-process order
+    sync_expert_load(model, group)        bias balancing: the step's expert loads summed over ranks
     ep_placements(model, group)           each parameter's Placement over ep (course_lib.parallel.placement):
                                           an expert whole on its one owner, the rest replicated
 
@@ -13,6 +14,9 @@ L = (1/ep) sum_r L_r, what one process computes from the ep batches averaged:
 
     dense W (a copy on every rank):  dL/dW = (1/ep) sum_r dL_r/dW   -> all-reduce, divide by ep
     expert e (owned by one rank):    dL/de = (1/ep) sum_r dL_r/de
+
+Shared experts (n_shared_experts) are dense in this sense: a copy on every rank that computes
+on that rank's tokens, so their gradients are all-reduced with the attention's.
 
 Backward through the combine and dispatch all-to-alls brings every rank's row gradients to
 the owner, so the owner's backward already sums dL_r/de over all r: it only divides by ep.
@@ -28,7 +32,7 @@ import torch.nn as nn
 from course_lib.comm.compat import all_gather_single
 from course_lib.model.moe import Experts, moe_layers
 from course_lib.parallel.clip import clip_grad_norm_
-from course_lib.parallel.ep.dispatch import combine, dispatch, exchange_counts, run_local_experts
+from course_lib.parallel.ep.dispatch import combine, dispatch, dispatch_once_per_rank, exchange_counts, run_local_experts
 from course_lib.parallel.placement import Placement, weight
 
 
@@ -41,36 +45,52 @@ def check_expert_parallel(config, ep: int) -> None:
     if config.n_experts % ep:
         raise ValueError(f"ep={ep} must divide n_experts={config.n_experts}: every rank holds "
                          f"n_experts / ep whole experts")
+    groups, limit = getattr(config, "expert_groups", 1), getattr(config, "max_groups_per_token", None)
+    if limit is not None and groups != ep:
+        raise ValueError(f"expert_groups={groups} must equal ep={ep}: device-limited routing "
+                         f"(max_groups_per_token={limit}) counts a token's expert-parallel ranks")
 
 
 class ExpertParallelExperts(nn.Module):
     """This rank's experts of one layer: `mlps` keyed by global expert index, so parameter
     names are those of the single-process model (rank 1 of 2 with 4 experts: mlps.2, mlps.3)."""
 
-    def __init__(self, experts: Experts, group=None):
+    def __init__(self, experts: Experts, group=None, once_per_rank: bool = False):
         super().__init__()
+        self.needs_tokens = once_per_rank  # the MoE layer then passes each row's token
         ep, rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_experts, self.group = len(experts.mlps), group
         per_rank = self.n_experts // ep
         self.first, self.rank, self.ep = rank * per_rank, rank, ep
         self.mlps = nn.ModuleDict({str(e): experts.mlps[e] for e in range(self.first, self.first + per_rank)})
+        self.timeline = None  # a Timeline: the local experts' compute recorded as an "experts" span
+        self.last_received = 0  # rows this rank's experts processed in the last forward
 
     def placements(self) -> dict[str, Placement]:
         """{parameter name: Placement}: expert e is whole on ep rank e // (n_experts / ep) alone."""
         alone = Placement.whole("ep", (self.rank,), self.rank, self.ep)
         return {name: alone for name, _ in self.named_parameters()}
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor:
         send, recv = exchange_counts(counts, self.group, device=rows.device)
-        received = dispatch(rows, send, recv, self.group)
-        out = run_local_experts(received, recv, list(self.mlps.values()))
+        if self.needs_tokens:
+            received = dispatch_once_per_rank(rows, tokens, send, recv, self.group)
+        else:
+            received = dispatch(rows, send, recv, self.group)
+        self.last_received = received.shape[0]
+        if self.timeline is None:
+            out = run_local_experts(received, recv, list(self.mlps.values()))
+        else:
+            with self.timeline.span("experts"):
+                out = run_local_experts(received, recv, list(self.mlps.values()))
         return combine(out, send, recv, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, group=None, once_per_rank: bool = False) -> nn.Module:
     """In place: every MoE layer keeps n_experts / ep experts (the rest are freed) and runs them
     through dispatch/combine; dense parts stay whole. Every rank must start from the same weights
-    (same seed). Returns the model."""
+    (same seed). once_per_rank: dispatch each token once per destination rank
+    (dispatch_once_per_rank) instead of once per assignment. Returns the model."""
     layers = moe_layers(model)
     if not layers:
         raise ValueError("the model has no MoE layers: expert parallelism needs GPTConfig(n_experts > 0)")
@@ -80,7 +100,7 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
             raise ValueError("apply_expert_parallel was already applied to this model")
         if layer.n_experts % ep:
             raise ValueError(f"ep={ep} must divide n_experts={layer.n_experts}")
-        layer.experts = ExpertParallelExperts(layer.experts, group)
+        layer.experts = ExpertParallelExperts(layer.experts, group, once_per_rank)
     return model
 
 
@@ -121,6 +141,18 @@ def reduce_gradients(model: nn.Module, group=None) -> None:
         offset += p.numel()
     for p in experts:
         p.grad /= ep
+
+
+def sync_expert_load(model: nn.Module, group=None) -> None:
+    """Sum every bias-balanced layer's step load over the group's ranks (one all-reduce), so
+    that update_expert_bias moves each rank's copy of the bias the same way, as one process
+    that routed every rank's tokens would (model/moe.py)."""
+    layers = [m for m in moe_layers(model) if m.balance == "bias"]
+    if layers:
+        loads = torch.stack([m.load_since_update for m in layers])
+        dist.all_reduce(loads, group=group)
+        for m, load in zip(layers, loads):
+            m.load_since_update.copy_(load)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> torch.Tensor:

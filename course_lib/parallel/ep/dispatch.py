@@ -22,6 +22,9 @@ grouped by destination rank:
    position it came from. The sending rank then scales by the gate weights and adds the rows
    into its tokens (the gates never travel, so the router's gradient stays local).
 
+dispatch_once_per_rank is the deduplicating variant (a token that chose several experts of one
+rank crosses once), what makes device-limited routing save bytes (notebook 07, section 12).
+
 Both row all-to-alls are `course_lib.comm.autograd.all_to_all_single`: backward routes the
 gradient rows back the opposite way (two more all-to-alls). Bytes per layer and step, for a
 rank that sends M rows and receives R rows of d elements of b bytes: forward M*d*b (dispatch)
@@ -52,6 +55,35 @@ def exchange_counts(counts: list[int], group=None, device=None) -> tuple[torch.T
 def dispatch(rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, group=None) -> torch.Tensor:
     """All-to-all the expert-sorted rows (M, d) to the experts' ranks -> (R, d) grouped by source."""
     return all_to_all_single(rows, recv.sum(1).tolist(), send.sum(1).tolist(), group)
+
+
+def dispatch_once_per_rank(rows: torch.Tensor, tokens: torch.Tensor, send: torch.Tensor, recv: torch.Tensor,
+                           group=None) -> torch.Tensor:
+    """dispatch's result (R, d), but each token's row crosses to a rank ONCE however many of that
+    rank's experts it chose (DeepSeek-V3 sends a token once per node). tokens (M,): the token of
+    each sorted row. For the rows to rank s: u_s distinct tokens, and for each row the index of
+    its token among them. Moves the u_s rows (autograd: their gradient returns the same way), then
+    the receiver expands them by the indices. Bytes per layer, forward: u*d*b + ep*8 (the u_s) +
+    M*8 (the indices) instead of M*d*b; backward u*d*b instead of M*d*b (u = sum_s u_s <= M)."""
+    ep = send.shape[0]
+    firsts, inverse, unique_counts, offset = [], [], [], 0
+    for n in send.sum(1).tolist():  # rows to rank s are the contiguous block [offset, offset + n)
+        uniq, inv = torch.unique(tokens[offset:offset + n], return_inverse=True)
+        first = torch.full((uniq.numel(),), n, dtype=torch.int64, device=rows.device)
+        first = first.scatter_reduce(0, inv, torch.arange(n, device=rows.device), "amin")  # a row of each token
+        firsts.append(first + offset)
+        inverse.append(inv)
+        unique_counts.append(uniq.numel())
+        offset += n
+    u_send = torch.tensor(unique_counts, dtype=torch.int64, device=rows.device)
+    u_recv = torch.empty_like(u_send)
+    dist.all_to_all_single(u_recv, u_send, group=group)
+    inv_recv = torch.empty(int(recv.sum()), dtype=torch.int64, device=rows.device)
+    dist.all_to_all_single(inv_recv, torch.cat(inverse), recv.sum(1).tolist(), send.sum(1).tolist(), group=group)
+    unique_rows = all_to_all_single(rows[torch.cat(firsts)], u_recv.tolist(), u_send.tolist(), group)
+    start = u_recv.cumsum(0) - u_recv  # where each source's distinct rows begin
+    source = torch.repeat_interleave(torch.arange(ep, device=rows.device), recv.sum(1))
+    return unique_rows[start[source] + inv_recv]  # the gather's backward sums each token's rows
 
 
 def run_local_experts(received: torch.Tensor, recv: torch.Tensor, experts: list[nn.Module]) -> torch.Tensor:

@@ -7,7 +7,9 @@ is `train_moe_reference(..., shares=W)`: the same model run on the W shares one 
 other, loss = mean of the W share losses, then one optimizer step.
 
 Mesh: ep x dp (course_lib.parallel.mesh: rank = dp_index * ep + ep_index). Gradients:
-reduce_gradients over the ep group, then an all-reduce average over the dp group.
+reduce_gradients over the ep group, then an all-reduce average over the dp group. With
+balance="bias", each layer's step load is summed over the world and the bias updated after the
+backward (the reference: after its shares' backward), so every copy of the bias stays equal.
 experts="replicated" is the baseline: every rank keeps every expert and all gradients are
 averaged over the world (data parallelism only), with the same result.
 """
@@ -18,10 +20,12 @@ import torch.distributed as dist
 
 from course_lib.data import CharDataset
 from course_lib.model import GPT
+from course_lib.model.moe import update_expert_bias
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.dp import naive_all_reduce_gradients
-from course_lib.parallel.ep.apply import apply_expert_parallel, check_expert_parallel, clip_grad_norm, full_flat, reduce_gradients
+from course_lib.parallel.ep.apply import (apply_expert_parallel, check_expert_parallel, clip_grad_norm, full_flat,
+                                          reduce_gradients, sync_expert_load)
 from course_lib.parallel.mesh import make_mesh
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
@@ -63,6 +67,7 @@ def train_moe_reference(model_config, train_cfg, shares: int) -> TrainResult:
             loss = m(xs, ys)[1] / shares
             loss.backward()
             total += loss.item()
+        update_expert_bias(m)  # balance="bias": the step's load, summed over the shares
         return total
 
     result = TrainResult(model=model).set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
@@ -72,13 +77,14 @@ def train_moe_reference(model_config, train_cfg, shares: int) -> TrainResult:
 
 
 def train_expert_parallel(model_config, train_cfg, dp: int = 1, experts: str = "sharded", trace: bool = False,
-                          record_timeline: bool = False) -> TrainResult:
+                          record_timeline: bool = False, once_per_rank: bool = False) -> TrainResult:
     """Rank code: the MoE GPT on an ep x dp mesh (ep = world / dp), this rank's share of each batch.
 
     Returns a TrainResult: train_losses this rank's share losses (their mean over ranks is the
     reference's), final_params / final_grads of the WHOLE model in single-process order
     (experts gathered after training), step_seconds; comm_summary with trace; timeline_events
-    with record_timeline (forward/backward/optimizer spans and every collective).
+    with record_timeline (forward/backward/optimizer spans and every collective). once_per_rank:
+    the deduplicating dispatch (apply_expert_parallel), the same result with fewer bytes.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = check_run(model_config, train_cfg, world, dp, experts)
@@ -90,18 +96,22 @@ def train_expert_parallel(model_config, train_cfg, dp: int = 1, experts: str = "
     dev = rank_device()
     model = GPT(model_config, seed=train_cfg.seed).to(dev)
     if experts == "sharded":
-        apply_expert_parallel(model, ep_group)
+        apply_expert_parallel(model, ep_group, once_per_rank)
 
         def sync_gradients():
             reduce_gradients(model, ep_group)
             if dp > 1:
                 naive_all_reduce_gradients(model, dp_group)
+            sync_expert_load(model)  # over the world: every rank's tokens, as the reference's shares
+            update_expert_bias(model)
 
         def clip(max_norm):
             clip_grad_norm(model, max_norm, ep_group)
     else:
         def sync_gradients():
             naive_all_reduce_gradients(model, None)
+            sync_expert_load(model)
+            update_expert_bias(model)
 
         clip = None
     dataset = CharDataset("train", block_size=model_config.block_size)
