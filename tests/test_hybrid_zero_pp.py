@@ -7,22 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib.data import CharDataset
 from course_lib.estimate.traffic import pp_traffic
-from course_lib.model import GPTConfig
 from course_lib.parallel import topology
 from course_lib.parallel.hybrid import ParallelDims, run_hybrid, train_single
 from course_lib.parallel.hybrid.zero_pp import zero_pp_traffic
 from course_lib.parallel.zero import expected_state_bytes
 
-from test_hybrid import TRAIN, _assert_equal_to_single
-
-SEQ = 16
-
-
-@pytest.fixture(scope="module")
-def dense():
-    return GPTConfig(vocab_size=CharDataset("train", SEQ).vocab_size, block_size=SEQ, n_layer=2, n_head=2, d_model=16)
+from test_hybrid import SEQ, TRAIN, _assert_equal_to_single, dense  # noqa: F401 (dense: the same fixture)
 
 
 @pytest.fixture(scope="module")

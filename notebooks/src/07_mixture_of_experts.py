@@ -178,9 +178,8 @@ print(f"\nrows per expert (the sorted order every expert receives its block in):
 # </details>
 
 # %% tags=["nbval-ignore-output"]
-def train_with_load_log(aux, steps=40, top_k=1):
-    cfg = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=top_k, aux_loss_coef=aux,
-                         z_loss_coef=0.001 if aux else 0.0)
+def train_logging_loads(cfg, steps=40, after_step=None):
+    """Train a GPT of `cfg`; return (model, tokens per expert of layer 0 at each step, losses)."""
     m = GPT(cfg, seed=0)
     opt = make_optimizer(m, TrainConfig(lr=1e-3))
     gen = torch.Generator().manual_seed(0)
@@ -188,8 +187,15 @@ def train_with_load_log(aux, steps=40, top_k=1):
     for _ in range(steps):
         xb, yb = get_batch(DATA, 8, gen)
         losses.append(train_step(m, opt, xb, yb, 1.0))
+        if after_step is not None:
+            after_step(m)
         loads.append(routing_stats(m)[0].routed)  # layer 0: tokens each expert was chosen for
     return m, torch.stack(loads).float(), losses
+
+def train_with_load_log(aux, steps=40, top_k=1):
+    cfg = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=top_k, aux_loss_coef=aux,
+                         z_loss_coef=0.001 if aux else 0.0)
+    return train_logging_loads(cfg, steps)
 
 runs = {aux: train_with_load_log(aux) for aux in (0.0, 0.01)}
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.2), sharey=True)
@@ -675,16 +681,9 @@ for (name, cfg), sent in zip(variants.items(), zip(*fine_bytes)):
 from course_lib.model.moe import update_expert_bias
 
 def train_router(cfg, steps=40):
-    m = GPT(cfg, seed=0)
-    opt = make_optimizer(m, TrainConfig(lr=1e-3))
-    gen = torch.Generator().manual_seed(0)
-    loads, losses = [], []
-    for _ in range(steps):
-        xb, yb = get_batch(DATA, 8, gen)
-        losses.append(train_step(m, opt, xb, yb, 1.0))
-        update_expert_bias(m)  # balance="bias": b_e += gamma * sign(mean load - load_e); others: nothing
-        loads.append(routing_stats(m)[0].routed)
-    last = torch.stack(loads[-10:]).float().mean(0)
+    # balance="bias": b_e += gamma * sign(mean load - load_e) after each step; the others: nothing
+    _, loads, losses = train_logging_loads(cfg, steps, after_step=update_expert_bias)
+    last = loads[-10:].mean(0)
     return last / last.sum(), losses[-1]
 
 balancing = {"none": dict(balance="none", z_loss_coef=0.0), "Switch loss 0.01": dict(balance="aux"),
