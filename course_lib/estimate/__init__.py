@@ -6,7 +6,8 @@ which sits above this package.
     memory.py       model state by precision recipe and ZeRO stage (per-parameter stage 3 and
                     HSDP too); activations
     compute.py      FLOPs per token, 6PD, time to train, GPUs needed
-    per_gpu.py      everything above on the busiest GPU of a dp x ep x cp x tp x pp layout
+    per_gpu.py      everything above on the busiest GPU of a dp x ep x cp x tp x pp layout;
+                    zero_units / composed_zero_memory: ZeRO-2/3 composed with pp and tp
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
     cluster.py      Cluster: devices, links, measured rates
     traffic.py      each mesh axis's collectives of one step, as records (notebook 10 sums their

@@ -3,6 +3,8 @@ dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it).
 
     rank_param_counts(config, tp, pp, ep, stage)   parameters one rank of a pipeline stage holds
     per_gpu_memory(config, ...)                     bytes on the busiest GPU (or on one stage's)
+    zero_units(config, dims, rank)                  ZeRO-2/3's flat units on a pipeline rank, composed
+    composed_zero_memory(config, dims, ...)         their state, accumulated gradient and gathered peak
 """
 
 from __future__ import annotations
@@ -119,3 +121,118 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
         if best is None or out["total"] > best["total"]:
             best = out
     return best
+
+
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank in a V: rank r runs stages r and 2 pp - 1 - r
+
+
+def rank_stages(dims, rank: int = 0) -> list[int]:
+    """The pipeline stages (chunks, in order) that pipeline rank `rank` runs: r, r + pp, ... of
+    pp * v stages, or r and 2 pp - 1 - r in a V (course_lib.parallel.pp's placements)."""
+    pp, v = dims.pp, dims.virtual_stages
+    if getattr(dims, "schedule", "1f1b") in V_SCHEDULES and pp > 1:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(v)]
+
+
+def zero_units(config, dims, rank: int = 0, by_chunk: bool = False) -> list:
+    """P_u: the elements of each flat unit a rank of pipeline rank `rank` (any tp rank) shards
+    over dp under ZeRO-2 or 3 composed with pp / tp (course_lib.parallel.hybrid.zero_pp, whose
+    parameter groups are the matrices, weight-decayed, and the vectors: norms and biases):
+
+        zero 2   one unit per group over all the rank's chunks; the matrix tied across ranks
+                 (the embedding on the first rank, its copy in the head on the last, pp > 1) in
+                 a unit of its own: [matrices - tied, vectors, tied]
+        zero 3   one unit per chunk and group: [matrices(c), vectors(c)] for each chunk c
+
+    A chunk's parameters are rank_param_counts' for its stage of pp * v; its vectors per block
+    (GPT, b = 1 with biases): 2(d + bd) norms, qkv 3bd/tp, proj bd, per expert fc bf/tp and
+    proj bd (Llama-like: the 2 RMSNorms, 2d), and the final norm on the last stage. Empty units
+    are left out. by_chunk=True: stage 3's units as one list per chunk."""
+    base, n_experts, _ = unpack(config)
+    n_stages = dims.pp * dims.virtual_stages
+    tp, ep = dims.tp, dims.ep
+    stages = rank_stages(dims, rank)
+    b = int(getattr(base, "bias", False)) if isinstance(base, GPTConfig) else 0
+    d, f = base.d_model, ff_dim(base)
+    norms = param_breakdown(config)["norms"]
+    per_block = norms + 3 * b * d // tp + b * d + (n_experts // ep) * (b * f // tp + b * d)
+    final = param_breakdown(config)["final_norm"]
+    split = split_layers(base.n_layer, n_stages)
+    tied = bool(getattr(base, "tie_weights", False)) and n_stages > 1
+    tied_rows = cdiv(base.vocab_size, tp) * d
+    chunks = []
+    for k, s in enumerate(stages):
+        counts = rank_param_counts(config, tp, n_stages, ep, s)
+        total = counts["dense"] + counts["expert"]
+        vectors = len(split[s]) * per_block + (final if s == n_stages - 1 else 0)
+        matrices = total - vectors
+        if tied and s == n_stages - 1 and 0 in stages[:k]:  # the V: the head IS the embedding here
+            matrices -= tied_rows
+        chunks.append((matrices, vectors))
+    if by_chunk:
+        return [[n for n in chunk if n] for chunk in chunks]
+    if dims.zero == 3:
+        return [n for chunk in chunks for n in chunk if n]
+    across = tied and dims.pp > 1 and (0 in stages) != (n_stages - 1 in stages)  # tied_across_ranks
+    held_tied = tied_rows if across else 0
+    units = [sum(m for m, _ in chunks) - held_tied, sum(v for _, v in chunks), held_tied]
+    return [n for n in units if n]
+
+
+FSDP_UNITS = ("chunk", "block")
+
+
+def composed_zero_memory(config, dims, recipe: str = "bf16_mixed", rank: int = 0, fsdp_unit: str = "chunk") -> dict:
+    """Model-state bytes of a rank of pipeline rank `rank` under ZeRO-2/3 composed with pp / tp
+    (course_lib.parallel.hybrid.zero_pp): {"params", "grads", "optimizer", "gathered",
+    "between_steps"}. Units P_u (zero_units), S_u = ceil(P_u / N) over N = dp*ep*cp ranks,
+    Psi_r = sum_u P_u, recipe bytes p, g, k per parameter (RECIPES):
+
+        between_steps   sum_u model_state_bytes(P_u, recipe, zero, N): the shards (the rank's state
+                        between steps: params p Psi_r at stage 2, p sum S_u at 3; grads g sum S_u;
+                        optimizer k sum S_u)
+        grads           g Psi_r: each gradient accumulated unsharded over the m micro-batches
+                        until its one reduce-scatter (the price of reducing once per step)
+        gathered        stage 3, p times the parameters gathered at the peak:
+                        fsdp_unit="chunk" (the course's engine: a chunk's units together)
+                            reshard_after_forward=True   max over chunks of sum_u N S_u
+                            False                        sum over all the rank's units of N S_u
+                        fsdp_unit="block" (FSDP per transformer block, the embedding, final norm
+                        and head a root unit kept for the step; no prefetch)
+                            True   root + the largest block;   False   Psi_r
+
+    params and optimizer are between_steps'; the peak adds grads and gathered to them."""
+    if fsdp_unit not in FSDP_UNITS:
+        raise ValueError(f"fsdp_unit={fsdp_unit!r} must be one of {FSDP_UNITS}")
+    n = dims.dp * dims.ep * getattr(dims, "cp", 1)
+    r, units = RECIPES[recipe], zero_units(config, dims, rank)
+    between = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
+    for p in units:
+        for k, v in model_state_bytes(p, recipe, dims.zero, n).items():
+            between[k] += v
+    local = sum(units)
+    gathered = 0
+    if dims.zero == 3:
+        reshard = getattr(dims, "reshard_after_forward", True)
+        if fsdp_unit == "chunk":
+            chunks = [sum(n * cdiv(p, n) for p in c) for c in zero_units(config, dims, rank, by_chunk=True)]
+            gathered = max(chunks) if reshard else sum(chunks)
+        else:
+            base, n_experts, _ = unpack(config)
+            blocks = [len(split_layers(base.n_layer, dims.pp * dims.virtual_stages)[s]) for s in rank_stages(dims, rank)]
+            block = _block_params(config, dims.tp, dims.ep)
+            gathered = local - sum(blocks) * block + block if reshard else local
+        gathered *= r.param
+    return {"params": between["params"], "grads": r.grad * local, "optimizer": between["optimizer"],
+            "gathered": gathered, "between_steps": between}
+
+
+def _block_params(config, tp: int, ep: int) -> int:
+    """One transformer block's parameters on one tp rank (rank_param_counts' per-layer terms)."""
+    base, n_experts, _ = unpack(config)
+    p = param_breakdown(config)
+    whole_bias = base.d_model if isinstance(base, GPTConfig) and base.bias else 0
+    attention = (p["attention"] - whole_bias) // tp + whole_bias
+    mlp = (p["mlp"] - whole_bias) // tp + whole_bias
+    return attention + p["norms"] + p["router"] + (n_experts // ep) * mlp

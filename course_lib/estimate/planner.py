@@ -13,7 +13,8 @@ uses all n_gpus = dp * ep * cp * tp * pp devices, keeps tp inside a node (the TP
 the critical path), and has global_batch = dp * ep * m * micro_batch. The
 search is narrower than the rule book (course_lib.dims), by choice: pp | n_layer (uneven stages
 run, but a balanced split is never slower here), m >= pp except for GPipe, and cp with
-zig-zag load balancing, by the methods in cp_methods (ring by default). Step
+zig-zag load balancing, by the methods in cp_methods (ring by default). ZeRO-2 and 3 compose
+with pp and tp (reduced once per step); ZeRO-3 there is tried under both reshard policies. Step
 time and memory come from course_lib.estimate.step_time; a layout fits when its busiest rank's
 bytes are at most the device's memory_bytes.
 """
@@ -26,7 +27,7 @@ from course_lib._validate import check_int
 from course_lib.dims import RECOMPUTE, ZERO_STAGES, ParallelDims, check_context_parallel, check_tp
 from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.params import ff_dim, unpack
-from course_lib.estimate.step_time import ALL_TERMS, memory_per_rank, step_time
+from course_lib.estimate.step_time import ALL_TERMS, composed, memory_per_rank, step_time
 from course_lib.units import fmt_bytes
 
 
@@ -123,7 +124,7 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
 
 
 def _inner(config, cluster, global_batch, seq, recipe, attention, causal, degrees, per_replica, micro_batches,
-           zero_stages, recomputes, schedules, max_v):
+           zero_stages, recomputes, schedules, max_v, reshard_policies=(True, False)):
     base, pp = unpack(config)[0], degrees.pp
     out = []
     for mb in micro_batches:
@@ -140,9 +141,16 @@ def _inner(config, cluster, global_batch, seq, recipe, attention, causal, degree
                 shapes = [(s, v) for s, v in shapes if s == "gpipe"]
         for schedule, v in shapes:
             for zero in zero_stages if degrees.dp * degrees.ep * degrees.cp > 1 else (0,):
-                for rc in recomputes:
+                if zero >= 2 and (degrees.ep > 1 or degrees.cp > 1):
+                    continue  # the rule book (ParallelDims.check): stages 2 and 3 reduce over dp alone
+                # ZeRO-3 composed with pp / tp: both reshard policies (keep the gathered stage for
+                # the step, Llama 3's, or free it after every micro-batch's forward and backward)
+                policies = reshard_policies if zero == 3 and composed(degrees) else (True,)
+                for rc, reshard in [(rc, k) for rc in recomputes for k in policies]:
                     dims = replace(degrees, virtual_stages=v, microbatches=m, zero=zero, recompute=rc,
                                    schedule=schedule, sequence_parallel=degrees.tp > 1)
+                    if not reshard:
+                        dims = replace(dims, reshard_after_forward=False)
                     mem = memory_per_rank(config, dims, global_batch, seq, recipe, attention)
                     t = step_time(config, dims, cluster, global_batch, seq, recipe, attention, causal)
                     out.append(Candidate(dims, global_batch, t, mem, mem["total"] <= cluster.memory_bytes))

@@ -30,7 +30,9 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
                 ranks sharing fewer CPU cores lose only the part no other rank can use
     dp          the gradient all-reduce in DDP's buckets (ZeRO-1: reduce-scatter + all-gather;
                 ZeRO-2: the reduce-scatter in every micro-batch; ZeRO-3: per block, 2 all-gathers
-                and a reduce-scatter), overlapped with backward: only
+                and a reduce-scatter; composed with pp / tp, ZeRO-2/3 reduce once per step and
+                stage 3 gathers each unit 2m times, or once without reshard_after_forward, its
+                all-gathers exposed: traffic.zero_pp_ops), overlapped with backward: only
                 max(0, T_dp - overlap * T_backward / m) is exposed (the gradients are final
                 only during the last micro-batch's backward)
                 gather_dtype="fp8" (zero=3): the parameter all-gathers at 1 byte per parameter
@@ -60,7 +62,7 @@ from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.context import attention_imbalance, ring_exposed
 from course_lib.estimate.memory import RECIPES
 from course_lib.estimate.params import GPTConfig, param_breakdown, unpack
-from course_lib.estimate.per_gpu import per_gpu_memory
+from course_lib.estimate.per_gpu import FSDP_UNITS, composed_zero_memory, per_gpu_memory, zero_units
 from course_lib.estimate.traffic import ddp_buckets, seconds, step_traffic  # noqa: F401 (ddp_buckets: re-exported)
 
 
@@ -92,12 +94,24 @@ def check_layout(config, dims: ParallelDims, batch_size: int, seq: int | None = 
     return seq, share // dims.microbatches
 
 
+def composed(dims) -> bool:
+    """Whether the runtime composes data parallelism with another dimension (course_lib.parallel.
+    hybrid): ZeRO-2 and 3 then reduce once per step (course_lib.parallel.hybrid.zero_pp)."""
+    return dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or getattr(dims, "cp", 1) > 1
+
+
 def memory_per_rank(config, dims: ParallelDims, batch_size: int, seq: int | None = None,
-                    recipe: str = "bf16_mixed", attention: str | None = None) -> dict:
+                    recipe: str = "bf16_mixed", attention: str | None = None, fsdp_unit: str = "chunk") -> dict:
     """notebook 01's per_gpu_memory for this layout, with the in-flight micro-batches of the
     schedule: 1F1B holds min(m, pp) on stage 0 (per_gpu_memory's assumption), GPipe all m,
-    interleaving (1 + (pp - 1) / (pp * v)) times 1F1B's (Narayanan et al. 2021)."""
+    interleaving (1 + (pp - 1) / (pp * v)) times 1F1B's (Narayanan et al. 2021).
+    ZeRO-2 and 3 composed with pp / tp (course_lib.estimate.per_gpu.composed_zero_memory, on the
+    busiest stage): the gradient accumulated unsharded over the step's micro-batches, stage 3's
+    gathered parameters ("gathered": one chunk, or block with fsdp_unit="block", with
+    dims.reshard_after_forward; the rank's whole stage without), and "between_steps": the shards
+    held between steps; total = params + grads + optimizer + gathered + activations."""
     seq, micro_batch = check_layout(config, dims, batch_size, seq)
+    check_one_of("fsdp_unit", fsdp_unit, FSDP_UNITS)
     L, m, v = dims, dims.microbatches, dims.virtual_stages
     mem = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
                          attention=attention, sequence_parallel=L.sequence_parallel, cp=L.cp, cp_method=L.cp_method)
@@ -107,6 +121,9 @@ def memory_per_rank(config, dims: ParallelDims, batch_size: int, seq: int | None
             L.schedule, min(m, L.pp) / L.pp)
         mem["activations"] = int(mem["activations"] * factor)
         mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
+    if L.zero >= 2 and composed(L):
+        mem.update(composed_zero_memory(config, L, recipe, mem["stage"], fsdp_unit))
+        mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["gathered"] + mem["activations"]
     return mem
 
 
@@ -230,11 +247,18 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     # gradients are final only in the last micro-batch's backward, so only that one hides them
     hidden_by = C.overlap * (2 / 3) * compute / m
     dp_exposed = max(0.0, dp_total - hidden_by)
+    if L.zero == 3 and composed(L):  # a unit's all-gather blocks the forward (or backward) that needs it:
+        # the composed engine gathers on demand, no prefetch; the reduce-scatters hide as before
+        link = C.link_of("dp", L) if traffic["dp"] else None
+        gathers = sum(seconds(r, link) for r in traffic["dp"] if r.op == "all_gather")
+        dp_exposed = gathers + max(0.0, dp_total - gathers - hidden_by)
     owned = local if L.zero == 0 else -(-local // replicas)
     # the update: a per-tensor loop over this rank's tensors (ZeRO: over flat shards, one per
     # parameter group, or one per unit at stage 3), plus reading and writing its state
     per_block, outside = parameter_tensors(config, L.ep)
     tensors = per_block * layers + outside if L.zero == 0 else (units if L.zero == 3 else 2)
+    if L.zero >= 2 and composed(L):  # the composed engine's flat units (per_gpu.zero_units)
+        tensors = len(zero_units(config, L))
     optimizer = tensors * C.tensor_overhead + owned * 2 * RECIPES[recipe].total / C.memory_bandwidth
     if traffic["norm"]:  # the global norm's all-reduce
         optimizer += term["norm"]

@@ -29,7 +29,9 @@ and one tp rank (the course's runtime, counted by course_lib.observe.CommTracer)
          hops of K||V and dK||dV, or Ulysses' 4 all-to-alls (cp_traffic)
     dp   the gradients over the replicas (DDP's buckets, or one all-reduce per parameter group;
          ZeRO-1 reduce-scatter + all-gather; ZeRO-2 the reduce-scatter every micro-batch; ZeRO-3
-         per block 2 all-gathers and a reduce-scatter), and the loss averaged over dp for the log
+         per block 2 all-gathers and a reduce-scatter; composed with pp / tp, ZeRO-2 and 3 reduce
+         once per step and stage 3 gathers 2m or 1 times per unit: zero_pp_ops), and the loss
+         averaged over dp for the log
     norm one all-reduce of the squared global norm (8 bytes) over the world
 
 `calls` is what the tracer counts on rank 0 in one step (the first stage). `priced` departs from
@@ -49,6 +51,7 @@ from dataclasses import dataclass, replace
 from course_lib.comm.measured import collective_time
 from course_lib.dims import check_batch, layers_per_rank
 from course_lib.estimate.params import kv_dim, param_breakdown, param_count, unpack
+from course_lib.estimate.per_gpu import zero_units
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ def pp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     base, s, mb, _ = _shape(config, dims, batch_size, seq)
     s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
     m, v, n, R = dims.microbatches, dims.virtual_stages, dims.tp, dims.replicas * getattr(dims, "cp", 1)
-    # sequence parallelism sends each tp rank's shard of the sequence (Megatron); the runtime runs SP with pp = 1
+    # sequence parallelism sends each tp rank's shard of the sequence (Megatron; the runtime's stage.sequence_shards)
     M = mb * s * base.d_model * act_bytes // (n if dims.sequence_parallel else 1)
     # rank 0: v activations sent and v gradients received per micro-batch, and 2 (v - 1) more
     # (its later chunks both receive and send): the step-time model prices a boundary crossing once
@@ -202,8 +205,11 @@ def dp_traffic(config, dims, batch_size: int, seq: int | None = None, local_para
     m, dp, pb = dims.microbatches, dims.dp * cp, grad_bytes if param_bytes is None else param_bytes
     grads, params, world = local_params * grad_bytes, local_params * pb, dims.world_size
     psi = replica_group_params(config, dims)  # the parameters of one data-parallel copy
+    composed = dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or cp > 1
+    if dims.zero >= 2 and composed:  # reduced once per step (course_lib.parallel.hybrid.zero_pp)
+        out = _composed_zero(config, dims, local_params, grad_bytes, pb)
     # the ZeRO engine (one all-reduce per parameter group) wherever the runtime composes
-    if dims.zero == 0 and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or cp > 1):
+    elif dims.zero == 0 and composed:
         out = [Collective("dp", "all-reduce of the gradients (both groups' bytes)", "all_reduce", grads, replicas, 1,
                           dp * psi * grad_bytes),
                Collective("dp", "all-reduce of the second group (norms, biases)", "all_reduce", 0, replicas, 1, 0,
@@ -231,6 +237,45 @@ def dp_traffic(config, dims, batch_size: int, seq: int | None = None, local_para
         return [replace(c, calls=0, world_bytes=0, priced=c.priced_calls, why="EP's dense average, priced as dp's")
                 for c in out]
     return out + [Collective("dp", "the loss averaged over dp", "all_reduce", 8, dp, 1, 8 * world, report=True)]
+
+
+def zero_pp_ops(config, dims, rank: int = 0, param_bytes: int = 4, grad_bytes: int = 4) -> dict[str, dict[str, int]]:
+    """{op: {"calls", "bytes_sent"}} of one rank's ZeRO-2/3 collectives in one step when composed
+    with pp / tp (what course_lib.observe.CommTracer counts on the dp group of a rank of pipeline
+    rank `rank`). Its units P_u (per_gpu.zero_units), S_u = ceil(P_u / N) over N = dp*ep*cp ranks:
+
+        reduce-scatter  once per unit and step (the gradient accumulated over the m micro-batches):
+                        U calls, N sum_u S_u grad_bytes sent
+        all-gather      zero 2: the updated shards, once per unit: U calls, sum_u S_u param_bytes
+                        zero 3, reshard_after_forward=True: each unit gathered before every
+                        micro-batch's forward and again before its backward: 2 m U calls,
+                        2 m sum_u S_u param_bytes; False: once, kept for the step: U, sum_u S_u
+                        param_bytes. The ratio of the two policies is 2m, calls and bytes."""
+    n = dims.dp * dims.ep * getattr(dims, "cp", 1)
+    shards = [-(-p // n) for p in zero_units(config, dims, rank)]
+    reshard = getattr(dims, "reshard_after_forward", True)
+    gathers = 2 * dims.microbatches if dims.zero == 3 and reshard else 1
+    return {"all_gather": {"calls": gathers * len(shards), "bytes_sent": gathers * sum(shards) * param_bytes},
+            "reduce_scatter": {"calls": len(shards), "bytes_sent": n * sum(shards) * grad_bytes}}
+
+
+def _composed_zero(config, dims, local_params, grad_bytes, param_bytes) -> list[Collective]:
+    """dp_traffic's records for ZeRO-2/3 composed with pp / tp: rank 0's calls (zero_pp_ops),
+    every rank's bytes (tp copies of each pipeline rank's, over its N dp ranks), priced as the
+    busiest rank's average unit (local_params / U elements; rank 0's own when local_params is 0)."""
+    n = dims.dp * dims.ep * getattr(dims, "cp", 1)
+    ranks = [zero_pp_ops(config, dims, r, param_bytes, grad_bytes) for r in range(dims.pp)]
+    units = ranks[0]["reduce_scatter"]["calls"]
+    local = local_params or ranks[0]["reduce_scatter"]["bytes_sent"] / grad_bytes  # N sum_u S_u
+
+    def world(op):
+        return dims.tp * n * sum(r[op]["bytes_sent"] for r in ranks)
+    policy = ("2m per unit: freed after each forward and backward" if getattr(dims, "reshard_after_forward", True)
+              else "once per unit: kept for the step") if dims.zero == 3 else "the updated shards, once per unit"
+    return [Collective("dp", f"all-gathers of the units ({policy})", "all_gather", local * param_bytes / units, n,
+                       ranks[0]["all_gather"]["calls"], world("all_gather")),
+            Collective("dp", "reduce-scatter of each unit's gradient, once per step", "reduce_scatter",
+                       local * grad_bytes / units, n, units, world("reduce_scatter"))]
 
 
 def norm_traffic(dims) -> list[Collective]:

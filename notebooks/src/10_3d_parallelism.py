@@ -21,7 +21,9 @@
 # * explain why tp goes innermost (NVLink), and why Megatron-LM puts pp outermost where Llama 3
 #   puts dp;
 # * work through the Llama 3 405B layout with the course's estimator, and say where the
-#   course's composition departs from the published run.
+#   course's composition departs from the published run;
+# * run FSDP (ZeRO-3) inside a pipeline, count its all-gathers per step under each reshard
+#   policy (`2mU` or `U`), and cost the memory each policy holds.
 
 # %%
 %matplotlib inline
@@ -33,7 +35,9 @@ from course_lib import run_on_ranks
 from course_lib.data import CharDataset
 from course_lib.estimate import per_gpu_memory
 from course_lib.estimate.clusters import PUBLISHED
-from course_lib.estimate.step_time import step_time
+from course_lib.estimate.per_gpu import composed_zero_memory
+from course_lib.estimate.step_time import memory_per_rank, step_time
+from course_lib.estimate.traffic import zero_pp_ops
 from course_lib.model import GPTConfig
 from course_lib.parallel import make_mesh, mesh_groups, topology
 from course_lib.parallel.hybrid import ParallelDims, merged_params, run_hybrid, train_single
@@ -290,8 +294,9 @@ assert topology.link_of("tp", SIZES, 4) == "intra" and topology.link_of("tp", SI
 # dp, sharding optimizer state, gradients and parameters but keeping the gathered parameters
 # after the forward pass (no resharding, so no second all-gather in backward, ZeRO-2-like for
 # the parameters); the order `[TP, CP, PP, DP]`, dp outermost (section 6); and no activation
-# checkpointing at 8K sequence length. The course cannot run that composition yet, so read the
-# numbers as an estimate of a simpler neighbour of the real run, not of the run itself.
+# checkpointing at 8K sequence length. Read the numbers below as an estimate of a simpler
+# neighbour of the real run; section 10 runs FSDP inside a pipeline and costs the layout as the
+# paper ran it.
 
 # %%
 case = PUBLISHED["Llama 3 405B on 16k H100"]
@@ -372,6 +377,141 @@ for kw, world in ((dict(dp=2, tp=2), 8), (dict(dp=2, tp=4), 8), (dict(dp=2, pp=4
         print(f"{kw}: {err}")
 
 # %% [markdown]
+# ## 10. FSDP inside a pipeline
+#
+# Section 3 composed ZeRO-1 with tp and pp. ZeRO-2 and ZeRO-3 (FSDP) act *inside* backward, and
+# a pipeline stage runs one backward per micro-batch: `m` of them per step, interleaved with
+# other micro-batches' forwards. Two questions then have two answers each.
+#
+# * **When are gradients reduced?** After every micro-batch's backward (`m` reduce-scatters of
+#   the stage's gradient per step), or once, when the last micro-batch's backward has made
+#   each gradient final. The course's engine (`ParallelDims(zero=2 or 3)` with pp or tp)
+#   reduces once per step, as PyTorch's pipelining does with FSDP2 and Megatron's distributed
+#   optimizer does: `m` times fewer calls and bytes, for holding the stage's unsharded gradient
+#   through the step.
+# * **When are a ZeRO-3 stage's gathered parameters freed?** `reshard_after_forward=True`:
+#   after every micro-batch's forward, gathered again for its backward, freed again.
+#   `False`: gathered at the step's first forward and kept until the step's reduce-scatter
+#   (Llama 3's choice, and torchtitan's default whenever pp > 1).
+#
+# Predict: a pipeline rank holds `U` flat units (the course's engine: its chunk's matrices and
+# its chunk's vectors, two per chunk) and runs `m` micro-batches. How many all-gathers per step
+# does it make under each policy, and what does the cheaper one cost in memory?
+#
+# <details><summary>Answer</summary>
+#
+# `True`: every unit is gathered before each micro-batch's forward and again before its
+# backward, `2mU` all-gathers of the rank's whole parameters' worth, `2m` times its shards'
+# bytes sent. `False`: `U` all-gathers, once. The ratio is `2m`, in calls and in bytes. The
+# price: without resharding the rank holds its whole stage unsharded for the step; with it,
+# one chunk at a time (FSDP wrapping each transformer block: one block at a time). Either way
+# one reduce-scatter per unit per step.
+# </details>
+#
+# The run: dp 2 × pp 2 with two chunks per rank (interleaved 1F1B, a 4-block model), ZeRO-3,
+# under both policies, against the single process. The tracer counts the all-gathers on each
+# rank's dp group; `zero_pp_ops` is the estimator's formula for them, and
+# `composed_zero_memory` its count of the gathered bytes at the peak.
+
+# %% tags=["nbval-ignore-output"]
+DENSE4 = replace(DENSE, n_layer=4)
+reference4 = train_single(DENSE4, TRAIN)
+fsdp_runs = {}
+for reshard in (True, False):
+    dims = ParallelDims(dp=2, pp=2, virtual_stages=2, schedule="interleaved_1f1b", microbatches=2, zero=3,
+                        reshard_after_forward=reshard)
+    fsdp_runs[reshard] = (dims, run_hybrid(dims, DENSE4, TRAIN, trace=True, timeout_s=240))
+    for step, (a, b) in enumerate(zip(fsdp_runs[reshard][1][0].train_losses, reference4.train_losses)):
+        print(f"reshard_after_forward={reshard!s:<5} step {step}: loss {a:.6f}   single process {b:.6f}")
+for dims, results_z in fsdp_runs.values():  # fp32 sums in another order, as in section 3
+    torch.testing.assert_close(torch.tensor(results_z[0].train_losses), torch.tensor(reference4.train_losses),
+                               rtol=1e-5, atol=1e-6)
+
+# %%
+for reshard, (dims, results_z) in fsdp_runs.items():
+    r = next(r for r in results_z if r.coords["dp"] == 0 and r.coords["pp"] == 0)  # rank 0
+    traced = {op: {k: v // TRAIN.steps for k, v in r.zero_ops[op].items()} for op in ("all_gather", "reduce_scatter")}
+    formula = zero_pp_ops(DENSE4, dims, rank=0)
+    peak = composed_zero_memory(DENSE4, dims, "fp32", rank=0)["gathered"]
+    print(f"reshard_after_forward={reshard!s:<5} units {list(r.zero_units.values())}, m = {dims.microbatches}")
+    for op in ("all_gather", "reduce_scatter"):
+        print(f"   {op:<14} per step: traced {traced[op]['calls']:>2} calls, {traced[op]['bytes_sent']:>6} B sent"
+              f" | formula {formula[op]['calls']:>2} calls, {formula[op]['bytes_sent']:>6} B")
+    print(f"   gathered parameters at the peak: measured {fmt_bytes(r.memory['gathered_peak'])}, "
+          f"estimator {fmt_bytes(peak)}")
+    for rk in results_z:  # every rank, exactly (integers)
+        assert {op: {k: v // TRAIN.steps for k, v in rk.zero_ops[op].items()} for op in formula} == \
+            zero_pp_ops(DENSE4, dims, rank=rk.coords["pp"])
+        assert rk.memory["gathered_peak"] == composed_zero_memory(DENSE4, dims, "fp32", rk.coords["pp"])["gathered"]
+calls = {k: zero_pp_ops(DENSE4, d, 0)["all_gather"]["calls"] for k, (d, _) in fsdp_runs.items()}
+assert calls[True] == 2 * fsdp_runs[True][0].microbatches * calls[False]
+
+# %% [markdown]
+# The reduce-scatters are the same under both policies: one per unit per step, whatever `m`.
+# The all-gathers differ by exactly `2m`, and the peak of gathered parameters by the chunk
+# the rank does not run at that moment.
+#
+# **Llama 3 405B as the paper ran it.** Dubey et al. (2024, §3.3.2 and Table 4) give, for the
+# 8K-sequence phase on 16,384 H100s: TP 8, CP 1, PP 16, DP 128, 16 sequences of 8,192 tokens
+# per data-parallel group (16M tokens per batch), the order `[TP, CP, PP, DP]`, an interleaved
+# schedule with several stages per pipeline rank, FSDP over dp that "shards optimizer states and
+# gradients, but for model shards we do not reshard after forward computation", and no
+# activation checkpointing at 8K. The paper does not print the number of stages per rank or
+# the micro-batch size: below, two chunks per rank and one sequence per micro-batch (16
+# micro-batches) are the course's assumptions, as are 128 equal layers standing in for the 126
+# (the paper gives the first and last stages one layer fewer; `PUBLISHED`'s two extra layers
+# stand for the embedding's and the head's work).
+# The estimator gives the busiest GPU's bytes under each policy, with the course's unit (a
+# chunk) and with FSDP's usual one (a transformer block).
+
+# %%
+case = PUBLISHED["Llama 3 405B on 16k H100"]
+LLAMA_FSDP = ParallelDims(dp=128, tp=8, pp=16, virtual_stages=2, schedule="interleaved_1f1b", microbatches=16,
+                          zero=3, sequence_parallel=True)
+print(LLAMA_FSDP.describe(case["global_batch"]), f"on {LLAMA_FSDP.world_size} GPUs, sequences of {case['seq']}")
+rows, ops = {}, {}
+for reshard in (True, False):
+    dims = replace(LLAMA_FSDP, reshard_after_forward=reshard)
+    ops[reshard] = zero_pp_ops(case["config"], dims, rank=0, param_bytes=2, grad_bytes=2)
+    for unit in ("chunk", "block"):
+        rows[reshard, unit] = memory_per_rank(case["config"], dims, case["global_batch"], case["seq"],
+                                              fsdp_unit=unit)
+print(f"{'reshard_after_forward':<22}{'unit':<7}" + "".join(f"{k:>13}" for k in
+      ("params", "grads", "optimizer", "gathered", "activations", "total")))
+for (reshard, unit), mem in rows.items():
+    print(f"{reshard!s:<22}{unit:<7}" + "".join(f"{fmt_bytes(mem[k]):>13}" for k in
+          ("params", "grads", "optimizer", "gathered", "activations", "total")))
+for reshard, o in ops.items():
+    print(f"reshard_after_forward={reshard!s:<5}: {o['all_gather']['calls']:>3} all-gathers per step on a rank, "
+          f"{fmt_bytes(o['all_gather']['bytes_sent'])} sent; {o['reduce_scatter']['calls']} reduce-scatters, "
+          f"{fmt_bytes(o['reduce_scatter']['bytes_sent'])} sent")
+extra = rows[False, "block"]["gathered"] - rows[True, "block"]["gathered"]
+print(f"keeping the stage gathered costs {fmt_bytes(extra)} more per GPU than per-block resharding and saves "
+      f"{ops[True]['all_gather']['calls'] - ops[False]['all_gather']['calls']} all-gathers "
+      f"({fmt_bytes(ops[True]['all_gather']['bytes_sent'] - ops[False]['all_gather']['bytes_sent'])}) per step")
+print(f"activations alone: {fmt_bytes(rows[False, 'chunk']['activations'])} of an H100's 80 GB = 74.5 GiB")
+assert ops[True]["all_gather"]["calls"] == 2 * LLAMA_FSDP.microbatches * ops[False]["all_gather"]["calls"]
+assert rows[True, "block"]["gathered"] < rows[True, "chunk"]["gathered"] < rows[False, "chunk"]["gathered"]
+
+# %% [markdown]
+# Read the table:
+#
+# * **The policy.** Keeping the stage gathered costs the difference printed above, in bf16
+#   parameters per GPU, and removes `2m - 1` of every `2m` all-gathers, which on the slowest
+#   dimension (dp is outermost in `[TP, CP, PP, DP]`, across the network) is the trade Llama 3
+#   made. The reduce-scatters do not depend on the policy.
+# * **The gradient.** The course's engine accumulates each micro-batch's gradient unsharded
+#   and reduce-scatters once per step, so the whole stage's gradient is held during the step
+#   ("grads"); only the reduced gradient is sharded. The paper says its FSDP shards gradients
+#   and accumulates them in FP32 over micro-batches; it does not say when they are reduced.
+# * **The total.** The estimator puts the activations of 16 micro-batches in flight at 8K
+#   tokens without recomputation above what an H100 holds. The paper reports training at 8K
+#   without activation checkpointing after freeing each stage's input and output tensors as soon
+#   as they were no longer needed, found by memory profiling (§3.3.2): the estimator counts
+#   every tensor the course's model keeps, and the gap is what that engineering removed. The
+#   paper's authors built their own memory estimator for this search (§3.3.2).
+
+# %% [markdown]
 # ## Self-check
 #
 # 1. A run has tp 8, pp 4, dp 16 on nodes of 8 GPUs. Which groups stay inside a node?
@@ -379,6 +519,9 @@ for kw, world in ((dict(dp=2, tp=2), 8), (dict(dp=2, tp=4), 8), (dict(dp=2, pp=4
 #    gain only on tp rank 0?
 # 3. With `pp 2`, rank 0 and rank 4 both hold the tied embedding. What do they exchange after
 #    the backward, and why does the norm count it once?
+# 4. A pipeline stage under ZeRO-3 runs `m = 8` micro-batches a step. How many times is each
+#    of its units all-gathered, and how many times reduce-scattered, with
+#    `reshard_after_forward=True`? And with `False`?
 #
 # <details><summary>Answers</summary>
 #
@@ -387,6 +530,9 @@ for kw, world in ((dict(dp=2, tp=2), 8), (dict(dp=2, tp=4), 8), (dict(dp=2, pp=4
 #    LayerNorm gain is replicated on every tp rank, identical, so only one copy may count.
 # 3. Each holds part of its gradient (embedding use, head use); they send each other their
 #    part and add. Both then hold the full gradient: the norm counts stage 0's copy only.
+# 4. `True`: gathered 2m = 16 times (before each micro-batch's forward and again before its
+#    backward), reduce-scattered once (the gradient accumulated over the 8 backwards). `False`:
+#    gathered once and kept for the whole step, still reduce-scattered once.
 # </details>
 
 # %%
@@ -411,7 +557,9 @@ print("self-checks passed")
 #   Megatron-LM*: the tp × pp × dp composition, the interleaved schedule, and why tp stays in a
 #   node.
 # * Dubey et al. 2024, *The Llama 3 Herd of Models*, §3.3: 4D parallelism on 16,384 H100s, the
-#   `[TP, CP, PP, DP]` order and FSDP over dp.
+#   `[TP, CP, PP, DP]` order and FSDP over dp without resharding after forward.
+# * Zhao et al. 2023, *PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel*: the
+#   units FSDP gathers and frees, and the reshard-after-forward trade.
 # * Further reading: Korthikanti et al. 2022, *Reducing Activation Recomputation in Large
 #   Transformer Models* (sequence parallelism and selective recomputation, what lets such runs
 #   skip most recomputation); Liang et al. 2024, *TorchTitan* (FSDP2, TP, PP and CP composed on
