@@ -1,5 +1,7 @@
 """Pipeline step time: every course schedule against the course's GPipe, and the course's
-1F1B against torch.distributed.pipelining's Schedule1F1B on the same stages, in one run.
+1F1B against torch.distributed.pipelining's Schedule1F1B on the same stages, in one run; the
+V schedules (ZB-V, DualPipeV) against torch's ScheduleZBVZeroBubble / ScheduleDualPipeV and
+against the course's 1F1B, and PipeDream-2BW against 1F1B.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--world-size 4] [--microbatches 8] [--rounds 5] [--quick]
 
@@ -15,11 +17,18 @@ their device, 1F1B's step equals GPipe's (same bubble), interleaved and zero bub
 shorter; when 4 ranks share 2 cores, a waiting rank hands its core to another one, so the
 bubble costs less time than the formula says and the ratios sit closer to 1. --action-ms adds
 a fixed time per F, B, W (the notebook's way to show schedules on a crowded CPU).
+
+ZB-V and DualPipeV run 2 chunks per rank (stages r and 2p-1-r; n_layer = 2p is one block per
+stage). DualPipeV's overlapped F&B pairs run F then B on our single-threaded CPU ranks, so it
+cannot beat ZB-V here. PipeDream-2BW needs an untied head and no global clip (pipedream.py): it is
+compared with 1F1B on that same untied model without clipping; its "step" is the time between
+two weight updates of a stage (it has no flush to mark a step).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -34,6 +43,7 @@ from summary import add_quick, quick_mode  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
 from course_lib.parallel.pp.native import train_native  # noqa: E402
+from course_lib.parallel.pp.pipedream import check_2bw, train_2bw  # noqa: E402
 from course_lib.parallel.pp.training import check_pipeline, train_pipeline  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
 
@@ -44,13 +54,30 @@ RUNS = {  # name -> (implementation, schedule, virtual stages)
     "course interleaved 1F1B (v=2)": ("course", "interleaved_1f1b", 2),
     "course zero bubble (ZB-H1)": ("course", "zero_bubble", 1),
     "torch 1F1B": ("torch", "1f1b", 1),
+    "course ZB-V": ("course", "zbv", 2),
+    "torch ZB-V": ("torch", "zbv", 2),
+    "course DualPipeV": ("course", "dualpipev", 2),
+    "torch DualPipeV": ("torch", "dualpipev", 2),
+    "course 1F1B (untied, no clip)": ("untied", "1f1b", 1),
+    "course PipeDream-2BW (untied, no clip)": ("untied", "pipedream_2bw", 1),
 }
 RATIOS = {  # label -> (numerator, denominator, target, better)
     "course 1F1B / torch 1F1B": ("course 1F1B", "torch 1F1B", TARGET_TORCH, "lower"),
     "course 1F1B / course GPipe": ("course 1F1B", "course GPipe", None, "lower"),
     "course interleaved (v=2) / course GPipe": ("course interleaved 1F1B (v=2)", "course GPipe", None, "lower"),
     "course zero bubble / course GPipe": ("course zero bubble (ZB-H1)", "course GPipe", None, "lower"),
+    "course ZB-V / torch ZB-V": ("course ZB-V", "torch ZB-V", TARGET_TORCH, "lower"),
+    "course DualPipeV / torch DualPipeV": ("course DualPipeV", "torch DualPipeV", TARGET_TORCH, "lower"),
+    "course ZB-V / course 1F1B": ("course ZB-V", "course 1F1B", None, "lower"),
+    "course DualPipeV / course 1F1B": ("course DualPipeV", "course 1F1B", None, "lower"),
+    "course PipeDream-2BW / course 1F1B (untied, no clip)": ("course PipeDream-2BW (untied, no clip)",
+                                                             "course 1F1B (untied, no clip)", None, "lower"),
 }
+
+
+def untied(config, cfg):
+    """PipeDream-2BW's setting (and its 1F1B baseline): no tied head, no global clip."""
+    return dataclasses.replace(config, tie_weights=False), dataclasses.replace(cfg, grad_clip=0.0)
 
 
 def one_round(config, cfg, m, action_seconds, order):
@@ -60,6 +87,10 @@ def one_round(config, cfg, m, action_seconds, order):
         impl, schedule, v = RUNS[name]
         if impl == "torch":
             out[name] = train_native(config, cfg, schedule, m, v).step_seconds
+        elif impl == "untied" and schedule == "pipedream_2bw":
+            out[name] = train_2bw(*untied(config, cfg), m).step_seconds
+        elif impl == "untied":
+            out[name] = train_pipeline(*untied(config, cfg), schedule, m, v, action_seconds=action_seconds).step_seconds
         else:
             out[name] = train_pipeline(config, cfg, schedule, m, v, action_seconds=action_seconds).step_seconds
     return out
@@ -84,7 +115,10 @@ def main(argv=None):
     cfg = TrainConfig(steps=args.steps, batch_size=m * args.micro_batch, progress=False)
     try:
         for _, schedule, v in RUNS.values():
-            check_pipeline(config, args.world_size, schedule, m, cfg.batch_size, v)
+            if schedule == "pipedream_2bw":
+                check_2bw(*untied(config, cfg)[:1], args.world_size, m, untied(config, cfg)[1])
+            else:
+                check_pipeline(config, args.world_size, schedule, m, cfg.batch_size, v)
     except ValueError as err:
         parser.error(str(err))
     pad = {k: args.action_ms / 1e3 for k in "FBW"} if args.action_ms else None

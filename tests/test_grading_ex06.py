@@ -141,3 +141,34 @@ def test_no_notebook_prints_or_imports_the_answer():
     assert not re.search(r"make_schedule\(\"(1f1b|zero_bubble)\"[^)]*\)\.(table|actions)", lesson)
     assert "capped" not in lesson
     assert lesson.index("course_lib/parallel/pp") > lesson.index("## References")
+
+
+def test_v_placement_stub_fails_solution_passes_and_wrong_placements_fail(capsys):
+    with pytest.raises(NotImplementedError, match="exercise 06: write v_placement"):
+        ex06.check_v_placement(STUB.v_placement)
+    ex06.check_v_placement(SOLUTION.v_placement)
+    assert capsys.readouterr().out.count("PASS  ") == 2
+    loop = lambda p: [[r, r + p] for r in range(p)]  # noqa: E731  Megatron's interleaving: the loss on rank p-1
+    with pytest.raises(CheckFailed, match="stage 3 on rank 1"):
+        ex06.check_v_placement(loop)
+    def swapped(p):  # rank 0 holds stages 0 and 2p-1, but ranks 1 and 2 trade their first stages
+        v = SOLUTION.v_placement(p)
+        if p > 2:
+            v[1][0], v[2][0] = v[2][0], v[1][0]
+        return v
+
+    with pytest.raises(CheckFailed, match="stage 0 -> 1 jumps from rank 0 to 2"):
+        ex06.check_v_placement(swapped)
+    with pytest.raises(CheckFailed, match="2 stage numbers"):
+        ex06.check_v_placement(lambda p: [[r] for r in range(p)])
+
+
+@pytest.mark.parametrize("source", ["from course_lib.parallel.pp import stage_of\n",
+                                    "from course_lib.parallel.pp.actions import rank_of\n"])
+def test_a_student_module_using_the_library_placement_is_refused(source, tmp_path, monkeypatch):
+    (tmp_path / "ex06_pipeline_schedule").mkdir()
+    (tmp_path / "ex06_pipeline_schedule" / "student.py").write_text(source)
+    monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
+    monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
+    with pytest.raises(CheckFailed, match="already holds this exercise's answer"):
+        grading.load_student("ex06_pipeline_schedule", refuse=ex06.REFUSE)

@@ -14,6 +14,14 @@ the first micro-batch's F chain and B chain (2(p - 1) t) plus the 2m + 1 slots o
     bubble = (p - 1) / (3 m + p - 1)                      m >= p
     bubble = (2 p - m - 1) / (2 m + 2 p - 1)              m <  p
 
+ZB-V and DualPipeV put 2 chunks per rank in a V; with equal chunk times every rank idles p - 1
+chunk-times in a step of 6 m chunk-times of work (the course's schedules' simulation, for m >= p):
+
+    bubble = (p - 1) / (6 m + p - 1)                      m >= p (half of ZB-H1's idle time)
+
+PipeDream-2BW never flushes: over N steps 1F1B's fill and drain happen once, (p - 1) / (N m + p - 1),
+which a step of a long run sees as 0.
+
 Pure formulas: course_lib.parallel.pp.bubble measures the bubble of real runs against them.
 """
 
@@ -34,9 +42,22 @@ def zero_bubble_fraction(p: int, m: int) -> float:
     return (p - 1) / (3 * m + p - 1)
 
 
-def formula_for(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """The bubble formula of a named schedule (course_lib.dims.SCHEDULES)."""
+def v_bubble_fraction(p: int, m: int) -> float:
+    """ZB-V and DualPipeV with equal chunk times, m >= p: (p - 1) / (6 m + p - 1)."""
+    if m < p:
+        raise ValueError(f"microbatches={m} < pp={p}: the V schedules' bubble has a closed form for m >= p only "
+                         f"(course_lib.parallel.pp.bubble simulates the schedule for fewer)")
+    return (p - 1) / (6 * m + p - 1)
+
+
+def formula_for(schedule: str, p: int, m: int, v: int = 1, steps: int | None = None) -> float:
+    """The bubble formula of a named schedule (course_lib.dims.SCHEDULES); pipedream_2bw over
+    `steps` steps (None: a step of a long run, 0)."""
     check_schedule(schedule, p, m, v)
     if schedule == "zero_bubble":
         return zero_bubble_fraction(p, m)
+    if schedule in ("zbv", "dualpipev"):
+        return v_bubble_fraction(p, m)
+    if schedule == "pipedream_2bw":
+        return 0.0 if steps is None else bubble_fraction(p, steps * m)
     return bubble_fraction(p, m, v if schedule == "interleaved_1f1b" else 1)

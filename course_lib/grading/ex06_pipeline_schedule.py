@@ -9,7 +9,9 @@ Graded by properties, never against the library's own schedules:
                 than (m + p - 1)(t_F + t_B), GPipe's and 1F1B's, or no later than the stored
                 time of the 1F1B pattern under the same caps (STEP_UNDER_CAPS);
   * training    the lists drive a real pipelined training on 4 ranks whose losses, gradients and
-                parameters equal the single-process training.
+                parameters equal the single-process training;
+  * V placement the follow-up: two chunks per rank, the first and the last stage on rank 0, every
+                activation sent at most one rank away (check_v_placement; only the V meets all three).
 
 STEP_UNDER_CAPS holds measured numbers of the simulator, not schedules: each is the step time of
 the 1F1B pattern (warm-up forwards, then one forward and one backward in turn, then the drain)
@@ -29,7 +31,8 @@ from course_lib.train import TrainConfig, train_reference
 # generators, and every module that builds a Schedule from a name.
 REFUSE = ("course_lib.parallel.pp.schedules", "course_lib.parallel.pp.make_schedule",
           "course_lib.parallel.pp.runner", "course_lib.parallel.pp.training", "course_lib.parallel.pp.viz",
-          "course_lib.parallel.hybrid")
+          "course_lib.parallel.hybrid", "course_lib.parallel.pp.actions", "course_lib.parallel.pp.v_schedules",
+          "course_lib.parallel.pp.stage_of", "course_lib.parallel.pp.rank_of")
 
 T_F, T_B = 1.0, 2.0  # simulate(..., t_forward=1, t_backward=1, t_weight=1): a backward without W takes 2
 
@@ -139,3 +142,32 @@ def check_training(lists, m: int, label: str, timeout_s: float = 90) -> None:
     diff = torch.cat([(params[n] - ref_params[n]).flatten() for n in ref_params])
     check_close(f"{label}: parameters after 3 steps (RMS of the difference)", diff.pow(2).mean().sqrt().item(), 0.0,
                 rtol=0, atol=cfg.lr / 100)
+
+
+def check_v_placement(v_placement) -> None:
+    """The follow-up: v_placement(p) -> per rank [stage of chunk 0, stage of chunk 1], for p = 1..8.
+    Checked as properties: 2 stages per rank, each of the 2p stages exactly once, stages 0 and
+    2p-1 on rank 0, and stages s and s+1 on the same or neighbouring ranks."""
+    problems = {}
+    for p in range(1, 9):
+        got = v_placement(p)
+        if not isinstance(got, (list, tuple)) or len(got) != p or not all(
+                isinstance(c, (list, tuple)) and len(c) == 2 and all(isinstance(s, int) for s in c) for c in got):
+            raise CheckFailed(f"v_placement({p}) must return {p} lists of 2 stage numbers (one per rank), "
+                              f"got {got!r:.200}")
+        if sorted(s for c in got for s in c) != list(range(2 * p)):
+            problems[f"p={p}"] = f"{got}: every stage 0..{2 * p - 1} exactly once"
+            continue
+        rank = {s: r for r, c in enumerate(got) for s in c}
+        if rank[0] != 0 or rank[2 * p - 1] != 0:
+            problems[f"p={p}"] = f"{got}: stage 0 on rank {rank[0]}, stage {2 * p - 1} on rank {rank[2 * p - 1]}"
+        far = [s for s in range(2 * p - 1) if abs(rank[s] - rank[s + 1]) > 1]
+        if far:
+            problems[f"p={p}"] = f"{got}: stage {far[0]} -> {far[0] + 1} jumps from rank {rank[far[0]]} to " \
+                                 f"{rank[far[0] + 1]}"
+    check_equal("v_placement, p = 1..8: placements breaking a rule of the V", problems, {})
+    turns = []
+    for p in range(1, 9):
+        rank = {s: r for r, c in enumerate(v_placement(p)) for s in c}
+        turns.append(sum(rank[s] == rank[s + 1] for s in range(2 * p - 1)))
+    check_equal("v_placement: stage boundaries that stay on one rank (the turn), p = 1..8", turns, [1] * 8)

@@ -1,4 +1,5 @@
-"""Exercise 06: pipeline schedules as data. Fill in `one_f_one_b`, then `capped_1f1b`, and run
+"""Exercise 06: pipeline schedules as data. Fill in `one_f_one_b`, then `capped_1f1b` (and, as a
+follow-up, `v_placement`), and run
 the check cells of ex06_pipeline_schedule.ipynb. Each check prints PASS when your code is right.
 
 A schedule is, for each rank, the ordered list of actions it runs:
@@ -40,3 +41,15 @@ def capped_1f1b(p: int, m: int, caps: list[int]) -> list[list[Action]]:
     is built.
     """
     raise NotImplementedError("exercise 06: write capped_1f1b")
+
+
+def v_placement(p: int) -> list[list[int]]:
+    """Follow-up: two chunks per rank in a V. Number the 2p stages 0..2p-1 in the order a
+    micro-batch's forward runs them; return, for each rank r, [the stage of its first chunk,
+    the stage of its second chunk].
+
+    Rules: every rank holds exactly two stages; the first and the last stage (the embedding and
+    the loss) are both on rank 0; and each activation travels at most one rank: stages s and
+    s + 1 sit on the same rank or on neighbouring ranks.
+    """
+    raise NotImplementedError("exercise 06: write v_placement")

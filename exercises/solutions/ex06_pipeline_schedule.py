@@ -1,4 +1,5 @@
-"""Exercise 06, reference solution: the 1F1B schedule, and 1F1B under a memory cap per rank."""
+"""Exercise 06, reference solution: the 1F1B schedule, 1F1B under a memory cap per rank, and the
+V placement of two chunks per rank."""
 
 from course_lib.parallel.pp import Action
 
@@ -39,3 +40,11 @@ def capped_1f1b(p: int, m: int, caps: list[int]) -> list[list[Action]]:
         limit = min(limit, caps[r])
         warmups.append(min(limit - 1, p - r - 1, m))
     return _pattern(m, warmups)
+
+
+def v_placement(p: int) -> list[list[int]]:
+    """Rank 0 must hold stage 0 and stage 2p-1, and each step of the forward moves at most one
+    rank: going down from rank 0 to rank p-1 takes the stages 0..p-1, one per rank, and coming
+    back up takes p..2p-1, so rank r holds stage r and stage 2p-1-r (the turn, p-1 -> p, stays
+    on rank p-1)."""
+    return [[r, 2 * p - 1 - r] for r in range(p)]

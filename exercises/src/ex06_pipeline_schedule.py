@@ -12,8 +12,10 @@
 #    ranks: rank r may hold at most `caps[r]` micro-batches in flight. The caps need not fall
 #    with r, and some are tighter than 1F1B's own counts; the step must still be as short as
 #    the pattern allows under them.
+# 3. Follow-up, `v_placement(p)`: place 2p stages on p ranks, two per rank, so that the
+#    embedding and the loss share a rank and no activation travels more than one rank.
 #
-# **The rules** (notebook 06, sections 2, 5 and 10). Rank r holds stage r. It can run F(j)
+# **The rules** (notebook 06, sections 2, 5 and 12). Rank r holds stage r. It can run F(j)
 # only after rank r-1 ran F(j), and B(j) only after its own F(j) and rank r+1's B(j); every
 # rank runs its list strictly in order and waits in each receive, so lists that ask for
 # something nobody will send deadlock.
@@ -35,7 +37,8 @@
 
 # %%
 from course_lib.grading import load_student
-from course_lib.grading.ex06_pipeline_schedule import REFUSE, check_capped, check_one_f_one_b, check_training
+from course_lib.grading.ex06_pipeline_schedule import (REFUSE, check_capped, check_one_f_one_b, check_training,
+                                                      check_v_placement)
 
 # REFUSE: the library's schedule generators and every module that builds a schedule from a name
 student = load_student("ex06_pipeline_schedule", refuse=REFUSE)
@@ -73,6 +76,16 @@ check_training(student.one_f_one_b(4, 2), 2, "1F1B, m=2")
 check_training(student.capped_1f1b(4, 8, [2, 3, 1, 2]), 8, "capped, m=8")
 
 # %% [markdown]
+# ## Check 4 (follow-up): two chunks per rank, in a V
+# Notebook 06 section 9 ran schedules with two chunks per rank. For p = 1 to 8 ranks, place the
+# 2p stages: each rank holds two, stage 0 and stage 2p-1 are both on rank 0, and stages s and
+# s + 1 are on the same rank or on neighbouring ranks. On paper first: for p = 3, where must
+# stage 1 go, and where is the one boundary that needs no message at all?
+
+# %%
+check_v_placement(student.v_placement)
+
+# %% [markdown]
 # ## Going further
 #
 # * Give your 1F1B one warm-up forward more than it needs on every rank. Which check fails,
@@ -80,8 +93,10 @@ check_training(student.capped_1f1b(4, 8, [2, 3, 1, 2]), 8, "capped, m=8")
 # * With caps [2, 2, 2, 2] and m = 8, how much longer is the step than 1F1B's, and which rank
 #   sets the pace? Work it out on the time grid, then compare with `step_time` from
 #   `course_lib.grading.ex06_pipeline_schedule`.
+# * Megatron's interleaving puts stage s on rank s mod p. For v = 2, how many of the 2p - 1
+#   stage boundaries cross a rank there, and how many in your V?
 # * Notebook 06's ZB-H1 splits each B into B and W. Where would you put the W's in your 1F1B
 #   lists to fill the drain without holding more than p micro-batches on any rank?
 #
-# Having written both, compare with the library's `course_lib/parallel/pp/schedules.py`
-# (1F1B; there is no capped variant there).
+# Having written them, compare with the library's `course_lib/parallel/pp/schedules.py`
+# (1F1B; there is no capped variant there) and `course_lib/parallel/pp/actions.py` (the V).

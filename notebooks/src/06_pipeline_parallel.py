@@ -24,6 +24,8 @@
 # * say what interleaving costs (more messages) and how splitting the backward into B and W
 #   (ZB-H1) cuts the bubble to about a third at 1F1B's peak memory;
 # * write a schedule as per-rank action lists and check it for missing actions and deadlocks;
+# * place two chunks per rank in a V (ZB-V, DualPipeV) and weigh their bubble against their
+#   memory; run PipeDream-2BW without a flush and measure what its stale update costs;
 # * place PP in a 3D layout and estimate its communication with the α-β model.
 
 # %%
@@ -35,11 +37,15 @@ from course_lib import plot_gantt
 from course_lib.comm.costmodel import CLUSTERS
 from course_lib.data import CharDataset
 from course_lib.model import GPT, GPTConfig
+from dataclasses import replace
+
 from course_lib.parallel.pp import (Action, Schedule, ScheduleError, check_schedule, in_flight, make_schedule,
-                                    run_pipeline, schedule_events, simulate, split_layers, stage_tensors)
+                                    reference_2bw, run_2bw, run_pipeline, schedule_events, simulate, split_layers,
+                                    stage_of, stage_tensors)
 from course_lib.parallel.pp.bubble import formula_for, measure_schedules, measured_bubble
-from course_lib.parallel.pp.native import run_native
+from course_lib.parallel.pp.native import run_native, run_ours_and_native
 from course_lib.parallel.pp.viz import messages_per_step, plot_schedule
+from course_lib.tolerances import adamw_loss_atol
 from course_lib.train import TrainConfig, train_reference
 
 DATA = CharDataset("train")
@@ -101,7 +107,8 @@ print(make_schedule("gpipe", 4, 1).table())
 # %% tags=["nbval-ignore-output"]
 RUNS4 = measure_schedules(4, CONFIG, [("gpipe", 1), ("gpipe", 8), ("1f1b", 8), ("interleaved_1f1b", 8, 2),
                                       ("zero_bubble", 8), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4),
-                                      ("gpipe", 2), ("gpipe", 4)], action_seconds=PAD)
+                                      ("gpipe", 2), ("gpipe", 4), ("zbv", 8, 2), ("dualpipev", 8, 2)],
+                            action_seconds=PAD)
 BY = {(r["schedule"], r["m"]): r for r in RUNS4}
 side_by_side(BY[("gpipe", 1)], "naive model parallel")
 assert abs(simulated_bubble("gpipe", 4, 1) - 0.75) < 1e-12  # the schedule itself: 3/4 up to float64 rounding
@@ -385,9 +392,9 @@ print(f"measured bubble: ZB-H1 {zb_run['bubble']:.2f} (formula {zb_run['formula'
 #
 # `torch.distributed.pipelining` ships the same schedules. Wrapping our stage chunks in its
 # `PipelineStage` and driving them with `ScheduleGPipe`, `Schedule1F1B` and
-# `ScheduleInterleaved1F1B` trains to the same losses as our runs of section 3. (It also ships
-# zero-bubble schedules, `ScheduleInterleavedZeroBubble` and `ScheduleZBVZeroBubble`, which
-# need several chunks per rank: not compared here.)
+# `ScheduleInterleaved1F1B` trains to the same losses as our runs of section 3. (Its zero-bubble
+# schedules for two chunks per rank, `ScheduleZBVZeroBubble` and `ScheduleDualPipeV`, are
+# compared with ours in section 9.)
 
 # %%
 for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
@@ -397,7 +404,186 @@ for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
     print(f"{schedule:>17}: torch.distributed.pipelining's losses within 1e-5 of ours over {TC.steps} steps")
 
 # %% [markdown]
-# ## 9. Explore the schedules
+# ## 9. Two chunks in a V: ZB-V and DualPipeV
+#
+# Interleaving (section 6) gives rank $r$ the stages $r, r+p, \dots$: a loop. Qi et al. (2024)
+# place exactly two chunks per rank in a **V**: rank $r$ holds stage $r$ on the way down and
+# stage $2p-1-r$ on the way back. Rank 0 then holds the first and the last stage, so the
+# embedding and the loss sit on one rank (a tied embedding needs no exchange), and the turn
+# from stage $p-1$ to stage $p$ never leaves rank $p-1$. With the B/W split of section 7 their
+# **ZB-V** schedule fills the pipeline at 1F1B's peak memory.
+#
+# DeepSeek's DualPipe (DeepSeek-AI 2024, §3.2.1) feeds micro-batches in from both ends of the
+# pipeline; its one-direction form, **DualPipeV**, runs on the same V. Its mark is the steady
+# state: each rank runs the forward of one micro-batch together with the backward of another
+# as one unit (`F7&B0.1` in the lists below, a whole backward whose W follows at once), so that on GPUs the
+# communication of one (the experts' all-to-all of notebook 07, the pipeline's messages) hides
+# behind the compute of the other. Our ranks are single-threaded CPU processes: a pair runs F,
+# then B, and nothing overlaps. The simulator starts a pair when both halves can start and
+# times it as $t_F + t_B$, so here DualPipeV can at best tie with ZB-V; it holds one
+# micro-batch more, as DeepSeek's Table 2 says of DualPipe ($PP + 1$).
+
+# %%
+P, M = 4, 8
+print("V:           stages of each rank", [[stage_of("v", P, r, c) for c in (0, 1)] for r in range(P)])
+print("interleaved: stages of each rank", [[stage_of("loop", P, r, c) for c in (0, 1)] for r in range(P)])
+ZBV, DUAL = make_schedule("zbv", P, M, 2), make_schedule("dualpipev", P, M, 2)
+print("\nZB-V, rank 0:     ", ZBV.table().splitlines()[0][8:])
+print("DualPipeV, rank 0:", DUAL.table().splitlines()[0][8:])
+
+# %% [markdown]
+# Rank 0 opens ZB-V with $2p - 1 = 7$ forwards of its first chunk, the warm-up of Qi et al.'s
+# drawing, and then runs F, B and W of the last stage in turn (`F0.1 B0.1 W0.1`): micro-batch 0
+# has come down the V and back up to rank 0 by then.
+#
+# **Predict.** $p = 4$, $m = 8$, every F, B and W of one chunk equally long. ZB-H1's bubble is
+# $\frac{p-1}{3m+p-1} = 0.111$. Is ZB-V's smaller or larger, and how many chunks whose W has not
+# run does a rank hold at most, against 1F1B's $p$ micro-batches?
+#
+# <details><summary>Answer</summary>
+#
+# Smaller: a rank's chunk is half a stage, so its fill and drain cost $p - 1$ chunk-times, half
+# of ZB-H1's $p - 1$ stage-times, in a step of $6m$ chunk-times of work:
+# $\frac{p-1}{6m+p-1} = \frac{3}{51} \approx 0.059$. At most $2p = 8$ chunks: $p$ micro-batches
+# of both chunks, 1F1B's peak. DualPipeV: the same bubble here, one micro-batch (2 chunks) more.
+# </details>
+
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(10, 5.2))
+for ax, sched in zip(axes, (ZBV, DUAL)):
+    plot_schedule(sched, ax, title=f"{sched.name}: p={P}, m={M}, 2 chunks per rank in a V (the schedule as data)")
+fig.tight_layout()
+plt.show()
+for sched in (ZB_LOOP := make_schedule("zero_bubble", P, M), ZBV, DUAL):
+    sim = simulated_bubble(sched.name, P, M, sched.virtual_stages)
+    assert abs(sim - formula_for(sched.name, P, M)) < 1e-12  # ratio of tick counts: float64 rounding only
+    unit = "micro-batches" if sched.virtual_stages == 1 else "chunks"
+    print(f"{sched.name:>11}: bubble {sim:.3f}, at most {max(in_flight(sched, until='W'))} {unit} "
+          f"whose W has not run per rank")
+
+# %% [markdown]
+# ZB-V's lists on the 4 real ranks (they ran in the first measurement of this notebook;
+# DualPipeV's run is in the figure after it):
+
+# %% tags=["nbval-ignore-output"]
+side_by_side(BY[("zbv", 8)], "ZB-V, m = 8")
+
+# %% [markdown]
+# **One figure: bubble against memory.** The five synchronous schedules at $p = 4$, $m = 8$:
+# the bubble of each schedule's formula (checked on its simulation above and in section 4)
+# next to the bubble measured on the real ranks, and each rank's measured peak of saved
+# activations (graphs until B, stashes until W).
+
+# %% tags=["nbval-ignore-output"]
+FIVE = [("1f1b", "1F1B"), ("interleaved_1f1b", "interleaved v=2"), ("zero_bubble", "ZB-H1"),
+        ("zbv", "ZB-V"), ("dualpipev", "DualPipeV")]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+xs = range(len(FIVE))
+ax1.bar([x - 0.2 for x in xs], [BY[(s, 8)]["formula"] for s, _ in FIVE], 0.4, label="formula")
+ax1.bar([x + 0.2 for x in xs], [BY[(s, 8)]["bubble"] for s, _ in FIVE], 0.4, label="measured")
+ax1.set_xticks(list(xs), [n for _, n in FIVE], fontsize=8)
+ax1.set_ylabel("bubble (idle fraction)")
+ax1.legend(fontsize=8)
+for r in range(4):
+    ax2.bar([x + (r - 1.5) * 0.2 for x in xs], [BY[(s, 8)]["peak_bytes"][r] / 2**10 for s, _ in FIVE], 0.2,
+            label=f"rank {r}")
+ax2.set_xticks(list(xs), [n for _, n in FIVE], fontsize=8)
+ax2.set_ylabel("peak saved activations (KiB)")
+ax2.legend(fontsize=8)
+fig.suptitle(f"p = 4, m = 8 on real ranks: the bubble and the memory it costs")
+fig.tight_layout()
+plt.show()
+for s, n in FIVE:
+    run = BY[(s, 8)]
+    print(f"{n:>15}: bubble measured {run['bubble']:.2f} (formula {run['formula']:.3f}), peak per rank "
+          + " ".join(f"{b / 2**10:.0f}" for b in run["peak_bytes"]) + " KiB")
+
+# %% [markdown]
+# The formulas order the schedules: 1F1B, then interleaving, ZB-H1 and the V schedules. The
+# measured bubbles carry the costs the formula does not count (section 7): every action pays the
+# runner's fixed cost, and the V schedules run $6m$ actions per rank where 1F1B runs $2m$. The
+# memory panel is the price: interleaving and the V keep more activations in flight than 1F1B's
+# $p - r$ on rank $r$, and the V puts the loss's logits on rank 0 beside its $2p - 1$ warm-up
+# forwards.
+#
+# Are they still the same training, and the same as PyTorch's? Each V schedule trained for 3
+# steps on the 4 ranks, ours and torch's `ScheduleZBVZeroBubble` / `ScheduleDualPipeV` on the
+# same stages, against the single process of section 3 (DualPipeV needs $m \ge 2p$ micro-batches,
+# as torch's does):
+
+# %%
+for schedule, m_v in (("zbv", 4), ("dualpipev", 8)):
+    ours, theirs = run_ours_and_native(4, CONFIG, TC, schedule, m_v, 2)  # both on the same 4 ranks, in turn
+    for who, results in (("ours", ours), ("torch", theirs)):
+        params = stage_tensors(results)
+        diff = torch.cat([(params[k] - ref_params[k].detach()).flatten() for k in ref_params])
+        loss_gap = max(abs(a - b) for a, b in zip(results[0].train_losses, ref.train_losses))
+        assert diff.pow(2).mean().sqrt() < TC.lr / 100 and loss_gap < 1e-5  # as in section 3
+    print(f"{schedule:>9}: ours and torch's both within lr/100 of the single process in RMS, losses within 1e-5")
+
+# %% [markdown]
+# ## 10. No flush at all: PipeDream-2BW
+#
+# Every schedule so far is **synchronous**: a step's backwards all finish before the optimizer
+# runs, and the next step's first forward waits for it. That flush is where the bubble comes
+# from. PipeDream (Narayanan et al. 2019) drops it: the next step's forwards start while the
+# last step's backwards still drain. A micro-batch must then run its backward with the weights
+# its forward used (**weight stashing**), and different stages would see different weights.
+# PipeDream-2BW (Narayanan et al. 2021) makes it consistent with one rule for every stage:
+#
+# * every micro-batch of batch $t$ runs with the weights $W_{t-1}$ (batch 0 with $W_0$);
+# * a stage updates on its own when batch $t$'s last backward has run on it:
+#   $W_{t+1} = W_t - \text{lr}\cdot\nabla f_t(W_{t-1})$ with SGD (here AdamW is applied to the
+#   same one-step-old gradient).
+#
+# With $m \ge p$ micro-batches per batch a stage needs only two versions: $W_{t-1}$ for the
+# batch in flight and $W_t$ for the next. The reference to compare with is no longer
+# ordinary training but the same delayed update computed in one process.
+#
+# **Predict.** $p = 4$ stages, $m = 4$. With which weights do batches 0, 1, 2 and 3 run?
+# And is the loss after 6 steps higher or lower than synchronous training's?
+#
+# <details><summary>Answer</summary>
+#
+# $W_0, W_0, W_1, W_2$: each batch sees the weights of one update fewer than synchronous
+# training would give it. Usually higher: every update follows a gradient one step old. Early
+# in training, where the gradient changes fastest, the delay costs most (the paper's
+# experiments find the final accuracy unchanged at scale).
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+UNTIED = replace(CONFIG, tie_weights=False)  # 2BW's rules: no tied head across stages, no global clip
+TC6 = replace(TC, steps=6, grad_clip=0.0)
+two_bw = run_2bw(4, UNTIED, TC6, 4)
+delayed, sync = reference_2bw(UNTIED, TC6, 4), train_reference(UNTIED, TC6)
+for t in range(TC6.steps):
+    print(f"step {t + 1}: 2BW {two_bw[0].train_losses[t]:.4f} (weights W_{two_bw[0].version_used[t]})   "
+          f"delayed single process {delayed.train_losses[t]:.4f}   synchronous {sync.train_losses[t]:.4f}")
+gap = max(abs(a - b) for a, b in zip(two_bw[0].train_losses, delayed.train_losses))
+assert gap < adamw_loss_atol(TC6.lr)  # fp32 sums in another order, magnified by 6 AdamW steps (notebook 04)
+stale_cost = two_bw[0].train_losses[-1] - sync.train_losses[-1]
+print(f"\n2BW equals its delayed single process (largest gap {gap:.1e}); after {TC6.steps} steps its loss is "
+      f"{stale_cost:+.3f} against synchronous training: the price of the stale gradient")
+
+# %%
+for r, res in enumerate(two_bw):
+    at_updates = [res.versions_held[i] for i in range(len(res.versions_held))
+                  if i == 0 or res.versions_held[i] != res.versions_held[i - 1]]
+    assert max(len(v) for v in res.versions_held) <= 2
+    print(f"stage {r}: weight versions held over the run {at_updates}; one version "
+          f"{res.version_bytes / 2**10:.0f} KiB")
+print(f"bubble: once per run {formula_for('pipedream_2bw', 4, 4, steps=TC6.steps):.3f} "
+      f"against 1F1B's every step {formula_for('1f1b', 4, 4):.3f}")
+
+# %% [markdown]
+# Each stage holds two versions at a time, and moves on by one at each of its updates: the
+# memory 2BW pays is one more copy of the stage's weights (printed above per stage; on a large
+# model, as many bytes again as the stage's weights), in exchange for a bubble paid once per run instead of
+# once per step. The price is the staleness, measured above against synchronous training on
+# the same batches.
+
+# %% [markdown]
+# ## 11. Explore the schedules
 #
 # Pick the schedule, the number of ranks $p$, micro-batches $m$ and chunks $v$. The chart is the
 # schedule's data with unit times; the caption gives its bubble, the micro-batches in flight
@@ -410,7 +596,7 @@ from course_lib.widgets import show_interactive
 show_interactive(lambda: schedule_view("interleaved_1f1b", 4, 8, 2), lambda: schedule_widget("interleaved_1f1b", 4, 8, 2))
 
 # %% [markdown]
-# ## 10. Writing a schedule yourself, and what can go wrong
+# ## 12. Writing a schedule yourself, and what can go wrong
 #
 # A schedule is just lists. Rank 0 below insists on its first backward before the forwards
 # that the last stage needs, while rank 1 waits for micro-batch 1 first: a real run would
@@ -429,7 +615,7 @@ except ScheduleError as err:
 # ≥ stages × chunks, a batch that divides into the micro-batches, interleaved's multiple of
 # $p$) before any rank starts to wait.
 #
-# ## 11. Where pipelining sits in 3D parallelism
+# ## 13. Where pipelining sits in 3D parallelism
 #
 # Tensor parallelism (notebook 05) all-reduces activations inside every layer; data
 # parallelism all-reduces the gradients once per step; pipelining sends one activation per
@@ -468,6 +654,11 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # * GPipe holds $m$ micro-batches of activations, 1F1B at most $p - r$ on rank $r$.
 # * A schedule is data: per-rank lists of F, B, W. It runs without deadlock exactly when each
 #   rank can run its list in order under the dependencies F(j,s-1) → F(j,s), B(j,s+1) → B(j,s).
+# * A V (stages $r$ and $2p-1-r$ on rank $r$) puts embedding and loss on rank 0; ZB-V halves
+#   ZB-H1's idle time, $\frac{p-1}{6m+p-1}$, at 1F1B's peak; DualPipeV pairs the F of one
+#   micro-batch with the B of another, which pays off only where communication can overlap.
+# * PipeDream-2BW drops the flush: bubble once per run, two weight versions per stage,
+#   $W_{t+1} = W_t - \text{lr}\cdot\nabla f_t(W_{t-1})$; its reference is that delayed update.
 #
 # ## Self-check
 #
@@ -478,6 +669,8 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # 5. You forget to sum the tied embedding's gradient between the first and last stage. What
 #    happens to the two copies after one optimizer step?
 # 6. Under ZB-H1, why does rank 0 defer no W at all, while the last rank defers $p - 1$?
+# 7. In a V on $p = 4$ ranks, which rank holds stage 5, and which stage boundary never leaves a rank?
+# 8. Why does PipeDream-2BW need $m \ge p$ micro-batches per batch to manage with two weight versions?
 #
 # <details><summary>Answers</summary>
 #
@@ -492,6 +685,10 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # 6. Rank 0 already holds $p$ graphs at 1F1B's peak: a deferred W would add a stash on top of
 #    them. The last rank holds one graph, so it has room for $p - 1$ stashes within $p\,M_B$,
 #    and deferring its W's lets every B travel back without waiting behind a W.
+# 7. Rank $2p - 1 - 5 = 2$; the turn from stage 3 to stage 4, both on rank 3.
+# 8. A stage holds at most $p$ micro-batches in flight. With $m \ge p$ they belong to at most
+#    two consecutive batches, which use two versions; with $m < p$ three batches would be in
+#    flight at once, each with its own version.
 # </details>
 #
 # ## References
@@ -499,13 +696,19 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # * Huang et al. (2019), *GPipe: Efficient Training of Giant Neural Networks using Pipeline
 #   Parallelism*, NeurIPS: micro-batches and the bubble $\frac{p-1}{m+p-1}$.
 # * Narayanan et al. (2019), *PipeDream: Generalized Pipeline Parallelism for DNN Training*,
-#   SOSP: the one-forward-one-backward order.
+#   SOSP: the one-forward-one-backward order and weight stashing.
 # * Fan et al. (2021), *DAPPLE: A Pipelined Data Parallel Approach for Training Large Models*,
 #   PPoPP: synchronous pipelining with early backward (1F1B with a flush).
 # * Narayanan et al. (2021), *Efficient Large-Scale Language Model Training on GPU Clusters
 #   Using Megatron-LM*, SC: PipeDream-Flush, the interleaved schedule, 3D layouts.
 # * Qi et al. (2023), *Zero Bubble Pipeline Parallelism* (ICLR 2024): the B/W split, ZB-H1 and
 #   ZB-H2 (§2, Table 2).
+# * Qi et al. (2024), *Pipeline Parallelism with Controllable Memory* (NeurIPS): the V placement
+#   and ZB-V at 1F1B's memory (first in Qi et al. 2023, §6).
+# * DeepSeek-AI (2024), *DeepSeek-V3 Technical Report*, §3.2.1 and Table 2: DualPipe, forward
+#   and backward chunks overlapped in pairs, $PP + 1$ micro-batches of activations.
+# * Narayanan et al. (2021), *Memory-Efficient Pipeline-Parallel DNN Training*, ICML:
+#   PipeDream-2BW, double-buffered weights and the one-step-delayed update.
 # * Dubey et al. (2024), *The Llama 3 Herd of Models*, §3.3.2: 4D parallelism, the [TP, CP, PP, DP]
 #   order and a pipeline schedule with a flexible number of micro-batches.
 #
@@ -513,10 +716,8 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 #
 # * The PyTorch documentation of `torch.distributed.pipelining`: stages and schedules, including
 #   the zero-bubble ones.
-# * Qi et al. (2024), *Pipeline Parallelism with Controllable Memory* (NeurIPS): schedules as a
-#   repeated building block, and memory below 1F1B's.
-# * DeepSeek-AI (2024), *DeepSeek-V3 Technical Report*, §3.2.1: DualPipe, which overlaps the
-#   pipeline's messages with computation.
+# * Qi et al. (2024), as above, §3-4: schedules as a repeated building block, and memory below 1F1B's.
+# * DeepSeek-AI's open-source DualPipe repository: DualPipe and DualPipeV side by side.
 #
 # Next: write the 1F1B schedule yourself, and a variant under a memory cap per rank, in
 # `exercises/ex06_pipeline_schedule.ipynb`. Having written it, compare with the library's

@@ -2,7 +2,10 @@
 flowing through them by a schedule.
 
     stage.py      build_stage(model, group, virtual_stages): this rank's blocks (+ embedding / head)
+    actions.py    actions, per-rank action lists, and the stage placements ("loop", "v")
     schedules.py  the schedules as data (per-rank F/B/W lists), their simulation and checker
+    v_schedules.py  ZB-V and DualPipeV: two chunks per rank in a V
+    pipedream.py  PipeDream-2BW: no flush, two weight versions, one-step-stale updates
     runner.py     run_schedule(stage, idx, targets, schedule, n_microbatches): real send/recv
     training.py   train_pipeline / run_pipeline: the reference loop, pipelined
     bubble.py     the bubble formulas and the bubble measured from a run's timeline
@@ -11,6 +14,8 @@ flowing through them by a schedule.
 
 # this axis's per-step collectives: the records notebook 10's bytes and notebook 11's step time read
 from course_lib.estimate.traffic import pp_traffic
+from course_lib.parallel.pp.actions import rank_of, stage_of
+from course_lib.parallel.pp.pipedream import reference_2bw, run_2bw
 from course_lib.parallel.pp.runner import run_schedule
 from course_lib.parallel.pp.schedules import (
     SCHEDULES,
@@ -38,5 +43,5 @@ __all__ = [
     "SCHEDULES", "Action", "Schedule", "ScheduleError", "make_schedule", "check_schedule", "simulate",
     "in_flight", "schedule_events",
     "train_pipeline", "run_pipeline", "check_pipeline", "PipelineResult", "clip_grad_norm_pipeline",
-    "stage_tensors",
+    "stage_tensors", "rank_of", "stage_of", "run_2bw", "reference_2bw",
 ]

@@ -20,6 +20,15 @@ that is (p - 1) t in a step of 3 m t + (p - 1) t:
 
 (and (2p - m - 1)/(2m + 2p - 1) for m < p, from the schedule's own simulation).
 
+ZB-V and DualPipeV (v_schedules.py) put 2 chunks per rank in a V; with t_F = t_B = t_W per chunk
+every rank idles p - 1 chunk-times in a step of 6m chunk-times of work:
+
+    bubble = (p - 1) / (6 m + p - 1)      for m >= p      (half of ZB-H1's idle time)
+
+(checked against the schedules' simulation; Qi et al., 2024 call ZB-V's bubble near zero with
+1F1B's memory). PipeDream-2BW never flushes: over N steps of m micro-batches 1F1B's fill and
+drain happen once, (p - 1)/(N m + p - 1).
+
 Measured: on each rank, 1 - (time in F, B or W) / (the step's span from the first action of
 any rank to the last), averaged over the ranks.
 """
@@ -27,16 +36,35 @@ any rank to the last), averaged over the ranks.
 from __future__ import annotations
 
 # the formulas live with the other formulas (course_lib.estimate); measured here against them
-from course_lib.estimate.bubble import bubble_fraction, formula_for, zero_bubble_fraction  # noqa: F401
+from course_lib.estimate.bubble import bubble_fraction, zero_bubble_fraction  # noqa: F401
+from course_lib.estimate.bubble import formula_for as _estimate_formula_for
+from course_lib.estimate.bubble import v_bubble_fraction as _estimate_v_bubble
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.parallel.pp.runner import run_schedule
+from course_lib.parallel.pp.schedules import make_schedule, schedule_events
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.parallel.pp.training import check_pipeline
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 
 COMPUTE = ("forward", "backward", "weight-grad")
+
+
+def v_bubble_fraction(p: int, m: int, schedule: str = "zbv") -> float:
+    """ZB-V's and DualPipeV's bubble with equal chunk times: (p - 1) / (6m + p - 1) for m >= p;
+    for m < p (no steady state) the schedule's own simulation, as for ZB-H1."""
+    if m >= p:
+        return _estimate_v_bubble(p, m)
+    return measured_bubble(schedule_events(make_schedule(schedule, p, m, 2)))
+
+
+def formula_for(schedule: str, p: int, m: int, v: int = 1, steps: int = 1) -> float:
+    """The bubble formula of a named schedule (course_lib.dims.SCHEDULES); pipedream_2bw over
+    `steps` steps (one fill and one drain for the whole run)."""
+    if schedule in ("zbv", "dualpipev"):
+        return v_bubble_fraction(p, m, schedule)
+    return _estimate_formula_for(schedule, p, m, v, steps)
 
 
 def measured_bubble(per_rank_events: list[list[tuple]], per_rank: bool = False):
@@ -69,9 +97,10 @@ def time_schedules(model_config, runs, micro_batch: int = 2, action_seconds: dic
 
     dev, out, stages = rank_device(), [], {}
     for schedule, m, v in runs:
-        if v not in stages:
-            stages[v] = build_stage(GPT(model_config, seed=seed).to(dev), group, v)
-        stage = stages[v]
+        placement = "v" if schedule in ("zbv", "dualpipev") else "loop"
+        if (v, placement) not in stages:
+            stages[(v, placement)] = build_stage(GPT(model_config, seed=seed).to(dev), group, v, placement)
+        stage = stages[(v, placement)]
         gen = torch.Generator().manual_seed(seed)
         idx = torch.randint(0, model_config.vocab_size, (m * micro_batch, model_config.block_size + 1), generator=gen)
         x, y = idx[:, :-1].to(dev), idx[:, 1:].to(dev)

@@ -3,7 +3,8 @@
 An action is F (forward), B (backward) or W (weight gradient) of one micro-batch j on one
 of the rank's model chunks c. With p ranks and v chunks per rank there are S = p*v stages;
 chunk c of rank r is stage s = c*p + r (Megatron's interleaving: rank r holds stages
-r, r+p, r+2p, ...). A micro-batch's activation goes stage s -> s+1, its gradient s+1 -> s:
+r, r+p, r+2p, ...), or with the V placement of zbv and dualpipev (actions.py, v_schedules.py)
+stages r and 2p-1-r. A micro-batch's activation goes stage s -> s+1, its gradient s+1 -> s:
 
     F(j, s) needs F(j, s-1)                      (the activation it consumes)
     B(j, s) needs F(j, s) and B(j, s+1)          (its own graph and the output gradient)
@@ -20,48 +21,9 @@ a cap on the micro-batches in flight (forward done, activations not yet released
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from course_lib.dims import SCHEDULES  # the vocabulary the planner and the rule book share
-
-
-class ScheduleError(ValueError):
-    """A schedule that misses an action, runs one twice, deadlocks or holds too much."""
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str  # "F", "B" or "W"
-    microbatch: int
-    chunk: int = 0
-
-    def __str__(self):
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
-
-    __repr__ = __str__
-
-
-@dataclass
-class Schedule:
-    """Per-rank action lists. actions[r] is what rank r runs, in order."""
-
-    name: str
-    n_ranks: int
-    n_microbatches: int
-    virtual_stages: int
-    actions: list[list[Action]]
-
-    @property
-    def split_backward(self) -> bool:
-        return any(a.kind == "W" for acts in self.actions for a in acts)
-
-    @property
-    def n_stages(self) -> int:
-        return self.n_ranks * self.virtual_stages
-
-    def table(self) -> str:
-        """One line per rank: 'rank 0: F0 F1 B0 ...'."""
-        return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
+from course_lib.parallel.pp.actions import Action, Schedule, ScheduleError, rank_of, stage_of
+from course_lib.parallel.pp.v_schedules import V_SCHEDULES, dualpipev, zbv
 
 
 def _check_counts(p, m, v=1):
@@ -165,6 +127,14 @@ def make_schedule(name: str, n_ranks: int, n_microbatches: int, virtual_stages: 
     _check_counts(n_ranks, n_microbatches, virtual_stages)
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} must be one of {SCHEDULES}")
+    if name in V_SCHEDULES:
+        if virtual_stages != 2:
+            raise ValueError(f"schedule={name!r} places exactly 2 chunks per rank in a V (rank r holds stages "
+                             f"r and 2p-1-r): virtual_stages must be 2, got {virtual_stages}")
+        return zbv(n_ranks, n_microbatches) if name == "zbv" else dualpipev(n_ranks, n_microbatches)
+    if name == "pipedream_2bw":
+        raise ValueError("schedule='pipedream_2bw' has no per-step action list: it never flushes, so it runs "
+                         "across steps (course_lib.parallel.pp.pipedream.run_2bw)")
     if name != "interleaved_1f1b" and virtual_stages != 1:
         raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' "
                          f"({name!r} runs one chunk per rank)")
@@ -178,7 +148,7 @@ def make_schedule(name: str, n_ranks: int, n_microbatches: int, virtual_stages: 
 
 
 def _stage(sched: Schedule, rank: int, chunk: int) -> int:
-    return chunk * sched.n_ranks + rank
+    return stage_of(sched.placement, sched.n_ranks, rank, chunk)
 
 
 def _dependencies(sched: Schedule, rank: int, act: Action) -> list[tuple[str, int, int]]:
@@ -211,6 +181,13 @@ def _check_actions(sched: Schedule) -> None:
         if missing:
             raise ScheduleError(f"rank {r} never runs {', '.join(map(str, missing[:6]))}"
                                 + (" ..." if len(missing) > 6 else ""))
+        for i in sched.pairs(r):  # an overlapped pair: an F, then a B of another micro-batch
+            if not (0 <= i < len(acts) - 1 and acts[i].kind == "F" and acts[i + 1].kind == "B"
+                    and acts[i].microbatch != acts[i + 1].microbatch) or i + 1 in sched.pairs(r):
+                raise ScheduleError(f"rank {r}: overlapped index {i} must start an F followed by a B of "
+                                    f"another micro-batch")
+    if sched.placement == "v" and v != 2:
+        raise ScheduleError(f"placement 'v' needs exactly 2 chunks per rank, the schedule has {v}")
 
 
 def simulate(sched: Schedule, t_forward: float = 1.0, t_backward: float = 1.0, t_weight: float = 1.0,
@@ -231,15 +208,18 @@ def simulate(sched: Schedule, t_forward: float = 1.0, t_backward: float = 1.0, t
         progress = False
         for r in range(p):
             while pos[r] < len(sched.actions[r]):
-                act = sched.actions[r][pos[r]]
-                deps = _dependencies(sched, r, act)
+                # an overlapped F&B pair starts when both can, and runs F then B as one unit
+                unit = sched.actions[r][pos[r]:pos[r] + (2 if pos[r] in sched.pairs(r) else 1)]
+                deps = [d for act in unit for d in _dependencies(sched, r, act)]
                 if any(d not in end for d in deps):
                     break
                 start = max([free[r]] + [end[d][0] + (t_comm if end[d][1] != r else 0.0) for d in deps])
-                free[r] = start + dur[act.kind]
-                end[(act.kind, act.microbatch, _stage(sched, r, act.chunk))] = (free[r], r)
-                out[r].append((act, start, free[r]))
-                pos[r] += 1
+                for act in unit:
+                    free[r] = start + dur[act.kind]
+                    end[(act.kind, act.microbatch, _stage(sched, r, act.chunk))] = (free[r], r)
+                    out[r].append((act, start, free[r]))
+                    start = free[r]
+                pos[r] += len(unit)
                 progress = True
     stuck = [(r, sched.actions[r][pos[r]]) for r in range(p) if pos[r] < len(sched.actions[r])]
     if stuck:
@@ -247,7 +227,8 @@ def simulate(sched: Schedule, t_forward: float = 1.0, t_backward: float = 1.0, t
         for r, act in stuck:
             need = [d for d in _dependencies(sched, r, act) if d not in end]
             waits.append(f"rank {r} at {act} waits for "
-                         + ", ".join(f"{k}{j} of stage {s} (rank {s % p})" for k, j, s in need))
+                         + ", ".join(f"{k}{j} of stage {s} (rank {rank_of(sched.placement, p, s)})"
+                                     for k, j, s in need))
         raise ScheduleError("deadlock: " + "; ".join(waits))
     return out
 

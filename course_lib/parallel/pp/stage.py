@@ -8,6 +8,9 @@ chunk s // p, so with v > 1 a rank holds v non-adjacent runs (Megatron's interle
     p = 2, v = 2, 8 blocks:   rank 0: chunk 0 = stage 0 = blocks 0-1,  chunk 1 = stage 2 = blocks 4-5
                               rank 1: chunk 0 = stage 1 = blocks 2-3,  chunk 1 = stage 3 = blocks 6-7
 
+With placement="v" (zbv, dualpipev) each rank holds exactly 2 chunks, stages r and 2p-1-r
+(actions.py): rank 0 holds the first and the last stage.
+
 Every chunk runs the GPT's forward, embed -> blocks -> ln_f -> head, with nn.Identity in the
 places it does not own: only stage 0 embeds token ids, only stage S-1 produces logits.
 
@@ -25,6 +28,7 @@ import torch.nn as nn
 
 from course_lib.dims import split_layers
 from course_lib.model.gpt import sequence_positions
+from course_lib.parallel.pp.actions import check_placement, rank_of, stage_of
 from course_lib.parallel.placement import Placement
 
 
@@ -64,36 +68,39 @@ class StageChunk(nn.Module):
 
 
 class PipelineStage(nn.Module):
-    """This rank's chunks (chunks[c] is stage c*p + rank) and what the runner needs to route."""
+    """This rank's chunks (chunks[c] is stage c*p + rank, or with placement "v" stages rank and
+    2p-1-rank) and what the runner needs to route."""
 
-    def __init__(self, model: nn.Module, group, virtual_stages: int):
+    def __init__(self, model: nn.Module, group, virtual_stages: int, placement: str = "loop"):
         super().__init__()
         self.group = group
         self.rank, self.n_ranks = dist.get_rank(group), dist.get_world_size(group)
-        self.virtual_stages = virtual_stages
+        self.virtual_stages, self.placement = virtual_stages, placement
         self.n_stages = self.n_ranks * virtual_stages
         self.vocab_size = model.config.vocab_size
         self.blocks_per_stage = split_layers(len(model.blocks), self.n_stages)
         self.chunks = nn.ModuleList(
             StageChunk(model, s, self.n_stages, self.blocks_per_stage[s])
-            for s in range(self.rank, self.n_stages, self.n_ranks))
+            for s in (self.stage_of(c) for c in range(virtual_stages)))
         # Canonical names in the single-process model (a tied weight is "tok_emb.weight").
         name_of = {}
         for name, p in model.named_parameters():  # first name of each Parameter object
             name_of.setdefault(id(p), name)
         self.param_names = [name_of[id(p)] for p in self.parameters()]
         tied = getattr(model.config, "tie_weights", False)
-        self.tied_across_ranks = bool(tied) and self.n_ranks > 1
+        # the V puts the first and the last stage on rank 0: one Parameter, no exchange
+        self.tied_across_ranks = bool(tied) and self.n_ranks > 1 and placement != "v"
         self.last_peak_activation_bytes = 0  # set by every run_schedule
         # The model's loss of the logits (tensor parallelism swaps in its vocabulary-split one).
         self.loss_fn = getattr(model, "loss_fn", None)
 
     def stage_of(self, chunk: int) -> int:
-        return chunk * self.n_ranks + self.rank
+        return stage_of(self.placement, self.n_ranks, self.rank, chunk)
 
     def global_rank_of_stage(self, stage: int) -> int:
         """The process (default-group rank) that holds `stage`."""
-        return dist.get_global_rank(self.group, stage % self.n_ranks) if self.group is not None else stage % self.n_ranks
+        r = rank_of(self.placement, self.n_ranks, stage)
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
 
     def tied_weight(self) -> nn.Parameter | None:
         """This rank's copy of the tied embedding/head matrix, if it holds stage 0 or S-1."""
@@ -134,9 +141,10 @@ class PipelineStage(nn.Module):
         return self.placements()[name].copies
 
 
-def build_stage(model: nn.Module, group=None, virtual_stages: int = 1) -> PipelineStage:
+def build_stage(model: nn.Module, group=None, virtual_stages: int = 1, placement: str = "loop") -> PipelineStage:
     """This rank's PipelineStage of `model` (the same single-process GPT on every rank) within
     `group` (None: the default group). Must be called by every rank of the group."""
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1")
-    return PipelineStage(model, group, virtual_stages)
+    check_placement(placement, virtual_stages)
+    return PipelineStage(model, group, virtual_stages, placement)

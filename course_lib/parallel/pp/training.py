@@ -60,11 +60,11 @@ def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatch
                    action_seconds: dict | None = None) -> PipelineResult:
     """Rank code: train_cfg.steps steps of the reference loop, pipelined over `group`."""
     n = dist.get_world_size(group)
-    check_pipeline(model_config, n, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
+    sched = check_pipeline(model_config, n, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
     dev = rank_device()
     dataset = CharDataset("train", block_size=model_config.block_size)
     model = GPT(model_config, seed=train_cfg.seed).to(dev)
-    stage = build_stage(model, group, virtual_stages)
+    stage = build_stage(model, group, virtual_stages, sched.placement)  # "v" for zbv and dualpipev
     del model
     optimizer = make_optimizer(stage, train_cfg)
     timeline = Timeline() if record_timeline else None
