@@ -18,7 +18,7 @@ CONSTRAINTS ?= constraints.txt
 # fresh set-up here); Python compiles what is imported, once, on first import.
 PIP     = $(PY) -m pip install --quiet --disable-pip-version-check --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
 
-.PHONY: portable-paths browser-deps lab test setup notebooks exercises bench bench-quick clean-venv test-portability test-latest lock
+.PHONY: portable-paths python-path browser-deps lab test setup notebooks exercises bench bench-quick clean-venv test-portability test-latest lock
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,21 +41,27 @@ lab: $(STAMP)
 # work in the same chunks). A learner's own kernel (make lab) keeps OpenMP's default.
 test test-portability test-browser: export OMP_WAIT_POLICY = PASSIVE
 
-# The portable paths, for .ci/run (it leaves out the one `make test` has just run, if any).
+# The portable paths, and this machine's own as CAPABILITY:THREADS, for .ci/run.
 portable-paths:
 	@echo $(PORTABLE_PATHS)
+python-path:
+	@$(PY) -c "import torch; print(f'{torch.backends.cpu.get_cpu_capability().lower()}:{torch.get_num_threads()}')"
 
 # pytest for course_lib, and nbval over every notebook and every graded exercise notebook
 # (graded with the reference solutions; tests/test_grading.py proves the stubs fail), on this
 # machine's own CPU path, as a learner's kernel runs them. The two run at the same time (ranks
 # starting and waiting on each other leave cores idle; no result depends on the load): the
 # notebooks' log goes to $(TEST_LOGS)/notebooks.log and is printed after the tests'.
+# NOTEBOOK_PATH=CAPABILITY:THREADS runs the notebooks on that CPU path instead (CI: one portable
+# path, .ci/run says why).
 TEST_LOGS := build/test
+NOTEBOOK_PATH ?=
+NOTEBOOK_PATH_ENV = $(if $(NOTEBOOK_PATH),ATEN_CPU_CAPABILITY=$(firstword $(subst :, ,$(NOTEBOOK_PATH))) OMP_NUM_THREADS=$(lastword $(subst :, ,$(NOTEBOOK_PATH))),)
 test: $(STAMP)
 	@rm -rf $(TEST_LOGS) && mkdir -p $(TEST_LOGS)
-	@( COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 notebooks exercises $(NBVAL) \
+	@( $(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 notebooks exercises $(NBVAL) \
 		> $(TEST_LOGS)/notebooks.log 2>&1; echo $$? > $(TEST_LOGS)/notebooks.rc ) & \
-	echo "== pytest tests (the notebooks and exercises run beside it: $(TEST_LOGS)/notebooks.log)"; \
+	echo "== pytest tests (the notebooks and exercises run beside it$(if $(NOTEBOOK_PATH), on CPU path $(NOTEBOOK_PATH),): $(TEST_LOGS)/notebooks.log)"; \
 	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=15 tests; status=$$?; wait; \
 	echo "== nbval notebooks exercises"; cat $(TEST_LOGS)/notebooks.log; \
 	test "$$(cat $(TEST_LOGS)/notebooks.rc)" = 0 || status=1; exit $$status

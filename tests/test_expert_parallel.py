@@ -163,13 +163,18 @@ def test_expert_parallel_demo_under_torchrun_with_gloo():
     # adamw_loss_atol(1e-2) (course_lib.tolerances)
     from course_lib.demos.expert_parallel import LR, TOLERANCE
     assert TOLERANCE == adamw_loss_atol(LR)
+    # one launch for the demo and its frontier flags (a shared expert, the sigmoid router, bias
+    # balancing, device-limited routing), each step against the single process (--check)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "course_lib.demos.expert_parallel", "--steps", "2"]
+           "-m", "course_lib.demos.expert_parallel", "--steps", "2", "--n-experts", "8", "--top-k", "4",
+           "--n-shared-experts", "1", "--router", "sigmoid", "--balance", "bias", "--max-ranks-per-token", "1",
+           "--check"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "max |loss difference|" in proc.stdout and "tokens per expert" in proc.stdout
-    assert "MATCH" in proc.stdout, proc.stdout
+    assert "MATCH" in proc.stdout and "MISMATCH" not in proc.stdout and "DIFFERS" not in proc.stdout, proc.stdout
+    assert "shared experts 1" in proc.stdout, proc.stdout
 
 
 def test_expert_parallel_demo_rejects_bad_arguments():
