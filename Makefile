@@ -52,18 +52,19 @@ python-path:
 # machine's own CPU path, as a learner's kernel runs them. The two run at the same time (ranks
 # starting and waiting on each other leave cores idle; no result depends on the load): the
 # notebooks' log goes to $(TEST_LOGS)/notebooks.log and is printed after the tests'.
-# NOTEBOOK_PATH=CAPABILITY:THREADS runs the notebooks on that CPU path instead (CI: one portable
-# path, .ci/run says why).
+# NOTEBOOK_PATH=CAPABILITY:THREADS runs the notebooks on that CPU path instead, NOTEBOOK_DIRS
+# picks the folders (CI: one portable path, and the exercises beside the browser lane; .ci/run).
 TEST_LOGS := build/test
 NOTEBOOK_PATH ?=
+NOTEBOOK_DIRS ?= notebooks exercises
 NOTEBOOK_PATH_ENV = $(if $(NOTEBOOK_PATH),ATEN_CPU_CAPABILITY=$(firstword $(subst :, ,$(NOTEBOOK_PATH))) OMP_NUM_THREADS=$(lastword $(subst :, ,$(NOTEBOOK_PATH))),)
 test: $(STAMP)
 	@rm -rf $(TEST_LOGS) && mkdir -p $(TEST_LOGS)
-	@( $(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 notebooks exercises $(NBVAL) \
+	@( $(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 $(NOTEBOOK_DIRS) $(NBVAL) \
 		> $(TEST_LOGS)/notebooks.log 2>&1; echo $$? > $(TEST_LOGS)/notebooks.rc ) & \
 	echo "== pytest tests (the notebooks and exercises run beside it$(if $(NOTEBOOK_PATH), on CPU path $(NOTEBOOK_PATH),): $(TEST_LOGS)/notebooks.log)"; \
 	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=15 tests; status=$$?; wait; \
-	echo "== nbval notebooks exercises"; cat $(TEST_LOGS)/notebooks.log; \
+	echo "== nbval $(NOTEBOOK_DIRS)"; cat $(TEST_LOGS)/notebooks.log; \
 	test "$$(cat $(TEST_LOGS)/notebooks.rc)" = 0 || status=1; exit $$status
 
 # nbval again over every notebook and exercise on the CPU paths a learner may have that differ
