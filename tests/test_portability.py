@@ -68,7 +68,7 @@ def test_make_test_runs_on_the_machines_own_path_and_ci_on_a_portable_one():
     assert "ATEN_CPU_CAPABILITY" not in _recipe("test") and "OMP_NUM_THREADS" not in _recipe("test")
     assert re.search(r"^NOTEBOOK_PATH \?=\s*$", (ROOT / "Makefile").read_text(), re.M)  # the machine's own
     ci = (ROOT / ".ci" / "run").read_text()
-    for target in ("test", "bench-quick", "test-browser"):
+    for target in ("test", "test-browser", "test-portability"):
         assert re.search(rf"\bmake {target}\b|for target in [^\n]*\b{target}\b", ci), f".ci/run must run make {target}"
     assert re.search(r"make test NOTEBOOK_PATH=\"\$path\"", ci) and "make -s portable-paths" in ci
 
