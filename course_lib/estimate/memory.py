@@ -1,5 +1,6 @@
 """Memory formulas: model state by precision recipe and ZeRO stage, and activations
-(notebook 01, sections 2 and 3). Bytes throughout; `course_lib.units.fmt_bytes` prints them
+(notebook 01, sections 2 and 3). (Just over 300 lines: every per-rank byte formula of one
+notation in one file, per-parameter ZeRO-3 beside the flat stages it is compared with.) Bytes throughout; `course_lib.units.fmt_bytes` prints them
 in IEC units (GiB = 2**30 bytes).
 
     RECIPES, Recipe                               bytes per parameter of each precision recipe

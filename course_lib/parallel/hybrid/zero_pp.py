@@ -1,4 +1,6 @@
 """ZeRO-2 and ZeRO-3 over dp on a pipeline (and tensor-parallel) stage: reduced once per step.
+(Just over 300 lines: the two stages share one unit layout and one gradient counter; split, each
+half would re-derive them.)
 
 A replica's m micro-batches each run their own backward through the stage (the pipeline
 schedule interleaves them with other micro-batches' forwards). The question at dp > 1 is
