@@ -14,6 +14,7 @@ from course_lib.checkpoint.training import read_events
 from course_lib.demos.elastic import compare_losses
 from course_lib.tolerances import adamw_loss_atol
 from course_lib.train import TrainConfig
+from _demo_cli import run_main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -83,10 +84,9 @@ def test_compare_losses_and_bad_arguments():
     assert compare_losses([1.0, 2.0], [1.0, 2.00001], exact=False, lr=lr)[0] is True
     assert compare_losses([1.0, 2.0], [1.0, 2.0001], exact=False, lr=lr)[0] is False
     assert compare_losses([1.0], [1.0, 2.0], exact=False, lr=lr)[0] is False
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.elastic", "--steps", "4", "--checkpoint-every",
-                           "2", "--checkpoint-dir", "x", "--kill-rank", "1"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
-    assert proc.returncode != 0 and "--kill-rank and --kill-at-step go together" in proc.stderr
+    code, err = run_main("course_lib.demos.elastic", ["--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir",
+                                                      "x", "--kill-rank", "1"])
+    assert code != 0 and "--kill-rank and --kill-at-step go together" in err
 
 
 @pytest.mark.parametrize("argv,message", [(["--steps", "0"], "--steps=0"), (["--checkpoint-every", "0"], "=0 must be")])
@@ -94,6 +94,5 @@ def test_demo_rejects_bad_counts(argv, message):
     base = {"--steps": "4", "--checkpoint-every": "2"}
     base.update(dict(zip(argv[::2], argv[1::2])))
     args = [x for kv in base.items() for x in kv] + ["--checkpoint-dir", "x"]
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.elastic", *args], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0 and message in proc.stderr
+    code, err = run_main("course_lib.demos.elastic", args)
+    assert code != 0 and message in err

@@ -41,6 +41,7 @@ from course_lib.parallel.dp.apply import DataParallel
 from course_lib.train import TrainConfig, flat_grads, flat_params, train_reference
 
 from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw, by_name
+from _demo_cli import run_main
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 torch.set_num_threads(1)
@@ -271,7 +272,6 @@ def test_demo_under_torchrun_with_gloo():
 
 
 def test_demo_rejects_a_bad_layout_before_starting():
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0"}  # as torchrun sets them for rank 0
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.context_parallel", "--seq-len", "30",
-                           "--load-balance"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
-    assert proc.returncode == 2 and "seq_len=30 must be divisible by 2*cp = 4" in proc.stderr, proc.stderr
+    env = {"WORLD_SIZE": "2", "RANK": "0"}  # as torchrun sets them for rank 0
+    code, err = run_main("course_lib.demos.context_parallel", ["--seq-len", "30", "--load-balance"], env=env)
+    assert code == 2 and "seq_len=30 must be divisible by 2*cp = 4" in err, err

@@ -11,6 +11,7 @@ import pytest
 
 from course_lib import run_on_ranks
 from course_lib.demos.allreduce import allreduce_bandwidth, hello_allreduce
+from _demo_cli import run_main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -26,9 +27,8 @@ def test_allreduce_demo_under_torchrun_with_gloo():
 
 
 def test_allreduce_demo_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.allreduce", "--iters", "0"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0 and "--iters=0 must be >= 1" in proc.stderr
+    code, err = run_main("course_lib.demos.allreduce", ["--iters", "0"])
+    assert code != 0 and "--iters=0 must be >= 1" in err
 
 
 def test_demo_functions_run_from_a_notebook_too():

@@ -20,6 +20,7 @@ from course_lib.parallel.ep import (apply_expert_parallel, check_expert_parallel
 from course_lib.train import TrainConfig, flat_params
 
 from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw, by_name
+from _demo_cli import run_main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 V = 97
@@ -178,6 +179,5 @@ def test_expert_parallel_demo_under_torchrun_with_gloo():
 
 
 def test_expert_parallel_demo_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.expert_parallel", "--top-k", "9"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0 and "top_k=9 must satisfy" in proc.stderr
+    code, err = run_main("course_lib.demos.expert_parallel", ["--top-k", "9"])
+    assert code != 0 and "top_k=9 must satisfy" in err

@@ -4,10 +4,6 @@ every variant under expert parallelism equal to its single process (one launch o
 rank that receives no tokens; the DeepSeek-V3 case; bad input; the demo's new flags."""
 
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,8 +23,8 @@ from course_lib.train import TrainConfig, flat_grads
 
 from _tolerances import (adamw_loss_atol, assert_adamw_params_close, assert_close_fp32_sums,
                          assert_grads_close_after_adamw, by_name)
+from _demo_cli import run_main
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 V = 97
 COARSE = GPTConfig.tiny(V, n_layer=2, d_model=32, n_head=2, block_size=16, n_experts=4, top_k=2)
 TC = TrainConfig(steps=3, batch_size=8, lr=1e-2, progress=False)
@@ -203,6 +199,5 @@ def test_variants_under_expert_parallelism_equal_the_single_process():
 
 def test_demo_rejects_bad_flags_before_any_rank():
     # M larger than the expert-parallel group (here 2 ranks): refused in the parser, no rank started
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.expert_parallel", "--max-ranks-per-token", "3"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "WORLD_SIZE": "2"})
-    assert proc.returncode == 2 and "max_groups_per_token=3 must be an int in [1, expert_groups=2]" in proc.stderr
+    code, err = run_main("course_lib.demos.expert_parallel", ["--max-ranks-per-token", "3"], env={"WORLD_SIZE": "2"})
+    assert code == 2 and "max_groups_per_token=3 must be an int in [1, expert_groups=2]" in err

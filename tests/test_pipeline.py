@@ -40,6 +40,7 @@ from course_lib.parallel.pp.native import run_native
 from course_lib.train import TrainConfig, train_reference
 
 from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw
+from _demo_cli import run_main
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 torch.set_num_threads(1)
@@ -328,8 +329,5 @@ def test_pipeline_demo_under_torchrun_with_gloo():
 
 
 def test_pipeline_demo_rejects_bad_arguments_before_joining_the_group():
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.pipeline", "--microbatches", "3"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0 and "batch size 8 must be divisible by n_microbatches=3" in proc.stderr
+    code, err = run_main("course_lib.demos.pipeline", ["--microbatches", "3"])
+    assert code != 0 and "batch size 8 must be divisible by n_microbatches=3" in err

@@ -41,6 +41,7 @@ from course_lib.parallel.pp.training import train_pipeline
 from course_lib.train import TrainConfig, train_reference
 
 from _tolerances import adamw_loss_atol, assert_adamw_params_close
+from _demo_cli import run_main
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 torch.set_num_threads(1)
@@ -239,13 +240,11 @@ def test_pipeline_demo_checks_2bw_under_torchrun():
 
 def test_pipeline_demo_check_verdict_and_bad_v_arguments():
     import argparse
-    import subprocess
 
     from course_lib.demos.pipeline import verdict
 
     args = argparse.Namespace(schedule="zbv", steps=2, batch_size=8, tolerance=None)
     assert verdict(args, [4.5, 4.4], [4.5, 4.4 + 1e-6]) == 0
     assert verdict(args, [4.5, 4.4], [4.5, 4.5]) == 1  # a loss off by 0.1: exit status 1
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.pipeline", "--schedule", "zbv",
-                           "--virtual-stages", "3"], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 2 and "virtual_stages must be 2, got 3" in proc.stderr
+    code, err = run_main("course_lib.demos.pipeline", ["--schedule", "zbv", "--virtual-stages", "3"])
+    assert code == 2 and "virtual_stages must be 2, got 3" in err

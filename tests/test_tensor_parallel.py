@@ -42,6 +42,7 @@ from course_lib.train import TrainConfig, flat_grads, flat_params, train_referen
 
 from _tolerances import (FP32_SUM_RTOL, adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw,
                          by_name)
+from _demo_cli import run_main
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 torch.set_num_threads(1)
@@ -293,9 +294,8 @@ def test_demo_under_torchrun_with_gloo():
 
 
 def test_demo_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.tensor_parallel", "--steps", "0"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0 and "--steps=0 must be >= 1" in proc.stderr
+    code, err = run_main("course_lib.demos.tensor_parallel", ["--steps", "0"])
+    assert code != 0 and "--steps=0 must be >= 1" in err
 
 
 def test_rank_error_names_the_rule():

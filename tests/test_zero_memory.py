@@ -21,6 +21,7 @@ from course_lib.parallel.zero import (ShardedOptimizer, apply_zero, expected_sta
 from course_lib.train import TrainConfig
 
 from _tolerances import adamw_loss_atol
+from _demo_cli import run_main
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 torch.set_num_threads(1)
@@ -196,9 +197,8 @@ def test_zero_demo_under_torchrun_with_gloo():
 
 
 def test_zero_demo_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.zero", "--stage", "4"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0 and "--stage=4 must be 0, 1, 2 or 3" in proc.stderr
+    code, err = run_main("course_lib.demos.zero", ["--stage", "4"])
+    assert code != 0 and "--stage=4 must be 0, 1, 2 or 3" in err
 
 
 def test_zero_demo_runs_from_a_notebook_too():

@@ -40,6 +40,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes ca
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from _zero_setup import STEPS, train_cfg, uneven_config  # noqa: E402
+from _demo_cli import run_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -313,10 +314,8 @@ def test_zero_demo_per_param_hsdp_nvme_under_torchrun(tmp_path):
     assert set(os.listdir(tmp_path)) >= {f"unit0_rank{r}.bin" for r in range(4)}
     bandwidth = disk_bandwidth(str(tmp_path), nbytes=2**20)
     assert bandwidth["write"] > 0 and bandwidth["read"] > 0 and not any(p.startswith(".") for p in os.listdir(tmp_path))
-    bad = subprocess.run([sys.executable, "-m", "course_lib.demos.zero", "--stage", "2", "--sharding", "per_param"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert bad.returncode != 0 and "--sharding per_param needs --stage 3" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "course_lib.demos.zero", "--stage", "3", "--sharding", "per_param",
-                          "--offload", "nvme", "--offload-dir", str(tmp_path / "missing")],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert bad.returncode != 0 and "must be an existing directory" in bad.stderr
+    code, err = run_main("course_lib.demos.zero", ["--stage", "2", "--sharding", "per_param"])
+    assert code != 0 and "--sharding per_param needs --stage 3" in err
+    code, err = run_main("course_lib.demos.zero", ["--stage", "3", "--sharding", "per_param", "--offload", "nvme",
+                                                   "--offload-dir", str(tmp_path / "missing")])
+    assert code != 0 and "must be an existing directory" in err
