@@ -14,6 +14,8 @@ import pytest
 from course_lib.capstone import (compare, config_from_dict, generate_text, load_config, read_toml, report_text,
                                  run_capstone, traffic_formula)
 
+from _demo_cli import run_main
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "capstone_tiny.toml"
 MOE = ROOT / "configs" / "capstone_moe.toml"
@@ -192,9 +194,8 @@ def test_the_demo_names_the_bad_key_and_exits_2_without_a_traceback(world, edit,
         text = f"{head}[{section}]{rest}"
     path = tmp_path / "c.toml"
     path.write_text(text)
-    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0"}  # as torchrun sets them for rank 0
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.capstone", "--config", str(path),
-                           "--checkpoint-dir", str(tmp_path / "ck")], capture_output=True, text=True, timeout=120,
-                          env=env)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == line
+    env = {"WORLD_SIZE": str(world), "RANK": "0"}  # as torchrun sets them for rank 0
+    code, err = run_main("course_lib.demos.capstone", ["--config", str(path), "--checkpoint-dir", str(tmp_path / "ck")],
+                         env=env)
+    assert code == 2
+    assert err.strip() == line

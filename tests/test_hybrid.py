@@ -12,6 +12,7 @@ from course_lib.parallel.hybrid import ParallelDims, merged_params, run_hybrid, 
 from course_lib.train import TrainConfig
 
 from _tolerances import ADAMW_GRAD_REL_NORM, FP32_SUM_RTOL, adamw_loss_atol, assert_adamw_params_close
+from _demo_cli import run_main
 
 SEQ = 16
 
@@ -195,15 +196,10 @@ def test_train_3d_demo_under_torchrun_at_8_gloo_ranks_matches_the_single_process
     (["--dp", "2", "--tp", "1", "--pp", "1", "--ep", "2"], "ep=2 needs an MoE model: n_experts=0 is dense"),
 ])
 def test_train_3d_demo_rejects_a_bad_layout_with_its_rule_and_no_traceback(args, rule):
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set for rank 0 of 4
-    proc = subprocess.run([sys.executable, "-m", "course_lib.demos.train_3d", *args], capture_output=True,
-                          text=True, timeout=120, env=env)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"train_3d: bad layout: {rule}"
+    env = {"WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set for rank 0 of 4
+    code, err = run_main("course_lib.demos.train_3d", args, env=env)
+    assert code == 2
+    assert err.strip() == f"train_3d: bad layout: {rule}"
 
 
 # ---------------------------------------------------------------- topology: placement and traffic
