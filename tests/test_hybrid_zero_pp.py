@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from course_lib.estimate.per_gpu import composed_zero_memory
 from course_lib.estimate.traffic import pp_traffic
 from course_lib.parallel import topology
 from course_lib.parallel.hybrid import ParallelDims, run_hybrid, train_single
@@ -25,11 +26,13 @@ def _sent_per_step(results, dim):
     return sum(r.traffic.get(dim, {}).get("bytes_sent", 0) for r in results) // TRAIN.steps
 
 
-def _check_zero(results, dims):
+def _check_zero(results, dims, config):
     """Per rank: ZeRO's all-gathers and reduce-scatters over 3 steps = 3 x zero_pp_traffic of its
     units (exact: integers), and the bytes it holds between steps = notebook 01's formula summed
     over its units (expected_state_bytes: params P_u at stage 2, S_u at stage 3; gradients and
-    AdamW's m, v of S_u = ceil(P_u / dp) elements)."""
+    AdamW's m, v of S_u = ceil(P_u / dp) elements). The planner's estimate, which never runs the
+    model (composed_zero_memory from the config and the layout alone), equals both measurements:
+    the state between steps and, at stage 3, the most bytes gathered at once."""
     for r in results:
         sizes = list(r.zero_units.values())
         want = zero_pp_traffic(sizes, dims.microbatches, dims.dp, dims.zero, dims.reshard_after_forward)
@@ -37,6 +40,10 @@ def _check_zero(results, dims):
         assert got == {op: {k: TRAIN.steps * v for k, v in row.items()} for op, row in want.items()}, r.coords
         held = {k: v for k, v in r.memory.items() if k in ("params", "grads", "optimizer", "total")}
         assert held == expected_state_bytes(sizes, "fp32", dims.zero, dims.dp), r.coords
+        estimate = composed_zero_memory(config, dims, "fp32", rank=r.coords["pp"])
+        assert held == estimate["between_steps"], r.coords
+        if dims.zero == 3:
+            assert r.memory["gathered_peak"] == estimate["gathered"], r.coords
 
 
 def test_sequence_parallel_across_pipeline_stages_equals_single_process_and_sends_a_tp_shard(dense, single):
@@ -62,7 +69,7 @@ def test_zero_2_and_3_over_pipeline_stages_equal_single_process_with_their_traff
     dims = ParallelDims(dp=2, pp=2, zero=zero, reshard_after_forward=reshard, microbatches=2)
     results = run_hybrid(dims, dense, TRAIN, trace=True, timeout_s=240)
     _assert_equal_to_single(results, single)
-    _check_zero(results, dims)
+    _check_zero(results, dims, dense)
 
 
 def test_zero3_reshard_policy_sets_the_gathered_peak_with_interleaved_chunks(dense):
@@ -77,7 +84,7 @@ def test_zero3_reshard_policy_sets_the_gathered_peak_with_interleaved_chunks(den
                             reshard_after_forward=reshard)
         results = run_hybrid(dims, config, TRAIN, trace=True, timeout_s=240)
         _assert_equal_to_single(results, reference)
-        _check_zero(results, dims)
+        _check_zero(results, dims, config)
         for r in results:
             gathered = {}
             for name, p in r.zero_units.items():  # "chunk{c}.group{g}": padded to N S_u, 4 bytes
@@ -96,7 +103,7 @@ def test_fsdp_tp_pp_at_8_ranks_equals_single_process(dense, single, kw):
     dims = ParallelDims(dp=2, tp=2, pp=2, microbatches=2, **kw)
     results = run_hybrid(dims, dense, TRAIN, trace=True, timeout_s=300)
     _assert_equal_to_single(results, single)
-    _check_zero(results, dims)
+    _check_zero(results, dims, dense)
     if dims.sequence_parallel:
         model = topology.traffic_per_step(dense, dims, TRAIN.batch_size)
         assert _sent_per_step(results, "pp") == model["pp"]["bytes_sent"]
@@ -116,7 +123,7 @@ def test_an_odd_layout_pads_its_shards_and_equals_single_process(dense, monkeypa
         results = run_hybrid(dims, dense, six, trace=True, timeout_s=240)
         assert any(p % 3 for r in results for p in r.zero_units.values())  # padding present
         _assert_equal_to_single(results, reference)
-        _check_zero(results, dims)
+        _check_zero(results, dims, dense)
 
 
 @pytest.mark.parametrize("kw", [dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=2, schedule="zero_bubble"),
@@ -129,7 +136,7 @@ def test_fsdp_with_tp_alone_and_zero2_under_split_backward_and_recomputation(den
     results = run_hybrid(dims, dense, TRAIN, trace=True, timeout_s=240)
     reference = single if dims.recompute == "none" else train_single(dense, TRAIN, recompute="full")
     _assert_equal_to_single(results, reference)
-    _check_zero(results, dims)
+    _check_zero(results, dims, dense)
 
 
 @pytest.mark.parametrize("kw, message", [
