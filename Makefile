@@ -34,7 +34,7 @@ LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks $(LAB_FLAGS)
 
-# The tests start many processes on few cores at once (ranks, kernels, two suites side by side).
+# The tests start many processes on few cores at once (ranks, kernels, servers).
 # OpenMP's idle threads spin by default, burning the cores the other processes wait for: on the
 # 2-core CI machine, notebook 00's 200-step training cell took 85 s beside the tests instead of
 # 7 s alone. PASSIVE lets idle threads sleep; no result changes (the same threads split the same
@@ -49,23 +49,22 @@ python-path:
 
 # pytest for course_lib, and nbval over every notebook and every graded exercise notebook
 # (graded with the reference solutions; tests/test_grading.py proves the stubs fail), on this
-# machine's own CPU path, as a learner's kernel runs them. The two run at the same time (ranks
-# starting and waiting on each other leave cores idle; no result depends on the load): the
-# notebooks' log goes to $(TEST_LOGS)/notebooks.log and is printed after the tests'.
+# machine's own CPU path, as a learner's kernel runs them. One session after the other: run side
+# by side on 2 cores they took 1667 s (CI at aef3a5a), against 680 s + 567 s one after the other
+# (measured alone at 264bbd0): ranks that meet in collectives wait for each other's turn on a
+# core, so oversubscribing the cores slows every rank of both sessions.
 # NOTEBOOK_PATH=CAPABILITY:THREADS runs the notebooks on that CPU path instead, NOTEBOOK_DIRS
-# picks the folders (CI: one portable path, and the exercises beside the browser lane; .ci/run).
-TEST_LOGS := build/test
+# picks the folders (CI: one portable path; .ci/run).
 NOTEBOOK_PATH ?=
 NOTEBOOK_DIRS ?= notebooks exercises
 NOTEBOOK_PATH_ENV = $(if $(NOTEBOOK_PATH),ATEN_CPU_CAPABILITY=$(firstword $(subst :, ,$(NOTEBOOK_PATH))) OMP_NUM_THREADS=$(lastword $(subst :, ,$(NOTEBOOK_PATH))),)
 test: $(STAMP)
-	@rm -rf $(TEST_LOGS) && mkdir -p $(TEST_LOGS)
-	@( $(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 $(NOTEBOOK_DIRS) $(NBVAL) \
-		> $(TEST_LOGS)/notebooks.log 2>&1; echo $$? > $(TEST_LOGS)/notebooks.rc ) & \
-	echo "== pytest tests (the notebooks and exercises run beside it$(if $(NOTEBOOK_PATH), on CPU path $(NOTEBOOK_PATH),): $(TEST_LOGS)/notebooks.log)"; \
-	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=15 tests; status=$$?; wait; \
-	echo "== nbval $(NOTEBOOK_DIRS)"; cat $(TEST_LOGS)/notebooks.log; \
-	test "$$(cat $(TEST_LOGS)/notebooks.rc)" = 0 || status=1; exit $$status
+	@echo "== pytest tests"; \
+	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=15 tests; status=$$?; \
+	echo "== nbval $(NOTEBOOK_DIRS)$(if $(NOTEBOOK_PATH), on CPU path $(NOTEBOOK_PATH),)"; \
+	$(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 \
+		$(NOTEBOOK_DIRS) $(NBVAL) || status=1; \
+	exit $$status
 
 # nbval again over every notebook and exercise on the CPU paths a learner may have that differ
 # most from the one that stored the outputs (AVX-512, all cores): PyTorch's scalar kernels
@@ -73,23 +72,14 @@ test: $(STAMP)
 # depends on the CPU fails here, not on a learner's machine (CONTRIBUTING.md, "Notebooks";
 # tests/test_portability.py checks that the paths cover both kernels and both thread counts and
 # that they change low-precision results here). Each entry is CAPABILITY:THREADS. The paths run
-# at the same time (most of a notebook's time is ranks starting and waiting on each other, which
-# leaves cores idle; the outputs do not depend on the load), each into its own log under
-# $(PORTABILITY_LOGS), printed when both are done.
+# one after the other, for the reason `make test`'s sessions do.
 PORTABLE_PATHS ?= default:1 avx2:2
 PORTABLE_DIRS ?= notebooks exercises
-PORTABILITY_LOGS := build/portability
 test-portability: $(STAMP)
-	@rm -rf $(PORTABILITY_LOGS) && mkdir -p $(PORTABILITY_LOGS)
-	@for p in $(PORTABLE_PATHS); do \
-		( ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:} COURSE_GRADE_WITH=solutions \
-			$(PY) -m pytest -p no:cacheprovider -q $(PORTABLE_DIRS) $(NBVAL) \
-			> $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.log 2>&1; echo $$? > $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.rc ) & \
-	done; wait
 	@status=0; for p in $(PORTABLE_PATHS); do \
 		echo "== nbval with ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:}"; \
-		cat $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.log; \
-		test "$$(cat $(PORTABILITY_LOGS)/$${p%:*}-$${p#*:}.rc)" = 0 || status=1; \
+		ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:} COURSE_GRADE_WITH=solutions \
+			$(PY) -m pytest -p no:cacheprovider -q $(PORTABLE_DIRS) $(NBVAL) || status=1; \
 	done; exit $$status
 
 # For maintainers: the whole suite against the newest releases of every dependency (torch stays
