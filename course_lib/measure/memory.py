@@ -12,7 +12,9 @@ runs here (the strategies of course_lib.parallel):
 
     zero 0/1           course_lib.parallel.hybrid: build_hybrid (TP -> EP -> PP stage) and its
                        ZeRO engine over dp (stage 0: plain data parallelism on flat buffers)
-    zero 2/3           course_lib.parallel.zero.apply_zero on the plain GPT (pure dp only)
+    zero 2/3           course_lib.parallel.zero.apply_zero on the plain GPT (pure dp only; with
+                       tp or pp, run_hybrid measures them and estimate.composed_zero_memory
+                       gives its bytes exactly, tests/test_hybrid_zero_pp.py)
 
 Measured on each rank (course_lib.parallel.zero.measure_state_bytes: numel * element size, so a
 flat buffer's padding is not a parameter; the engine's gradient shards and master copies count):
@@ -71,8 +73,9 @@ def check_runnable(config, dims: ParallelDims, batch_size: int, seq: int | None 
         raise ValueError(f"recompute={dims.recompute!r}: the measured runs here keep every activation "
                          f"(recompute='none')")
     if dims.zero >= 2 and dims.world_size != dims.dp:
-        raise ValueError(f"zero={dims.zero} runs on pure data parallelism here (course_lib.parallel"
-                         f".zero); the layout {dims.describe()!r} also has tp, pp or ep")
+        raise ValueError(f"zero={dims.zero} runs on pure data parallelism in this table (course_lib.parallel"
+                         f".zero); the layout {dims.describe()!r} also has tp, pp or ep: run it with "
+                         f"parallel.hybrid.run_hybrid, whose measured bytes estimate.composed_zero_memory gives")
     if dims.zero <= 1:
         dims.check(dims.world_size, config, batch_size, seq)
     return seq
