@@ -32,7 +32,8 @@ def _check_zero(results, dims, config):
     over its units (expected_state_bytes: params P_u at stage 2, S_u at stage 3; gradients and
     AdamW's m, v of S_u = ceil(P_u / dp) elements). The planner's estimate, which never runs the
     model (composed_zero_memory from the config and the layout alone), equals both measurements:
-    the state between steps and, at stage 3, the most bytes gathered at once."""
+    the state between steps, the whole gradients accumulated before the step's reduction and, at
+    stage 3, the most bytes gathered at once."""
     for r in results:
         sizes = list(r.zero_units.values())
         want = zero_pp_traffic(sizes, dims.microbatches, dims.dp, dims.zero, dims.reshard_after_forward)
@@ -42,6 +43,7 @@ def _check_zero(results, dims, config):
         assert held == expected_state_bytes(sizes, "fp32", dims.zero, dims.dp), r.coords
         estimate = composed_zero_memory(config, dims, "fp32", rank=r.coords["pp"])
         assert held == estimate["between_steps"], r.coords
+        assert r.memory["grads_peak"] == estimate["grads"], r.coords
         if dims.zero == 3:
             assert r.memory["gathered_peak"] == estimate["gathered"], r.coords
 

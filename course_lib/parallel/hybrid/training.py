@@ -184,8 +184,9 @@ def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = Fals
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
         result.zero_ops = ops_on_group(tracer.records, zero_group(parts))
     result.zero_units = {getattr(s, "name", f"unit{i}"): s.unit.numel for i, s in enumerate(optimizer.shards)}
-    if dims.zero >= 2:  # what the rank holds between steps, and (stage 3) its most gathered bytes at once
-        result.memory = measure_stage_bytes(module, optimizer)
+    if dims.zero >= 2:  # what the rank holds between steps, its most whole-gradient bytes at once,
+        # and (stage 3) its most gathered bytes at once
+        result.memory = measure_stage_bytes(module, optimizer) | {"grads_peak": optimizer.peak_grad_bytes}
         if dims.zero == 3:
             result.memory["gathered_peak"] = optimizer.fsdp.peak_gathered_bytes
     if hasattr(optimizer, "unshard"):  # ZeRO-3: the parameters whole again, to be read

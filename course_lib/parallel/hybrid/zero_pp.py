@@ -66,6 +66,11 @@ from course_lib.parallel.zero.sharded_optimizer import ShardedOptimizer
 ZERO_PP_STAGES = (2, 3)
 
 
+def unreduced_grad_bytes(shards) -> int:
+    """Bytes of the whole (not yet reduce-scattered) gradients the shards' parameters hold now."""
+    return sum(p.grad.numel() * p.grad.element_size() for s in shards for p in s.params if p.grad is not None)
+
+
 def _reduce_unit(unit: FlatUnit, world_size: int, group, async_op: bool = False):
     """(work, shard): the mean of the unit's accumulated gradients, rank's shard, reduce-scattered;
     the full gradients freed."""
@@ -102,6 +107,8 @@ class StageBuckets:
             self._eager += 1
 
     def _launch(self) -> None:
+        if self.next == 0:  # the step's first reduction: every gradient accumulated whole until now
+            self.opt.peak_grad_bytes = max(self.opt.peak_grad_bytes, unreduced_grad_bytes(self.opt.shards))
         s = self.opt.shards[self.next]
         self.pending[self.next] = _reduce_unit(s.unit, self.opt.world_size, self.opt.group, async_op=True)
         self.next += 1
@@ -207,7 +214,11 @@ class StageUnits:
 
 class StageShardedOptimizer(ShardedOptimizer):
     """The ZeRO engine at stage 2 or 3 for a composed run: stage 2's flat units (hooks:
-    StageBuckets), stage 3's StageUnits; the gradients reduced once per step (module docstring)."""
+    StageBuckets), stage 3's StageUnits; the gradients reduced once per step (module docstring).
+    `peak_grad_bytes`: the most whole-gradient bytes held at once, since the start (just before
+    each step's first reduce-scatter: e Psi_r once every parameter has had a micro-batch)."""
+
+    peak_grad_bytes = 0
 
     def _make_shard(self, item):
         if isinstance(item, StageUnit):
@@ -218,6 +229,7 @@ class StageShardedOptimizer(ShardedOptimizer):
         if self._reduced:
             return
         if self.stage == 3:
+            self.peak_grad_bytes = max(self.peak_grad_bytes, unreduced_grad_bytes(self.shards))
             for s in self.shards:
                 s.reduce()
             self.fsdp.free_all()  # the backward is over: the policy "keep" ends here
