@@ -17,6 +17,7 @@ from course_lib.estimate.params import LlamaLikeConfig, mla_attention_params, mo
 from course_lib.model import GPT, GPTConfig
 from course_lib.model.moe import route, routing_stats
 from course_lib.model.moe_config import MoEGPTConfig, fine_grained
+from course_lib.parallel.ep.imbalance import collapse_router
 from course_lib.parallel.ep import (apply_expert_parallel, check_expert_parallel, full_flat, reduce_gradients,
                                     train_expert_parallel, train_moe_reference)
 from course_lib.train import TrainConfig, flat_grads
@@ -120,18 +121,6 @@ def test_bad_input_is_rejected_before_any_rank(make, msg):
         make()
 
 
-def _collapse(model):
-    """Every token's MLP input becomes one vector u = 1 (ln2 outputs its bias alone), and experts 0
-    and 1 (rank 0's) get +3 on their logit for it, against ~N(0, 0.11) for the others: every token
-    goes to rank 0 and rank 1 receives no token at all."""
-    with torch.no_grad():
-        for block in model.blocks:
-            block.ln2.weight.zero_()
-            block.ln2.bias.fill_(1.0)
-            block.mlp.router.weight[:2] += 3.0 / block.mlp.router.weight.shape[1]
-    return model
-
-
 def _share(rank, world):
     idx = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(3))
     return idx.chunk(world)[rank]
@@ -141,7 +130,7 @@ def _on_ranks(variants, ks):
     out = {name: train_expert_parallel(cfg, TC) for name, cfg in variants.items()}
     out["once per rank"] = train_expert_parallel(VARIANTS["device-limited M=1"], TC, once_per_rank=True)
     # collapsed router: one forward/backward, the gradients and what each rank received
-    model = apply_expert_parallel(_collapse(GPT(COARSE, seed=0)))
+    model = apply_expert_parallel(collapse_router(GPT(COARSE, seed=0)))
     x = _share(dist.get_rank(), dist.get_world_size())
     model(x, x)[1].backward()
     reduce_gradients(model)
@@ -175,7 +164,7 @@ def test_variants_under_expert_parallelism_equal_the_single_process():
     for o in out:  # each rank's 2 x 16 tokens, top-2, all to experts 0 and 1 in every layer
         kept = o["collapsed"][1]
         assert all(int(k[2:].sum()) == 0 for k in kept) and all(int(k[:2].sum()) == 2 * 16 * 2 for k in kept)
-    ref = _collapse(GPT(COARSE, seed=0))
+    ref = collapse_router(GPT(COARSE, seed=0))
     for r in range(2):
         x = _share(r, 2)
         (ref(x, x)[1] / 2).backward()

@@ -46,6 +46,7 @@ from course_lib.model import GPT, GPTConfig
 from course_lib.model.moe import moe_layers, route, routing_stats
 from course_lib.parallel.ep import (apply_expert_parallel, full_flat, reduce_gradients, run_expert_parallel,
                                     traffic_matrix, train_expert_parallel, train_moe_reference)
+from course_lib.parallel.ep.imbalance import collapse_router
 from course_lib.train import TrainConfig, make_optimizer, train_step
 from course_lib.units import fmt_bytes
 from course_lib.widgets import show_interactive
@@ -844,18 +845,8 @@ for call in (lambda: MoEGPTConfig.from_config(EP_CFG, expert_groups=WORLD, max_g
 # </details>
 
 # %% tags=["nbval-ignore-output"]
-def collapse(m):
-    """Every MLP input becomes the vector 1 (ln2 outputs its bias alone), and experts 0 and 1 (rank 0's)
-    get +3 on their router logit for it: every token of every rank chooses them."""
-    with torch.no_grad():
-        for block in m.blocks:
-            block.ln2.weight.zero_()
-            block.ln2.bias.fill_(1.0)
-            block.mlp.router.weight[:2] += 3.0 / block.mlp.router.weight.shape[1]
-    return m
-
 def collapsed_gradients(cfg):
-    m = apply_expert_parallel(collapse(GPT(cfg, seed=0)))
+    m = apply_expert_parallel(collapse_router(GPT(cfg, seed=0)))
     xb, yb = get_batch(CharDataset("train", T), 2, torch.Generator().manual_seed(dist.get_rank()))
     m(xb, yb)[1].backward()
     reduce_gradients(m)
@@ -863,7 +854,7 @@ def collapsed_gradients(cfg):
 
 NO_CAP = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=2)
 out = run_on_ranks(collapsed_gradients, NO_CAP, world_size=WORLD)
-ref = collapse(GPT(NO_CAP, seed=0))
+ref = collapse_router(GPT(NO_CAP, seed=0))  # every MLP input one vector, rank 0's experts boosted
 for r in range(WORLD):
     xb, yb = get_batch(DATA, 2, torch.Generator().manual_seed(r))
     (ref(xb, yb)[1] / WORLD).backward()

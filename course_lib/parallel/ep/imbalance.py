@@ -3,6 +3,8 @@
     timed_moe_layer(config, skew, tokens)   rank code: one MoE layer forward on every rank of the
                                             world, its all-to-alls and the local experts' compute
                                             on a Timeline; returns rows received, expert seconds, events
+    collapse_router(model)                  the extreme case on a whole GPT, in place: every token of
+                                            every rank routed to experts 0 and 1 (rank 0's)
 
 Rank s runs its experts on R_s = sum over ranks r of the rows r routed to s, so its expert time
 is about R_s * (one row's expert FLOPs) / (its FLOP rate). The combine all-to-all cannot finish
@@ -59,3 +61,16 @@ def _timed(layer, x, repeats):
             seconds.append(sum(end - start for name, start, end, _ in timeline.events if name == "experts"))
     # the fastest repeat after the first: the least disturbed by other work on shared cores
     return layer.experts.last_received, min(seconds[1:]), timeline.events
+
+
+def collapse_router(model, boost: float = 3.0):
+    """In place, returns `model`: every token's MLP input becomes one vector u = 1 (each ln2 outputs
+    its bias alone) and experts 0 and 1 get `boost` on their router logit for u (their router rows
+    += boost / d), against ~N(0, 0.11) for the others: with top_k <= 2 every token of every rank
+    picks experts 0 and 1, rank 0's, and the other ranks receive no token at all."""
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ln2.weight.zero_()
+            block.ln2.bias.fill_(1.0)
+            block.mlp.router.weight[:2] += boost / block.mlp.router.weight.shape[1]
+    return model
