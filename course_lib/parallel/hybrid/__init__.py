@@ -12,6 +12,8 @@
     training.py  train_hybrid (rank side, on train_loop), run_hybrid (parent), train_single (the
                  single-process twin), the traffic of each mesh dimension from the CommTracer
     figures.py   notebook 10's mesh picture and layout widget
+    native.py    train_native_fsdp_tp: the same dp x tp, zero=3 run with torch's FSDP2 fully_shard
+                 over DTensor TP, to hold the course's against (tests and bench_composed.py)
 
 Rank placement and each dimension's traffic model live in course_lib/parallel/topology.py.
 """
@@ -24,8 +26,9 @@ from course_lib.parallel.hybrid.training import (HybridResult, dimension_of, mak
                                                  owned_params, precision_context, run_hybrid, traffic_by_dimension,
                                                  train_hybrid,
                                                  train_single)
+from course_lib.parallel.hybrid.native import run_native_fsdp_tp, train_native_fsdp_tp
 
 __all__ = ["ParallelDims", "COMPOSED_ZERO_STAGES", "HybridParts", "build_hybrid", "make_hybrid_optimizer", "sync_gradients",
            "clip_grad_norm_hybrid", "count_weights", "trained_module", "trained_parameters", "placements", "full_state_dict", "HybridResult", "train_hybrid", "run_hybrid",
            "train_single", "merged_params", "traffic_by_dimension", "dimension_of", "make_forward_backward",
-           "owned_params", "precision_context", "PRECISIONS"]
+           "owned_params", "precision_context", "PRECISIONS", "train_native_fsdp_tp", "run_native_fsdp_tp"]
