@@ -64,6 +64,32 @@ def test_pool_is_reused_and_each_call_is_reseeded():
     assert draws1[0] != draws1[1]  # but different per rank
 
 
+def _make_groups_and_count():
+    from course_lib.runtime.groups import live_groups
+
+    threads = len(os.listdir("/proc/self/task"))
+    for _ in range(5):
+        dist.new_group([0, 1])
+    return threads, len(live_groups()), len(os.listdir("/proc/self/task"))
+
+
+def _count_now():
+    from course_lib.runtime.groups import live_groups
+
+    return len(live_groups()), len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_a_calls_process_groups_and_their_threads_end_with_it():
+    # gloo groups own native threads that take CPU from later runs (course_lib.runtime.groups):
+    # a pool that kept every call's groups slowed the planner's benchmark by its last layouts
+    made = run_on_ranks(_make_groups_and_count, world_size=2)
+    after = run_on_ranks(_count_now, world_size=2)
+    for (threads_before, groups, threads_with), (groups_after, threads_after) in zip(made, after):
+        assert groups == 5 and threads_with > threads_before  # the groups and their threads existed
+        assert groups_after == 0 and threads_after == threads_before  # and are gone after the call
+
+
 def test_threads_are_shared_out():
     got = run_on_ranks(torch.get_num_threads, world_size=2)
     assert got == [threads_per_rank(2)] * 2
