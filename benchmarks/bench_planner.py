@@ -1,10 +1,11 @@
-"""The step-time model against measured runs: fifteen layouts of one model on 8 gloo ranks.
+"""The step-time model against measured runs: nineteen layouts of one model on 8 gloo ranks.
 
 Calibrates the model here (course_lib.measure.calibrate.probe on every rank at once: the
 model's forward+backward at a few micro-batch sizes -> fixed cost per layer and FLOP/s; the
 optimizer per tensor and flat -> cost per tensor and bandwidth; a table of collective times
 per op, group size and bytes), then times each layout with the course's own strategy (DDP, ZeRO 1-3, tensor
-parallelism, GPipe and 1F1B pipelines, and notebook 10's hybrid meshes), predicts each with
+parallelism, GPipe and 1F1B pipelines, notebook 10's hybrid meshes and their full composition with
+ZeRO-2/3 and sequence parallelism), predicts each with
 course_lib.estimate.step_time and prints both side by side: the rank correlation, the median error, and the planner's pick against the fastest measured.
 
 The measurement is stored in course_lib/assets/planner_validation.json (notebook 11 reads it
@@ -59,11 +60,19 @@ LAYOUTS = [
     ("dp2 x pp4 m4", ParallelDims(dp=2, pp=4, microbatches=4), "hybrid"),
     ("tp2 x pp4 m4", ParallelDims(tp=2, pp=4, microbatches=4), "hybrid"),
     ("dp2 x tp2 x pp2 ZeRO-1 m2", ParallelDims(dp=2, tp=2, pp=2, microbatches=2, zero=1), "hybrid"),
+    # the full composition (course_lib.parallel.hybrid.zero_pp): ZeRO-2/3 reduce once per step
+    # across the micro-batches; stage 3 gathers each unit per micro-batch, or once per step
+    ("dp2 x tp2 x pp2 ZeRO-2 m2", ParallelDims(dp=2, tp=2, pp=2, microbatches=2, zero=2), "hybrid"),
+    ("dp2 x tp2 x pp2 ZeRO-3 m2", ParallelDims(dp=2, tp=2, pp=2, microbatches=2, zero=3), "hybrid"),
+    ("dp2 x tp2 x pp2 ZeRO-3 m2, kept", ParallelDims(dp=2, tp=2, pp=2, microbatches=2, zero=3,
+                                                    reshard_after_forward=False), "hybrid"),
+    ("dp2 x tp2 x pp2 SP m2", ParallelDims(dp=2, tp=2, pp=2, microbatches=2, zero=1, sequence_parallel=True),
+     "hybrid"),
 ]
 # --quick: one layout per kind of run that still uses every option (accumulation, ZeRO stage,
 # sequence_parallel, schedule and m, a hybrid mesh with ZeRO and micro-batches)
 QUICK_LAYOUTS = ["DDP dp8, 2 micro-batches", "ZeRO-2 dp8, 2 micro-batches", "TP tp8", "1F1B pp8 m8",
-                 "dp2 x tp2 x pp2 ZeRO-1 m2"]
+                 "dp2 x tp2 x pp2 ZeRO-1 m2", "dp2 x tp2 x pp2 ZeRO-3 m2, kept"]
 QUICK_PROBE_SIZES = (4, 1 << 16, 1 << 20)  # bytes; the full run measures calibrate.TABLE_SIZES
 assert set(QUICK_LAYOUTS) <= {label for label, _, _ in LAYOUTS}, "QUICK_LAYOUTS names a layout not in LAYOUTS"
 
@@ -78,11 +87,16 @@ def _time_layouts(config, train_cfg, runs, rounds, probe_sizes=None):
     Returns (probes per round, per round and layout the step seconds)."""
     from course_lib.measure.calibrate import probe
     from course_lib.measure.validation import train_as
+    from course_lib.runtime.groups import scoped_groups
+
+    def scoped(fn, *args):  # each layout's groups (and their threads) end with it, so no layout runs
+        with scoped_groups():  # beside the idle groups of those before it (course_lib.runtime.groups)
+            return fn(*args)
 
     probes, times = [], []
     for _ in range(rounds):
-        probes.append(probe(config, 2, config.block_size, probe_sizes))
-        times.append([train_as(kind, dims, config, train_cfg).step_seconds for dims, kind in runs])
+        probes.append(scoped(probe, config, 2, config.block_size, probe_sizes))
+        times.append([scoped(train_as, kind, dims, config, train_cfg).step_seconds for dims, kind in runs])
     return probes, times
 
 
