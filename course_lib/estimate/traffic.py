@@ -128,16 +128,14 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
             lambda l, a, z: (2 + 2 * full) * l + a + z),
         rec("all-gathers of the gradients of attn.proj's and mlp.proj's reduce-scatters", "all_gather", Mb,
             lambda l, a, z: 2 * l),
-        rec("re-gathers of the saved sequence shards in backward", "all_gather", M, lambda l, a, z: 2 * l + z,
-            lambda l, a, z: 0, "left out by the step-time model, which prices SP as the all-reduces' bytes in pairs"),
+        rec("re-gathers of the saved sequence shards in backward", "all_gather", M, lambda l, a, z: 2 * l + z),
         rec("reduce-scatters out of attn.proj and mlp.proj", "reduce_scatter", Mb, lambda l, a, z: (2 + full) * l,
             lambda l, a, z: (2 + 2 * full) * l, megatron),
         rec("reduce-scatter out of the embedding", "reduce_scatter", M, lambda l, a, z: a),
         rec("reduce-scatters of the input gradients of qkv, fc and the head", "reduce_scatter", Mb,
             lambda l, a, z: 2 * l + z),
         Collective("tp", "gradients of the replicated norms, row-parallel biases and the position table",
-                   "all_reduce", d_e, n, m * small0, R * n * m * small_bytes, 0,
-                   "left out by the step-time model: d_model numbers each"),
+                   "all_reduce", d_e, n, m * small0, R * n * m * small_bytes),
         loss]
 
 
