@@ -215,6 +215,7 @@ def test_spearman_is_the_rank_correlation():
 def test_best_of_rounds_keeps_the_least_disturbed_values():
     def probe(matmul, model, flat, table):
         return {"matmul": matmul, "bandwidth": matmul, "model": model,
+                "recipes": {"bf16_autocast": [2 * t for t in model]},
                 "optimizer": {"tensors": 2 * flat, "flat": flat, "n_tensors": 5, "numel": 9},
                 "table": {"all_reduce": {"2": [[4, 8], table]}}}
 
@@ -264,8 +265,39 @@ def test_calibration_on_two_ranks_feeds_the_model(tiny_config):
     # every term of the model is >= 0 by construction, so the total is at least the compute term;
     # how much more (communication, overheads) depends on the measurements: not asserted
     assert measured(t["compute"]) and measured(t["total"]) and t["total"] >= t["compute"]
+    # bf16 autocast measured beside fp32, and read by the model for that recipe only
+    (recipe, rate16, overhead16), = cluster.recipe_rates
+    assert recipe == "bf16_autocast" and measured(rate16) and measured(overhead16)
+    assert len(raw["recipes"]["bf16_autocast"]["model_seconds"]) == 3
+    t16 = step_time(tiny_config, ParallelDims(dp=2), cluster, 4, recipe="bf16_autocast")
+    assert t16["compute"] == t16["flops"] / (2 * rate16) and t["compute"] == t["flops"] / (2 * cluster.achievable_flops)
     with pytest.raises(ValueError, match="world_size=1"):
         calibrate(1, tiny_config)
+
+
+def test_collective_checks_are_priced_once_per_checked_call(tiny_config):
+    """checked_collectives: every collective call (not a point-to-point send) is preceded by an
+    all-gather of CHECK_BYTES per rank over its group (course_lib.observe.checks)."""
+    from course_lib.comm.measured import collective_time
+    from course_lib.estimate.step_time import CHECK_BYTES
+    from course_lib.observe.checks import MAX_DIMS
+
+    assert CHECK_BYTES == (4 + MAX_DIMS) * 8  # the fingerprint: op, dtype, ndim, MAX_DIMS sizes, root; int64
+    cluster = gpu_cluster("H100 SXM 80 GB", 8)
+    dims = ParallelDims(dp=2, tp=2)  # every group of 2 ranks but the norm's, over all 4
+    plain = step_time(tiny_config, dims, cluster, 8, recipe="fp32")
+    checked = step_time(tiny_config, dims, cluster, 8, recipe="fp32", checked_collectives=True)
+    calls = plain["calls"]
+    per_pair = collective_time(cluster.intra, "all_gather", CHECK_BYTES * 2, 2)
+    expected = (calls["tp"] + calls["dp"]) * per_pair + calls["norm"] * collective_time(
+        cluster.intra, "all_gather", CHECK_BYTES * 4, 4)
+    assert plain["checks"] == 0.0 and calls["tp"] > 0 and calls["dp"] > 0 and calls["norm"] == 1
+    # a sum of the same products in another order: equal to float rounding
+    assert checked["checks"] == pytest.approx(expected, rel=1e-12)
+    assert checked["total"] == pytest.approx(plain["total"] + expected, rel=1e-12)
+    pipeline = step_time(tiny_config, ParallelDims(pp=2, microbatches=2), cluster, 8, recipe="fp32",
+                         checked_collectives=True)  # sends are not checked: the broadcast and norm are
+    assert pipeline["checks"] < (pipeline["calls"]["pp"] + 1) * per_pair
 
 
 def test_stored_validation_compares_every_layout():

@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import replace
 
+from course_lib.capstone.run import CHECKED_COLLECTIVES
 from course_lib.data import CharDataset
 from course_lib.estimate.calculator import GPUS
 from course_lib.estimate.params import MoEConfig
@@ -62,7 +63,8 @@ def compare(run, cluster) -> dict:
     c, dims = run.config, run.config.layout
     model, recipe = estimate_inputs(c)
     batch = c.train.batch_size
-    predicted = step_time(model, dims, cluster.with_gpus(dims.world_size), batch, c.model.block_size, recipe)
+    predicted = step_time(model, dims, cluster.with_gpus(dims.world_size), batch, c.model.block_size, recipe,
+                          checked_collectives=CHECKED_COLLECTIVES)  # as run_capstone runs it
     memory = memory_per_rank(model, dims, batch, c.model.block_size, recipe)
     seconds = run.first.step_seconds[1:] or run.first.step_seconds
     measured = statistics.median(seconds)

@@ -172,6 +172,12 @@ class CapstoneRun:
         return self.max_difference <= self.config.tolerance
 
 
+# the capstone's ranks check every collective (course_lib.observe.checks) before it runs: a
+# learner's edited config fails with a named mismatch, not wrong numbers; the report's step-time
+# prediction prices the checks (step_time's checked_collectives)
+CHECKED_COLLECTIVES = True
+
+
 def _ranks_streaming(on_loss, segment: str, log: pathlib.Path, fn, *args, world_size: int, timeout_s: float, **kw):
     """run_on_ranks(fn, ..., loss_log=log) in a thread; meanwhile on_loss(segment, step, loss)
     for each line rank 0 appends to `log`. Returns the ranks' results."""
@@ -180,7 +186,7 @@ def _ranks_streaming(on_loss, segment: str, log: pathlib.Path, fn, *args, world_
     log.unlink(missing_ok=True)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(run_on_ranks, fn, *args, world_size=world_size, timeout_s=timeout_s, loss_log=str(log),
-                             **kw)
+                             check_collectives=CHECKED_COLLECTIVES, **kw)
         seen = 0
         try:
             while True:

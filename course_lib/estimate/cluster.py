@@ -29,7 +29,11 @@ class Cluster:
     published clusters, whose layers are large enough to bury them.
     shared_cores: 0 when each rank has its own device; else the number of CPU cores the ranks
     share (emulated ranks): an idle rank's core then runs the busy ones, so a pipeline's bubble
-    costs time only while fewer ranks are busy than there are cores."""
+    costs time only while fewer ranks are busy than there are cores.
+    recipe_rates: ((recipe, achievable_flops, layer_overhead), ...) measured in a precision
+    recipe other than the one the two fields above hold (calibrate: bf16 autocast beside fp32,
+    since on a CPU without bf16 matmul units the casts and the bf16 matmuls run at their own
+    rates); rates(recipe) reads them."""
 
     name: str
     n_gpus: int
@@ -44,6 +48,7 @@ class Cluster:
     layer_overhead: float = 0.0
     tensor_overhead: float = 0.0
     shared_cores: int = 0
+    recipe_rates: tuple = ()
 
     def __post_init__(self):
         check_int("n_gpus", self.n_gpus)
@@ -57,6 +62,19 @@ class Cluster:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0 seconds")
         check_int("shared_cores", self.shared_cores, minimum=0)
+        for entry in self.recipe_rates:
+            if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
+                    and entry[1] > 0 and entry[2] >= 0):
+                raise ValueError(f"recipe_rates entry {entry!r} must be a tuple (recipe, achievable_flops > 0, "
+                                 f"layer_overhead >= 0)")
+
+    def rates(self, recipe: str) -> tuple[float, float]:
+        """(achievable FLOP/s, fixed seconds per layer and micro-batch) of the forward and
+        backward in `recipe`: its measured entry of recipe_rates, else the cluster's own."""
+        for name, flops, overhead in self.recipe_rates:
+            if name == recipe:
+                return flops, overhead
+        return self.achievable_flops, self.layer_overhead
 
     def link(self, size: int, stride: int) -> LinkModel:
         """The link a group of `size` ranks `stride` apart crosses: the node's when its span

@@ -17,7 +17,8 @@ from course_lib.estimate.step_time import ALL_TERMS, TERMS
 from course_lib.units import GiB
 
 COLORS = {"compute": "tab:blue", "recompute": "tab:cyan", "tp": "tab:red", "pp": "tab:purple", "ep": "tab:pink",
-          "bubble": "tab:gray", "dp_exposed": "tab:orange", "optimizer": "tab:green", "cp": "tab:olive"}
+          "bubble": "tab:gray", "dp_exposed": "tab:orange", "optimizer": "tab:green", "cp": "tab:olive",
+          "overhead": "tab:brown", "checks": "black"}
 MODELS = ("Llama-3 8B", "Llama-3 70B", "GPT-3 175B", "Llama-3 405B")
 GPUS = {"A100 (8 per node)": ("A100 SXM 80 GB", 8), "H100 (8 per node)": ("H100 SXM 80 GB", 8),
         "H200 (8 per node)": ("H200 SXM 141 GB", 8), "B200 (8 per node)": ("B200 180 GB", 8),

@@ -15,7 +15,8 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
                                                    cost per micro-batch, whatever its size
     recompute   + forward again ("full") or + the attention scores' forward ("selective")
     tp          every layer, every micro-batch: 2 all-reduces forward, 2 backward (Megatron f, g;
-                with sequence parallelism all-gather + reduce-scatter pairs, the same bytes),
+                with sequence parallelism all-gather + reduce-scatter pairs, the same bytes,
+                plus the re-gathers in backward and the replicated parameters' small all-reduces),
                 plus the vocabulary-parallel embedding, head and loss; on the critical path,
                 never hidden (the next matmul needs the result)
     pp          each micro-batch crosses each stage boundary as an activation and a gradient
@@ -56,6 +57,7 @@ from __future__ import annotations
 from course_lib._validate import check_int, check_one_of
 from course_lib.dims import (RECOMPUTE, ZERO_STAGES, ParallelDims, check_batch, check_context_parallel,
                              check_schedule, check_sequence_parallel, layers_per_rank)
+from course_lib.comm.measured import collective_time
 from course_lib.estimate.bubble import formula_for
 from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.compute import flops_per_token
@@ -160,15 +162,29 @@ def fp8_rate(cluster) -> float:
     return rate
 
 
+CHECK_BYTES = 8 * 8  # course_lib.observe.checks' fingerprint: 8 int64 per rank
+
+
+def check_seconds(records, link) -> float:
+    """Seconds of the collective checks (course_lib.observe.checks) before `records`' calls: one
+    all-gather of CHECK_BYTES per rank before every collective (point-to-point sends are not
+    checked; the loss log is outside the step)."""
+    return sum(r.calls * collective_time(link, "all_gather", CHECK_BYTES * r.group, r.group)
+               for r in records if r.op != "send" and not r.report and r.calls)
+
+
 def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq: int | None = None,
               recipe: str = "bf16_mixed", attention: str | None = None, causal: bool = False,
-              gather_dtype: str | None = None) -> dict:
+              gather_dtype: str | None = None, checked_collectives: bool = False) -> dict:
     """Seconds of one optimizer step by term (see the module docstring) and the totals:
     {"compute", "overhead", "recompute", "tp", "pp", "ep", "bubble", "dp_total", "dp_exposed",
     "optimizer", "total", "flops" (model FLOPs of the step, recomputation excluded), "mfu",
     "tokens", "calls" (collective calls of the busiest rank per step, by mesh dimension)}.
     mfu is against cluster.peak_flops (bf16's peak) whatever the recipe, so an fp8 run can pass
-    what bf16 could reach. gather_dtype="fp8" needs dims.zero == 3 (module docstring)."""
+    what bf16 could reach. gather_dtype="fp8" needs dims.zero == 3 (module docstring).
+    checked_collectives: the ranks run course_lib.observe.checks (run_on_ranks' default): each
+    collective is preceded by an all-gather of a CHECK_BYTES fingerprint per rank, priced on the
+    same link as "checks"."""
     seq, micro_batch = check_layout(config, dims, batch_size, seq)
     check_one_of("recipe", recipe, RECIPES)
     check_one_of("gather_dtype", gather_dtype, (None, "fp8"))
@@ -185,17 +201,18 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     batch = batch_size
     tokens = batch * seq
     flops = flops_per_token(config, seq, causal=causal) * tokens
-    compute = flops / (n_gpus * C.achievable_flops)
+    rate, layer_overhead = C.rates(recipe)  # measured in this precision where calibrated in it
+    compute = flops / (n_gpus * rate)
     if recipe == "fp8":  # the blocks' linears at the FP8 rate, the rest at bf16's
         f8 = fp8_flops_per_token(config) * tokens
-        compute = (flops - f8) / (n_gpus * C.achievable_flops) + f8 / (n_gpus * fp8_rate(C))
+        compute = (flops - f8) / (n_gpus * rate) + f8 / (n_gpus * fp8_rate(C))
     if L.cp > 1 and causal:  # the busiest cp rank's causal attention: imbalance x an even share
         attn = 3 * 4 * base.n_layer * seq * base.d_model * 0.5 * tokens  # flops_per_token's causal term
-        compute += attn * (attention_imbalance(seq, L.cp, L.cp_load_balance) - 1) / (n_gpus * C.achievable_flops)
+        compute += attn * (attention_imbalance(seq, L.cp, L.cp_load_balance) - 1) / (n_gpus * rate)
     layers = max(layers_per_rank(base.n_layer, L.pp, v))  # the busiest rank's, over its v chunks
     # fixed cost: every layer's ops (and the embedding, head and loss: one layer's worth on the
     # busiest end rank) once per micro-batch, whatever their size
-    overhead = (layers + 1) * m * C.layer_overhead
+    overhead = (layers + 1) * m * layer_overhead
     attn_fraction = 4 * base.n_layer * seq * base.d_model * (0.5 if causal else 1.0) / (
         flops_per_token(config, seq, causal=causal, training=False))
     recompute = {"none": 0.0, "full": (compute + overhead) / 3,
@@ -206,7 +223,9 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     # tp: per layer and micro-batch 2 all-reduces forward, 2 backward (Megatron's g and f), the
     # embedding's and the head's, the loss's 3; under full recomputation Megatron's 2 more per
     # layer (the course's torch checkpoint repeats 1: an upper bound there); sequence
-    # parallelism prices each all-reduce as an all-gather + a reduce-scatter of the same tensor.
+    # parallelism prices every call it makes: all-gathers and reduce-scatters in place of the
+    # all-reduces, the re-gathers of saved shards in backward and the small all-reduces of the
+    # replicated parameters' gradients (each costs a call's fixed time, which rules a CPU link).
     # pp: an activation forward and a gradient backward per micro-batch and chunk boundary, the
     # tied embedding's gradient between the end stages. ep: 2 all-to-alls forward and 2 backward
     # of top_k copies of each token per MoE layer. dp: the gradients of the parameters this rank
@@ -217,7 +236,7 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     local = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep, cp=L.cp)["params_on_gpu"]
     param_bytes = 1 if gather_dtype == "fp8" else RECIPES[recipe].param  # what ZeRO's all-gathers carry
     traffic = step_traffic(config, L, batch_size, seq, e, RECIPES[recipe].grad, param_bytes, local)
-    term, calls = {}, {}
+    term, calls, checks = {}, {}, 0.0
     for axis, records in traffic.items():
         if axis == "norm":
             link = C.intra if n_gpus <= C.gpus_per_node else C.inter
@@ -225,10 +244,12 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
             link = C.link_of(axis, L) if records else None
         term[axis] = sum(seconds(r, link) for r in records)
         calls[axis] = sum(r.calls for r in records if not r.report)
+        if checked_collectives:
+            checks += check_seconds(records, link)
     tp, pp, ep = term["tp"], term["pp"], term["ep"]
     cp_total = cp = term.get("cp", 0.0)
     if L.cp > 1 and L.cp_method == "ring":  # the hops' sends priced where compute does not cover them
-        ring = ring_exposed(config, L, micro_batch, seq, C.link_of("cp", L), C.achievable_flops, e, causal)
+        ring = ring_exposed(config, L, micro_batch, seq, C.link_of("cp", L), rate, e, causal)
         repeats = 2 if L.recompute == "full" else 1  # full recomputation runs the forward ring again
         cp = layers * m * (repeats * ring["forward"] + ring["backward"]) + sum(
             seconds(r, C.link_of("cp", L)) for r in traffic.get("cp", []) if r.op != "send")
@@ -262,8 +283,8 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     optimizer = tensors * C.tensor_overhead + owned * 2 * RECIPES[recipe].total / C.memory_bandwidth
     if traffic["norm"]:  # the global norm's all-reduce
         optimizer += term["norm"]
-    total = busy + bubble + dp_exposed + optimizer
-    return {"compute": compute, "overhead": overhead, "recompute": recompute, "tp": tp, "cp": cp,
+    total = busy + bubble + dp_exposed + optimizer + checks
+    return {"compute": compute, "overhead": overhead, "recompute": recompute, "tp": tp, "cp": cp, "checks": checks,
             "cp_total": cp_total, "pp": pp, "ep": ep,
             "bubble": bubble, "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer,
             "total": total, "flops": flops, "tokens": tokens, "batch": batch, "calls": calls,
@@ -272,4 +293,5 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
 
 TERMS = ("compute", "overhead", "recompute", "tp", "pp", "ep", "bubble", "dp_exposed", "optimizer")
 # with context parallelism's exposed traffic: TERMS stays the list notebook 11 prints
-ALL_TERMS = ("compute", "overhead", "recompute", "tp", "cp", "pp", "ep", "bubble", "dp_exposed", "optimizer")
+ALL_TERMS = ("compute", "overhead", "recompute", "tp", "cp", "pp", "ep", "bubble", "dp_exposed", "optimizer",
+             "checks")

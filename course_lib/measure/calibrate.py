@@ -3,7 +3,7 @@
     matmul_flops(rows, inner, cols)    rank code: FLOP/s of one (rows x inner) @ (inner x cols)
     copy_bandwidth(nbytes)             rank code: bytes/s of reading + writing a tensor
     model_seconds(config, ...)         rank code: forward+backward seconds of the model at a few
-                                       micro-batch sizes
+                                       micro-batch sizes, in fp32 or under bf16 autocast
     optimizer_seconds(config)          rank code: AdamW + clipping, per tensor and on one flat tensor
     calibrate(world_size, ...)         parent: every rank probes at once; returns a Cluster
                                        and the raw measurements
@@ -11,9 +11,14 @@
 
 Every rank probes at the same time, because that is how a training step loads the machine:
 emulated ranks share the CPU's cores, so one rank's speed alone is not what it gets when all
-run. Each cost is fitted as a fixed part plus a rate, the alpha-beta form of notebook 02:
+run. And each call of the model and optimizer probes ends in a barrier, because a step runs at
+the pace of its slowest rank (paced_seconds): measured here, 50 ms of work per rank followed
+by an all-reduce of the 8 ranks took 12 ms longer than the work and the all-reduce apart.
+Each cost is fitted as a fixed part plus a rate, the alpha-beta form of notebook 02:
 
     forward+backward  t(mb) = (n_layer + 1) c + F(mb) / R     -> layer_overhead c, achievable R
+                      and again under bf16 autocast (RECIPES)  -> Cluster.recipe_rates: its casts
+                      and, on a CPU without bf16 matmul units, its slower matmuls
     optimizer         t = n_tensors o + bytes / bandwidth     -> tensor_overhead o, memory_bandwidth
     collectives       a table of seconds per (op, group size, bytes) (course_lib.comm.measured),
                       with one alpha-beta line through the world's all-reduces beside it
@@ -44,6 +49,11 @@ from course_lib.runtime import run_on_ranks
 TABLE_SIZES = (4, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 TABLE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 MICRO_BATCHES = (1, 2, 4, 16)
+# precision recipes probed beside fp32 (course_lib.estimate.memory.RECIPES names), at fewer
+# micro-batch sizes: a bf16 matmul can run tens of times slower than fp32 on a CPU without bf16
+# units (AVX2), and three sizes fit a line
+RECIPES = ("bf16_autocast",)
+RECIPE_MICRO_BATCHES = (1, 2, 4)
 
 
 def sustained_seconds(fn, seconds: float) -> float:
@@ -57,6 +67,37 @@ def sustained_seconds(fn, seconds: float) -> float:
         fn()
         calls += 1
     return elapsed / calls
+
+
+def paced_seconds(fn, seconds: float) -> float:
+    """Rank code, on every rank of the world at once: seconds per call of fn() when each call
+    ends in a barrier of the world (an all-reduce of one number), less that barrier's own time
+    measured alone. A training step runs at the pace of its slowest rank: ranks sharing cores
+    finish a stretch of work at different times, and a collective waits for the last, so a
+    rank's unsynchronized average (sustained_seconds) is faster than a step gets. Every rank
+    makes the same number of calls (the fewest that any rank fits in `seconds`), as a
+    collective needs. Outside a process group of several ranks: sustained_seconds."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return sustained_seconds(fn, seconds)
+    one = torch.zeros(1)
+    fn()  # warm-up: first-call allocation and kernel selection
+    dist.all_reduce(one)
+    t0 = time.perf_counter()
+    fn()
+    calls = torch.tensor([max(1, int(seconds / max(time.perf_counter() - t0, 1e-6)))])
+    dist.all_reduce(calls, op=dist.ReduceOp.MIN)
+    calls = int(calls)
+
+    def timed(step, n):
+        dist.all_reduce(one)
+        start = time.perf_counter()
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - start) / n
+
+    paced = timed(lambda: (fn(), dist.all_reduce(one)), calls)
+    barrier = timed(lambda: dist.all_reduce(one), max(calls, 20))
+    return max(paced - barrier, 0.0)
 
 
 def matmul_flops(rows: int, inner: int, cols: int, seconds: float = 0.3) -> float:
@@ -73,23 +114,32 @@ def copy_bandwidth(nbytes: int = 1 << 22, seconds: float = 0.2) -> float:
     return 2 * nbytes / sustained_seconds(lambda: dst.copy_(src), seconds)
 
 
-def model_seconds(config, micro_batches, seq: int, seconds: float = 0.3) -> list[float]:
-    """Rank code: sustained seconds of forward + backward of the whole `config` GPT on one
-    micro-batch of each size, over `seconds` of wall time each: every non-matmul op and
-    per-op overhead included."""
+def model_seconds(config, micro_batches, seq: int, seconds: float = 0.3, recipe: str = "fp32") -> list[float]:
+    """Rank code, on every rank at once: seconds of forward + backward of the whole `config` GPT
+    on one micro-batch of each size at the slowest rank's pace (paced_seconds), over about
+    `seconds` of wall time each: every non-matmul op and per-op overhead included. recipe "bf16_autocast": both under torch.autocast(bfloat16), as
+    the course's trainers run bf16 (course_lib.parallel.hybrid.training.precision_context)."""
+    if recipe not in ("fp32",) + RECIPES:
+        raise ValueError(f"recipe={recipe!r} must be one of {('fp32',) + RECIPES}")
     model = GPT(config, seed=0)
     out = []
+
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe == "bf16_autocast"):
+            model(x, y)[1].backward()
+
     for mb in micro_batches:
         idx = torch.randint(0, config.vocab_size, (mb, seq + 1))
         x, y = idx[:, :-1], idx[:, 1:]
-        out.append(sustained_seconds(lambda: model(x, y)[1].backward(), seconds))
+        out.append(paced_seconds(lambda: step(x, y), seconds))
     return out
 
 
 def optimizer_seconds(config, seconds: float = 0.3) -> dict:
-    """Rank code: sustained seconds of one AdamW step (foreach=False, as the course's trainers)
-    plus gradient clipping, over the model's own parameter tensors and over one flat tensor
-    holding as many elements: {"tensors", "flat", "n_tensors", "numel"}."""
+    """Rank code, on every rank at once: seconds of one AdamW step (foreach=False, as the course's
+    trainers) plus gradient clipping at the slowest rank's pace (paced_seconds), over the
+    model's own parameter tensors and over one flat tensor holding as many elements:
+    {"tensors", "flat", "n_tensors", "numel"}."""
     params = [p for p in GPT(config, seed=0).parameters()]
     flat = torch.nn.Parameter(torch.zeros(sum(p.numel() for p in params)))
     out = {"n_tensors": len(params), "numel": flat.numel()}
@@ -102,7 +152,7 @@ def optimizer_seconds(config, seconds: float = 0.3) -> dict:
             torch.nn.utils.clip_grad_norm_(tensors, 1.0)
             opt.step()
 
-        out[key] = sustained_seconds(step, seconds)
+        out[key] = paced_seconds(step, seconds)
     return out
 
 
@@ -112,20 +162,26 @@ def group_sizes(world_size: int) -> list[int]:
 
 def probe(config, micro_batch: int, seq: int, sizes=None, ops=None) -> dict:
     """Rank code, on every rank at once: {"matmul" (FLOP/s at the MLP's shape), "bandwidth"
-    (copy bytes/s), "model" (forward+backward seconds per MICRO_BATCHES size), "optimizer"
+    (copy bytes/s), "model" (forward+backward seconds per MICRO_BATCHES size), "recipes"
+    ({recipe: seconds per RECIPE_MICRO_BATCHES size} for RECIPES), "optimizer"
     (optimizer_seconds), "table" (CollectiveTable entries over every group size dividing the
     world)}."""
     dist.barrier()
     matmul = matmul_flops(micro_batch * seq, config.d_model, config.ff_dim)
     dist.barrier()
     model = model_seconds(config, MICRO_BATCHES, seq)
+    recipes = {}
+    for recipe in RECIPES:
+        dist.barrier()
+        recipes[recipe] = model_seconds(config, RECIPE_MICRO_BATCHES, seq, recipe=recipe)
     dist.barrier()
     optimizer = optimizer_seconds(config)
     dist.barrier()
     bandwidth = copy_bandwidth()
     table = measure_table(TABLE_SIZES if sizes is None else sizes, group_sizes(dist.get_world_size()),
                           TABLE_OPS if ops is None else ops, rounds=1)
-    return {"matmul": matmul, "model": model, "optimizer": optimizer, "bandwidth": bandwidth, "table": table}
+    return {"matmul": matmul, "model": model, "recipes": recipes, "optimizer": optimizer, "bandwidth": bandwidth,
+            "table": table}
 
 
 def calibrate(world_size: int, config, micro_batch: int = 1, seq: int | None = None, timeout_s: float = 120,
@@ -146,11 +202,14 @@ def best_of_rounds(rounds: list[dict]) -> dict:
     rates, the lowest times (a shared machine only ever slows a measurement down)."""
     best = {k: v for k, v in rounds[0].items()}
     best["optimizer"] = dict(best["optimizer"])
+    best["recipes"] = {k: list(v) for k, v in best["recipes"].items()}
     best["table"] = {op: {g: [list(s), list(t)] for g, (s, t) in by.items()} for op, by in best["table"].items()}
     for r in rounds[1:]:
         for key in ("matmul", "bandwidth"):
             best[key] = max(best[key], r[key])
         best["model"] = [min(a, b) for a, b in zip(best["model"], r["model"])]
+        for recipe, times in r["recipes"].items():
+            best["recipes"][recipe] = [min(a, b) for a, b in zip(best["recipes"][recipe], times)]
         for key in ("tensors", "flat"):
             best["optimizer"][key] = min(best["optimizer"][key], r["optimizer"][key])
         for op, by in r["table"].items():
@@ -173,13 +232,16 @@ def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,
     world_size = len(out)
     model = [max(r["model"][i] for r in out) for i in range(len(MICRO_BATCHES))]
     flops = [flops_per_token(config, seq) * mb * seq for mb in MICRO_BATCHES]
-    try:
-        fit = fit_alpha_beta(flops, model, name="forward+backward: fixed seconds, FLOP/s")
-        fixed, rate = fit.alpha, fit.beta
-    except ValueError:  # times that do not grow with the work (a loaded machine): no line fits, so
-        # no fixed part can be told apart; the largest probe's throughput is the sustained rate
-        fixed, rate = 0.0, flops[-1] / model[-1]
+    fixed, rate = _fit_model(flops, model, "fp32")
     layer_overhead = fixed / (config.n_layer + 1)
+    recipe_rates, recipe_raw = [], {}
+    for recipe in out[0].get("recipes", {}):
+        times = [max(r["recipes"][recipe][i] for r in out) for i in range(len(RECIPE_MICRO_BATCHES))]
+        f = [flops_per_token(config, seq) * mb * seq for mb in RECIPE_MICRO_BATCHES]
+        r_fixed, r_rate = _fit_model(f, times, recipe)
+        recipe_rates.append((recipe, r_rate, r_fixed / (config.n_layer + 1)))
+        recipe_raw[recipe] = {"micro_batches": list(RECIPE_MICRO_BATCHES), "model_seconds": times,
+                              "model_fixed_seconds": r_fixed}
     opt = {k: max(r["optimizer"][k] for r in out) for k in ("tensors", "flat")}
     n_tensors, numel = out[0]["optimizer"]["n_tensors"], out[0]["optimizer"]["numel"]
     tensor_overhead = max(0.0, (opt["tensors"] - opt["flat"]) / (n_tensors - 1))
@@ -199,14 +261,24 @@ def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,
     cluster = Cluster(f"{world_size} gloo CPU ranks (measured)", world_size, world_size, rate, rate,
                       memory_bytes, link, link, memory_bandwidth=update_bandwidth, overlap=0.0,
                       layer_overhead=layer_overhead, tensor_overhead=tensor_overhead,
-                      shared_cores=cores_available())
+                      shared_cores=cores_available(), recipe_rates=tuple(recipe_rates))
     raw = {"matmul_shape": [micro_batch * seq, config.d_model, config.ff_dim],
            "matmul_flops_per_rank": [r["matmul"] for r in out],
            "copy_bandwidth_per_rank": [r["bandwidth"] for r in out],
            "micro_batches": list(MICRO_BATCHES), "model_seconds": model, "model_flops": flops,
            "model_fixed_seconds": fixed, "optimizer_seconds": opt, "optimizer_tensors": n_tensors,
-           "optimizer_numel": numel}
+           "optimizer_numel": numel, "recipes": recipe_raw}
     return cluster, raw
+
+
+def _fit_model(flops, times, recipe: str) -> tuple[float, float]:
+    """(fixed seconds, FLOP/s) of the line t = fixed + F / rate through the probes."""
+    try:
+        fit = fit_alpha_beta(flops, times, name=f"forward+backward in {recipe}: fixed seconds, FLOP/s")
+        return fit.alpha, fit.beta
+    except ValueError:  # times that do not grow with the work (a loaded machine): no line fits, so
+        # no fixed part can be told apart; the largest probe's throughput is the sustained rate
+        return 0.0, flops[-1] / times[-1]
 
 
 def cluster_to_dict(cluster: Cluster) -> dict:
@@ -221,4 +293,5 @@ def cluster_to_dict(cluster: Cluster) -> dict:
 def cluster_from_dict(d: dict) -> Cluster:
     d = dict(d)
     d["intra"], d["inter"] = link_from_dict(d["intra"]), link_from_dict(d["inter"])
+    d["recipe_rates"] = tuple(tuple(entry) for entry in d.get("recipe_rates", ()))  # JSON stores lists
     return Cluster(**d)
