@@ -87,7 +87,7 @@ def test_a_calls_process_groups_and_their_threads_end_with_it():
     after = run_on_ranks(_count_now, world_size=2)
     for (threads_before, groups, threads_with), (groups_after, threads_after) in zip(made, after):
         assert groups == 5 and threads_with > threads_before  # the groups and their threads existed
-        assert groups_after == 0 and threads_after == threads_before  # and are gone after the call
+        assert groups_after == 0 and threads_after == threads_before  # and are gone when the next call starts
 
 
 def test_threads_are_shared_out():

@@ -5,14 +5,22 @@ live until the group is destroyed and no Python object refers to it. The rank po
 live across many runs; if each run's groups (a mesh, a TP or DP group) stayed, a pool would
 gather hundreds of them, and their threads wake up and take CPU from the ranks' compute:
 measured here, 8 ranks on 2 cores, forward + backward of a small GPT ran 1.3 to 3 times slower
-after 20 to 60 idle two-rank groups per rank. So run_on_ranks ends every call, and the planner's
-benchmark every layout, inside `scoped_groups()`:
+after 20 to 60 idle two-rank groups per rank. So groups end with the work that made them:
+
+* run_on_ranks destroys, at the start of each call, the groups the calls before it left. Not
+  at the end of a call: a rank that finishes first would close the connections of a group
+  whose other ranks are still inside a collective on it (a hang the debugging notebook
+  shows on purpose would become a "connection closed" error). A call starts only after every
+  rank finished the previous one (or the pool was replaced after a timeout).
+* `scoped_groups()` ends them inside one call, e.g. one layout after another in the planner's
+  benchmark: every rank of the world enters it, and on leaving waits at a barrier of the world
+  (every rank is past its last collective on those groups), then destroys the groups created
+  inside. After an exception it leaves them to the next call's start.
 
     with scoped_groups():        # groups created in the block are destroyed when it ends
         train(...)
 
-The default (world) group is never touched. Destroying a group is local to the rank (no
-collective), so it is safe after an error too.
+The default (world) group is never touched. Destroying a group is local to the rank.
 """
 
 from __future__ import annotations
@@ -51,10 +59,13 @@ def destroy_groups(groups) -> int:
 
 @contextlib.contextmanager
 def scoped_groups():
-    """Destroy, when the block ends (normally or by an exception), every process group created
-    inside it."""
+    """Collective (every rank of the world enters it): when the block ends, a barrier of the
+    world, then every process group created inside it is destroyed. After an exception nothing
+    is destroyed (other ranks may still wait in a collective on those groups)."""
+    import torch.distributed as dist
+
     before = {id(pg) for pg in live_groups()}
-    try:
-        yield
-    finally:
-        destroy_groups([pg for pg in live_groups() if id(pg) not in before])
+    yield
+    if dist.is_initialized():
+        dist.barrier()
+    destroy_groups([pg for pg in live_groups() if id(pg) not in before])

@@ -17,7 +17,7 @@ import traceback
 from datetime import timedelta
 
 from course_lib.observe.checks import install_collective_checks
-from course_lib.runtime.groups import scoped_groups
+from course_lib.runtime.groups import destroy_groups, live_groups
 from course_lib.runtime.modules import install as install_shared_modules
 
 INSIDE_RANK_ENV = "COURSE_LIB_INSIDE_RANK"
@@ -89,8 +89,8 @@ def worker_main(rank, world_size, backend, port, conn, n_threads, check_collecti
                 install_shared_modules(shared)
                 fn, args, kwargs = cloudpickle.loads(call)
                 _seed_everything(rank)
-                with scoped_groups():  # the call's groups end with it (course_lib.runtime.groups)
-                    reply = ("ok", cloudpickle.dumps(fn(*args, **kwargs)))
+                destroy_groups(live_groups())  # what earlier calls left (course_lib.runtime.groups)
+                reply = ("ok", cloudpickle.dumps(fn(*args, **kwargs)))
             except BaseException:  # noqa: BLE001 - every failure goes back to the parent
                 reply = ("error", traceback.format_exc())
         conn.send(reply + (out.getvalue(), err.getvalue()))
