@@ -124,3 +124,25 @@ def test_each_axis_package_exports_its_traffic():
     assert traffic.step_traffic(DENSE, ParallelDims(), 8) == {"tp": [], "pp": [], "ep": [], "dp": [], "norm": []}
     with pytest.raises(ValueError, match="batch_size=7 must be divisible by dp\\*ep = 2"):
         traffic.step_traffic(DENSE, dims, 7)
+
+
+def test_sequence_parallel_calls_megatron_overlaps_are_priced_on_a_measured_table_only():
+    """The re-gathers in backward and the replicated parameters' small all-reduces: the course's
+    runtime makes each call (a measured table prices them), Megatron overlaps or batches them
+    (a published alpha-beta link leaves them out)."""
+    from course_lib.comm.measured import CollectiveTable
+
+    config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=2, n_head=2, d_model=16)
+    dims = ParallelDims(tp=2, sequence_parallel=True)
+    records = traffic.tp_traffic(config, dims, 4, 16)
+    later = [r for r in records if r.measured_only]
+    assert {r.op for r in later} == {"all_gather", "all_reduce"} and all(r.calls > 0 for r in later)
+    link = LinkModel(1e-5, 1e10, "a published link")
+    sizes = [4, 1 << 20]
+    entries = {op: {"2": [sizes, [1e-3, 2e-3]]} for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    table = CollectiveTable("a measured table", entries, None)
+    for r in later:
+        assert traffic.seconds(r, link) == 0.0
+        assert traffic.seconds(r, table) == r.priced_calls * collective_time(table, r.op, r.nbytes, 2) > 0
+    others = [r for r in records if not r.measured_only and r.priced_calls]
+    assert all(traffic.seconds(r, link) > 0 for r in others)

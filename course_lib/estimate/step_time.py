@@ -16,7 +16,8 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
     recompute   + forward again ("full") or + the attention scores' forward ("selective")
     tp          every layer, every micro-batch: 2 all-reduces forward, 2 backward (Megatron f, g;
                 with sequence parallelism all-gather + reduce-scatter pairs, the same bytes,
-                plus the re-gathers in backward and the replicated parameters' small all-reduces),
+                plus, on a measured table, the re-gathers in backward and the replicated
+                parameters' small all-reduces: course_lib.estimate.traffic's measured_only),
                 plus the vocabulary-parallel embedding, head and loss; on the critical path,
                 never hidden (the next matmul needs the result)
     pp          each micro-batch crosses each stage boundary as an activation and a gradient
@@ -223,9 +224,10 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     # tp: per layer and micro-batch 2 all-reduces forward, 2 backward (Megatron's g and f), the
     # embedding's and the head's, the loss's 3; under full recomputation Megatron's 2 more per
     # layer (the course's torch checkpoint repeats 1: an upper bound there); sequence
-    # parallelism prices every call it makes: all-gathers and reduce-scatters in place of the
-    # all-reduces, the re-gathers of saved shards in backward and the small all-reduces of the
-    # replicated parameters' gradients (each costs a call's fixed time, which rules a CPU link).
+    # parallelism prices all-gathers and reduce-scatters in place of the all-reduces and, on a
+    # measured table, every call the course's runtime makes: the re-gathers of saved shards in
+    # backward, the small all-reduces of the replicated parameters' gradients (each costs a
+    # call's fixed time, which rules a CPU link; Megatron overlaps or batches them).
     # pp: an activation forward and a gradient backward per micro-batch and chunk boundary, the
     # tied embedding's gradient between the end stages. ep: 2 all-to-alls forward and 2 backward
     # of top_k copies of each token per MoE layer. dp: the gradients of the parameters this rank

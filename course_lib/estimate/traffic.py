@@ -34,7 +34,11 @@ and one tp rank (the course's runtime, counted by course_lib.observe.CommTracer)
          averaged over dp for the log
     norm one all-reduce of the squared global norm (8 bytes) over the world
 
-`calls` is what the tracer counts on rank 0 in one step (the first stage). `priced` departs from
+`calls` is what the tracer counts on rank 0 in one step (the first stage). Sequence parallelism's
+re-gathers in backward and its small all-reduces of the replicated parameters' gradients are
+`measured_only`: Megatron overlaps the re-gathers with the weight-gradient matmul and reduces
+those gradients once per step, so a published cluster leaves them out; a measured table (the
+course's runtime, which makes each call) prices them. `priced` departs from
 `calls` only where the step-time model says so, each with its reason in the record (`why`):
 it prices the busiest rank, l0 blocks and both ends (embedding, head and loss) on one rank; `report` marks the trainer's loss log, which the tracer sees and the step
 does not need. Full recomputation: the step-time model prices Megatron's (every block's forward
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from course_lib.comm.measured import collective_time
+from course_lib.comm.measured import CollectiveTable, collective_time
 from course_lib.dims import check_batch, layers_per_rank
 from course_lib.estimate.params import kv_dim, param_breakdown, param_count, unpack
 from course_lib.estimate.per_gpu import zero_units
@@ -71,6 +75,9 @@ class Collective:
     priced: int | None = None  # calls the step-time model prices (None: all of them)
     why: str = ""  # why priced differs from calls
     report: bool = False  # the loss log, outside the step
+    # calls the course's runtime makes one by one where Megatron overlaps or batches them: priced
+    # on a measured CollectiveTable (the course's own runs), left out on a published cluster
+    measured_only: bool = False
 
     @property
     def priced_calls(self) -> int:
@@ -101,14 +108,15 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
         if full else ""
     ends = "the busiest rank priced as holding both ends" if dims.pp > 1 else ""
 
-    def rec(what, op, size, count, priced=None, why=""):
+    def rec(what, op, size, count, priced=None, why="", measured_only=False):
         """count(l, a, z): calls per micro-batch of a rank holding l blocks, the first stage (a)
         and the last (z). Rank 0 holds the first; the step-time model prices l0 blocks and both
         ends; the world's bytes sum one copy of the L blocks and both ends per replica and tp rank."""
         sent = size // n if op == "all_gather" else size  # SP: tp divides the sequence
         calls, model = m * count(l0, 1, int(dims.pp == 1)), m * (priced or count)(l0, 1, 1)
         return Collective("tp", what, op, size, n, calls, R * n * m * count(L, 1, 1) * sent,
-                          None if model == calls else model, "" if model == calls else why or ends)
+                          None if model == calls else model, "" if model == calls else why or ends,
+                          measured_only=measured_only)
 
     loss = rec("the vocabulary-parallel loss: max, sum, target", "all_reduce", mb * s * 4, lambda l, a, z: 3 * z)
     if not dims.sequence_parallel:
@@ -128,14 +136,15 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
             lambda l, a, z: (2 + 2 * full) * l + a + z),
         rec("all-gathers of the gradients of attn.proj's and mlp.proj's reduce-scatters", "all_gather", Mb,
             lambda l, a, z: 2 * l),
-        rec("re-gathers of the saved sequence shards in backward", "all_gather", M, lambda l, a, z: 2 * l + z),
+        rec("re-gathers of the saved sequence shards in backward", "all_gather", M, lambda l, a, z: 2 * l + z,
+            measured_only=True),
         rec("reduce-scatters out of attn.proj and mlp.proj", "reduce_scatter", Mb, lambda l, a, z: (2 + full) * l,
             lambda l, a, z: (2 + 2 * full) * l, megatron),
         rec("reduce-scatter out of the embedding", "reduce_scatter", M, lambda l, a, z: a),
         rec("reduce-scatters of the input gradients of qkv, fc and the head", "reduce_scatter", Mb,
             lambda l, a, z: 2 * l + z),
         Collective("tp", "gradients of the replicated norms, row-parallel biases and the position table",
-                   "all_reduce", d_e, n, m * small0, R * n * m * small_bytes),
+                   "all_reduce", d_e, n, m * small0, R * n * m * small_bytes, measured_only=True),
         loss]
 
 
@@ -364,7 +373,7 @@ def wire_bytes(c: Collective) -> float:
 def seconds(c: Collective, link) -> float:
     """The step-time model's seconds of this record on `link` (a LinkModel or a measured
     CollectiveTable): priced calls, each collective_time(link, op, nbytes, group)."""
-    if c.report or not c.priced_calls:
+    if c.report or not c.priced_calls or (c.measured_only and not isinstance(link, CollectiveTable)):
         return 0.0
     return c.priced_calls * collective_time(link, c.op, c.nbytes, c.group)
 
