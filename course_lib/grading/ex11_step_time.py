@@ -79,17 +79,17 @@ EXPOSED = {  # Llama-3 70B on 512 H100, dp64 tp8, 8 sequences per replica: (over
 }
 MEASURED = {  # the stored 8-rank calibration, fp32, 16 sequences of 32 tokens: label -> (layout, terms)
     "DDP dp8": (dict(dp=8, tp=1, micro_batch=2), {
-        "compute": 0.0128094438067, "overhead": 0.0173339031493, "tp": 0.0, "dp_total": 0.0106230747643,
-        "dp_exposed": 0.0106230747643, "bubble": 0.0, "total": 0.0407664217202}),
+        "compute": 0.0236970884476, "overhead": 0.0556947286656, "tp": 0.0, "dp_total": 0.0162153607244,
+        "dp_exposed": 0.0162153607244, "bubble": 0.0, "total": 0.0956071778376}),
     "dp4 x tp2": (dict(dp=4, tp=2, micro_batch=4), {
-        "compute": 0.0128094438067, "overhead": 0.0173339031493, "tp": 0.0379328888893,
-        "dp_total": 0.00491658206095, "dp_exposed": 0.00491658206095, "bubble": 0.0, "total": 0.0729928179062}),
+        "compute": 0.0236970884476, "overhead": 0.0556947286656, "tp": 0.0665023111117,
+        "dp_total": 0.00745226346825, "dp_exposed": 0.00745226346825, "bubble": 0.0, "total": 0.153346391693}),
     "dp2 x tp4": (dict(dp=2, tp=4, micro_batch=8), {
-        "compute": 0.0128094438067, "overhead": 0.0173339031493, "tp": 0.134444149337,
-        "dp_total": 0.00169529851762, "dp_exposed": 0.00169529851762, "bubble": 0.0, "total": 0.166282794811}),
+        "compute": 0.0236970884476, "overhead": 0.0556947286656, "tp": 0.193405498673,
+        "dp_total": 0.00275403660197, "dp_exposed": 0.00275403660197, "bubble": 0.0, "total": 0.275551352388}),
     "TP tp8": (dict(dp=1, tp=8, micro_batch=16), {
-        "compute": 0.0128094438067, "overhead": 0.0173339031493, "tp": 0.266980035557, "dp_total": 0.0,
-        "dp_exposed": 0.0, "bubble": 0.0, "total": 0.297123382513}),
+        "compute": 0.0236970884476, "overhead": 0.0556947286656, "tp": 0.498975648001, "dp_total": 0.0,
+        "dp_exposed": 0.0, "bubble": 0.0, "total": 0.578367465115}),
 }
 MODELS = {"GPT-3 175B": GPT3_175B, "Llama-3 70B": LLAMA3_70B}
 # where to look when a term is wrong (a question, not the answer)

@@ -228,13 +228,17 @@ print(f"8 ranks: 1 MiB takes {growth:.1f} x the time of 4 KiB (256 x the bytes);
 # same table; the published clusters use the spec-sheet $\alpha$-$\beta$ lines.
 # </details>
 #
-# ## 4. Predicted against measured: 15 layouts on 8 ranks
+# ## 4. Predicted against measured: 19 layouts on 8 ranks
 #
-# `benchmarks/bench_planner.py` calibrated 8 ranks and timed fifteen layouts of one model (8
+# `benchmarks/bench_planner.py` calibrated 8 ranks and timed nineteen layouts of one model (8
 # layers, 8 heads, $d = 64$, 16 sequences of 32 tokens per step) with the course's own
-# strategies: DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B, and notebook 10's hybrid
-# meshes (dp x tp, dp x pp, tp x pp, dp x tp x pp), calibration and layouts in alternating
-# rounds, each at its least disturbed. That takes minutes on this machine, so the notebook
+# strategies: DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B, notebook 10's hybrid
+# meshes (dp x tp, dp x pp, tp x pp, dp x tp x pp) and their full composition (ZeRO-2 and 3
+# with both reshard policies, sequence parallelism across stages), calibration and layouts in
+# alternating rounds, each at its least disturbed. Each layout's process groups are destroyed
+# before the next one starts (`course_lib.runtime.groups`): a gloo group keeps threads that
+# take CPU from whatever runs after it, and with every earlier layout's groups still alive the
+# last layouts of a round ran up to twice as slow as the calibration measured. That takes minutes on this machine, so the notebook
 # reads the stored measurement (`course_lib/assets/planner_validation.json`, written by
 # `python benchmarks/bench_planner.py --store`) rather than running it again.
 #
@@ -294,7 +298,9 @@ for name, change in without.items():
 #   eight ways (tp = 8) barely shortens compute, and every extra micro-batch pays the
 #   layers again;
 # * **calls, not only bytes**: tensor parallelism makes dozens of mid-sized all-reduces per
-#   step and ZeRO-3 gathers block by block; each call costs what the table measured;
+#   step, sequence parallelism more (it re-gathers saved shards in backward and all-reduces
+#   the small gradients of the replicated norms), and ZeRO-3 gathers block by block; each
+#   call costs what the table measured, however few its bytes;
 # * **the optimizer's loop over tensors**: DDP's AdamW visits every parameter tensor, ZeRO's
 #   visits a few flat shards;
 # * **shared cores**: while a pipeline stage waits, its core runs the others, so the bubble of
@@ -310,7 +316,7 @@ for name, change in without.items():
 # ### Memory per rank, estimated and measured
 #
 # The memory model is the other half of the planner: a layout it wrongly thinks fits is
-# worse than a slow one. Here every one of those fifteen layouts is built on 8 ranks with
+# worse than a slow one. Here those layouts are built on 8 ranks with
 # the course's own code, trained one step, and each rank's parameters, gradients and AdamW
 # moments are measured (numel x element size of what it really holds), beside notebook 01's
 # estimator for that rank's stage, shard and ZeRO stage. Activations are measured too: the
@@ -330,7 +336,11 @@ for name, change in without.items():
 # %% tags=["nbval-ignore-output"]
 from course_lib.measure.memory import format_memory_table, memory_table
 
-memory_rows = memory_table(data["config"], [ParallelDims(**r["layout"]) for r in data["runs"]], data["batch"], data["seq"])
+# the composed ZeRO-2/3 layouts are measured step by step in notebook 10 (run_hybrid against
+# estimate.composed_zero_memory): this one-step table covers the rest
+one_step = [ParallelDims(**r["layout"]) for r in data["runs"]]
+one_step = [d for d in one_step if d.zero <= 1 or d.world_size == d.dp]
+memory_rows = memory_table(data["config"], one_step, data["batch"], data["seq"])
 print(format_memory_table(memory_rows))
 
 # %%

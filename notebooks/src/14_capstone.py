@@ -243,14 +243,16 @@ assert all(m["state"] == m["state_estimated"] for m in per_rank)  # bytes: exact
 # %% [markdown]
 # How to read the gaps:
 #
-# * **Step time.** The prediction uses notebook 11's 8-rank calibration (fixed costs per
-#   layer and per optimizer tensor, the measured table of collectives), measured in fp32
-#   without instrumentation. This run adds what that calibration never saw: bf16 autocast's
-#   casts before every matmul (on a CPU, bf16 matmuls are no faster than fp32 ones), the
-#   tracer around every collective and a timeline; in a step this small, such fixed costs per
-#   op are most of the time, hence the ratio in the report. On GPUs, where each rank owns its
-#   device and bf16 runs at twice the rate of TF32, such models land within tens of percent
-#   (Narayanan et al. 2021).
+# * **Step time.** The prediction uses notebook 11's 8-rank calibration: fixed costs per
+#   layer and per optimizer tensor, the measured table of collectives, and the model's forward
+#   and backward timed both in fp32 and under bf16 autocast (its casts before every matmul;
+#   on a CPU without bf16 units a bf16 matmul runs slower than an fp32 one). It also prices
+#   the check these ranks run before every collective (one small all-gather over the same
+#   group). It does not see the tracer around every collective, the timeline, or that this
+#   model is far smaller than the calibrated one (16 wide, one block per stage), so fixed
+#   costs per op, which no FLOP count predicts, are most of its step. On GPUs, where each rank
+#   owns its device and bf16 runs at twice the rate of TF32, such models land within tens of
+#   percent (Narayanan et al. 2021).
 # * **MFU** is model FLOP/s over the device's peak. A CPU core has no spec-sheet peak to
 #   compare with, so the report gives the ratio against the rate these ranks reached on large
 #   matmuls; on a GPU it prints the MFU against the GPU's bf16 (or TF32) peak.
