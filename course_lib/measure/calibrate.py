@@ -17,7 +17,7 @@ by an all-reduce of the 8 ranks took 12 ms longer than the work and the all-redu
 Each cost is fitted as a fixed part plus a rate, the alpha-beta form of notebook 02:
 
     forward+backward  t(mb) = (n_layer + 1) c + F(mb) / R     -> layer_overhead c, achievable R
-                      and again under bf16 autocast (RECIPES)  -> Cluster.recipe_rates: its casts
+                      and again under bf16 autocast (PROBED_RECIPES) -> Cluster.recipe_rates: its casts
                       and, on a CPU without bf16 matmul units, its slower matmuls
     optimizer         t = n_tensors o + bytes / bandwidth     -> tensor_overhead o, memory_bandwidth
     collectives       a table of seconds per (op, group size, bytes) (course_lib.comm.measured),
@@ -52,7 +52,7 @@ MICRO_BATCHES = (1, 2, 4, 16)
 # precision recipes probed beside fp32 (course_lib.estimate.memory.RECIPES names), at fewer
 # micro-batch sizes: a bf16 matmul can run tens of times slower than fp32 on a CPU without bf16
 # units (AVX2), and three sizes fit a line
-RECIPES = ("bf16_autocast",)
+PROBED_RECIPES = ("bf16_autocast",)
 RECIPE_MICRO_BATCHES = (1, 2, 4)
 
 
@@ -117,10 +117,11 @@ def copy_bandwidth(nbytes: int = 1 << 22, seconds: float = 0.2) -> float:
 def model_seconds(config, micro_batches, seq: int, seconds: float = 0.3, recipe: str = "fp32") -> list[float]:
     """Rank code, on every rank at once: seconds of forward + backward of the whole `config` GPT
     on one micro-batch of each size at the slowest rank's pace (paced_seconds), over about
-    `seconds` of wall time each: every non-matmul op and per-op overhead included. recipe "bf16_autocast": both under torch.autocast(bfloat16), as
-    the course's trainers run bf16 (course_lib.parallel.hybrid.training.precision_context)."""
-    if recipe not in ("fp32",) + RECIPES:
-        raise ValueError(f"recipe={recipe!r} must be one of {('fp32',) + RECIPES}")
+    `seconds` of wall time each: every non-matmul op and per-op overhead included. recipe
+    "bf16_autocast": both under torch.autocast(bfloat16), as the course's trainers run bf16
+    (course_lib.parallel.hybrid.training.precision_context)."""
+    if recipe not in ("fp32",) + PROBED_RECIPES:
+        raise ValueError(f"recipe={recipe!r} must be one of {('fp32',) + PROBED_RECIPES}")
     model = GPT(config, seed=0)
     out = []
 
@@ -163,7 +164,7 @@ def group_sizes(world_size: int) -> list[int]:
 def probe(config, micro_batch: int, seq: int, sizes=None, ops=None) -> dict:
     """Rank code, on every rank at once: {"matmul" (FLOP/s at the MLP's shape), "bandwidth"
     (copy bytes/s), "model" (forward+backward seconds per MICRO_BATCHES size), "recipes"
-    ({recipe: seconds per RECIPE_MICRO_BATCHES size} for RECIPES), "optimizer"
+    ({recipe: seconds per RECIPE_MICRO_BATCHES size} for PROBED_RECIPES), "optimizer"
     (optimizer_seconds), "table" (CollectiveTable entries over every group size dividing the
     world)}."""
     dist.barrier()
@@ -171,7 +172,7 @@ def probe(config, micro_batch: int, seq: int, sizes=None, ops=None) -> dict:
     dist.barrier()
     model = model_seconds(config, MICRO_BATCHES, seq)
     recipes = {}
-    for recipe in RECIPES:
+    for recipe in PROBED_RECIPES:
         dist.barrier()
         recipes[recipe] = model_seconds(config, RECIPE_MICRO_BATCHES, seq, recipe=recipe)
     dist.barrier()
