@@ -13,10 +13,12 @@ rather than spending minutes re-measuring): `python benchmarks/bench_planner.py 
 `--quick` (2 steps, 1 round, QUICK_LAYOUTS only, the collective table at QUICK_PROBE_SIZES,
 nothing recorded or stored) is a smoke test of the same calls: every trainer and every option
 train_as reads from a layout, in seconds.
-Calibration and layouts alternate over --rounds; a layout's time is the slowest rank's time of
-a step, the fastest of the steps after the first over all rounds, and the calibration keeps its
-highest rates and lowest times: on a shared machine every value at its least disturbed, as
-costmodel.ping_pong does.
+Calibration and layouts alternate over --rounds; a layout's time in a round is the slowest
+rank's time of a step, the fastest of the steps after the first, and its measured time the
+median of its rounds; the calibration keeps each probed quantity at its median round
+(calibrate.median_of_rounds). Medians on both sides: on this shared machine the speed drifts
+from minute to minute, and the fastest of each part on its own adds up to a step faster than
+any that ran.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import datetime
 import json
 import os
 import pathlib
+import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -104,9 +107,9 @@ def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600, lay
     """(Cluster, raw calibration, runs): runs = [{"label", "layout", "step_seconds" (per round, the
     slowest rank per step), "measured"}] for `layouts` (default LAYOUTS). Calibration (its
     collective table at probe_sizes, default calibrate.TABLE_SIZES) and layouts alternate over
-    `rounds`, and each quantity keeps its least disturbed value: the calibration's highest
-    rates and lowest times (best_of_rounds), each layout's fastest step after the first."""
-    from course_lib.measure.calibrate import best_of_rounds, cluster_from_probes
+    `rounds`, and each quantity keeps its median round: the calibration's (median_of_rounds),
+    each layout's fastest step after the first in a round."""
+    from course_lib.measure.calibrate import cluster_from_probes, median_of_rounds
     from course_lib.runtime import run_on_ranks
 
     train_cfg = TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0)
@@ -114,12 +117,12 @@ def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float = 600, lay
     per_rank = run_on_ranks(_time_layouts, config, train_cfg, [(dims, kind) for _, dims, kind in layouts], rounds,
                             probe_sizes,
                             world_size=WORLD, timeout_s=timeout_s, check_collectives=False)
-    cluster, raw = cluster_from_probes([best_of_rounds(probes) for probes, _ in per_rank], config, 2, SEQ)
+    cluster, raw = cluster_from_probes([median_of_rounds(probes) for probes, _ in per_rank], config, 2, SEQ)
     runs = []
     for i, (label, lay, _) in enumerate(layouts):
         slowest = [[max(times[k][i][s] for _, times in per_rank) for s in range(steps)] for k in range(rounds)]
         runs.append({"label": label, "layout": dataclasses.asdict(lay), "step_seconds": slowest,
-                     "measured": min(t for per_round in slowest for t in per_round[1:])})
+                     "measured": statistics.median(min(per_round[1:]) for per_round in slowest)})
     return cluster, raw, runs
 
 

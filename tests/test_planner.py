@@ -199,7 +199,7 @@ def test_gpt3_predicted_mfu_is_in_a_sane_range():
 
 
 # ----------------------------------------------------------------------------- calibration, validation
-from course_lib.measure.calibrate import best_of_rounds, calibrate, cluster_from_dict, cluster_to_dict  # noqa: E402
+from course_lib.measure.calibrate import calibrate, cluster_from_dict, cluster_to_dict, median_of_rounds  # noqa: E402
 from course_lib.measure.validation import compare, load_validation, spearman  # noqa: E402
 
 
@@ -212,16 +212,20 @@ def test_spearman_is_the_rank_correlation():
         spearman([1], [1])
 
 
-def test_best_of_rounds_keeps_the_least_disturbed_values():
+def test_median_of_rounds_keeps_each_quantity_at_its_median_round():
+    """Every probed quantity at its median over the rounds, each on its own: three rounds whose
+    fastest values come from different rounds give neither the fastest nor the first."""
     def probe(matmul, model, flat, table):
         return {"matmul": matmul, "bandwidth": matmul, "model": model,
                 "recipes": {"bf16_autocast": [2 * t for t in model]},
                 "optimizer": {"tensors": 2 * flat, "flat": flat, "n_tensors": 5, "numel": 9},
                 "table": {"all_reduce": {"2": [[4, 8], table]}}}
 
-    best = best_of_rounds([probe(1.0, [5.0, 1.0], 3.0, [1.0, 4.0]), probe(2.0, [4.0, 2.0], 2.0, [2.0, 3.0])])
-    assert best == probe(2.0, [4.0, 1.0], 2.0, [1.0, 3.0]) | {"optimizer": {"tensors": 4.0, "flat": 2.0,
-                                                                            "n_tensors": 5, "numel": 9}}
+    rounds = [probe(1.0, [5.0, 1.0], 3.0, [1.0, 4.0]), probe(2.0, [4.0, 2.0], 2.0, [2.0, 3.0]),
+              probe(3.0, [6.0, 3.0], 1.0, [3.0, 5.0])]
+    assert median_of_rounds(rounds) == probe(2.0, [5.0, 2.0], 2.0, [2.0, 4.0])
+    assert median_of_rounds(rounds[:1]) == rounds[0]
+    assert rounds[0] == probe(1.0, [5.0, 1.0], 3.0, [1.0, 4.0])  # the rounds are left as they were
 
 
 def test_calibration_without_a_fitting_line_falls_back_to_the_largest_probe(tiny_config):
