@@ -235,7 +235,10 @@ print(f"8 ranks: 1 MiB takes {growth:.1f} x the time of 4 KiB (256 x the bytes);
 # strategies: DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B, notebook 10's hybrid
 # meshes (dp x tp, dp x pp, tp x pp, dp x tp x pp) and their full composition (ZeRO-2 and 3
 # with both reshard policies, sequence parallelism across stages), calibration and layouts in
-# alternating rounds, each at its least disturbed. Each layout's process groups are destroyed
+# alternating rounds. Each measured quantity is its median round, on both sides: this machine's
+# speed drifts from minute to minute, and the fastest of every probe taken separately adds up
+# to a step faster than any that ran (every layout then looked slower than predicted). Each
+# layout's process groups are destroyed
 # before the next one starts (`course_lib.runtime.groups`): a gloo group keeps threads that
 # take CPU from whatever runs after it, and with every earlier layout's groups still alive the
 # last layouts of a round ran up to twice as slow as the calibration measured. That takes minutes on this machine, so the notebook
