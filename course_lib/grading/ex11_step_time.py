@@ -79,17 +79,17 @@ EXPOSED = {  # Llama-3 70B on 512 H100, dp64 tp8, 8 sequences per replica: (over
 }
 MEASURED = {  # the stored 8-rank calibration, fp32, 16 sequences of 32 tokens: label -> (layout, terms)
     "DDP dp8": (dict(dp=8, tp=1, micro_batch=2), {
-        "compute": 0.0260968719223, "overhead": 0.0420777085696, "tp": 0.0, "dp_total": 0.0163999518658,
-        "dp_exposed": 0.0163999518658, "bubble": 0.0, "total": 0.0845745323577}),
+        "compute": 0.0204344226488, "overhead": 0.0346075836738, "tp": 0.0, "dp_total": 0.0153006285472,
+        "dp_exposed": 0.0153006285472, "bubble": 0.0, "total": 0.0703426348698}),
     "dp4 x tp2": (dict(dp=4, tp=2, micro_batch=4), {
-        "compute": 0.0260968719223, "overhead": 0.0420777085696, "tp": 0.0640481599993,
-        "dp_total": 0.00760722052702, "dp_exposed": 0.00760722052702, "bubble": 0.0, "total": 0.139829961018}),
+        "compute": 0.0204344226488, "overhead": 0.0346075836738, "tp": 0.0622292906644,
+        "dp_total": 0.00794905726988, "dp_exposed": 0.00794905726988, "bubble": 0.0, "total": 0.125220354257}),
     "dp2 x tp4": (dict(dp=2, tp=4, micro_batch=8), {
-        "compute": 0.0260968719223, "overhead": 0.0420777085696, "tp": 0.201982832,
-        "dp_total": 0.00272597298454, "dp_exposed": 0.00272597298454, "bubble": 0.0, "total": 0.272883385476}),
+        "compute": 0.0204344226488, "overhead": 0.0346075836738, "tp": 0.225923221335,
+        "dp_total": 0.00254375790741, "dp_exposed": 0.00254375790741, "bubble": 0.0, "total": 0.283508985565}),
     "TP tp8": (dict(dp=1, tp=8, micro_batch=16), {
-        "compute": 0.0260968719223, "overhead": 0.0420777085696, "tp": 0.458544092444, "dp_total": 0.0,
-        "dp_exposed": 0.0, "bubble": 0.0, "total": 0.526718672936}),
+        "compute": 0.0204344226488, "overhead": 0.0346075836738, "tp": 0.484548963556, "dp_total": 0.0,
+        "dp_exposed": 0.0, "bubble": 0.0, "total": 0.539590969879}),
 }
 MODELS = {"GPT-3 175B": GPT3_175B, "Llama-3 70B": LLAMA3_70B}
 # where to look when a term is wrong (a question, not the answer)
