@@ -302,6 +302,17 @@ def test_collective_checks_are_priced_once_per_checked_call(tiny_config):
     pipeline = step_time(tiny_config, ParallelDims(pp=2, microbatches=2), cluster, 8, recipe="fp32",
                          checked_collectives=True)  # sends are not checked: the broadcast and norm are
     assert pipeline["checks"] < (pipeline["calls"]["pp"] + 1) * per_pair
+    # with pp > 1 the busiest rank holds both ends (the embedding's, the head's and the loss's calls):
+    # its checks are as many as the tp calls the model prices for it, more than rank 0 makes
+    from course_lib.estimate.traffic import step_traffic
+
+    both = ParallelDims(tp=2, pp=2, microbatches=2)
+    tp = [r for r in step_traffic(tiny_config, both, 8, tiny_config.block_size, 4, 4, 4, 1)["tp"] if not r.report]
+    checked = step_time(tiny_config, both, cluster, 8, recipe="fp32", checked_collectives=True)
+    busiest = sum(r.priced_calls for r in tp)
+    assert busiest > checked["calls"]["tp"]  # the busiest rank makes more tp calls than rank 0
+    assert checked["checks"] == pytest.approx(busiest * per_pair + collective_time(
+        cluster.intra, "all_gather", CHECK_BYTES * 4, 4), rel=1e-12)  # + the norm's, over all 4 ranks
 
 
 def test_stored_validation_compares_every_layout():

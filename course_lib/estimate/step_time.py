@@ -168,10 +168,11 @@ CHECK_BYTES = 8 * 8  # course_lib.observe.checks' fingerprint: 8 int64 per rank
 
 def check_seconds(records, link) -> float:
     """Seconds of the collective checks (course_lib.observe.checks) before `records`' calls: one
-    all-gather of CHECK_BYTES per rank before every collective (point-to-point sends are not
-    checked; the loss log is outside the step)."""
-    return sum(r.calls * collective_time(link, "all_gather", CHECK_BYTES * r.group, r.group)
-               for r in records if r.op != "send" and not r.report and r.calls)
+    all-gather of CHECK_BYTES per rank before every collective the step prices, as many times as
+    it prices the call (the busiest rank's count: a pipeline's last stage also makes the head's
+    and the loss's calls). Point-to-point sends are not checked; the loss log is outside the step."""
+    return sum(r.priced_calls * collective_time(link, "all_gather", CHECK_BYTES * r.group, r.group)
+               for r in records if r.op != "send" and seconds(r, link))
 
 
 def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq: int | None = None,
