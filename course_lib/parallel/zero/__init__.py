@@ -27,7 +27,8 @@ from course_lib.parallel.zero.hsdp import check_mesh_args, hsdp_payloads, mesh_l
 from course_lib.parallel.zero.nvme import check_nvme_dir, disk_bandwidth
 from course_lib.parallel.zero.offload import OffloadCounter, offload_bytes_per_step, pcie_seconds
 from course_lib.parallel.zero.per_param_model import plan_units
-from course_lib.parallel.zero.per_param_optim import check_per_param_args, full_state_dict, local_elements
+from course_lib.parallel.zero.per_param_optim import (check_per_param_args, full_state_dict, gather_full_parameters,
+                                                     local_elements)
 from course_lib.parallel.zero.sharded_optimizer import ELEMENTWISE_OPTIMIZERS, ShardedOptimizer
 from course_lib.parallel.zero.training import (measure_zero_step, ring_bytes, run_zero, train_zero_reference,
                                                train_zero)
@@ -36,4 +37,4 @@ __all__ = ["apply_zero", "dp_traffic", "ShardedOptimizer", "STAGES", "ELEMENTWIS
            "shard_bounds", "measure_state_bytes", "expected_state_bytes", "OffloadCounter",
            "offload_bytes_per_step", "pcie_seconds", "train_zero", "run_zero", "train_zero_reference",
            "measure_zero_step", "ring_bytes", "check_mesh_args", "hsdp_payloads", "mesh_lists", "check_nvme_dir", "disk_bandwidth",
-           "plan_units", "check_per_param_args", "full_state_dict", "local_elements"]
+           "plan_units", "check_per_param_args", "full_state_dict", "gather_full_parameters", "local_elements"]

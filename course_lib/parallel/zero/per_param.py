@@ -24,6 +24,12 @@ every rank ends with the bitwise same gradient.
 
 Gathered tensors live in storages that are freed (resized to 0) after forward and refilled before
 backward; autograd's saved views of them see the refilled values (the trick stage3.py uses).
+What stays gathered after a forward (the root, replicated units, reshard_after_forward=False; all
+of them after a forward that no backward follows) is gathered again when the shards changed since:
+a unit stamps its gather with every shard's version counter (bumped by any in-place change through
+the parameter: foreach optimizers, load_state_dict, `p.mul_` under no_grad) and with the count of
+torch optimizer steps in this process (a global step post-hook: fused kernels leave the version
+counters alone), so any optimizer may step the shards, not only the course's.
 reshard_after_forward = k (an int dividing S) keeps, instead of nothing, 1/k of each padded
 tensor and re-gathers in backward from the k ranks of its subgroup only (FSDP2's "reshard to a
 smaller world", e.g. inside a node).
@@ -36,11 +42,24 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 from course_lib.parallel.placement import Placement
 
 AXIS = "dp_shard"
+_STEPS = [0]  # torch optimizer steps taken in this process (any optimizer), counted by _count_step
+_HOOK = []  # the global step post-hook's handle, registered once
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _STEPS[0] += 1
+
+
+def count_optimizer_steps() -> None:
+    """Register (once per process) the global post-hook that counts every torch optimizer's steps."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_post_hook(_count_step))
 
 
 def shard_rows(d0: int, shards: int) -> int:
@@ -95,7 +114,7 @@ class Unit:
         self.shard_rank = manager.shard_rank
         self.entries = [Entry(n, p, locs, self) for n, p, locs in params]
         self.numel = sum(e.c * e.row for e in self.entries)  # S_u (replicated: the whole unit)
-        self.padded, self.partial, self.work, self.started, self.generation = [], None, None, 0.0, 0
+        self.padded, self.partial, self.work, self.started, self.stamp = [], None, None, 0.0, None
         self.installed = self.freed = self.pending = False  # views in the modules / storage freed / backward due
         self.seen = set()
 
@@ -122,6 +141,21 @@ class Unit:
         self.free()
         self.padded, self.partial, self.freed, self.pending = [], None, False, False
 
+    def _stamp(self) -> tuple:
+        return (_STEPS[0], self.manager.generation, tuple(e.local._version for e in self.entries))
+
+    def stale(self) -> bool:
+        """Gathered (or being gathered) from shards that changed since: an optimizer step or any
+        in-place change of a shard (module docstring)."""
+        return (self.work is not None or bool(self.padded)) and self.stamp != self._stamp()
+
+    def drop_stale(self) -> None:
+        """Forget a stale gather (waiting for one still in flight first): the next gather is fresh."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.buffer = None
+        self.forget()
+
     # ---------------------------------------------------------------- gather
     def start_gather(self, from_partial: bool = False) -> None:
         """Allocate and start the async all-gather (the shard group, or the reshard subgroup)."""
@@ -130,7 +164,7 @@ class Unit:
         self._alloc()
         self.freed = False
         m = self.manager
-        self.generation = m.generation
+        self.stamp = self._stamp()
         if self.replicate:  # nothing to fetch: a cast into the compute dtype
             with torch.no_grad():
                 for t, e in zip(self.padded, self.entries):

@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn as nn
 
-from course_lib.parallel.zero.per_param import Unit
+from course_lib.parallel.zero.per_param import Unit, count_optimizer_steps
 
 POLICIES = ("block", "whole")
 
@@ -118,7 +118,8 @@ class PerParamModel:
         self.param_dtype = param_dtype or torch.float32
         self.reduce_dtype = reduce_dtype or torch.float32
         self.gather_calls = self.gather_bytes = 0
-        self.generation = 0  # optimizer steps so far: a gather from an earlier generation is stale
+        self.generation = 0  # the course optimizer's steps (Unit.stale also sees any torch optimizer's)
+        count_optimizer_steps()
         self.events = []  # (what, unit name) in issue order: "gather", "forward", "done", "backward", "reduce"
         where = {}
         for mod in model.modules():
@@ -140,8 +141,8 @@ class PerParamModel:
         def hook(module, args):
             if unit.installed:
                 return
-            if unit.padded and unit.work is None and unit.generation != self.generation:
-                unit.forget()  # left from a step whose backward never reached this unit: stale values
+            if unit.stale():  # kept from before an optimizer step (no backward freed it): old values
+                unit.drop_stale()
             unit.wait_gather()
             unit.install()
             self.log("forward", unit)

@@ -5,7 +5,11 @@
                             param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                             prefetch=False, decay_groups=True, offload="nvme", offload_dir="/tmp/x")
 
-The optimizer is optimizer_class on the local shards (the fp32 masters), by name; with
+The optimizer is optimizer_class on the local shards (the fp32 masters), by name. Any optimizer
+may step them instead, e.g. `torch.optim.SGD(model.parameters(), lr=0.1)` built by the user on
+the shards model.parameters() yields outside forward: whatever stays gathered across its step is
+gathered again (per_param.py's rule: a changed version counter or any torch optimizer's step),
+and gather_full_parameters(model.per_param) returns the full parameters for it. With
 decay_groups=True two groups as course_lib.train.make_optimizer: weight decay on tensors of >= 2
 dims, none on biases and norm gains (a flat shard cannot do that: one flat unit mixes both). The
 padding rows have zero value and zero gradient, so they stay zero under AdamW. Clipping uses the
@@ -105,21 +109,25 @@ class PerParamOptimizer:
                  for u, e in self.sharded.entries()]
         return clip_grad_norm_(pairs, max_norm, group=self.world_group)
 
-    def _gather(self, tensors) -> dict:
-        pieces = [(e.name, t, [e.placement]) for (u, e), t in zip(self.sharded.entries(), tensors)]
-        return gather_full(pieces, group=self.sharded.shard_group)
-
     def full_state_dict(self) -> dict:
         """{"names", "params"}: every parameter by its original name, the single-process shape, fp32
         (collective over the shard group; HSDP replicas gather their own identical copies)."""
-        full = self._gather([e.local.detach() for _, e in self.sharded.entries()])
+        full = gather_full_parameters(self.sharded)
         return {"names": list(full), "params": [full[n] for n in full]}
 
     def full_gradients(self) -> list[torch.Tensor]:
         """The mean gradient of every parameter, in full_state_dict's order."""
-        full = self._gather([e.local.grad if e.local.grad is not None else torch.zeros_like(e.local)
-                             for _, e in self.sharded.entries()])
+        full = gather_full_parameters(self.sharded, grads=True)
         return list(full.values())
+
+
+def gather_full_parameters(sharded: PerParamModel, grads: bool = False) -> dict[str, torch.Tensor]:
+    """{original name: full tensor} of the local shards (grads=True: of their .grad, zeros where
+    None), unit order; collective over the shard group. Works whatever optimizer steps the shards."""
+    tensors = [(e.local.grad if e.local.grad is not None else torch.zeros_like(e.local)) if grads
+               else e.local.detach() for _, e in sharded.entries()]
+    pieces = [(e.name, t, [e.placement]) for (_, e), t in zip(sharded.entries(), tensors)]
+    return gather_full(pieces, group=sharded.shard_group)
 
 
 def full_state_dict(model, optimizer) -> dict[str, torch.Tensor]:
