@@ -56,7 +56,7 @@ from course_lib.parallel.zero import (FlatUnit, apply_zero, disk_bandwidth, expe
                                       train_zero_reference, train_zero)
 from course_lib.parallel.zero import viz
 from course_lib.parallel.zero.memory import measure_state_bytes, watch_gathered
-from course_lib.parallel.zero.native import train_native
+from course_lib.parallel.zero.native import fsdp2_model, train_native
 from course_lib.parallel.zero.training import default_optimizer_kwargs
 from course_lib.train import StepHooks, TrainConfig, share_rows, train_loop
 from course_lib.units import GB, GiB, fmt_bytes
@@ -385,10 +385,19 @@ print("FSDP2 per step:         ", {op: v["calls"] // TRAIN.steps for op, v in bo
 # decay only on matrices, a per-layer learning rate, freezing a layer, a checkpoint) sees no
 # names and no shapes, and cannot tell a sharded weight from a replicated one. PyTorch's FSDP2
 # (`fully_shard`), which torchtitan and most new training code use, therefore shards **each
-# parameter on its dim 0**: a weight $W$ of $d_0$ rows becomes $S$ blocks of
-# $c = \lceil d_0/S \rceil$ rows (the last rank padded with zero rows), kept under $W$'s name
-# with a placement record that says which rows ($\texttt{Shard(0)}$, a DTensor in FSDP2).
-# Flat buffers survive only as the copy-in and copy-out around each unit's one all-gather.
+# parameter on its dim 0**: a weight $W$ of $d_0$ rows is cut into blocks of
+# $c = \lceil d_0/S \rceil$ rows, kept under $W$'s name with a placement record that says
+# which rows ($\texttt{Shard(0)}$, a DTensor in FSDP2). Flat buffers survive only as the
+# copy-in and copy-out around each unit's one all-gather.
+#
+# The two implementations put the padding in different places. **The course's** per-parameter
+# shard is padded: every rank holds exactly $c$ rows of every tensor, the last rank's ending in
+# zero rows, so the parameter it trains is the very tensor the all-gather sends. **FSDP2's**
+# parameter is an unpadded slice with `torch.chunk(dim=0)` semantics ($c$ rows on the first
+# ranks, whatever is left on the last, possibly none): `p.to_local()` shows only real rows. The
+# all-gather still needs equal pieces, so FSDP2 keeps a second, padded copy-in buffer of $c$
+# rows per rank inside its own code (PyTorch's `fully_shard` documentation: FSDP2 splits every
+# parameter along dim 0 with `torch.chunk`). Below, the same model goes through both.
 #
 # `apply_zero(model, 3, torch.optim.AdamW, sharding="per_param", policy=...)` builds it. The
 # policy chooses the units: `"block"` (each block, plus a root unit), `"whole"`, or module
@@ -423,6 +432,7 @@ def per_param_tour(config, cfg, nvme_dir):
     out = {"flat": [(name, tuple(p.shape)) for name, p in flat.named_parameters()],
            "per_param": [(name, tuple(p.shape)) for name, p in mine.named_parameters()],
            "replicated": [e.name for u in mine.per_param.units if u.replicate for e in u.entries],
+           "fsdp2": [(name, tuple(p.to_local().shape)) for name, p in fsdp2_model(GPT(config)).named_parameters()],
            "trained": train_zero(config, TRAIN, 3, sharding="per_param", policy=(nn.Linear, nn.Embedding))}
     runs = {True: {}, False: {"reshard_after_forward": False}, 2: {"reshard_after_forward": 2},
             "prefetch": {"prefetch": True}, "hsdp": {"hsdp": 2}, "nvme": {"offload": "nvme", "offload_dir": nvme_dir}}
@@ -434,22 +444,32 @@ tour = run_on_ranks(per_param_tour, CONFIG, TWO, nvme_dir, world_size=N, **RANKS
 reference_two = train_zero_reference(CONFIG, TWO)
 
 # %%
-flat_names, mine = tour[0]["flat"], tour[N - 1]["per_param"]
+flat_names, mine, theirs = tour[0]["flat"], tour[N - 1]["per_param"], dict(tour[N - 1]["fsdp2"])
 print(f"flat design, model.named_parameters() on any rank: {flat_names}")
-print(f"per-parameter design (Linear and Embedding units), rank {N - 1} of {N}:")
+print(f"per-parameter design (Linear and Embedding units), rank {N - 1} of {N}; last column: FSDP2's p.to_local()")
 full = dict(GPT(CONFIG).named_parameters())
 for name, shape in mine:
     if not name.startswith(("blocks.1", "blocks.2")):
         kind = "replicated" if name in tour[0]["replicated"] else f"rows {(N - 1) * shape[0]}..{N * shape[0] - 1}"
-        print(f"  {name:<26} full {str(tuple(full[name].shape)):<10} local {str(shape):<10} {kind}")
+        print(f"  {name:<26} full {str(tuple(full[name].shape)):<10} local {str(shape):<10} {kind:<14} "
+              f"FSDP2 {theirs[name]}")
 assert [n for n, _ in mine] == list(full)  # every name kept, in the model's own order
 assert all(shape[0] == -(-full[n].shape[0] // N) for n, shape in mine if n not in tour[0]["replicated"])
+for r in range(N):  # FSDP2 shards every parameter, unpadded: rank r's rows of torch.chunk(dim=0)
+    assert tour[r]["fsdp2"] == [(n, tuple(p.chunk(N)[r].shape) if r < len(p.chunk(N)) else (0, *p.shape[1:]))
+                                for n, p in full.items()]
 
 # %% [markdown]
 # Every name survives with its own rows: `tok_emb.weight` has 97 rows, so each rank holds
 # $\lceil 97/4 \rceil = 25$ and the last keeps 22 real rows plus 3 zero rows; the MLP's 127 rows
 # leave one padding row. (`blocks.1` and `blocks.2` look the same and are not printed.) Padding
-# is now per tensor, not per unit: a few more zeros, the price of keeping tensors whole.
+# is now per tensor, not per unit: a few more zeros, the price of keeping tensors whole. FSDP2
+# cuts the same rows, but its last rank's parameters hold only real rows: (22, 64) for
+# `tok_emb.weight`, 31 rows of the MLP's 127. The zeros that pad them to 25 and 32 rows for the
+# all-gather sit in FSDP2's internal buffer, not in the parameter. (FSDP2, wrapping whole
+# blocks, also shards the LayerNorms, which the policy here keeps replicated.) Both designs are
+# the same $\texttt{Shard(0)}$ layout; they differ only in whether the padding is part of the
+# parameter the optimizer sees.
 #
 # **Why FSDP2 moved** (Zhao et al. 2023 describe FSDP1, built on the flat `FlatParameter`;
 # FSDP2 replaced it): with names kept, (1) optimizers and hooks that treat parameters differently by
@@ -800,7 +820,9 @@ assert [smallest_dp(s) for s in (1, 2, 3)] == [None, None, 16]
 # * Stages 1-2 cost DDP's bytes (reduce-scatter + all-gather = all-reduce); stage 3 costs
 #   1.5x, in exchange for dividing everything by N; prefetching hides the gathers.
 # * The flat buffer is one design; FSDP2 shards each parameter on dim 0 and keeps its name, so
-#   optimizers, state dicts and tensor parallelism see real tensors. `reshard_after_forward`
+#   optimizers, state dicts and tensor parallelism see real tensors. The course pads each
+#   parameter's shard to $\lceil d_0/N \rceil$ rows; FSDP2's shard is unpadded (`torch.chunk`)
+#   and the padding lives in its all-gather buffer. `reshard_after_forward`
 #   trades backward all-gathers for memory; HSDP keeps the gathers inside a node and all-reduces
 #   only the reduced shards across nodes.
 # * Offload trades GPU memory for $2S$ bytes each way over PCIe and a host-side Adam; it pays
@@ -834,8 +856,10 @@ assert [smallest_dp(s) for s in (1, 2, 3)] == [None, None, 16]
 #    the update would differ from the single-process one (apply_zero rejects it).
 # 5. The free after forward (the forward post-hook): each block stays gathered until its
 #    backward, so the full model piles up, as in section 6's trace but without the drops.
-# 6. $c = \lceil 10/4 \rceil = 3$ rows, shape (3, 6) on every rank, under the weight's own name:
-#    ranks 0-2 hold rows 0-8, rank 3 holds row 9 and two zero rows of padding.
+# 6. $c = \lceil 10/4 \rceil = 3$ rows, under the weight's own name: ranks 0-2 hold rows 0-8,
+#    rank 3 holds row 9. In the course's design every rank's shard is (3, 6), rank 3's with two
+#    zero rows of padding; FSDP2's rank 3 shows (1, 6) (`torch.chunk` semantics) and keeps the
+#    padding in its own all-gather buffer.
 # 7. Only the all-reduce of its reduced shard, $P/8$, across the 4 replicas:
 #    $2 \cdot \frac34 \cdot \frac P8 = \frac{3}{16}P$. The all-gathers and the reduce-scatter
 #    stay inside the node.
