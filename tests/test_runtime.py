@@ -90,6 +90,24 @@ def test_a_calls_process_groups_and_their_threads_end_with_it():
         assert groups_after == 0 and threads_after == threads_before  # and are gone when the next call starts
 
 
+def _dtensor_sum_on_a_fresh_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu")  # a new group every call
+    x = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    return x.sum().full_tensor().item()  # sum of shards: a Partial output, then an all-reduce
+
+
+def test_a_new_mesh_of_the_same_layout_works_after_the_old_ones_groups_are_destroyed():
+    # DTensor caches an operator's output spec, mesh included, by input specs; a DeviceMesh
+    # equals any other of the same ranks and names whatever groups it holds. With the old
+    # groups destroyed and the cache kept, the second call all-reduced on the first call's mesh:
+    # "Could not resolve the process group registered under the name N" (bench_composed, round 2)
+    for _ in range(2):
+        assert run_on_ranks(_dtensor_sum_on_a_fresh_mesh, world_size=2) == [6.0, 6.0]
+
+
 def test_threads_are_shared_out():
     got = run_on_ranks(torch.get_num_threads, world_size=2)
     assert got == [threads_per_rank(2)] * 2

@@ -56,8 +56,33 @@ def destroy_groups(groups) -> int:
             dist.destroy_process_group(pg)
             n += 1
     if n:
+        forget_meshes_of_destroyed_groups()
         gc.collect()
     return n
+
+
+def forget_meshes_of_destroyed_groups() -> None:
+    """Clear DTensor's sharding-propagation caches (Python's and the C++ fast path's).
+
+    They map an operator's input specs to its output specs, and a spec holds its DeviceMesh. A
+    DeviceMesh compares equal to any other with the same ranks, shape and dimension names,
+    whatever process groups it holds. So after a mesh's groups are destroyed, a new mesh of the
+    same layout (the next round of a benchmark, the next run_on_ranks call) hits the cache and
+    gets back output specs on the old mesh, and the next redistribution fails with "Could not
+    resolve the process group registered under the name N". Only if DTensor was imported."""
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)  # torch >= 2.9: both caches
+    if clear is not None:
+        clear()
+    else:  # torch 2.8: the Python cache only (no C++ fast path)
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 @contextlib.contextmanager
