@@ -96,3 +96,13 @@ def test_demo_rejects_bad_counts(argv, message):
     args = [x for kv in base.items() for x in kv] + ["--checkpoint-dir", "x"]
     code, err = run_main("course_lib.demos.elastic", args)
     assert code != 0 and message in err
+
+
+def test_llama3_job_mtbf_is_one_value_two_ways():
+    """Notebook 12's section 9 prices every interval with one job MTBF: Llama 3's unexpected
+    interruptions (Dubey et al. 2024: 419 in 54 days on 16,384 GPUs)."""
+    from course_lib.checkpoint.interval import (LLAMA3_GPUS, job_mtbf_hours, llama3_job_mtbf_hours,
+                                                llama3_per_gpu_mtbf_hours)
+    m = llama3_job_mtbf_hours(unexpected_only=True)
+    assert abs(m - job_mtbf_hours(llama3_per_gpu_mtbf_hours(), LLAMA3_GPUS)) < 1e-12 * m  # float64 rounding only
+    assert round(m, 2) == 3.09 and round(llama3_job_mtbf_hours(), 2) == 2.78  # 54 * 24 / 419 and / 466

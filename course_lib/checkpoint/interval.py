@@ -2,9 +2,12 @@
 
 If each GPU (with its host, links, ...) fails independently with mean time between failures
 M_1, a job on n of them stops at the first failure of any: its MTBF is M_1 / n. Llama 3 405B
-(Meta, "The Llama 3 Herd of Models", 2024) trained on up to 16,384 H100s and saw 466 job
-interruptions in a 54-day snapshot (47 planned, 419 unexpected): one every
-54 * 24 / 466 = 2.8 hours.
+(Dubey et al., "The Llama 3 Herd of Models", 2024, arXiv:2407.21783, section 3.3.4) trained on
+up to 16,384 H100s and saw 466 job interruptions in a 54-day snapshot (47 planned, 419
+unexpected): one every 54 * 24 / 466 = 2.78 hours, an unexpected one every 54 * 24 / 419 =
+3.09 hours. The checkpoint interval answers the unexpected ones (a planned stop can save first),
+so notebook 12 prices it with the 3.09 h: llama3_job_mtbf_hours(unexpected_only=True), equal to
+job_mtbf_hours(llama3_per_gpu_mtbf_hours(), LLAMA3_GPUS).
 
 Checkpointing every tau seconds with a save that costs delta seconds of stalled training, a
 failure loses on average half an interval of work plus the restart; per unit of time the
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-LLAMA3_INTERRUPTIONS = 466  # Meta 2024, section 3.3.4: 54-day snapshot of Llama 3 405B pre-training
+LLAMA3_INTERRUPTIONS = 466  # Dubey et al. 2024, section 3.3.4: 54-day snapshot of Llama 3 405B pre-training
 LLAMA3_UNEXPECTED = 419
 LLAMA3_DAYS = 54
 LLAMA3_GPUS = 16_384

@@ -40,7 +40,8 @@ import torch
 from course_lib import run_on_ranks
 from course_lib.checkpoint import (CheckpointError, CheckpointReader, checkpoint_path, flat_range_boxes,
                                    index_runs, latest_checkpoint, load_training_state)
-from course_lib.checkpoint.interval import (LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS, job_mtbf_hours,
+from course_lib.checkpoint.interval import (LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS, LLAMA3_UNEXPECTED,
+                                            job_mtbf_hours,
                                             llama3_job_mtbf_hours, llama3_per_gpu_mtbf_hours, wasted_fraction,
                                             young_daly_interval)
 from course_lib.checkpoint.reshard import Box
@@ -523,9 +524,18 @@ plt.show()
 # (Young 1974; Daly 2006 adds the restart time and higher-order terms, which matter when
 # $\delta$ is not small next to $M$). In the widget, pick the number of GPUs and the save
 # stall; below it, the same formula with the save times measured in section 6. The job MTBF is
-# the Llama 3 per-GPU MTBF of
-# section 1 (unexpected failures only, so 3.1 h at 16,384 GPUs rather than the 2.8 h of all
-# 466 interruptions) divided by the number of GPUs.
+# the Llama 3 per-GPU MTBF of section 1 divided by the number of GPUs, computed once here and
+# used by every cell of this section: unexpected failures only (Dubey et al. 2024: 419 of the
+# 466 interruptions in 54 days on 16,384 GPUs), so about 3.1 h at 16,384 GPUs rather than the
+# 2.8 h of all 466 (a planned stop can be preceded by a save, so it loses no work).
+
+# %%
+M_JOB_H = job_mtbf_hours(per_gpu_h, LLAMA3_GPUS)  # = 54 days x 24 h / 419 unexpected interruptions
+M_JOB_S = M_JOB_H * 3600
+print(f"job MTBF at {LLAMA3_GPUS:,} GPUs: {LLAMA3_DAYS} d x 24 h / {LLAMA3_UNEXPECTED} = {M_JOB_H:.2f} h "
+      f"= {M_JOB_S:,.0f} s (all {LLAMA3_INTERRUPTIONS} interruptions: {llama3_job_mtbf_hours():.2f} h)")
+# the same quotient two ways, equal up to float64 rounding (~1e-15 relative)
+assert abs(M_JOB_H - llama3_job_mtbf_hours(unexpected_only=True)) < 1e-9
 
 # %% tags=["nbval-ignore-output"]
 from course_lib.widgets import show_interactive
@@ -548,17 +558,16 @@ ax.set_xlabel("GPUs in the job")
 ax.set_ylabel("best interval τ* (minutes)")
 ax.legend(fontsize=8)
 plt.show()
-M16k = job_mtbf_hours(per_gpu_h, 16384) * 3600
 for label, delta in (("sync", SYNC_S), ("async", ASYNC_S)):
-    tau = young_daly_interval(delta, M16k)
-    waste = wasted_fraction(tau, delta, M16k)
+    tau = young_daly_interval(delta, M_JOB_S)
+    waste = wasted_fraction(tau, delta, M_JOB_S)
     print(f"{label:>5}: delta = {delta * 1e3:.1f} ms -> tau* = {tau:.0f} s at 16,384 GPUs, waste {waste:.2%}")
-    assert abs(waste - (2 * delta / M16k) ** 0.5) < 1e-12  # at tau* the waste is sqrt(2 delta / M) (float64 rounding)
-tau_1s = young_daly_interval(1.0, M16k)  # the reference point the answer below quotes
-print(f"for scale, a 1 s save: tau* = {tau_1s:.0f} s, waste {wasted_fraction(tau_1s, 1.0, M16k):.2%}; this run's sync "
+    assert abs(waste - (2 * delta / M_JOB_S) ** 0.5) < 1e-12  # at tau* the waste is sqrt(2 delta / M) (float64 rounding)
+tau_1s = young_daly_interval(1.0, M_JOB_S)  # the reference point the answer below quotes
+print(f"for scale, a 1 s save: tau* = {tau_1s:.0f} s, waste {wasted_fraction(tau_1s, 1.0, M_JOB_S):.2%}; this run's sync "
       f"save is {'faster' if SYNC_S < 1 else 'slower'} than that, so its interval is "
       f"{'shorter' if SYNC_S < 1 else 'longer'} and its waste {'smaller' if SYNC_S < 1 else 'larger'}")
-assert round(tau_1s) == 149 and round(100 * wasted_fraction(tau_1s, 1.0, M16k), 1) == 1.3
+assert round(tau_1s) == 149 and round(100 * wasted_fraction(tau_1s, 1.0, M_JOB_S), 1) == 1.3
 
 # %% [markdown]
 # <details><summary>Answer</summary>
@@ -574,12 +583,11 @@ assert round(tau_1s) == 149 and round(100 * wasted_fraction(tau_1s, 1.0, M16k), 
 # </details>
 
 # %%
-M = llama3_job_mtbf_hours() * 3600
-for delta in (30.0, 300.0):
-    tau = young_daly_interval(delta, M)
-    print(f"delta = {delta:>5.0f} s, M = {M / 3600:.2f} h: tau* = {tau / 60:5.1f} min, "
-          f"waste {100 * wasted_fraction(tau, delta, M):.1f}%")
-assert young_daly_interval(30.0, M) < young_daly_interval(300.0, M)
+for delta in (30.0, 300.0):  # the same M as every cell of this section (M_JOB_S, above)
+    tau = young_daly_interval(delta, M_JOB_S)
+    print(f"delta = {delta:>5.0f} s, M = {M_JOB_H:.2f} h: tau* = {tau / 60:5.1f} min, "
+          f"waste {100 * wasted_fraction(tau, delta, M_JOB_S):.1f}%")
+assert young_daly_interval(30.0, M_JOB_S) < young_daly_interval(300.0, M_JOB_S)
 
 # %% [markdown]
 # A 10× faster save shortens the best interval by $\sqrt{10}$ and the waste by $\sqrt{10}$:
@@ -625,7 +633,8 @@ assert young_daly_interval(30.0, M) < young_daly_interval(300.0, M)
 # ## References
 #
 # * Dubey et al. (Llama Team, Meta), "The Llama 3 Herd of Models", 2024, section 3.3.4: the
-#   466 interruptions in 54 days of pre-training on up to 16,384 H100s, and what caused them.
+#   466 interruptions (47 planned, 419 unexpected) in a 54-day snapshot of pre-training on up
+#   to 16,384 H100s, and what caused them (arXiv:2407.21783).
 # * Young, "A first order approximation to the optimum checkpoint interval", Communications of
 #   the ACM, 1974; Daly, "A higher order estimate of the optimum checkpoint interval for restart
 #   dumps", Future Generation Computer Systems, 2006: $\tau^* = \sqrt{2\delta M}$ and its corrections.
