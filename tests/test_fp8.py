@@ -145,6 +145,9 @@ def test_delayed_scaling_uses_the_history_and_saturates_a_jump():
     (lambda: apply_fp8(GPT(GPTConfig.tiny()), "fp4"), "recipe='fp4' must be an FP8Recipe or one of"),
     (lambda: FP8Linear(64, 64, recipe=RECIPES["delayed"].__class__("row", "row", "row", history=4)), "delayed scaling"),
     (lambda: AmaxHistory(0), "length=0 must be an int >= 1"),
+    (lambda: FP8Linear(64, 64, recipe="mxfp8")(torch.ones(48, 64)), "the 48 tokens must divide into groups of 32"),
+    (lambda: FP8Linear(64, 48, recipe=RECIPES["mxfp8"].__class__("tensor", "mx32", "tensor")),
+     "needs the last dim K=48 divisible by 32"),  # dY W regroups W along its 48 output rows
     (lambda: all_gather_fp8(torch.ones(2, 64)), "shard must be 1-D"),  # raised before any collective
     (lambda: all_gather_fp8(torch.ones(48), granularity="mx32"), "needs the last dim K=48 divisible by 32"),
     (lambda: all_gather_fp8(torch.ones(64), fmt="mxfp8", granularity="tensor"), "fmt='mxfp8' needs granularity='mx32'"),
@@ -156,12 +159,30 @@ def test_bad_input_names_the_value_and_the_rule(call, message):
 
 
 def reference_linear(x, w, b, g, recipe):
-    """Forward and gradients by hand: each matmul on the dequantized FP8 inputs, fp32 products."""
+    """Forward and gradients by hand: each matmul on dequantized FP8 inputs whose groups run along
+    that matmul's contraction dim (x W^T: K; dY W: the output features; dY^T X: the tokens). Groups
+    along a row change when transposed: the saved x and W are dequantized, transposed and quantized
+    again (DeepSeek-V3 §3.5.2), dY is quantized along the tokens from its fp32 value."""
     r = RECIPES[recipe]
     dq = lambda t, fmt, gran: dequantize(*quantize(t, fmt, gran), gran)  # noqa: E731
+    along_rows = {"row", "tile128", "mx32"}
     xq, wq = dq(x, r.forward_fmt, r.activation), dq(w, r.forward_fmt, r.weight)
-    gq = dq(g, r.backward_fmt, r.grad)
-    return xq @ wq.t() + b, gq @ wq, gq.t() @ xq, g.sum(0)
+    w_cols = dq(wq.t(), r.forward_fmt, r.weight).t() if r.weight in along_rows else wq
+    x_cols = dq(xq.t(), r.forward_fmt, r.activation).t() if r.activation in along_rows else xq
+    g_rows = dq(g, r.backward_fmt, r.grad)
+    g_cols = dq(g.t(), r.backward_fmt, r.grad).t() if r.grad in along_rows else g_rows
+    return xq @ wq.t() + b, g_rows @ w_cols, g_cols.t() @ x_cols, g.sum(0)
+
+
+def test_recipes_formats():
+    """Per-tensor recipes are hybrid (e4m3 forward, e5m2 gradients: one scale must cover a gradient's
+    range); the fine-grained ones use e4m3 for every tensor (DeepSeek-V3 §3.3.2; Transformer Engine's
+    Float8BlockScaling and MXFP8BlockScaling default to Format.E4M3, DelayedScaling to HYBRID)."""
+    for name in ("tensorwise", "delayed", "rowwise"):
+        assert (RECIPES[name].forward_fmt, RECIPES[name].backward_fmt) == ("e4m3", "e5m2"), name
+    assert (RECIPES["blockwise"].forward_fmt, RECIPES["blockwise"].backward_fmt) == ("e4m3", "e4m3")
+    assert (RECIPES["mxfp8"].forward_fmt, RECIPES["mxfp8"].backward_fmt) == ("mxfp8", "mxfp8")
+    assert fmt_max("mxfp8") == fmt_max("e4m3")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "mxfp8"])

@@ -6,7 +6,8 @@ floating point specification, 2023), as torch stores them::
     e4m3  torch.float8_e4m3fn  1/4/3 bits, bias 7    max 448   = 1.75 * 2^8    normal >= 2^-6,  subnormal >= 2^-9
     e5m2  torch.float8_e5m2    1/5/2 bits, bias 15   max 57344 = 1.75 * 2^15   normal >= 2^-14, subnormal >= 2^-16
 
-e4m3 gives up infinities (only S.1111.111 is NaN) to reach 448; e5m2 keeps IEEE's inf and NaN.
+e4m3 ("E4M3FN": finite) has no infinities and two NaNs, S.1111.111 with either sign, which frees the
+other top-exponent patterns to reach 448; e5m2 keeps IEEE's inf and NaN (OCP OFP8 spec, Table 2).
 Next to 1.0 e4m3's numbers are 2^-3 apart (rounding error up to 2^-4 relative), e5m2's 2^-2.
 
 Scaled cast. A tensor's values rarely sit in [2^-9, 448], so each group of elements gets a
@@ -28,19 +29,28 @@ viewed as (rows, K) with K its last dim:
                 Formats (MX) v1.0, 2023). x/s can reach just under 2^(emax+1) > max: it saturates.
 
 fmt "mxfp8" is e4m3 elements with "mx32" scales (MXFP8); "mx32" also takes e5m2 elements.
+Which format where: the per-tensor recipes are "hybrid", e4m3 forward and e5m2 for gradients (one
+scale must span a gradient's range); the fine-grained ones use e4m3 for every tensor, their small
+groups giving the range (DeepSeek-AI 2024, V3 report §3.3.2; Transformer Engine's Float8BlockScaling
+and MXFP8BlockScaling default to E4M3, its per-tensor recipes to HYBRID).
 Current scaling takes s from this step's amax; delayed scaling (`AmaxHistory`) from the largest
 amax of the last few steps, which a GPU can compute before the tensor exists, at the risk of
 saturating a value that outgrows the history.
 
 `FP8Linear` runs the three matmuls of a linear layer on scaled FP8 inputs: forward x W^T on e4m3
-x and W; backward dX = dY W and dW = dY^T X with dY in e5m2 (wider range, for gradients) and
-the e4m3 x and W saved by forward (1 byte each: the activation saving). The products are
-accumulated in fp32. On CPU the matmul runs in fp32 on the exact dequantized values: the
-numerics are the lesson, the speed is the GPU's. On CUDA, per-tensor or row-wise scales go
+x and W; backward dX = dY W and dW = dY^T X with dY in the recipe's backward format and the e4m3
+x and W saved by forward (1 byte each: the activation saving), products accumulated in fp32.
+A kernel's groups run along its contraction dim, and backward contracts over other dims (dX over
+W's output rows, dW over the tokens): groups along a row ("row", "tile128", "mx32") are remade as
+the kernels do, the saved x and W dequantized, transposed and quantized again (DeepSeek-V3 §3.5.2:
+1x128 tiles become 128x1), dY quantized both ways from its high-precision value. One scale per
+tensor, or square 128x128 blocks, are the same groups either way. On CPU the matmuls run in fp32
+on the exact dequantized values: the numerics are the lesson, the speed is the GPU's. On CUDA, per-tensor or row-wise scales go
 through torch._scaled_mm for the forward (the hardware FP8 path); this path is not exercised
 by the course's CPU tests. `all_gather_fp8` gathers FP8 shards and their scales (ZeRO-3/FSDP's
 parameter all-gather at half of bf16's bytes) and dequantizes them; ZeRO-3 does the same inside
 its unit gathers with apply_zero(..., stage=3, gather_dtype="fp8") (course_lib.parallel.zero.fp8_gather).
+(A little over 300 lines: the casts, the layer and the gather share one set of scale rules.)
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from course_lib.comm.compat import all_gather_single
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FMT_NAMES = ("e4m3", "e5m2", "mxfp8")
 GRANULARITIES = ("tensor", "row", "tile128", "block128", "mx32")
+ALONG_ROWS = ("row", "tile128", "mx32")  # groups that lie along a row: transposing changes them
 EMAX = {"e4m3": 8, "e5m2": 15}  # exponent of each format's largest power of two (448 = 1.75 * 2^8)
 E8M0 = getattr(torch, "float8_e8m0fnu", None)  # MX scale dtype (torch 2.7+); else float32 powers of two
 
@@ -172,12 +183,19 @@ RECIPES = {
     "delayed": FP8Recipe(history=16),  # per-tensor scales from an amax history (Transformer Engine's default)
     "rowwise": FP8Recipe("row", "row", "row"),  # one scale per token / output channel (torchao's "rowwise")
     "blockwise": FP8Recipe("tile128", "block128", "tile128", "e4m3", "e4m3"),  # DeepSeek-V3: e4m3 everywhere
-    "mxfp8": FP8Recipe("mx32", "mx32", "mx32", "mxfp8", "e5m2"),  # OCP MX: 32-element power-of-two blocks
+    "mxfp8": FP8Recipe("mx32", "mx32", "mx32", "mxfp8", "mxfp8"),  # OCP MX: 32-element power-of-two blocks, e4m3 everywhere
 }
 
 
 def _cast(x, fmt, granularity, history):
     return quantize(x, fmt, granularity, history.scales(x, fmt) if history is not None else None)
+
+
+def _regrouped(q, s, fmt, granularity):
+    """Dequantized q, its groups moved to run along the columns (dequantize, transpose, quantize, as
+    DeepSeek-V3's kernels do for the weight-gradient matmul); unchanged for tensor or block scales."""
+    dq = dequantize(q, s, granularity)
+    return dequantize(*quantize(dq.t(), fmt, granularity), granularity).t() if granularity in ALONG_ROWS else dq
 
 
 def _scaled_mm_forward(qx, sx, qw, sw, recipe):
@@ -196,6 +214,10 @@ class _FP8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, module):
         r, k = module.recipe, x.shape[-1]
         x2 = x.reshape(-1, k)
+        for gran, width in (("tile128", 128), ("mx32", 32)):  # dW regroups x and dY along the tokens
+            if gran in (r.activation, r.grad) and x2.shape[0] % width:
+                raise ValueError(f"granularity={gran!r}: dW groups x and dY along the tokens, so the "
+                                 f"{x2.shape[0]} tokens must divide into groups of {width}")
         qx, sx = _cast(x2, r.forward_fmt, r.activation, module.histories.get("input"))
         qw, sw = _cast(weight, r.forward_fmt, r.weight, module.histories.get("weight"))
         out = _scaled_mm_forward(qx, sx, qw, sw, r)
@@ -213,9 +235,11 @@ class _FP8Matmul(torch.autograd.Function):
         r = ctx.module.recipe
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         qg, sg = _cast(g2, r.backward_fmt, r.grad, ctx.module.histories.get("grad_output"))
-        g = dequantize(qg, sg, r.grad)
-        grad_x = (g @ dequantize(qw, sw, r.weight)).reshape(ctx.x_shape).to(ctx.x_dtype)
-        grad_w = g.t() @ dequantize(qx, sx, r.activation)
+        g = dequantize(qg, sg, r.grad)  # grouped along the output features: dX contracts over them
+        grad_x = (g @ _regrouped(qw, sw, r.forward_fmt, r.weight)).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if r.grad in ALONG_ROWS:  # dW contracts over the tokens: dY grouped along them, from its fp32 value
+            g = dequantize(*quantize(g2.t(), r.backward_fmt, r.grad), r.grad).t()
+        grad_w = g.t() @ _regrouped(qx, sx, r.forward_fmt, r.activation)
         grad_b = g2.float().sum(0) if ctx.has_bias else None  # from the unquantized gradient (cheap, exact)
         return grad_x, grad_w, grad_b, None
 
@@ -242,6 +266,8 @@ class FP8Linear(nn.Linear):
                                 ("grad", self.recipe.grad, out_features)):
             rows = out_features if name == "weight" else (128 if gran == "block128" else 1)
             _blocks((rows, dim), gran)
+        if self.recipe.weight in ALONG_ROWS:  # dX = dY W regroups W along its output rows
+            _blocks((in_features, out_features), self.recipe.weight)
         if self.recipe.history and {self.recipe.activation, self.recipe.weight, self.recipe.grad} != {"tensor"}:
             raise ValueError(f"delayed scaling (history={self.recipe.history}) is per-tensor: every granularity must be 'tensor'")
         h = self.recipe.history
