@@ -4,15 +4,19 @@ Per layout (dp, tp, sp, fsdp, dp x tp) one MLP step runs as the course's hand-wr
 and as DTensor placements on 4 gloo ranks, and as jax.jit with NamedShardings in a separate
 process on 8 emulated CPU devices. Checked: the collective kinds and bytes of each equal the
 formula (course_lib.sharding.layouts.formula), the step's numbers equal the single process,
-the HLO reader on hand-written lines, and the layouts' bad input.
+the HLO reader on hand-written lines, and the layouts' bad input. And that the compiler's plan
+for the sp layout depends on the shapes (another plan at b=8, s=12, d=20, f=40), while pinning
+the hidden activation h gives the formula's plan at both sizes.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from course_lib.sharding import LAYOUTS, Shapes, check_layout, formula, hlo, mapping_table, totals
-from course_lib.sharding.run import RTOL, collective_table, make_data, max_rel_error, numbers_table, run_jax, run_torch
+from course_lib.sharding import HIDDEN, LAYOUTS, Shapes, check_layout, formula, hlo, mapping_table, totals
+from course_lib.sharding.run import (RTOL, collective_table, make_data, max_rel_error, numbers_table, programs, run_jax,
+                                     run_torch)
+from course_lib.sharding.torch_side import reference_step
 
 NAMES = tuple(LAYOUTS)
 
@@ -112,3 +116,51 @@ def test_layout_table_and_bad_input():
         check_layout("pp")
     with pytest.raises(ValueError, match="x dim 1 = 6 must be divisible by tp = 4"):
         check_layout("sp", Shapes(s=6))
+
+
+SECOND = Shapes(b=8, s=12, d=20, f=40)  # the sizes a new user tried: activations larger than a weight
+
+
+def _bytes(shapes):
+    """(M, P): one activation and one weight, bytes."""
+    return shapes.b * shapes.s * shapes.d * shapes.e, shapes.f * shapes.d * shapes.e
+
+
+@pytest.fixture(scope="module")
+def second_size():
+    data = make_data(SECOND)
+    return data, run_jax(data, SECOND, names=("sp",))
+
+
+def test_sp_plan_depends_on_the_shapes_and_pinning_h_restores_it(runs, second_size):
+    _, first, _, _ = runs
+    data2, second = second_size
+    assert set(second["programs"]) == {"sp", "sp_h"}  # only the layout asked for, and its pinned variant
+    for shapes, answer in ((Shapes(), first), (SECOND, second)):
+        m, p = _bytes(shapes)
+        want = totals(formula("sp", shapes), rs_as_all_reduce=True)  # XLA's CPU pipeline: RS as all-reduce
+        plain, pinned = (totals(answer["programs"][k]["collectives"]) for k in ("sp", "sp_h"))
+        assert pinned == want, shapes  # h pinned as Megatron holds it: the formula at any size
+        # Shardy keeps the split that comes from the larger tensor: the weight's when P > M
+        assert (plain == want) == (p > m), (shapes, plain, want)
+    m2, p2 = _bytes(SECOND)
+    assert m2 > p2
+    plain2 = totals(second["programs"]["sp"]["collectives"])
+    want2 = totals(formula("sp", SECOND), rs_as_all_reduce=True)
+    assert ("all_to_all", 4) in plain2 and plain2[("all_gather", 4)] == want2[("all_gather", 4)] + p2
+    assert any(line.startswith("all-gather") and f"f32[{SECOND.f},{SECOND.d}]" in line
+               for line in hlo.describe(second["programs"]["sp"]["hlo"]))  # the extra gather is the whole fc
+    reference = reference_step(data2, SECOND)
+    for name in ("sp", "sp_h"):  # another plan, the same step (fp32 reordering, as above)
+        assert max_rel_error(second["programs"][name]["out"], reference) <= RTOL
+
+
+def test_programs_and_run_jax_bad_input():
+    assert programs(("sp",)) == {"sp": ("sp", LAYOUTS["sp"].use), "sp_h": ("sp", {**LAYOUTS["sp"].use, "h": HIDDEN["sp"]})}
+    every = programs()
+    assert every["fsdp_unannotated"] == ("fsdp", {}) and every["fsdp_h"] == ("fsdp", {"h": HIDDEN["fsdp"]})
+    assert set(every) == set(LAYOUTS) | {"fsdp_unannotated", "fsdp_h", "sp_h"}
+    with pytest.raises(ValueError, match="data shapes"):  # raised before any process starts
+        run_jax(make_data(), SECOND, names=("sp",))
+    with pytest.raises(ValueError, match="x dim 1 = 6 must be divisible by tp = 4"):
+        run_jax(make_data(Shapes(s=6)), Shapes(s=6), names=("sp",))

@@ -4,15 +4,18 @@
 
 (course_lib.sharding.run.run_jax starts it with XLA_FLAGS=--xla_force_host_platform_device_count=8.)
 It imports only jax, numpy and the standard library, so torch's and XLA's thread pools never
-share a process. The request holds the shapes, the data and the layouts (course_lib.sharding.
-layouts, as JSON); the answer, for each program, the compiled HLO text and the step's numbers:
+share a process. The request holds the data (whose shapes are the step's), the layouts
+(course_lib.sharding.layouts, as JSON) and the programs to compile, each a layout and its
+annotations on intermediates (course_lib.sharding.run.programs chooses them); the answer, for each
+program, the compiled HLO text and the step's numbers:
 
     <layout>           jax.jit(step, in_shardings=..., out_shardings=...): the partitioner places the
                        collectives from the NamedShardings alone (pjit's modern spelling)
     fsdp_unannotated   the fsdp layout without the annotation that says the weights are used whole
     fsdp_h             ... with an annotation on the hidden activation h instead (batch-split)
+    sp_h               the sp layout with h pinned as Megatron holds it (split by hidden features)
     tp_shard_map       Megatron written by hand per device (jax.shard_map, one psum), like the
-                       course's ColumnParallelLinear / RowParallelLinear
+                       course's ColumnParallelLinear / RowParallelLinear (when "shard_map" is set)
 """
 
 from __future__ import annotations
@@ -100,14 +103,10 @@ def main() -> None:
     data = {k: np.asarray(v, dtype=np.float32) for k, v in request["data"].items()}
     lr, layouts = request["lr"], request["layouts"]
     answer = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "programs": {}}
-    runs = {name: (layout, layout["use"]) for name, layout in layouts.items()}
-    if "fsdp" in layouts:
-        runs["fsdp_unannotated"] = (layouts["fsdp"], {})
-        runs["fsdp_h"] = (layouts["fsdp"], {"h": ["dp", None, None]})
-    for name, (layout, constraints) in runs.items():
-        hlo, out = run_gspmd(layout, data, lr, constraints)
+    for name, program in request["programs"].items():
+        hlo, out = run_gspmd(layouts[program["layout"]], data, lr, program["use"])
         answer["programs"][name] = {"hlo": hlo, "out": {k: np.asarray(v).tolist() for k, v in out.items()}}
-    if "tp" in layouts:
+    if request["shard_map"]:
         hlo, out = run_shard_map(layouts["tp"], data, lr)
         answer["programs"]["tp_shard_map"] = {"hlo": hlo, "out": {k: np.asarray(v).tolist() for k, v in out.items()}}
     json.dump(answer, sys.stdout)

@@ -105,6 +105,12 @@ def _layouts(n: int = 4) -> dict[str, Layout]:
 
 LAYOUTS = _layouts()
 
+# The hidden activation h = gelu(x fc^T) as each hand-written strategy holds it, a pin the
+# compiler may be given (jax.lax.with_sharding_constraint): Megatron's column-parallel fc leaves h
+# split by hidden features; FSDP computes h on its own slice of the batch. Left out, the
+# partitioner chooses h's sharding itself, and its choice depends on the shapes (appendix A1, 5).
+HIDDEN = {"sp": (None, None, "tp"), "fsdp": ("dp", None, None)}
+
 
 def check_layout(name: str, shapes: Shapes = Shapes()) -> Layout:
     """The layout called `name`, after checking every split divides its dim."""

@@ -2,6 +2,7 @@
 
     data = make_data()                      the same seeded fp32 tensors for all three
     jax_answer = run_jax(data)              JAX in its own process on 8 emulated CPU devices
+    run_jax(data2, shapes2, names=("sp",))  ... only some layouts' programs, at other sizes
     torch_answer = run_torch(data)          the course and DTensor on 4 gloo ranks
     compare_collectives(...), compare_numbers(...)
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from course_lib.runtime.pool import run_on_ranks
 from course_lib.sharding import hlo
-from course_lib.sharding.layouts import LAYOUTS, Shapes, check_layout, formula, totals
+from course_lib.sharding.layouts import HIDDEN, LAYOUTS, Shapes, check_layout, formula, totals
 from course_lib.sharding.torch_side import OUTPUTS, course_step, dtensor_step, reference_step
 
 PROGRAM = pathlib.Path(__file__).with_name("jax_program.py")
@@ -43,11 +44,32 @@ def make_data(shapes: Shapes = Shapes(), seed: int = 0) -> dict[str, np.ndarray]
             "proj": (rng.standard_normal(shapes.shape("proj")) / np.sqrt(shapes.f)).astype(np.float32)}
 
 
-def run_jax(data: dict, shapes: Shapes = Shapes(), timeout_s: float = 120) -> dict:
-    """The JAX programs' answer: {"devices", "platform", "programs": {name: {"hlo", "out"}}}."""
+def programs(names=tuple(LAYOUTS)) -> dict[str, tuple[str, dict]]:
+    """The jit programs run_jax compiles for these layouts: {program: (layout, annotations on
+    intermediates)}. Each layout with its own annotations; for fsdp also none at all and h alone
+    (batch-split); for sp also h pinned as Megatron holds it (HIDDEN), on top of its own."""
+    out = {name: (name, LAYOUTS[name].use) for name in names}
+    if "fsdp" in names:
+        out["fsdp_unannotated"] = ("fsdp", {})
+        out["fsdp_h"] = ("fsdp", {"h": HIDDEN["fsdp"]})
+    if "sp" in names:
+        out["sp_h"] = ("sp", {**LAYOUTS["sp"].use, "h": HIDDEN["sp"]})
+    return out
+
+
+def run_jax(data: dict, shapes: Shapes = Shapes(), names=tuple(LAYOUTS), timeout_s: float = 120) -> dict:
+    """The JAX programs' answer: {"devices", "platform", "programs": {name: {"hlo", "out"}}} for
+    programs(names) (plus tp_shard_map with tp), on data of the given shapes."""
+    for name in names:
+        check_layout(name, shapes)
+    got = {k: tuple(v.shape) for k, v in data.items()}
+    if got != {k: shapes.shape(k) for k in data}:
+        raise ValueError(f"data shapes {got} must be those of {shapes}")
     request = {"lr": shapes.lr, "data": {k: v.tolist() for k, v in data.items()},
-               "layouts": {name: {"axes": [list(a) for a in L.axes], "specs": L.specs, "use": L.use}
-                           for name, L in LAYOUTS.items()}}
+               "layouts": {name: {"axes": [list(a) for a in L.axes], "specs": L.specs}
+                           for name, L in LAYOUTS.items() if name in names},
+               "programs": {p: {"layout": layout, "use": use} for p, (layout, use) in programs(names).items()},
+               "shard_map": "tp" in names}
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={JAX_DEVICES}",
                JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore")
     done = subprocess.run([sys.executable, str(PROGRAM)], input=json.dumps(request), capture_output=True,

@@ -19,7 +19,8 @@
 #    `PartitionSpec`s, and translate between those and the Megatron / DeepSpeed / FSDP names;
 # 2. read the collectives a framework inserted (DTensor's `CommDebugMode`, the compiled HLO of
 #    a JAX function) and hold them against the course's formula and its hand-written strategy;
-# 3. say what `pjit` became, and when a sharding annotation on an intermediate changes the plan;
+# 3. say what `pjit` became, when a sharding annotation on an intermediate changes the plan, and
+#    why the same layout can compile to another plan at other sizes;
 # 4. write the same step per device with `shard_map`, beside the course's own layers.
 #
 # One program runs everywhere: an MLP on the residual stream, weights stored as `nn.Linear`
@@ -41,6 +42,7 @@ from course_lib.sharding import LAYOUTS, Shapes, formula, mapping_table, totals
 from course_lib.sharding import hlo
 from course_lib.sharding.run import (ATOL, RTOL, collective_table, format_table, make_data, max_rel_error,
                                      numbers_table, run_jax, run_torch, source_of)
+from course_lib.sharding.torch_side import reference_step
 
 SHAPES = Shapes()  # b=4 sequences of s=8 tokens, d=16, hidden f=64, fp32, lr=0.1
 DATA = make_data(SHAPES)
@@ -193,6 +195,8 @@ for name in LAYOUTS:
 #   reduce-scatter; the CPU pipeline here does not. Same result, twice the bytes on a ring
 #   ($2\frac{n-1}{n}$ instead of $\frac{n-1}{n}$ of the tensor, notebook 02). The check
 #   below counts a reduce-scatter as an all-reduce for JAX only, and says so.
+# * These are the compiler's plans **at these sizes**: section 5 compiles the sp layout at
+#   another size and gets another plan.
 
 # %%
 for name in LAYOUTS:
@@ -289,6 +293,84 @@ print(f"unannotated: {sum(unannotated.values()):,} bytes in {hlo.calls(JAX['prog
 print(f"annotated:   {sum(annotated.values()):,} bytes in {hlo.calls(JAX['programs']['fsdp']['hlo'])}")
 
 # %% [markdown]
+# ### The plan depends on the shapes
+#
+# Every plan so far was compiled at one size. Take the sequence-parallel layout of section 3,
+# whose compiled plan matched the formula, and give it other sizes, as a new user trying it
+# would: b = 8, s = 12, d = 20, f = 40. The shardings and the annotations are the same (`x`
+# gathered where it enters `fc`, `y` split along the sequence where the loss reads it). Between
+# them the hidden activation $h$ is free: split by hidden features (Megatron's column-parallel
+# `fc`, the formula's plan) or along the sequence, as `y` and `t` are.
+#
+# **Predict.** Will the compiler send the formula's collectives at the second size?
+#
+# <details><summary>Answer</summary>
+#
+# No. Where two shardings compete for the one mesh axis (here $h$ split by hidden features,
+# which comes from the weights, $P$ bytes each, or $h$ split along the sequence, which comes
+# from `y` and `t`, $M$ bytes each), Shardy's propagation keeps the one that comes from the
+# **larger tensor**, since resharding the smaller one is usually cheaper (the design comment of
+# its `AggressiveFactorPropagation`, openxla/shardy). At the notebook's size the weight is the
+# larger ($P$ = 4,096 > $M$ = 2,048 bytes, printed at the top) and Megatron's plan follows; at
+# the second size the activation is ($M$ = 7,680 > $P$ = 3,200): the sequence split wins, the
+# compiler gathers the whole `fc` weight and re-splits intermediates between the sequence and
+# the hidden dimension with all-to-alls. The cell below checks that rule at both sizes.
+# </details>
+#
+# Both sizes run the same two programs: `sp`, the layout with its own annotations, and `sp_h`,
+# the same plus one more annotation, `with_sharding_constraint(h, P(None, None, "tp"))`: "h is
+# split by hidden features", as Megatron's column-parallel layer leaves it (DTensor:
+# `h.redistribute(mesh, [Shard(2)])`).
+
+# %% tags=["nbval-ignore-output"]
+# The unpinned plan is the partitioner's choice: another JAX version may choose otherwise (this
+# output is not compared between runs; the asserts below hold). The second size runs in its own
+# JAX process, with the sp programs only.
+SHAPES2 = Shapes(b=8, s=12, d=20, f=40)
+DATA2 = make_data(SHAPES2)
+JAX2 = run_jax(DATA2, SHAPES2, names=("sp",))
+M2, P2 = SHAPES2.b * SHAPES2.s * SHAPES2.d * SHAPES2.e, SHAPES2.f * SHAPES2.d * SHAPES2.e
+SIZES = {"notebook's size": (SHAPES, JAX, M, P), "second size": (SHAPES2, JAX2, M2, P2)}
+for label, (shapes, answer, m, p) in SIZES.items():
+    rows = {"formula (RS as all-reduce)": totals(formula("sp", shapes), rs_as_all_reduce=True),
+            "JAX jit": totals(answer["programs"]["sp"]["collectives"]),
+            "JAX jit, h pinned": totals(answer["programs"]["sp_h"]["collectives"])}
+    print(f"--- sp, {label}: b={shapes.b} s={shapes.s} d={shapes.d} f={shapes.f}   M = {m:,} bytes, P = {p:,} bytes")
+    print(format_table(rows))
+    print("    instructions, jit:", hlo.calls(answer["programs"]["sp"]["hlo"]),
+          "  h pinned:", hlo.calls(answer["programs"]["sp_h"]["hlo"]))
+    assert (rows["JAX jit"] == rows["formula (RS as all-reduce)"]) == (p > m)  # the larger tensor's split wins
+    assert rows["JAX jit, h pinned"] == rows["formula (RS as all-reduce)"]  # pinned: the formula's plan at any size
+print("--- the second size's unpinned plan, instruction by instruction:")
+print("\n".join(hlo.describe(JAX2["programs"]["sp"]["hlo"])))
+plain2, formula2 = totals(JAX2["programs"]["sp"]["collectives"]), totals(formula("sp", SHAPES2), rs_as_all_reduce=True)
+assert ("all_to_all", 4) in plain2 and ("all_to_all", 4) not in formula2
+assert plain2[("all_gather", 4)] == formula2[("all_gather", 4)] + P2  # one more all-gather: a whole weight
+reference2 = reference_step(DATA2)
+for name in ("sp", "sp_h"):  # another plan, the same step (fp32 reordering, section 4's tolerance)
+    assert max_rel_error(JAX2["programs"][name]["out"], reference2) <= RTOL
+
+# %% [markdown]
+# At the notebook's size the two rows of JAX equal the formula; at the second size the
+# unpinned program adds an all-gather of $P$ bytes (the whole `fc` weight) and a few
+# all-to-alls, and the pinned one is back to the formula's bytes. Both compute the same step
+# (the asserts hold it against one process). So a layout given only at the inputs and the
+# outputs says *what* is split, not *how* the step communicates: the plan read from the HLO at
+# one size is the compiler's plan for that size. Three things pin it:
+#
+# * a sharding constraint on the intermediates whose layout is the plan
+#   (`jax.lax.with_sharding_constraint`, as `sp_h` does for $h$; in DTensor, `redistribute`);
+# * `shard_map` (section 6): the per-device program with its collectives written in, which no
+#   size can change;
+# * the course's hand-written layers, which are that per-device program in PyTorch.
+#
+# Real runs sit on the second side of this comparison: $M > P$ means $b\,s > f$, more tokens on
+# a device than hidden features, and a run with 8 sequences of 4,096 tokens has 32,768 tokens
+# against $f$ = 16,384 at $d$ = 4,096. By this rule alone an unpinned sequence-parallel block
+# would take the second plan; read the HLO at the sizes you will run, and pin the activations
+# that matter.
+
+# %% [markdown]
 # ## 6. `shard_map`: the per-device program, beside the course's layers
 #
 # Sometimes you want to write the per-device program yourself: which piece each device holds
@@ -361,6 +443,8 @@ for who, tensor, placements, spec in mapping_table():
 # 6. Without annotations, JAX's FSDP layout moved activations instead of weights. Name two
 #    annotations that bring back FSDP's plan.
 # 7. `jax.experimental.pjit.pjit(f, in_shardings=a, out_shardings=b)`: how is it spelled now?
+# 8. The sp layout compiled to the formula's plan at b=4, s=8, d=16, f=64 and to another at
+#    b=8, s=12, d=20, f=40. What decided, and what brings the formula's plan back?
 #
 # <details><summary>Answers</summary>
 #
@@ -375,6 +459,11 @@ for who, tensor, placements, spec in mapping_table():
 # 6. `with_sharding_constraint` of the weights to `P(None, None)` where they are used, or of
 #    the hidden activation `h` to `P("dp", None, None)`.
 # 7. `jax.jit(f, in_shardings=a, out_shardings=b)`.
+# 8. The sizes: where the weights' feature split and the activations' sequence split compete
+#    for the one axis, Shardy keeps the split of the larger tensor, the weight ($P > M$) at
+#    the first size, the activation ($M > P$) at the second. Pinning $h$ with
+#    `with_sharding_constraint(h, P(None, None, "tp"))` restores it (or write the block with
+#    `shard_map`).
 # </details>
 #
 # **Next:** this appendix has no graded exercise; the layouts it revisits are graded in ex05
@@ -385,6 +474,9 @@ for who, tensor, placements, spec in mapping_table():
 # * Xu, Y., Lee, H., Chen, D., Hechtman, B., Huang, Y., Joshi, R., et al. (2021). *GSPMD:
 #   General and Scalable Parallelization for ML Computation Graphs.* arXiv:2105.04663. Sharding
 #   annotations, their propagation, and the partitioner that inserts the collectives.
+# * OpenXLA Shardy (github.com/openxla/shardy), the propagation JAX uses since 0.7:
+#   `transforms/propagation/aggressive_factor_propagation.h` states the conflict rule of
+#   section 5 (prefer the sharding that comes from the larger tensor).
 # * Shoeybi, M., Patwary, M., Puri, R., LeGresley, P., Casper, J., Catanzaro, B. (2019).
 #   *Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism.*
 #   arXiv:1909.08053. Column and row splits, f and g.
