@@ -73,6 +73,42 @@ def test_a_bad_moe_key_is_named(section, key, value, message):
     assert str(err.value).startswith(message), str(err.value)
 
 
+@pytest.mark.parametrize("old, new", [(True, "full"), (False, "none")])
+def test_the_old_key_activation_checkpointing_loads_as_recompute_with_a_warning(old, new, tmp_path):
+    """Saved configs written before recompute replaced it keep working: the same parsed config,
+    and a FutureWarning (shown to users, unlike a DeprecationWarning) naming the new key."""
+    import warnings
+
+    raw = tiny_raw()
+    raw["train"]["recompute"] = new
+    expected = config_from_dict(raw)
+    del raw["train"]["recompute"]
+    raw["train"]["activation_checkpointing"] = old
+    with pytest.warns(FutureWarning, match=rf"\[train\] activation_checkpointing is deprecated: write recompute = '{new}'"):
+        assert config_from_dict(raw) == expected
+    text = TINY.read_text().replace('recompute = "full"', f"activation_checkpointing = {str(old).lower()}")
+    assert "activation_checkpointing" in text  # the file as an older course version wrote it
+    saved = tmp_path / "old.toml"
+    saved.write_text(text)
+    with pytest.warns(FutureWarning, match="write recompute"):
+        assert load_config(saved) == expected
+    with warnings.catch_warnings():  # the new key alone: no warning
+        warnings.simplefilter("error")
+        config_from_dict(tiny_raw())
+
+
+def test_a_config_giving_both_the_old_and_the_new_recompute_key_is_refused():
+    raw = tiny_raw()
+    raw["train"]["activation_checkpointing"] = True  # beside recompute = "full"
+    with pytest.raises(ValueError, match=r"^\[train\] gives both activation_checkpointing \(the old name\) and "
+                                         r"recompute: keep recompute only"):
+        config_from_dict(raw)
+    del raw["train"]["recompute"]
+    raw["train"]["activation_checkpointing"] = "full"
+    with pytest.raises(ValueError, match=r"^\[train\] activation_checkpointing='full' must be true or false"):
+        config_from_dict(raw)
+
+
 def test_missing_keys_and_sections_are_named(tmp_path):
     raw = tiny_raw()
     del raw["layout"]["pp"]
@@ -126,8 +162,12 @@ def test_saved_at_8_ranks_resumed_at_4_equals_the_single_process(tmp_path):
     cluster = load_validation()["cluster"]
     # the step-time model on the stored calibration (fixed inputs): a formula, not a measurement;
     # the measured seconds, tokens/s and MFU that compare() also returns are not asserted
-    assert compare(run, cluster)["predicted_s"] > 0
+    k = compare(run, cluster)
+    assert k["predicted_s"] > k["predicted_checks_s"] > 0 and k["outside_calibration"] == []
     text = report_text(run, cluster)
+    # the report says what its prediction includes: the checks run_on_ranks installs
+    assert f"({k['predicted_checks_s'] * 1e3:.3g} ms of it the collective checks)" in text
+    assert "model's range" not in text  # 8 ranks in groups of 2: what the calibration measured
     assert "dp2·tp2·pp2·m2·zero1·rc-full·bf16 -> dp1·tp2·pp2·m2·rc-full·bf16 after step" in text
     assert "MFU not defined on CPU ranks" in text
     generated = generate_text(config, run.params, "The ", 20)
@@ -199,3 +239,26 @@ def test_the_demo_names_the_bad_key_and_exits_2_without_a_traceback(world, edit,
                          env=env)
     assert code == 2
     assert err.strip() == line
+
+
+def test_the_report_names_where_a_layout_leaves_the_calibration():
+    """A tp group of 3 on 6 ranks is priced from the table's groups of 4 and with 8 ranks' share of
+    the cores: the report's "model's range" says so and which way each errs; the stored
+    capstone's layout (8 ranks, groups of 2) and a published cluster get no such line."""
+    from course_lib.capstone.report import outside_calibration
+    from course_lib.dims import ParallelDims
+    from course_lib.estimate.clusters import gpu_cluster
+    from course_lib.measure.validation import load_validation
+
+    cluster = load_validation()["cluster"]
+    assert sorted(int(g) for g in cluster.intra.entries["all_reduce"]) == [2, 4, 8] and cluster.n_gpus == 8
+    assert outside_calibration(ParallelDims(tp=3, pp=2), cluster) == [
+        "tp groups of 3 ranks priced as the measured 4 (high)",
+        "the world's all-reduce of 6 ranks priced as the measured 8 (high)",
+        "6 ranks on the 2 cores where the calibration ran 8 (high)"]
+    assert outside_calibration(ParallelDims(dp=16), cluster) == [
+        "dp groups of 16 ranks priced as the measured 8 (low)",
+        "the world's all-reduce of 16 ranks priced as the measured 8 (low)",
+        "16 ranks on the 2 cores where the calibration ran 8 (low)"]
+    assert outside_calibration(ParallelDims(dp=2, tp=2, pp=2), cluster) == []
+    assert outside_calibration(ParallelDims(tp=3, pp=2), gpu_cluster("H100 SXM 80 GB", 8)) == []

@@ -89,3 +89,51 @@ def test_train_as_names_an_unknown_strategy_and_a_layout_it_cannot_train(tiny_co
         train_as("fsdp", Dims(dp=2), tiny_config, None)
     with pytest.raises(ValueError, match=r"kind='tp' trains one axis \(tp\); the layout dp2·tp2·pp1 also has \{'dp': 2\}"):
         train_as("tp", Dims(dp=2, tp=2), tiny_config, None)
+
+
+# ----------------------------------------------------------------------------- a measured table: the runtime's busiest rank
+def _traced_tp_calls(dims, config, steps):
+    """Rank code: this rank's tensor-parallel calls while the composed trainer runs `steps` steps."""
+    from course_lib.measure.validation import train_as
+    from course_lib.observe.tracer import CommTracer
+    from course_lib.parallel.hybrid import traffic_by_dimension
+    from course_lib.train import TrainConfig
+
+    import torch.distributed as dist
+
+    with CommTracer() as tracer:
+        train_as("hybrid", dims, config, TrainConfig(steps=steps, batch_size=BATCH, progress=False, eval_every=0))
+    return traffic_by_dimension(tracer.records, dims, dist.get_world_size()).get("tp", {"calls": 0})["calls"]
+
+
+def test_a_measured_table_prices_the_tp_calls_of_the_runtimes_busiest_rank(tiny_config):
+    """On a measured table (the course's runtime runs the layout) tensor parallelism is priced on
+    the pipeline rank that makes the most calls, as it makes them: 3 blocks on 2 stages put 2
+    blocks and the embedding on the first, 1 block, the head and the loss on the last, and
+    torch's checkpoint repeats one all-reduce per recomputed block. (Pricing l0 = 2 blocks with
+    both ends and Megatron's 2 repeats on one rank gave 34 calls per step where the busiest
+    rank makes 22: the capstone's small configs were predicted up to twice their step.) Every
+    call costs 1 s on this made-up table, so the tp term counts the calls, and the checks the
+    same calls plus the norm's."""
+    from dataclasses import replace
+
+    from course_lib.runtime import run_on_ranks
+
+    config = replace(tiny_config, n_layer=3)
+    dims = Dims(tp=2, pp=2, microbatches=2, recompute="full")
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    flat = [[4, 1 << 40], [1.0, 1.0]]  # 1 s at every size
+    table = CollectiveTable("1 s per call", {op: {"2": flat, "4": flat} for op in ops}
+                            | {"send": {"2": [[4, 1 << 40], [0.0, 0.0]]}})
+    cluster = Cluster("c", 4, 4, 1e9, 1e9, 1e9, table, table, memory_bandwidth=1e9)
+    t = step_time(config, dims, cluster, BATCH, recipe="fp32", checked_collectives=True)
+    counted = [run_on_ranks(_traced_tp_calls, dims, config, steps, world_size=4, timeout_s=120) for steps in (1, 2)]
+    per_rank = [b - a for a, b in zip(*counted)]  # step 2's calls on each rank
+    assert per_rank == [22, 22, 18, 18]  # tp groups {0, 1} (first stage) and {2, 3} (last stage)
+    assert t["tp"] == max(per_rank)  # sums of 1.0: exact
+    assert t["checks"] == max(per_rank) + 1  # one check per call, and the norm's all-reduce over the world
+    assert t["calls"]["tp"] == per_rank[0]  # rank 0's calls, the tracer's count, unchanged
+    # a published cluster still prices Megatron's: 2 blocks with both ends on one rank, 2 repeats per block
+    megatron = step_time(config, dims, Cluster("c", 4, 4, 1e9, 1e9, 1e9, LinkModel(1.0, 1e30), LinkModel(1.0, 1e30)),
+                         BATCH, recipe="fp32")
+    assert megatron["tp"] == pytest.approx(34 * 2 * 1.0, rel=1e-12)  # ring all-reduce of 2: 2(n-1) = 2 alphas a call

@@ -2,6 +2,8 @@
 
     [model]   n_layer, n_head, d_model, seq_len, n_experts, top_k   (the vocabulary is the dataset's)
     [train]   steps, batch_size, lr, grad_clip, seed, checkpoint_step, precision, recompute
+              (activation_checkpointing = true / false, its old name, still loads as "full" /
+              "none" with a FutureWarning; a config giving both is refused)
     [layout]  the fields of course_lib.dims.ParallelDims (dp, tp, pp required; ep, zero,
               virtual_stages, microbatches, schedule, sequence_parallel, cp, cp_method,
               cp_load_balance with its defaults) except the two of [train]: the first run, on
@@ -24,6 +26,7 @@ objective as the single process (the pipeline's last stage computes the cross-en
 from __future__ import annotations
 
 import pathlib
+import warnings
 from dataclasses import MISSING, dataclass, fields
 
 from course_lib._validate import check_int
@@ -144,8 +147,33 @@ def _section(raw: dict, name: str) -> dict:
     return out
 
 
+# [train] keys renamed: old name -> (new name, old value -> new value). A saved config with the
+# old name still loads (FutureWarning naming the new key); one that gives both is refused.
+RENAMED = {"activation_checkpointing": ("recompute", {True: "full", False: "none"})}
+
+
+def _renamed(train: dict) -> dict:
+    """[train] with every old key replaced by its new one (RENAMED)."""
+    for old, (new, values) in RENAMED.items():
+        if old not in train:
+            continue
+        if new in train:
+            raise ValueError(f"[train] gives both {old} (the old name) and {new}: keep {new} only "
+                             f"({'; '.join(f'{old} = {str(a).lower()} is {new} = {b!r}' for a, b in values.items())})")
+        value = train[old]
+        if not isinstance(value, bool):
+            raise ValueError(f"[train] {old}={value!r} must be true or false (the old name of {new})")
+        warnings.warn(f"[train] {old} is deprecated: write {new} = {values[value]!r} instead", FutureWarning,
+                      stacklevel=3)
+        train = {k: v for k, v in train.items() if k != old} | {new: values[value]}
+    return train
+
+
 def config_from_dict(raw: dict) -> CapstoneConfig:
-    """CapstoneConfig from the parsed TOML; ValueError naming the key otherwise."""
+    """CapstoneConfig from the parsed TOML; ValueError naming the key otherwise. An old key
+    (RENAMED) loads as its new one, with a FutureWarning."""
+    if isinstance(raw.get("train"), dict):
+        raw = raw | {"train": _renamed(raw["train"])}
     for name in raw:
         if name not in SCHEMA:
             raise ValueError(f"[{name}]: unknown section; the config takes {tuple(SCHEMA)}")

@@ -3,6 +3,7 @@ trained model writes.
 
     estimate_inputs(config)        -> (estimator model config, recipe) for course_lib.estimate
     compare(run, cluster)          -> predicted / measured step time, tokens/s, memory per rank
+    outside_calibration(dims, cluster) -> where a layout leaves what the calibration measured
     traffic_formula(config, dims)  -> bytes per step of each mesh dimension, by formula
     report_text(run, cluster)      -> the report cell's lines
     LiveLossPlot(config)           -> run_capstone(..., on_loss=plot.update): the curve while it trains
@@ -21,6 +22,7 @@ import time
 from dataclasses import replace
 
 from course_lib.capstone.run import CHECKED_COLLECTIVES
+from course_lib.comm.measured import CollectiveTable
 from course_lib.data import CharDataset
 from course_lib.estimate.calculator import GPUS
 from course_lib.estimate.params import MoEConfig
@@ -76,11 +78,36 @@ def compare(run, cluster) -> dict:
                 for r, e in zip(run.first_ranks, estimated)]
     peak = gpu_peak_flops(c.precision)
     rate = peak or cluster.achievable_flops
-    return {"predicted_s": predicted["total"], "measured_s": measured, "tokens_per_s": tokens / measured,
+    return {"predicted_s": predicted["total"], "predicted_checks_s": predicted["checks"], "measured_s": measured,
+            "measured_steps": len(seconds), "outside_calibration": outside_calibration(dims, cluster), "tokens_per_s": tokens / measured,
             "predicted_tokens_per_s": tokens / predicted["total"], "flops": predicted["flops"],
             "mfu": predicted["flops"] / measured / (dims.world_size * rate), "mfu_against": "gpu peak" if peak
             else "calibrated CPU rate", "memory_predicted": memory, "memory_measured": per_rank,
             "dims": dims, "recipe": recipe}
+
+
+def outside_calibration(dims, cluster) -> list[str]:
+    """Where a layout leaves what a measured cluster (course_lib.measure.calibrate) measured, each
+    with the way it moves the prediction: a group size the table lacks is priced as the next
+    measured one up (more ring hops: high; above the largest: low), and a world of fewer ranks
+    than the calibration's on the same shared cores gives each rank more of a core than the
+    calibration's ranks had (every term high; more ranks: low). [] on a published cluster."""
+    table = cluster.intra
+    if not isinstance(table, CollectiveTable) or "all_reduce" not in table.entries:
+        return []
+    measured = sorted(int(g) for g in table.entries["all_reduce"])
+    notes = []
+    groups = {"tp groups": dims.tp, "cp groups": dims.cp, "ep groups": dims.ep,
+              "dp groups": dims.dp * dims.ep * dims.cp, "the world's all-reduce": dims.world_size}
+    for name, g in groups.items():
+        if g > 1 and g not in measured:
+            larger = [m for m in measured if m >= g]
+            priced = larger[0] if larger else measured[-1]
+            notes.append(f"{name} of {g} ranks priced as the measured {priced} ({'high' if priced > g else 'low'})")
+    if cluster.shared_cores and dims.world_size != cluster.n_gpus:
+        notes.append(f"{dims.world_size} ranks on the {cluster.shared_cores} cores where the calibration ran "
+                     f"{cluster.n_gpus} ({'high' if dims.world_size < cluster.n_gpus else 'low'})")
+    return notes
 
 
 def traffic_formula(config, dims) -> dict:
@@ -105,8 +132,11 @@ def report_text(run, cluster) -> str:
     rows = [
         "capstone report",
         f"  layout           {c.layout.describe()} -> {c.resume.describe()} after step {c.checkpoint_step}",
-        f"  step time        predicted {k['predicted_s'] * 1e3:.3g} ms, measured {k['measured_s'] * 1e3:.3g} ms "
-        f"({k['measured_s'] / k['predicted_s']:.1f} x)",
+        f"  step time        predicted {k['predicted_s'] * 1e3:.3g} ms ({k['predicted_checks_s'] * 1e3:.3g} ms of it "
+        f"the collective checks), measured {k['measured_s'] * 1e3:.3g} ms (median of {k['measured_steps']} steps; "
+        f"{k['measured_s'] / k['predicted_s']:.2f} x)",
+    ] + ([f"  model's range    outside the calibration: {'; '.join(k['outside_calibration'])}"]
+         if k["outside_calibration"] else []) + [
         f"  tokens/s         {k['tokens_per_s']:,.0f} measured, {k['predicted_tokens_per_s']:,.0f} predicted",
         f"  utilisation      {mfu}",
         f"  state per rank   predicted {' '.join(fmt_bytes(m['state_estimated']) for m in mm)}",

@@ -9,6 +9,8 @@ planner's top layouts with their cost breakdown, and the widget (model, cluster,
 
 from __future__ import annotations
 
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
 from course_lib.comm.costmodel import predict_time
 from course_lib.estimate.clusters import gpu_cluster
 from course_lib.estimate.params import PRESETS
@@ -30,21 +32,37 @@ FIGSIZE = (9.5, 3.8)
 
 
 def plot_predicted_vs_measured(ax, result):
-    rows = result["rows"]
+    """Predicted against measured step time, one point per layout: blue where the model predicts
+    low, orange where high. The labels stand in a column right of the axes, in the order of the
+    predicted times, each joined to its point by a thin line (close points would overlap)."""
+    rows = sorted(result["rows"], key=lambda r: r["predicted"])
     meas = [r["measured"] * 1e3 for r in rows]
     pred = [r["predicted"] * 1e3 for r in rows]
-    ax.scatter(meas, pred, color="tab:blue")
-    for r, x, y in zip(rows, meas, pred):
-        ax.annotate(r["label"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    low = [r["error"] < 0 for r in rows]
+    for flag, color, word in ((True, "tab:blue", "low"), (False, "tab:orange", "high")):
+        picked = [i for i in range(len(rows)) if low[i] == flag]
+        if picked:
+            ax.scatter([meas[i] for i in picked], [pred[i] for i in picked], color=color, s=18, zorder=3,
+                       label=f"predicted {word}: {len(picked)} of {len(rows)}")
+    for k, (r, x, y) in enumerate(zip(rows, meas, pred)):
+        ax.annotate(f"{r['label']} ({r['error']:+.1%})", xy=(x, y), xytext=(1.03, (k + 0.5) / len(rows)),
+                    textcoords="axes fraction", fontsize=7, va="center",
+                    arrowprops=dict(arrowstyle="-", color="0.7", lw=0.5, shrinkA=0, shrinkB=3))
     lo, hi = min(meas + pred) * 0.8, max(meas + pred) * 1.2
     ax.plot([lo, hi], [lo, hi], "k--", linewidth=1, label="predicted = measured")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    for axis in (ax.xaxis, ax.yaxis):  # milliseconds as plain numbers at 1, 2, 3, 5 x 10^k
+        axis.set_major_locator(LogLocator(subs=(1, 2, 3, 5)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
     ax.set_title(f"rank correlation {result['spearman']:.2f}, median |error| {result['median_error']:.0%}",
                  fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     return ax
 
 

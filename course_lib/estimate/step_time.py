@@ -51,6 +51,10 @@ link (`intra`) when the whole group sits on one node, else the network (`inter`)
 alpha-beta LinkModel (T = a alpha + b S / beta, ring algorithms) or a table measured on the
 machine at hand (CollectiveTable). The records' calls are the course's own implementations' on
 rank 0, so the tracer checks them (step_time(...)["calls"], the trainer's loss log left out).
+On a measured table (the course's runtime runs the layout) tensor parallelism is priced on the
+pipeline rank whose calls cost the most, counted as that rank makes them (busiest_tp_rank);
+a published cluster prices Megatron's: the busiest rank's blocks with both ends, and both of a
+recomputed block's all-reduces.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from __future__ import annotations
 from course_lib._validate import check_int, check_one_of
 from course_lib.dims import (RECOMPUTE, ZERO_STAGES, ParallelDims, check_batch, check_context_parallel,
                              check_schedule, check_sequence_parallel, layers_per_rank)
-from course_lib.comm.measured import collective_time
+from course_lib.comm.measured import CollectiveTable, collective_time
 from course_lib.estimate.bubble import formula_for
 from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.compute import flops_per_token
@@ -66,7 +70,8 @@ from course_lib.estimate.context import attention_imbalance, ring_exposed
 from course_lib.estimate.memory import RECIPES
 from course_lib.estimate.params import GPTConfig, param_breakdown, unpack
 from course_lib.estimate.per_gpu import FSDP_UNITS, composed_zero_memory, per_gpu_memory, zero_units
-from course_lib.estimate.traffic import ddp_buckets, seconds, step_traffic  # noqa: F401 (ddp_buckets: re-exported)
+from course_lib.estimate.traffic import (ddp_buckets, seconds, step_traffic,  # noqa: F401 (ddp_buckets: re-exported)
+                                          tp_traffic)
 
 
 def check_layout(config, dims: ParallelDims, batch_size: int, seq: int | None = None) -> tuple[int, int]:
@@ -175,6 +180,18 @@ def check_seconds(records, link) -> float:
                for r in records if r.op != "send" and seconds(r, link))
 
 
+def busiest_tp_rank(config, dims: ParallelDims, batch_size: int, seq: int, act_bytes: int, link,
+                    checked_collectives: bool = False) -> list:
+    """Tensor parallelism's records on a measured table (the course's own runtime): the calls of
+    the pipeline rank whose tp collectives (and their checks) cost the most, counted as that rank
+    makes them (traffic.tp_traffic's rank). A published cluster prices Megatron's instead: l0
+    blocks and both ends on one rank, both of a recomputed block's all-reduces."""
+    def cost(records):
+        return sum(seconds(r, link) for r in records) + (check_seconds(records, link) if checked_collectives else 0.0)
+
+    return max((tp_traffic(config, dims, batch_size, seq, act_bytes, rank=r) for r in range(dims.pp)), key=cost)
+
+
 def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq: int | None = None,
               recipe: str = "bf16_mixed", attention: str | None = None, causal: bool = False,
               gather_dtype: str | None = None, checked_collectives: bool = False) -> dict:
@@ -245,8 +262,10 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
             link = C.intra if n_gpus <= C.gpus_per_node else C.inter
         else:
             link = C.link_of(axis, L) if records else None
-        term[axis] = sum(seconds(r, link) for r in records)
         calls[axis] = sum(r.calls for r in records if not r.report)
+        if axis == "tp" and isinstance(link, CollectiveTable):  # the course's runtime, as it runs
+            records = busiest_tp_rank(config, L, batch_size, seq, e, link, checked_collectives)
+        term[axis] = sum(seconds(r, link) for r in records)
         if checked_collectives:
             checks += check_seconds(records, link)
     tp, pp, ep = term["tp"], term["pp"], term["ep"]

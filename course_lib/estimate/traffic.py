@@ -40,7 +40,9 @@ re-gathers in backward and its small all-reduces of the replicated parameters' g
 those gradients once per step, so a published cluster leaves them out; a measured table (the
 course's runtime, which makes each call) prices them. `priced` departs from
 `calls` only where the step-time model says so, each with its reason in the record (`why`):
-it prices the busiest rank, l0 blocks and both ends (embedding, head and loss) on one rank; `report` marks the trainer's loss log, which the tracer sees and the step
+it prices the busiest rank, l0 blocks and both ends (embedding, head and loss) on one rank
+(tp_traffic's rank=r counts pipeline rank r's calls as the runtime makes them instead: what
+the step-time model prices on a measured table); `report` marks the trainer's loss log, which the tracer sees and the step
 does not need. Full recomputation: the step-time model prices Megatron's (every block's forward
 again: 2 all-reduces, Korthikanti et al. 2022); the course's runtime (torch's non-reentrant
 checkpoint) stops once the block's saved tensors are back, before the MLP's g: 1 all-reduce.
@@ -84,6 +86,12 @@ class Collective:
         return self.calls if self.priced is None else self.priced
 
 
+def _pipeline_rank(rank: int, pp: int) -> int:
+    if not (isinstance(rank, int) and 0 <= rank < pp):
+        raise ValueError(f"rank={rank!r} must be a pipeline rank in [0, pp={pp})")
+    return rank
+
+
 def _shape(config, dims, batch_size, seq):
     base = unpack(config)[0]
     s = base.block_size if seq is None else seq
@@ -91,14 +99,21 @@ def _shape(config, dims, batch_size, seq):
     return base, s, mb, max(layers_per_rank(base.n_layer, dims.pp, dims.virtual_stages))
 
 
-def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4) -> list[Collective]:
+def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4,
+               rank: int | None = None) -> list[Collective]:
     """Tensor (and sequence) parallelism's collectives (module docstring). Under bf16 autocast
     the row-parallel matmuls' outputs are bf16, and under SP so are the gradients flowing back
     into them and out of the column-parallel matmuls' (bf16) inputs: those messages are 2 bytes
-    an element; the rest (norm outputs, the embedding, the loss) stays at act_bytes."""
+    an element; the rest (norm outputs, the embedding, the loss) stays at act_bytes.
+    rank: the calls of that pipeline rank as the course's runtime makes them (its own blocks,
+    the end it holds, one all-reduce repeated per recomputed block), priced as made: the
+    step-time model's reading on a measured table. None: rank 0's calls, priced as above."""
     if dims.tp == 1:
         return []
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
+    if rank is not None:  # that rank's blocks and ends, priced as the runtime calls them
+        held = layers_per_rank(base.n_layer, dims.pp, dims.virtual_stages)[_pipeline_rank(rank, dims.pp)]
+        own = (held, int(rank == 0), int(rank == dims.pp - 1))
     s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
     R = dims.replicas * getattr(dims, "cp", 1)  # every cp rank of a replica does this on its tokens
     L, m, n, full = base.n_layer, dims.microbatches, dims.tp, int(dims.recompute == "full")
@@ -114,6 +129,8 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
         ends; the world's bytes sum one copy of the L blocks and both ends per replica and tp rank."""
         sent = size // n if op == "all_gather" else size  # SP: tp divides the sequence
         calls, model = m * count(l0, 1, int(dims.pp == 1)), m * (priced or count)(l0, 1, 1)
+        if rank is not None:
+            calls = model = m * count(*own)
         return Collective("tp", what, op, size, n, calls, R * n * m * count(L, 1, 1) * sent,
                           None if model == calls else model, "" if model == calls else why or ends,
                           measured_only=measured_only)
@@ -130,6 +147,8 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     b, d_e = int(getattr(base, "bias", False)), base.d_model * act_bytes
     pos = param_breakdown(base)["position"] * act_bytes
     small0 = l0 * (2 + 4 * b) + (1 + b) * (dims.pp == 1) + (pos > 0)
+    if rank is not None:  # the final norm on the last stage, the position table on the first
+        small0 = own[0] * (2 + 4 * b) + (1 + b) * own[2] + (pos > 0) * own[1]
     small_bytes = (L * (2 + 4 * b) + 1 + b) * d_e + pos
     return [
         rec("all-gathers into qkv, fc and the head, and of the embedding's output gradient", "all_gather", M,
