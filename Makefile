@@ -22,7 +22,7 @@ CONSTRAINTS ?= constraints.txt
 unexport PYTHONDONTWRITEBYTECODE
 PIP     = $(PY) -m pip install --quiet --disable-pip-version-check --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
 
-.PHONY: portable-paths python-path browser-deps lab test setup notebooks exercises bench bench-quick clean-venv test-portability test-latest lock
+.PHONY: portable-paths python-path browser-deps lab test test-under-load setup notebooks exercises bench bench-quick clean-venv test-portability test-latest lock
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,7 +43,7 @@ lab: $(STAMP)
 # 2-core CI machine, notebook 00's 200-step training cell took 85 s beside the tests instead of
 # 7 s alone. PASSIVE lets idle threads sleep; no result changes (the same threads split the same
 # work in the same chunks). A learner's own kernel (make lab) keeps OpenMP's default.
-test test-portability test-browser: export OMP_WAIT_POLICY = PASSIVE
+test test-under-load test-portability test-browser: export OMP_WAIT_POLICY = PASSIVE
 
 # The portable paths, and this machine's own as CAPABILITY:THREADS, for .ci/run.
 portable-paths:
@@ -69,6 +69,16 @@ test: $(STAMP)
 	$(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 \
 		$(NOTEBOOK_DIRS) $(NBVAL) || status=1; \
 	exit $$status
+
+# The library's tests beside LOAD_PROCS CPU-bound processes for the whole run
+# (tools/under_load.py): a learner's laptop is rarely idle, and neither is a CI machine. A test
+# that fails here and not alone waits on a time or races another process: fix that cause
+# (CONTRIBUTING.md, "Flakes are bugs"), never a longer timeout or a retry.
+LOAD_PROCS ?= 2
+test-under-load: $(STAMP)
+	@echo "== pytest tests beside $(LOAD_PROCS) CPU-bound processes"
+	@COURSE_GRADE_WITH=solutions $(PY) tools/under_load.py --procs $(LOAD_PROCS) -- \
+		$(PY) -m pytest -p no:cacheprovider -q --durations=15 tests
 
 # nbval again over every notebook and exercise on the CPU paths a learner may have that differ
 # most from the one that stored the outputs (AVX-512, all cores): PyTorch's scalar kernels

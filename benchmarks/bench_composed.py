@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
-from summary import add_quick, quick_mode  # noqa: E402
+from summary import QUICK_ROUNDS, add_quick, quick_mode  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
@@ -60,7 +60,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch-size", type=int, default=8, help="global batch (sequences per step)")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, steps=WARMUP + 1, rounds=1, batch_size=DIMS.dp)
+    add_quick(parser, argv, steps=WARMUP + 1, rounds=QUICK_ROUNDS, batch_size=DIMS.dp)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1:
         parser.error(f"need --steps > {WARMUP} and --rounds >= 1")

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
-from summary import add_quick, quick_mode  # noqa: E402
+from summary import QUICK_ROUNDS, add_quick, quick_mode  # noqa: E402
 
 from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset, get_batch  # noqa: E402
@@ -123,7 +123,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, steps=WARMUP + 1, rounds=1, seq_lens=[32, 64])
+    add_quick(parser, argv, steps=WARMUP + 1, rounds=QUICK_ROUNDS, seq_lens=[32, 64])
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.cp not in (2, 4):
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --cp in (2, 4)")

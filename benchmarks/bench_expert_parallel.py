@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import quartiles  # noqa: E402
-from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402  (benchmarks/ is not a package)
+from summary import QUICK_ROUNDS, add_quick, quick_mode, record, shown_verdict  # noqa: E402  (benchmarks/ is not a package)
 
 from course_lib import run_on_ranks  # noqa: E402
 from course_lib.data import CharDataset  # noqa: E402
@@ -67,7 +67,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, world_size=2, steps=WARMUP + 1, rounds=1, micro_batch=1)
+    add_quick(parser, argv, world_size=2, steps=WARMUP + 1, rounds=QUICK_ROUNDS, micro_batch=1)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or 8 % args.world_size:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, and --world-size in (2, 4, 8) to divide 8 experts")

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
-from summary import add_quick, quick_mode  # noqa: E402
+from summary import QUICK_ROUNDS, add_quick, quick_mode  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
@@ -105,7 +105,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--action-ms", type=float, default=0.0)
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, world_size=2, microbatches=4, micro_batch=1, steps=WARMUP + 1, rounds=1)
+    add_quick(parser, argv, world_size=2, microbatches=4, micro_batch=1, steps=WARMUP + 1, rounds=QUICK_ROUNDS)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or args.action_ms < 0:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --world-size >= 2, --action-ms >= 0")

@@ -33,7 +33,7 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402
+from summary import QUICK_ROUNDS, add_quick, quick_mode, record, shown_verdict  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.measure.calibrate import cluster_to_dict  # noqa: E402
@@ -133,7 +133,7 @@ def main(argv=None):
     parser.add_argument("--store", action="store_true", help=f"write {DEFAULT_PATH.name} for notebook 11")
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_PATH, help="where --store writes")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, steps=2, rounds=1)
+    add_quick(parser, argv, steps=2, rounds=QUICK_ROUNDS)
     args = parser.parse_args(argv)
     if args.steps < 2 or args.rounds < 1:
         parser.error("need --steps >= 2 (the first step of a layout is not timed) and --rounds >= 1")

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import WARMUP, report, run_rounds  # noqa: E402  (benchmarks/ is not a package)
-from summary import add_quick, quick_mode  # noqa: E402
+from summary import QUICK_ROUNDS, add_quick, quick_mode  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.model import GPT, GPTConfig  # noqa: E402
@@ -62,7 +62,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, steps=WARMUP + 1, rounds=1, batch_size=1)
+    add_quick(parser, argv, steps=WARMUP + 1, rounds=QUICK_ROUNDS, batch_size=1)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.tp not in (2, 4, 8) or args.batch_size < 1:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --tp in (2, 4, 8), --batch-size >= 1")

@@ -12,7 +12,7 @@ import statistics
 import time
 
 from course_lib import run_on_ranks
-from summary import add_quick, quick_mode, record, shown_verdict
+from summary import QUICK_ROUNDS, add_quick, quick_mode, record, shown_verdict
 
 WARMUP = 2  # steps of every run left out of the timing
 
@@ -76,7 +76,7 @@ def rank_share_args(description: str, rounds: int, argv=None):
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, world_size=2, steps=WARMUP + 1, rounds=1, micro_batch=1)
+    add_quick(parser, argv, world_size=2, steps=WARMUP + 1, rounds=QUICK_ROUNDS, micro_batch=1)
     args = parser.parse_args(argv)
     if args.steps <= WARMUP or args.rounds < 1 or args.world_size < 2 or args.micro_batch < 1:
         parser.error(f"need --steps > {WARMUP}, --rounds >= 1, --world-size >= 2, --micro-batch >= 1")

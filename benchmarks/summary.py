@@ -71,12 +71,18 @@ def shown_verdict(row: dict) -> str:
     return "(quick: not judged)" if _dry_run else judged
 
 
+# --quick runs two rounds of a multi-round benchmark, not one: the second round reuses the
+# first's rank processes, which a one-round smoke run never does (bench_composed's second round
+# once failed on state the first left in the ranks, while the one-round smoke run passed).
+QUICK_ROUNDS = 2
+
+
 def add_quick(parser, argv=None, **quick_defaults) -> None:
     """Give a benchmark's parser --quick: a smoke test at its smallest size, in seconds. With
     --quick in argv, quick_defaults replace the parser's defaults (flags given still win);
     call quick_mode(args) after parsing."""
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test: smallest size, one round, a few steps; no targets, nothing recorded")
+                        help=f"smoke test: smallest size, {QUICK_ROUNDS} rounds, a few steps; no targets, nothing recorded")
     if "--quick" in (sys.argv[1:] if argv is None else argv):
         parser.set_defaults(**quick_defaults)
 
