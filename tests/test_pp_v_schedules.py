@@ -2,7 +2,8 @@
 
 Claims: the V placement puts stages r and 2p-1-r on rank r; ZB-V and DualPipeV are valid action
 lists (no deadlock) with ZB-V's published warm-up shape, 1F1B's memory for ZB-V and one more
-micro-batch for DualPipeV, and the simulated bubble (p-1)/(6m+p-1); trained on real ranks they
+micro-batch for DualPipeV, and the simulated bubble (p-1)/(6m+p-1), nearly all of it the warm-up
+stagger (DualPipeV at or below ZB-V off the ideal clock); trained on real ranks they
 equal the single process, and torch's ScheduleZBVZeroBubble / ScheduleDualPipeV on the same
 stages; PipeDream-2BW equals its own one-step-delayed single-process reference, holds at most
 two weight versions per stage, and differs from synchronous training (staleness). Bad input is
@@ -96,6 +97,33 @@ def test_dualpipev_overlaps_f_with_b_of_another_microbatch(p, m):
     assert sum(len(dual.pairs(r)) for r in range(p)) >= p * (m - 2 * p + 1)  # a steady state of pairs
     assert measured_bubble(schedule_events(dual)) == pytest.approx(formula_for("dualpipev", p, m), abs=1e-12)
     assert "&" in dual.table()
+
+
+def _stagger_and_gaps(sched):
+    """Per rank, in chunk-times of the equal-times simulation: idle before the rank's first action
+    and after its last within the step (the stagger), and idle between its actions (the gaps)."""
+    sim, chunk = simulate(sched), 1 / sched.virtual_stages
+    span = max(r[-1][2] for r in sim) - min(r[0][1] for r in sim)
+    return [((span - (r[-1][2] - r[0][1])) / chunk, (r[-1][2] - r[0][1] - sum(e - s for _, s, e in r)) / chunk)
+            for r in sim]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 8), (5, 12), (6, 18)])
+def test_the_v_schedules_idle_time_is_the_stagger_and_dualpipev_gains_off_the_ideal_clock(p, m):
+    """Notebook 06, section 9: the (p-1)/(6m+p-1) of a synchronous step end is p - 1 idle
+    chunk-times per rank, all of it stagger for DualPipeV and all but one chunk-time (over all
+    ranks) for ZB-V; with messages that cost time or a W unlike F and B, DualPipeV's bubble is at
+    or below ZB-V's. Simulated times are sums of 0.5-multiples (exact in float64), bubbles ratios
+    of them: compared to 1e-12."""
+    zbv, dual = make_schedule("zbv", p, m, 2), make_schedule("dualpipev", p, m, 2)
+    for sched, total_gaps in ((zbv, 1), (dual, 0)):
+        split = _stagger_and_gaps(sched)
+        assert all(abs(a + g - (p - 1)) < 1e-12 for a, g in split), split
+        assert sum(g for _, g in split) == total_gaps, split
+    for times in (dict(t_comm=0.1), dict(t_comm=0.3), dict(t_weight=0.5), dict(t_weight=2.0),
+                  dict(t_forward=0.7, t_backward=1.3, t_weight=1.5)):
+        z, d = (measured_bubble(schedule_events(s, **times)) for s in (zbv, dual))
+        assert d <= z + 1e-12, (times, z, d)
 
 
 def test_the_simulator_starts_an_overlapped_pair_when_both_halves_can():

@@ -81,8 +81,12 @@ def side_by_side(run, title):
 # Cut the 8 blocks into $p = 4$ **stages** of 2 blocks, one per rank. Stage 0 also embeds the
 # tokens; stage 3 also holds the final norm, the head and the loss. Every stage runs the same
 # GPT forward, with `nn.Identity` in place of the parts it does not own. When the block count
-# does not divide, the first `n % S` stages take one block more (the last already carries
-# the head and the loss):
+# does not divide, the course gives the first `n % S` stages one block more (the last already
+# carries the head and the loss). Llama 3's team balanced the two ends instead: they removed
+# one Transformer layer each from the first and the last stage, so that the first chunk of the
+# first stage holds only the embedding and the last chunk of the last stage only the output
+# projection and the loss (Dubey et al. 2024, §3.3.2); the zero-bubble authors recommend
+# $kp - 2$ layers for the same reason (Qi et al.'s README, `--allow-padding-num-layers`).
 
 # %%
 for n_layer, stages in ((8, 4), (5, 2), (9, 4)):
@@ -272,10 +276,17 @@ for key in (("gpipe", 8), ("1f1b", 8), ("interleaved_1f1b", 8), ("zero_bubble", 
 # $$\text{bubble} = \frac{p-1}{vm + p-1}.$$
 #
 # The price: a micro-batch now crosses $pv - 1$ stage boundaries instead of $p - 1$, so there
-# are about $v$ times as many messages, and each rank holds more chunks in flight. Megatron
-# needs $m$ to be a multiple of $p$ (micro-batches enter the chunks in rounds of $p$); Llama 3's
-# training changed the interleaved schedule so that the number of micro-batches per round can
-# be set freely instead of being tied to the number of stages (Dubey et al. 2024, §3.3.2).
+# are about $v$ times as many messages, and each rank holds more chunks in flight.
+#
+# Micro-batches pass through each chunk in groups of $N$ consecutive ones before the rank turns
+# to its next chunk. The course, like the original schedule, takes $N = p$, and so refuses an $m$
+# that is not a multiple of $p$ (below); so did Megatron-LM for years ("number of microbatches is
+# not divisible by pipeline-model-parallel-size when using interleaved schedule"). Megatron-Core
+# now makes $N$ a setting, `microbatch_group_size_per_vp_stage` (default $p$, allowed from $p$ to
+# $m$), and asks only that the last group be full or hold at least $p$ micro-batches
+# ($m \bmod N = 0$ or $\ge p$; a shorter one leaves stages waiting on each other), in
+# `megatron/core/pipeline_parallel/schedules.py`. Llama 3's team made the same change to run any
+# number of micro-batches, $N = 5$ in their Figure 6 (Dubey et al. 2024, §3.3.2).
 
 # %%
 print(make_schedule("interleaved_1f1b", 4, 8, 2).table())
@@ -321,9 +332,11 @@ print(f"measured bubble: interleaved {run['bubble']:.2f}, 1F1B {BY[('1f1b', 8)][
 # | ZB-H1 | $(p-1)(T_F+T_B-T_W)$ | $p\,M_B$ |
 #
 # With $T_F = T_B = T_W$ a step lasts $3m$ actions plus the idle time, so ZB-H1's bubble is
-# $\frac{p-1}{3m+p-1}$ ($m \ge p$), about a third of 1F1B's. (Their ZB-H2 removes most of the
-# rest with more warm-up forwards, at a peak of $(2p-1)\,M_B$. Not run here.) The cell checks
-# the table's bubbles on the schedules as data, at equal and unequal times:
+# $\frac{p-1}{3m+p-1}$ ($m \ge p$), about a third of 1F1B's. Their **ZB-H2** runs more warm-up
+# forwards, up to a peak of $(2p-1)\,M_B$, and fills every gap: its row of Table 2 is
+# $(p-1)(T_F+T_B-2T_W)$, zero at equal times (not run here). That zero, like ZB-V's in section 9,
+# also takes a change at the end of the step that the course's schedules do not make
+# (**post-validation**, at the end of this section). Below, how many whole graphs each rank holds:
 
 # %%
 zb, ref_1f1b = make_schedule("zero_bubble", 4, 8), make_schedule("1f1b", 4, 8)
@@ -388,6 +401,25 @@ print(f"measured bubble: ZB-H1 {zb_run['bubble']:.2f} (formula {zb_run['formula'
 # pays that more often. Both costs shrink relative to the work as the model grows, which is
 # where the paper measures its gains.
 #
+# **The end of the step: post-validation.** Every schedule in this notebook ends its step with a
+# synchronisation across the stages: the clip at norm 1 of section 3 needs the global gradient
+# norm, a sum over every stage's gradients (in mixed precision, so does the check for inf and
+# NaN), so no stage may update its weights before the slowest stage's last W, and the next
+# step's first forward waits for that update. Rank $r$ starts its first action $r$ time units
+# after rank 0 (the warm-up stagger) and the ranks finish at different times too; with a
+# synchronous end of step that stagger is idle time, and it is what remains of ZB-H2's bubble
+# and nearly all of ZB-V's (section 9). Qi et al. (2023, §4) remove the synchronisation. Each
+# stage steps its optimizer as soon as its own W's are done, *assuming* that no clip is needed
+# and no gradient is inf or NaN, and the assumption is checked afterwards, against the global
+# state reduced from all stages: that is **post-validation**. When the check fails (the norm is
+# above the clip, or a value is not finite), every stage rolls back: it restores its weights
+# and optimizer state from before the step and redoes the step with the clipped gradients, or
+# skips it. In stable training clipping and overflow are rare, so rollbacks are too; the
+# authors' README reports about 8% less throughput without it. With it, rank $r$ starts the next
+# step's forwards right after its own last W, each step's chart is a parallelogram that fits
+# into the next one's, and the stagger stops being idle. The course keeps the synchronous end
+# of step, so every bubble it computes or measures counts the stagger.
+#
 # ## 8. The same stages in PyTorch
 #
 # `torch.distributed.pipelining` ships the same schedules. Wrapping our stage chunks in its
@@ -414,14 +446,27 @@ for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
 # **ZB-V** schedule fills the pipeline at 1F1B's peak memory.
 #
 # DeepSeek's DualPipe (DeepSeek-AI 2024, §3.2.1) feeds micro-batches in from both ends of the
-# pipeline; its one-direction form, **DualPipeV**, runs on the same V. Its mark is the steady
-# state: each rank runs the forward of one micro-batch together with the backward of another
-# as one unit (`F7&B0.1` in the lists below, a whole backward whose W follows at once), so that on GPUs the
+# pipeline, so every stage sits on two ranks and the parameters are held twice. **DualPipeV**
+# runs on the V instead: Qi, Wan, Huang and Lin (Sea AI Lab, 2025) noticed that DualPipe's ranks
+# come in mirrored pairs with the same stages and the same schedule, kept one half of the ranks
+# and grafted the other direction's micro-batches onto them ("cut in half"); DeepSeek's DualPipe
+# README gives the result as DualPipeV and credits them. Its mark is the steady state: each rank
+# runs the forward of one micro-batch together with the backward of another as one unit
+# (`F7&B0.1` in the lists below, a whole backward whose W follows at once), so that on GPUs the
 # communication of one (the experts' all-to-all of notebook 07, the pipeline's messages) hides
-# behind the compute of the other. Our ranks are single-threaded CPU processes: a pair runs F,
-# then B, and nothing overlaps. The simulator starts a pair when both halves can start and
-# times it as $t_F + t_B$, so here DualPipeV can at best tie with ZB-V; it holds one
-# micro-batch more, as DeepSeek's Table 2 says of DualPipe ($PP + 1$).
+# behind the compute of the other. It holds one micro-batch more than ZB-V, as DeepSeek's
+# Table 2 says of DualPipe ($PP + 1$).
+#
+# The course's DualPipeV is a simplified variant of torch's `ScheduleDualPipeV`. Torch writes
+# the order out phase by phase: warm-up forwards, a stretch where B and W are split as in
+# ZB-V, the steady F&B pairs, then a cool-down whose second half splits B from W again. The
+# course's comes from ZB-V's list scheduler with one rule added: when an F and a B of another
+# micro-batch can both start, they go together as a pair and that B runs whole. Both train to
+# the same numbers (the cell at the end of this section). Our ranks are single-threaded CPU
+# processes: a pair runs F, then B, and nothing overlaps. The simulator starts a pair when both
+# halves can start and times it as $t_F + t_B$, so on its ideal clock (equal times, free
+# messages) the pairs gain nothing and DualPipeV ties with ZB-V; off that clock the two differ
+# (below).
 
 # %%
 P, M = 4, 8
@@ -462,6 +507,55 @@ for sched in (ZB_LOOP := make_schedule("zero_bubble", P, M), ZBV, DUAL):
           f"whose W has not run per rank")
 
 # %% [markdown]
+# **Where the idle time sits.** Each rank's idle chunk-times in that simulation, split into the
+# **stagger** (before the rank's first action and after its last, within the step) and the
+# **gaps** between its actions:
+
+# %%
+def idle_split(sched):
+    """Per rank (stagger, gaps) in chunk-times, from the simulation at equal times."""
+    sim, chunk = simulate(sched), 1 / sched.virtual_stages
+    span = max(rank[-1][2] for rank in sim) - min(rank[0][1] for rank in sim)
+    out = []
+    for rank in sim:
+        first, last, busy = rank[0][1], rank[-1][2], sum(end - start for _, start, end in rank)
+        out.append(((span - (last - first)) / chunk, (last - first - busy) / chunk))
+    return out
+
+
+for sched in (ZBV, DUAL):
+    split = idle_split(sched)
+    print(f"{sched.name:>9}: " + ", ".join(f"rank {r} stagger {a:g} gaps {g:g}" for r, (a, g) in enumerate(split)))
+    assert all(abs(a + g - (P - 1)) < 1e-12 for a, g in split)  # p - 1 idle chunk-times per rank (float64 sums)
+gap_total = {sched.name: sum(g for _, g in idle_split(sched)) for sched in (ZBV, DUAL)}
+print(f"gaps between actions, all ranks: ZB-V {gap_total['zbv']:g} chunk-time(s) of {P * (P - 1)} idle, "
+      f"DualPipeV {gap_total['dualpipev']:g}")
+
+# %% [markdown]
+# So the course's $\frac{p-1}{6m+p-1}$ is, nearly all of it, the warm-up stagger that a
+# synchronous end of step leaves idle. Qi et al. call ZB-V zero-bubble (their README's table,
+# at $T_F = T_B = T_W$; Qi et al. 2024) because they end the step with post-validation
+# (section 7): rank $r$'s next step starts right after its own last action, and the stagger
+# becomes work. Both statements hold; they count the end of the step differently.
+#
+# **Off the ideal clock.** On the simulator's clock the pairs gain nothing and the two V
+# schedules tie. Let messages cost time, or W take longer or shorter than F and B (on this CPU
+# both happen: section 7), and the same lists give:
+
+# %%
+CLOCKS = [("equal times, free messages", {}), ("a message costs 0.1", dict(t_comm=0.1)),
+          ("W takes half as long", dict(t_weight=0.5)), ("W takes twice as long", dict(t_weight=2.0))]
+for label, times in CLOCKS:
+    z, d = (measured_bubble(schedule_events(s, **times)) for s in (ZBV, DUAL))
+    print(f"{label:>27}: ZB-V {z:.3f}, DualPipeV {d:.3f}")
+    assert d <= z + 1e-12  # the simulated schedules themselves (float64 rounding only)
+
+# %% [markdown]
+# DualPipeV never does worse here and usually better: it may hold one micro-batch more (two
+# chunks), slack that lets a rank run ahead while a message or a long W holds up a neighbour.
+# ZB-V's lists were laid out for the ideal clock, and any departure from it opens gaps that
+# ZB-V's tighter memory cap cannot fill. The pairing itself buys nothing on one CPU thread.
+#
 # ZB-V's lists on the 4 real ranks (they ran in the first measurement of this notebook;
 # DualPipeV's run is in the figure after it):
 
@@ -497,11 +591,18 @@ for s, n in FIVE:
     run = BY[(s, 8)]
     print(f"{n:>15}: bubble measured {run['bubble']:.2f} (formula {run['formula']:.3f}), peak per rank "
           + " ".join(f"{b / 2**10:.0f}" for b in run["peak_bytes"]) + " KiB")
+z_run, d_run = BY[("zbv", 8)]["bubble"], BY[("dualpipev", 8)]["bubble"]
+print(f"measured on this run: DualPipeV {d_run:.2f} is {'below' if d_run < z_run else 'not below'} ZB-V {z_run:.2f} "
+      f"(formulas: both {formula_for('zbv', 4, 8):.3f})")
 
 # %% [markdown]
 # The formulas order the schedules: 1F1B, then interleaving, ZB-H1 and the V schedules. The
 # measured bubbles carry the costs the formula does not count (section 7): every action pays the
-# runner's fixed cost, and the V schedules run $6m$ actions per rank where 1F1B runs $2m$. The
+# runner's fixed cost, and the V schedules run $6m$ actions per rank where 1F1B runs $2m$. Those
+# costs take the real ranks off the ideal clock, as in section 9's simulation: the fixed cost
+# per action acts like a message that costs time, and a W is not a third of the work. That is
+# where DualPipeV's extra micro-batch in flight can put it below ZB-V (the last line says
+# whether it did on this run) although the formulas tie. The
 # memory panel is the price: interleaving and the V keep more activations in flight than 1F1B's
 # $p - r$ on rank $r$, and the V puts the loss's logits on rank 0 beside its $2p - 1$ warm-up
 # forwards.
@@ -655,8 +756,12 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # * A schedule is data: per-rank lists of F, B, W. It runs without deadlock exactly when each
 #   rank can run its list in order under the dependencies F(j,s-1) → F(j,s), B(j,s+1) → B(j,s).
 # * A V (stages $r$ and $2p-1-r$ on rank $r$) puts embedding and loss on rank 0; ZB-V halves
-#   ZB-H1's idle time, $\frac{p-1}{6m+p-1}$, at 1F1B's peak; DualPipeV pairs the F of one
-#   micro-batch with the B of another, which pays off only where communication can overlap.
+#   ZB-H1's idle time, $\frac{p-1}{6m+p-1}$, at 1F1B's peak. That idle time is nearly all the
+#   warm-up stagger a synchronous end of step leaves; with post-validation (step first, check
+#   the global norm and inf/NaN after, roll back when the check fails) it becomes work, and ZB-V
+#   and ZB-H2 are zero-bubble at equal F, B, W times. DualPipeV (DualPipe cut in half) pairs the
+#   F of one micro-batch with the B of another, which pays off where communication can overlap,
+#   and holds one micro-batch more.
 # * PipeDream-2BW drops the flush: bubble once per run, two weight versions per stage,
 #   $W_{t+1} = W_t - \text{lr}\cdot\nabla f_t(W_{t-1})$; its reference is that delayed update.
 #
@@ -671,6 +776,9 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # 6. Under ZB-H1, why does rank 0 defer no W at all, while the last rank defers $p - 1$?
 # 7. In a V on $p = 4$ ranks, which rank holds stage 5, and which stage boundary never leaves a rank?
 # 8. Why does PipeDream-2BW need $m \ge p$ micro-batches per batch to manage with two weight versions?
+# 9. Under post-validation a stage updates its weights before the global gradient norm is known.
+#    What must it keep, what happens when the norm turns out above the clip, and why does that
+#    rarely cost anything?
 #
 # <details><summary>Answers</summary>
 #
@@ -689,6 +797,10 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # 8. A stage holds at most $p$ micro-batches in flight. With $m \ge p$ they belong to at most
 #    two consecutive batches, which use two versions; with $m < p$ three batches would be in
 #    flight at once, each with its own version.
+# 9. Its weights and optimizer state from before the step (or enough to undo it). When the norm
+#    is above the clip (or a gradient is inf or NaN), every stage rolls back and redoes the step
+#    with the clipped gradients, or skips it. In stable training that rarely happens, while the
+#    synchronisation it replaces would idle the stagger on every step.
 # </details>
 #
 # ## References
@@ -701,16 +813,23 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 #   PPoPP: synchronous pipelining with early backward (1F1B with a flush).
 # * Narayanan et al. (2021), *Efficient Large-Scale Language Model Training on GPU Clusters
 #   Using Megatron-LM*, SC: PipeDream-Flush, the interleaved schedule, 3D layouts.
-# * Qi et al. (2023), *Zero Bubble Pipeline Parallelism* (ICLR 2024): the B/W split, ZB-H1 and
-#   ZB-H2 (§2, Table 2).
+# * Qi et al. (2023), *Zero Bubble Pipeline Parallelism* (arXiv:2401.10241, ICLR 2024): the B/W
+#   split, ZB-H1 and ZB-H2 (§2, Table 2), post-validation of the optimizer step (§4); ZB-V in the
+#   arXiv version, §6. The authors' repository (sail-sg/zero-bubble-pipeline-parallelism), README:
+#   the bubble of each schedule at equal F, B, W times, post-validation, `--allow-padding-num-layers`.
 # * Qi et al. (2024), *Pipeline Parallelism with Controllable Memory* (NeurIPS): the V placement
 #   and ZB-V at 1F1B's memory (first in Qi et al. 2023, §6).
 # * DeepSeek-AI (2024), *DeepSeek-V3 Technical Report*, §3.2.1 and Table 2: DualPipe, forward
 #   and backward chunks overlapped in pairs, $PP + 1$ micro-batches of activations.
+# * Qi, Wan, Huang and Lin (2025), *DualPipe could be better without the Dual* (Sea AI Lab, Hugging
+#   Face blog): the "cut-in-half" derivation of DualPipeV, credited in DeepSeek's DualPipe README.
+# * Megatron-LM, `megatron/core/pipeline_parallel/schedules.py` and `model_parallel_config.py`:
+#   `microbatch_group_size_per_vp_stage` and the rule on the number of micro-batches.
 # * Narayanan et al. (2021), *Memory-Efficient Pipeline-Parallel DNN Training*, ICML:
 #   PipeDream-2BW, double-buffered weights and the one-step-delayed update.
 # * Dubey et al. (2024), *The Llama 3 Herd of Models*, §3.3.2: 4D parallelism, the [TP, CP, PP, DP]
-#   order and a pipeline schedule with a flexible number of micro-batches.
+#   order, a pipeline schedule with a flexible number of micro-batches, and one layer fewer on
+#   the first and the last stage.
 #
 # Further reading:
 #

@@ -1,12 +1,20 @@
 """V-shaped schedules: two chunks per rank, placed in a V (actions.py), backward split into B and W.
 
     zbv        ZB-V (Qi et al., 2024, "Pipeline parallelism with controllable memory"; first in
-               Qi et al., 2023, section 6): with t_F = t_B = t_W the bubble tends to zero while every
-               rank holds at most 1F1B's peak, p micro-batches' worth of activations (2p chunk graphs).
-    dualpipev  the one-direction, V-shaped form of DeepSeek's DualPipe (DeepSeek-AI, 2024,
-               DeepSeek-V3 report, section 3.2.1): in the steady state each rank runs the forward of
-               one micro-batch overlapped with the backward of another, as one F&B unit, and holds
-               one more micro-batch than ZB-V (p + 1, 2p + 2 chunks).
+               Qi et al., 2023, section 6): every rank holds at most 1F1B's peak, p micro-batches'
+               worth of activations (2p chunk graphs). Its bubble is zero at t_F = t_B = t_W in the
+               authors' terms, with the optimizer step post-validated (Qi et al., 2023, section 4:
+               each stage steps at once and rolls back if the global-norm clip or the inf/NaN check
+               says so); under the course's synchronous end of step (a global-norm clip across the
+               stages) it is (p-1)/(6m+p-1), the warm-up stagger.
+    dualpipev  DualPipeV: DeepSeek's DualPipe (DeepSeek-AI, 2024, DeepSeek-V3 report, section 3.2.1)
+               cut in half onto a V by Qi, Wan, Huang and Lin (Sea AI Lab, 2025; credited in the
+               DualPipe README): in the steady state each rank runs the forward of one micro-batch
+               overlapped with the backward of another, as one F&B unit, and holds one more
+               micro-batch than ZB-V (p + 1, 2p + 2 chunks). A simplified variant of torch's
+               ScheduleDualPipeV, which writes DeepSeek's phases out by hand (warm-up forwards, a
+               B/W-split stretch, the F&B pairs, a cool-down that splits B from W in its second
+               half); here the pairs come from the list scheduler below.
 
 Both lists are built by the same list scheduler, written for this course (not the papers'
 hand-drawn layouts; the simulator then checks the result like any other schedule). It plays
@@ -28,7 +36,10 @@ gradients remains, less than the graph: in_flight(until="W")). On the CPU ranks 
 an overlapped pair runs F then B on one thread: nothing overlaps. What DualPipe overlaps on
 GPUs is one micro-batch's communication (the experts' all-to-all, the pipeline's send/recv)
 with the other's compute; the simulator times a pair as t_F + t_B starting when both can start,
-so on this model DualPipeV can only match ZB-V, never beat it.
+so on the ideal clock (equal times, free messages) DualPipeV only ties with ZB-V. Off it (messages
+that cost time, a W longer or shorter than F) DualPipeV comes out at or below ZB-V: its cap of
+2p + 2 chunks is slack that lets a rank run ahead of a late neighbour (the same list scheduler
+with ZB-V's cap of 2p gives ZB-V's bubble; checked at p = 4, m = 8).
 """
 
 from __future__ import annotations
