@@ -74,6 +74,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
         if info.step != first - 1:
             raise ValueError(f"checkpoint of step {info.step} found where step {first - 1} was expected")
         result.train_losses = list(info.extra["losses"])  # the curve so far, whatever layout ran it
+        result.grad_norms = list(info.extra.get("grad_norms", []))  # and its gradient norms (the demo's check)
         result.resumed_from = info.resume_text(dims)
     log = open(loss_log, "a") if loss_log and rank == 0 else None
     bar = None
@@ -116,7 +117,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
                    rows=replica_rows(parts, dims, train_cfg.batch_size), generator=gen, device=dev, first=first,
                    last=last, result=result, tracer=tracer, step_context=measuring,
                    before_step=lambda step: dist.barrier(), report_loss=mean_over_replicas(parts, dims),
-                   on_step=after_step)
+                   on_step=after_step, record_grad_norms=True)
     if bar is not None:
         bar.close()
     if timeline is not None:
@@ -125,7 +126,7 @@ def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, las
     if trace:
         result.traffic = traffic_by_dimension(tracer.records, dims, world)
     save_training_state(checkpoint_path(root, last), last, parts, optimizer, "hybrid", gen,
-                        extra={"losses": list(result.train_losses)}, dims=dims)
+                        extra={"losses": list(result.train_losses), "grad_norms": list(result.grad_norms)}, dims=dims)
     if hasattr(optimizer, "unshard"):  # ZeRO-3: the parameters whole again, to be read
         optimizer.unshard()
     result.named_params = owned_params(parts)

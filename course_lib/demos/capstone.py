@@ -6,7 +6,9 @@
         --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone --kill-rank 3
     # the rest at [resume] (4 ranks): loads the checkpoint resharded; --check compares the whole
     # loss curve with the single process on the same batches, same precision and recomputation
-    # (exit 1 beyond the precision's tolerance: course_lib.capstone.TOLERANCE)
+    # (exit 1 beyond the precision's tolerance: course_lib.capstone.TOLERANCE), and the first
+    # step's gradient norm (saved in the checkpoint) within course_lib.tolerances'
+    # FIRST_GRAD_NORM_RTOL: in bf16 a wrong reduction can stay inside the loss tolerance
     torchrun --standalone --nproc-per-node 4 -m course_lib.demos.capstone \\
         --config configs/capstone_tiny.toml --checkpoint-dir /tmp/capstone --resume --check
 
@@ -27,6 +29,7 @@ import sys
 from course_lib.capstone import load_config, train_segment
 from course_lib.parallel.hybrid import train_single
 from course_lib.runtime.launch import init_from_env, leave_process_group
+from course_lib.tolerances import first_grad_norm_check
 
 
 def parse(argv=None):
@@ -82,16 +85,30 @@ def main(argv=None) -> int:
             print(f"step {step}  loss {loss:.6f}")
         return 0
 
-    reference = train_single(config.model, config.train, config.precision,
-                             config.recompute).train_losses
-    worst = 0.0
-    for step, (a, b) in enumerate(zip(result.train_losses, reference), start=1):
-        worst = max(worst, abs(a - b))
-        print(f"step {step}  loss {a:.6f}  single process {b:.6f}  |diff| {abs(a - b):.2e}")
-    ok = len(result.train_losses) == len(reference) and worst <= config.tolerance
-    print(f"largest difference {worst:.2e} (tolerance {config.tolerance:.0e}): {'OK' if ok else 'MISMATCH'}",
-          flush=True)
+    reference = train_single(config.model, config.train, config.precision, config.recompute)
+    ok, lines = check_run(result, reference, config.precision, config.tolerance)
+    print("\n".join(lines), flush=True)
     return 0 if ok else 1
+
+
+def check_run(result, reference, precision: str, tolerance: float) -> tuple[bool, list[str]]:
+    """(passed, the lines to print): every step's loss within `tolerance` of the single process's
+    (config.tolerance), and the first step's gradient norm within FIRST_GRAD_NORM_RTOL[precision]
+    (course_lib.tolerances; skipped, and said so, when the run has no step 1 norm, e.g. no clipping)."""
+    losses, ref = result.train_losses, reference.train_losses
+    lines = [f"step {step}  loss {a:.6f}  single process {b:.6f}  |diff| {abs(a - b):.2e}"
+             for step, (a, b) in enumerate(zip(losses, ref), start=1)]
+    diffs = [abs(a - b) for a, b in zip(losses, ref)]
+    worst = max(diffs) if all(d == d for d in diffs) else float("nan")  # a NaN loss is the largest difference
+    loss_ok = len(losses) == len(ref) and worst <= tolerance
+    lines.append(f"largest difference {worst:.2e} (tolerance {tolerance:.0e}): {'OK' if loss_ok else 'MISMATCH'}")
+    if not (len(result.grad_norms) == len(losses) and reference.grad_norms):  # step 1's norm is the first
+        lines.append("first gradient norm: not recorded (no clipping, or a checkpoint saved without it)")
+        return loss_ok, lines
+    norm_ok, rel, rtol = first_grad_norm_check(result.grad_norms[0], reference.grad_norms[0], precision)
+    lines.append(f"first gradient norm {result.grad_norms[0]:.6g}, single process {reference.grad_norms[0]:.6g}: "
+                 f"relative difference {rel:.2e} (tolerance {rtol:.1e}): {'OK' if norm_ok else 'MISMATCH'}")
+    return loss_ok and norm_ok, lines
 
 
 if __name__ == "__main__":

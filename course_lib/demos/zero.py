@@ -12,7 +12,10 @@ of parameters, gradients and optimizer state each rank holds (measured from its 
 beside notebook 01's formula (course_lib.estimate.model_state_bytes per flat unit; per-parameter
 sharding: 4, 4 and 8 bytes per local element, sum over W of ceil(d0/S) * row). --check exits
 non-zero when a step's mean loss differs from the single process's by more than
-course_lib.tolerances.adamw_loss_atol(lr) (fp32) or bf16_loss_atol (bf16), their reasons there.
+course_lib.tolerances.adamw_loss_atol(lr) (fp32) or BF16_LOSS_ATOL (bf16, the loss computed from
+fp32 logits in both runs), or when the first step's gradient norm differs by more than
+FIRST_GRAD_NORM_RTOL of it: the reasons are there. In bf16 the loss alone cannot catch a wrong
+reduction; the first gradient norm, taken before AdamW amplifies any rounding, does.
 
 In a notebook: `run_on_ranks(zero_demo, stage=3, world_size=4)`.
 """
@@ -33,15 +36,9 @@ from course_lib.parallel.zero.apply import apply_zero
 from course_lib.parallel.zero.nvme import NVMeStore, check_nvme_dir
 from course_lib.parallel.zero.per_param_optim import check_per_param_args, local_elements
 from course_lib.runtime.launch import init_from_env, leave_process_group
-from course_lib.tolerances import adamw_loss_atol
+from course_lib.tolerances import BF16_LOSS_ATOL, adamw_loss_atol, first_grad_norm_check
 from course_lib.train import StepHooks, TrainConfig, share_rows, train_loop
 from course_lib.units import fmt_bytes
-
-
-def bf16_loss_atol(losses) -> float:
-    """bf16 losses are bf16 numbers 2^-7 of their size apart, plus ~1e-2 for the bf16 rounding of
-    the activations (tests/_tolerances.py gives the same bound its reasons)."""
-    return 2.0**-7 * max(abs(x) for x in losses) + 1e-2
 
 
 def _per_param_bytes(config, cfg, bf16, hsdp, offload, offload_dir) -> tuple[dict, dict]:
@@ -71,27 +68,32 @@ def _per_param_bytes(config, cfg, bf16, hsdp, offload, offload_dir) -> tuple[dic
 
 def zero_demo(stage: int, steps: int = 5, bf16: bool = False, offload=False, batch_size: int = 8,
               sharding: str = "flat", hsdp: int = 1, offload_dir: str | None = None) -> dict:
-    """Rank code. offload: False, True / "host" or "nvme" (per_param, under offload_dir). Returns {"losses": mean over ranks per step, "reference": single-process losses
-    (rank 0; None elsewhere), "measured": this rank's bytes after backward (grads) and after the
-    step (params, optimizer, host), "formula": the same from the formula}."""
+    """Rank code. offload: False, True / "host" or "nvme" (per_param, under offload_dir). Returns
+    {"losses": mean over ranks per step, "reference": single-process losses (rank 0; None
+    elsewhere), "grad_norms" / "reference_norms": each step's global gradient norm before
+    clipping (the reference's on rank 0), "measured": this rank's bytes after backward (grads)
+    and after the step (params, optimizer, host), "formula": the same from the formula}. bf16:
+    both runs compute the loss from fp32 logits (train_zero's loss_dtype)."""
     n = dist.get_world_size()
     if batch_size % n:
         raise ValueError(f"batch_size={batch_size} must be divisible by the {n} ranks")
     config = GPTConfig.tiny(CharDataset("train").vocab_size)
     cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_clip=1.0, progress=False)
     dtype = torch.bfloat16 if bf16 else None
+    same = {"compute_dtype": dtype, "loss_dtype": torch.float32 if bf16 else None, "record_grad_norms": True}
     if sharding == "per_param":
-        res = train_zero(config, cfg, 3, offload="nvme" if offload == "nvme" else False, compute_dtype=dtype,
-                         sharding="per_param", hsdp=hsdp, offload_dir=offload_dir if offload == "nvme" else None)
+        res = train_zero(config, cfg, 3, offload="nvme" if offload == "nvme" else False, sharding="per_param",
+                         hsdp=hsdp, offload_dir=offload_dir if offload == "nvme" else None, **same)
     else:
-        res = train_zero(config, cfg, stage, offload=bool(offload), compute_dtype=dtype)
+        res = train_zero(config, cfg, stage, offload=bool(offload), **same)
     losses = torch.tensor(res.train_losses, dtype=torch.float64)
     dist.all_reduce(losses)
-    reference = train_zero_reference(config, cfg, compute_dtype=dtype).train_losses if dist.get_rank() == 0 else None
+    ref = train_zero_reference(config, cfg, **same) if dist.get_rank() == 0 else None
+    run = {"losses": (losses / n).tolist(), "reference": ref.train_losses if ref else None,
+           "grad_norms": res.grad_norms, "reference_norms": ref.grad_norms if ref else None}
     if sharding == "per_param":
         measured, formula = _per_param_bytes(config, cfg, bf16, hsdp, offload, offload_dir)
-        return {"losses": (losses / n).tolist(), "reference": reference, "measured": measured, "formula": formula,
-                "tier": "nvme" if offload == "nvme" else "host"}
+        return run | {"measured": measured, "formula": formula, "tier": "nvme" if offload == "nvme" else "host"}
     offload = bool(offload)
     mem = measure_zero_step(config, cfg, stage, offload=offload, compute_dtype=dtype)
     measured = {"params": mem["after_step"]["params"], "grads": mem["after_backward"]["grads"],
@@ -99,8 +101,7 @@ def zero_demo(stage: int, steps: int = 5, bf16: bool = False, offload=False, bat
     formula = expected_state_bytes(mem["unit_sizes"], "bf16_mixed" if bf16 else "fp32", stage, n)
     if offload:
         formula["host"], formula["optimizer"] = formula["optimizer"], 0
-    return {"losses": (losses / n).tolist(), "reference": reference, "measured": measured, "formula": formula,
-            "tier": "host"}
+    return run | {"measured": measured, "formula": formula, "tier": "host"}
 
 
 def format_demo(per_rank: list[dict], stage: int) -> str:
@@ -119,11 +120,21 @@ def format_demo(per_rank: list[dict], stage: int) -> str:
     return "\n".join(lines)
 
 
-def check_losses(first: dict, bf16: bool, lr: float) -> tuple[bool, float, float]:
-    """(within, largest |mean loss - single process|, tolerance): fp32 adamw_loss_atol(lr), bf16 bf16_loss_atol."""
-    diff = max(abs(a - b) for a, b in zip(first["losses"], first["reference"]))
-    tol = bf16_loss_atol(first["reference"]) if bf16 else adamw_loss_atol(lr)
-    return diff <= tol, diff, tol
+def check_run(first: dict, bf16: bool, lr: float) -> tuple[bool, str]:
+    """(passed, the verdict line) for rank 0's zero_demo result: every step's mean loss within
+    adamw_loss_atol(lr) (fp32) or BF16_LOSS_ATOL (bf16) of the single process's, and the first
+    step's gradient norm within FIRST_GRAD_NORM_RTOL (course_lib.tolerances, the reasons)."""
+    diffs = [abs(a - b) for a, b in zip(first["losses"], first["reference"])]
+    diff = max(diffs) if all(d == d for d in diffs) else float("nan")  # a NaN loss is the largest difference
+    tol = BF16_LOSS_ATOL if bf16 else adamw_loss_atol(lr)
+    loss_ok = diff <= tol  # False for a NaN
+    norm_ok, rel, rtol = first_grad_norm_check(first["grad_norms"][0], first["reference_norms"][0],
+                                               "bf16" if bf16 else "fp32")
+    ok = loss_ok and norm_ok
+    norm, ref = first["grad_norms"][0], first["reference_norms"][0]
+    return ok, (f"check {'passed' if ok else 'FAILED'}: largest loss difference {diff:.2e} "
+                f"{'<=' if loss_ok else '>'} tolerance {tol:.2e}; first gradient norm {norm:.6g} vs {ref:.6g}, "
+                f"relative difference {rel:.2e} {'<=' if norm_ok else '>'} {rtol:.2e}")
 
 
 def main(argv=None):
@@ -172,9 +183,8 @@ def main(argv=None):
         if dist.get_rank() == 0:
             print(format_demo(gathered, args.stage), flush=True)
             if args.check:
-                ok, diff, tol = check_losses(gathered[0], args.bf16, TrainConfig().lr)
-                print(f"check {'passed' if ok else 'FAILED'}: largest loss difference {diff:.2e} "
-                      f"{'<=' if ok else '>'} tolerance {tol:.2e}", flush=True)
+                ok, verdict = check_run(gathered[0], args.bf16, TrainConfig().lr)
+                print(verdict, flush=True)
                 failed = not ok
     finally:
         leave_process_group()

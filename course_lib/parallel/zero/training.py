@@ -10,6 +10,9 @@
 Every rank draws the reference's global batch with the same seeded generator and keeps its
 contiguous 1/N share, as data parallel does (notebook 03). The optimizer is one param group
 (optimizer_class(params, **optimizer_kwargs)) in both the ZeRO run and the reference.
+loss_dtype=torch.float32 (both) computes the cross-entropy from fp32 logits, as mixed-precision
+recipes do (Micikevicius et al. 2018 keep the loss in fp32): with bf16 compute the loss is then an
+fp32 number, not a bf16 one rounded to 2^-7 of its size (1/32 near 4).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 
 from course_lib.data import CharDataset
 from course_lib.model import GPT
+from course_lib.model.gpt import token_cross_entropy
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.zero.apply import apply_zero, check_zero_args, unit_sizes
@@ -38,6 +42,20 @@ def default_optimizer_kwargs(train_cfg, optimizer_class=torch.optim.AdamW) -> di
     return {"lr": train_cfg.lr, "betas": train_cfg.betas, "weight_decay": train_cfg.weight_decay, "foreach": False}
 
 
+def fp32_cross_entropy(logits, targets):
+    """GPT's loss (token_cross_entropy) of the logits cast to fp32: an fp32 loss whatever the compute dtype."""
+    return token_cross_entropy(logits.float(), targets)
+
+
+def _model(model_config, train_cfg, loss_dtype):
+    if loss_dtype not in (None, torch.float32):
+        raise ValueError(f"loss_dtype={loss_dtype!r} must be None (the logits' dtype) or torch.float32")
+    model = GPT(model_config, seed=train_cfg.seed)
+    if loss_dtype is torch.float32:
+        model.loss_fn = fp32_cross_entropy
+    return model
+
+
 def _check_batch(train_cfg, world_size):
     if train_cfg.batch_size % world_size:
         raise ValueError(f"batch_size={train_cfg.batch_size} must be divisible by world_size={world_size}: "
@@ -46,17 +64,19 @@ def _check_batch(train_cfg, world_size):
 
 def train_zero(model_config, train_cfg, stage: int, optimizer_class=torch.optim.AdamW, optimizer_kwargs=None,
                offload: bool = False, compute_dtype=None, group=None, trace: bool = False,
-               record_timeline: bool = False, accum_steps: int = 1, **zero_kwargs) -> TrainResult:
+               record_timeline: bool = False, accum_steps: int = 1, loss_dtype=None, record_grad_norms: bool = False,
+               **zero_kwargs) -> TrainResult:
     """Rank code. Returns a TrainResult: this rank's losses, the gathered fp32 parameters
     (final_params, the single-process order of model.parameters()) and mean gradients
     (final_grads), comm_summary of the training steps with trace, timeline_events.
     accum_steps > 1 cuts each rank's share into micro-batches (every backward communicates:
-    stage 2 and 3 add each micro-batch's reduced shard to the last)."""
+    stage 2 and 3 add each micro-batch's reduced shard to the last). loss_dtype: module docstring.
+    record_grad_norms: each step's global gradient norm before clipping in grad_norms."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     _check_batch(train_cfg, n)
     dev = rank_device()
     dataset = CharDataset("train", block_size=model_config.block_size)
-    model = GPT(model_config, seed=train_cfg.seed).to(dev)
+    model = _model(model_config, train_cfg, loss_dtype).to(dev)
     order = [name for name, _ in model.named_parameters()]
     timeline = Timeline() if record_timeline else None
     kwargs = optimizer_kwargs or default_optimizer_kwargs(train_cfg, optimizer_class)
@@ -65,7 +85,7 @@ def train_zero(model_config, train_cfg, stage: int, optimizer_class=torch.optim.
     result = TrainResult().set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
     hooks = StepHooks(accum_steps=accum_steps, clip_grad_norm=optimizer.clip_grad_norm_, timeline=timeline)
     train_loop(model, optimizer, dataset, train_cfg, hooks, rows=share_rows(rank, n, train_cfg.batch_size),
-               device=dev, result=result, tracer=CommTracer() if trace else None)
+               device=dev, result=result, tracer=CommTracer() if trace else None, record_grad_norms=record_grad_norms)
     full = optimizer.full_state_dict()
     by_name = dict(zip(full["names"], full["params"]))
     grads = dict(zip(full["names"], optimizer.full_gradients()))
@@ -120,11 +140,12 @@ class MasterWeights:
 
 
 def train_zero_reference(model_config, train_cfg, optimizer_class=torch.optim.AdamW, optimizer_kwargs=None,
-                         compute_dtype=None) -> TrainResult:
+                         compute_dtype=None, loss_dtype=None, record_grad_norms: bool = False) -> TrainResult:
     """The run every stage must equal: one process, the whole batch, optimizer_class on all
-    parameters (on fp32 masters of a compute_dtype model). final_params are fp32."""
+    parameters (on fp32 masters of a compute_dtype model). final_params are fp32. loss_dtype:
+    module docstring; record_grad_norms as train_zero."""
     dataset = CharDataset("train", block_size=model_config.block_size)
-    model = GPT(model_config, seed=train_cfg.seed)
+    model = _model(model_config, train_cfg, loss_dtype)
     kwargs = optimizer_kwargs or default_optimizer_kwargs(train_cfg, optimizer_class)
     if compute_dtype in (None, torch.float32):
         optimizer, clip = optimizer_class(model.parameters(), **kwargs), None
@@ -132,7 +153,8 @@ def train_zero_reference(model_config, train_cfg, optimizer_class=torch.optim.Ad
         optimizer = MasterWeights(model, optimizer_class, compute_dtype, **kwargs)
         clip = optimizer.clip_grad_norm_
     result = TrainResult(model=model).set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
-    train_loop(model, optimizer, dataset, train_cfg, StepHooks(clip_grad_norm=clip), result=result)
+    train_loop(model, optimizer, dataset, train_cfg, StepHooks(clip_grad_norm=clip), result=result,
+               record_grad_norms=record_grad_norms)
     masters = getattr(optimizer, "masters", None)
     result.final_params = torch.cat([m.reshape(-1) for m in masters]) if masters else flat_params(model)
     result.final_grads = flat_grads(model).float()
