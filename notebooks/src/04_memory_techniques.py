@@ -147,13 +147,20 @@ print(f"saved for backward: fp32 {fmt(saved32.bytes)}, autocast {fmt(saved16.byt
       f"({saved16.bytes / saved32.bytes:.2f}x); saved tensors by dtype: {dict(sorted(by_dtype.items()))}")
 assert logits16.dtype == torch.bfloat16 and loss16.dtype == torch.float32
 assert next(model.parameters()).grad.dtype == torch.float32  # parameters and gradients stay fp32
-# bf16 rounds each matmul's inputs to 8 significant bits (2^-8 relative); at initialisation the logits are
-# small and the loss moves by about 1e-4, far below 0.02 on any CPU
-assert abs(loss16.item() - loss32.item()) < 0.02 and saved16.bytes < 0.75 * saved32.bytes
+# How far can autocast move the loss? Cross-entropy moves by at most twice the largest change of a logit
+# (log-sum-exp by at most that change, the target's logit by at most that change), on any CPU; + 1e-5 for
+# the fp32 rounding of two means of 512 token losses near 4.6
+dlogits = (logits16.float() - logits32.detach()).abs().max().item()
+assert abs(loss16.item() - loss32.item()) <= 2 * dlogits + 1e-5
+# and the logits move by bf16 rounding only: a logit passes through the matmuls of 2 blocks and the head,
+# whose inputs and outputs round by at most 2^-8 relative: to first order, 16 such roundings of the largest
+# logit is a generous ceiling
+assert dlogits <= 16 * 2**-8 * logits32.abs().max().item() and saved16.bytes < 0.75 * saved32.bytes
 
 # %% tags=["nbval-ignore-output"]
 # bf16 kernels differ between CPUs (instruction sets, thread counts): the last digits vary.
-print(f"loss fp32 {loss32.item():.4f}  vs  autocast {loss16.item():.4f} (the cell above asserts |difference| < 0.02)")
+print(f"loss fp32 {loss32.item():.4f}  vs  autocast {loss16.item():.4f}; largest logit change {dlogits:.1e} "
+      f"({dlogits / logits32.abs().max().item() / 2**-8:.1f} x 2^-8 of the largest logit)")
 
 # %% [markdown]
 # The activations shrink, though not to half: LayerNorm inputs, the residual stream and the
@@ -210,7 +217,8 @@ for e in range(0, 45, 4):
     print(f"S = 2^{e:<2}  flushed to zero {zero:7.2%}   "
           + (f"relative error {err:.1e}" if finite else "inf/nan in the gradients: step must be skipped"))
 assert sweep[0][0] > 0.99  # unscaled: every gradient underflows
-# scaled: the fp32 result, to fp16 precision (11 significant bits, 2^-11 ≈ 5e-4 relative: ~5e-4 measured)
+# scaled: the fp32 result to fp16 precision. Each gradient passes through fp16 roundings of at most
+# 2^-11 ≈ 4.9e-4 relative, which largely average out in the norm: 5e-3 allows ten of them
 assert sweep[24][0] < 1e-3 and sweep[24][2] < 5e-3
 assert not sweep[44][1]  # too large a scale overflows
 
