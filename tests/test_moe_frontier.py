@@ -17,7 +17,7 @@ from course_lib.estimate.params import LlamaLikeConfig, mla_attention_params, mo
 from course_lib.model import GPT, GPTConfig
 from course_lib.model.moe import route, routing_stats
 from course_lib.model.moe_config import MoEGPTConfig, fine_grained
-from course_lib.parallel.ep.imbalance import collapse_router
+from course_lib.parallel.ep.imbalance import collapse_router, timed_moe_layer
 from course_lib.parallel.ep import (apply_expert_parallel, check_expert_parallel, full_flat, reduce_gradients,
                                     train_expert_parallel, train_moe_reference)
 from course_lib.train import TrainConfig, flat_grads
@@ -184,6 +184,20 @@ def test_variants_under_expert_parallelism_equal_the_single_process():
         return sum(b for o in out for b, t in o["once bytes"] if t == dtype)
     assert total("float32") == L * 2 * 10 * N * d * 4 < L * 2 * 16 * N * d * 4
     assert total("int64") == L * 2 * (64 + 16 + 4 * N * 8)
+
+
+def test_timed_moe_layer_rows_rounds_and_timeline():
+    # rows are exact: balanced (skew 0) they sum to every assignment, collapsed (skew 10 on rank 0's
+    # experts, 2 of 4) all of them land on rank 0; times are only checked for type and count
+    tokens, rounds = 24, 3
+    out = run_on_ranks(timed_moe_layer, COARSE, (0.0, 10.0), tokens, rounds=rounds, world_size=2, timeout_s=120)
+    (bal0, col0), (bal1, col1) = out
+    assert bal0[0] + bal1[0] == 2 * tokens * COARSE.top_k and min(bal0[0], bal1[0]) > 0
+    assert (col0[0], col1[0]) == (2 * tokens * COARSE.top_k, 0)
+    for rows, seconds, events in (bal0, col0, bal1, col1):
+        assert len(seconds) == rounds and all(math.isfinite(t) and t >= 0 for t in seconds)
+        names = [e[0] for e in events]  # the last round's: one experts span between the all-to-alls
+        assert names.count("experts") == 1 and "all_to_all_single" in names
 
 
 def test_demo_rejects_bad_flags_before_any_rank():
