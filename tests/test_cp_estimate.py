@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from course_lib import dims as D
-from course_lib.comm.costmodel import LinkModel
+from course_lib.comm.costmodel import CLUSTERS, LinkModel
 from course_lib.comm.measured import collective_time
 from course_lib.estimate import LLAMA3_70B, LlamaLikeConfig, activation_bytes, model_state_bytes, per_gpu_memory
 from course_lib.estimate.cluster import Cluster
-from course_lib.estimate.clusters import LONG_CONTEXT, gpu_cluster, published_estimate
+from course_lib.estimate.clusters import LONG_CONTEXT, PUBLISHED, ROCE_400, gpu_cluster, published_estimate
 from course_lib.estimate.context import attention_imbalance, attention_pairs, cp_costs, ring_exposed
 from course_lib.estimate.planner import plan
 from course_lib.estimate.step_time import memory_per_rank, step_time
@@ -240,6 +240,16 @@ def test_llama3_405b_at_128k_fits_with_cp_16_and_not_without():
     assert not without["fits"] and without["memory"]["total"] > 80 * GB
     assert without["memory"]["activations"] > 10 * ours["memory"]["activations"]
     assert ours["time"]["total"] > 0 and 0 < ours["time"]["mfu"] < 1
+
+
+def test_llama3_405b_runs_are_priced_on_roce_at_ndr_s_figures():
+    # Dubey et al. 2024 §3.3.1: the 405B trained on RoCE, at the 400 Gb/s per GPU of NDR InfiniBand
+    ndr = CLUSTERS["NDR InfiniBand 400 Gb/s (inter-node)"]
+    assert (ROCE_400.alpha, ROCE_400.beta) == (ndr.alpha, ndr.beta) and "RoCE" in ROCE_400.name
+    for run in (PUBLISHED["Llama 3 405B on 16k H100"], *LONG_CONTEXT.values()):
+        h100 = gpu_cluster("H100 SXM 80 GB", 16384)
+        assert run["cluster"].inter is ROCE_400 and run["cluster"] == replace(h100, inter=ROCE_400)
+    assert PUBLISHED["GPT-3 175B on 1024 A100"]["cluster"].inter is CLUSTERS["HDR InfiniBand 200 Gb/s (inter-node)"]
 
 
 def test_cp_costs_for_the_widget():

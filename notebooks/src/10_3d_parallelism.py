@@ -251,15 +251,16 @@ assert meas_4d["ep"] == TRAIN.steps * model_4d["ep"]["bytes_sent"]
 # ## 6. Why the order of the dimensions matters
 #
 # On a real cluster, GPUs of one node share NVLink (H100: 450 GB/s each way) and nodes talk over
-# InfiniBand (NDR: 400 Gb/s = 50 GB/s per GPU), **9× slower**. Ranks are numbered node by
-# node, so the dimension that varies fastest stays inside a node. Predict: with 8 ranks on two
-# nodes of 4, which dimensions cross nodes in make_mesh's order, and in the reversed order?
+# the network, 400 Gb/s = 50 GB/s per GPU on InfiniBand (NDR) or on RoCE, RDMA over Ethernet
+# (Llama 3 405B's, section 7): **9× slower**. Ranks are numbered node by node, so the
+# dimension that varies fastest stays inside a node. Predict: with 8 ranks on two nodes of 4,
+# which dimensions cross nodes in make_mesh's order, and in the reversed order?
 #
 # <details><summary>Answer</summary>
 #
 # make_mesh's order `(pp, dp, ep, tp)`: tp (stride 1) and dp (stride 2, span 4) stay in a node;
 # pp (stride 4) crosses. Reversed `(tp, ep, dp, pp)`: pp and dp stay in, and tp, the heaviest,
-# crosses InfiniBand.
+# crosses the network.
 # </details>
 
 # %%
@@ -282,10 +283,11 @@ assert topology.link_of("tp", SIZES, 4) == "intra" and topology.link_of("tp", SI
 # %% [markdown]
 # ## 7. Case study: Llama 3 405B on 16,384 H100s
 #
-# Dubey et al. (2024, Table 4) trained Llama 3 405B with TP 8 (one node), PP 16, DP 128 (and
-# context parallelism 16 for the long-context phase, not modelled here) at 38-43% MFU. The
-# course's estimator (notebooks 01 and 11) gives memory per GPU, step time and MFU for that
-# layout, and `topology.placement` says which link each dimension's traffic takes.
+# Dubey et al. (2024, Table 4) trained Llama 3 405B with TP 8 (one node), PP 16, DP 128 at
+# 38-43% MFU (and, for the long-context phase, context parallelism 16 that all-gathers keys and
+# values: notebook 09, section 9, with the same simplifications as here). The course's
+# estimator (notebooks 01 and 11) gives memory per GPU, step time and MFU for that layout, and
+# `topology.placement` says which link each dimension's traffic takes.
 #
 # **What this models, and what it does not.** The estimate below is the *course's* composition
 # at the paper's degrees: plain 1F1B, ZeRO-1 over dp, pp outermost. The published run differed
@@ -317,12 +319,14 @@ print(f"step: {st['total']:.1f} s for {st['tokens'] / 1e6:.1f}M tokens; model MF
       f"{where} the reported 38-43%")
 dims_405 = ParallelDims(dp=L.dp, tp=L.tp, pp=L.pp, microbatches=L.microbatches)  # the bytes of plain dp and tp
 placed = {}
+nodes = topology.ClusterShape(8, case["cluster"].intra, case["cluster"].inter,  # NVLink 4 inside, RoCE between
+                              "Llama 3 405B's H100 nodes")
 for order_name, order in (("topology-aware", topology.TOPOLOGY_AWARE), ("naive", topology.NAIVE)):
-    rows = topology.placement(case["config"], dims_405, case["global_batch"], seq=case["seq"], order=order)
+    rows = topology.placement(case["config"], dims_405, case["global_batch"], nodes, order, seq=case["seq"])
     placed[order_name] = {r["dim"]: r for r in rows}
     print(order_name, "|", "; ".join(f"{r['dim']} {fmt_bytes(r['bytes_per_rank'])}/step on {r['link_name']}: "
                                      f"{r['seconds']:.2f} s" for r in rows))
-times = topology.compare_orders(case["config"], dims_405, case["global_batch"], seq=case["seq"])
+times = topology.compare_orders(case["config"], dims_405, case["global_batch"], nodes, seq=case["seq"])
 print(f"communication per step: topology-aware {times['topology_aware']:.1f} s, naive {times['naive']:.1f} s")
 assert times["naive"] > 3 * times["topology_aware"]
 aware, naive = placed["topology-aware"], placed["naive"]
@@ -349,7 +353,8 @@ print("crossing nodes in make_mesh's order, lightest first:",
 #   interleaved schedule the paper used divides it by the number of virtual stages) and never
 #   overlaps tp with compute.
 # * **Order.** It matters more than either: the printout names the heaviest dimension, tp, and
-#   the time its bytes take inside a node and across InfiniBand. That is why every large run
+#   the time its bytes take inside a node and across the network (RoCE for the 405B, Dubey et
+#   al. 2024, §3.3.1; the same 400 Gb/s per GPU as NDR InfiniBand). That is why every large run
 #   keeps tp inside the NVLink domain and lets the lighter dimensions cross nodes (printed,
 #   lightest first; section 6 says which of them goes outermost).
 
