@@ -537,9 +537,19 @@ for out in steps:  # keep the second step (the first one warms up): what starts 
     last_step.append([e for e in out.timeline_events if e[1] >= first_step_end])
 comm = sum(e[2] - e[1] for e in last_step[0] if e[3] == "comm")
 total = max(e[2] for e in last_step[0]) - min(e[1] for e in last_step[0])
-assert any(e[3] == "comm" for e in last_step[0])
-plot_gantt(last_step, title=f"one TP step, 1 layer, 2 CPU ranks: collectives {comm / total:.0%} of the step")
+assert any(e[3] == "comm" for e in last_step[0]) and 0 < comm < total
+plot_gantt(last_step,
+           title=f"one TP step, 1 layer, 2 CPU ranks over gloo: collectives {comm / total:.0%} of rank 0's step")
 plt.show()
+print(f"rank 0's step: {total * 1e3:.1f} ms, {comm * 1e3:.1f} ms of it inside all-reduces ({comm / total:.0%}), "
+      f"measured here: gloo between CPU processes")
+
+# %% [markdown]
+# The share in the title is this machine's, not a GPU's: each all-reduce here is a message
+# between two CPU processes through gloo, and a rank inside one also waits for the other rank
+# to arrive, however long the operating system kept that one off its core. It says how much
+# of this small step the ranks spend waiting on each other, and that every all-reduce blocks
+# the layer after it; section 9 prices a layer's all-reduces on GPU links.
 
 # %% [markdown]
 # ## 9. Why TP stays inside a node
