@@ -318,3 +318,40 @@ def test_distributed_sampler_shards_without_overlap():
 def test_ddp_outside_process_group_is_clear():
     with pytest.raises(RuntimeError, match="process group"):
         DDP(nn.Linear(2, 2))
+
+
+class _RecordingWork:
+    """A stand-in for a backend's Work: records what the handle asks of it."""
+
+    def __init__(self):
+        self.calls, self.completed = [], False
+
+    def get_future(self):
+        self.calls.append("get_future")
+        raise AssertionError("a callback on the future runs Python on the backend's thread")
+
+    def is_completed(self):
+        self.calls.append("is_completed")
+        return self.completed
+
+    def wait(self):
+        self.calls.append("wait")
+        self.completed = True
+        return True
+
+
+def test_all_reduce_handle_never_asks_the_backend_thread_to_run_python():
+    # A done-callback on the work's future runs on gloo's thread and takes the GIL; at
+    # interpreter exit (a run's last all-reduce, a barrier, exit) Python 3.11 ends that thread
+    # inside C++ code: "terminate called without an active exception", or a hang. The handle
+    # polls instead: done_at is stamped by the rank's own thread.
+    work = _RecordingWork()
+    handle = AllReduceHandle(work, torch.ones(2))
+    handle.poll()
+    assert handle.done_at is None  # not finished yet: nothing stamped
+    work.completed = True
+    handle.poll()
+    stamped = handle.done_at
+    assert stamped is not None
+    assert torch.equal(handle.wait(), torch.ones(2)) and handle.done_at == stamped  # the first sight is kept
+    assert "get_future" not in work.calls and work.calls.count("wait") == 1

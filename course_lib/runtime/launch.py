@@ -12,6 +12,7 @@ run through `run_on_ranks`, so both paths execute the same code.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from datetime import timedelta
@@ -57,8 +58,17 @@ def leave_process_group() -> None:
     After a clean run the ranks first meet at a barrier: a rank that tears its gloo connections
     down while a peer still uses them can make that peer abort ("terminate called without an
     active exception"). After an error there is no barrier: a peer may be dead, so waiting for it
-    would hang."""
+    would hang.
+
+    Then the groups' own threads end here, while the interpreter is whole: destroy_process_group
+    drops c10d's references, but a model or optimizer that kept a sub-group (HSDP's shard and
+    replica groups, a mesh) in a reference cycle keeps it, and its backend threads, until the
+    interpreter's final collection. A backend thread that needs the GIL then (to free a tensor
+    Python made, to run a callback) is ended by Python 3.11 in the middle of C++ code: the
+    process aborts ("terminate called without an active exception") or hangs at exit.
+    gc.collect() frees those groups now; a group's destructor joins its threads."""
     if dist.is_initialized():
         if sys.exc_info()[0] is None:
             dist.barrier()
         dist.destroy_process_group()
+    gc.collect()

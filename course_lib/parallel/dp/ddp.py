@@ -174,17 +174,29 @@ def assign_buckets(sizes_bytes: list[int], bucket_cap_bytes: float,
 
 class AllReduceHandle:
     """An async all-reduce in flight. wait() returns the reduced tensor; done_at is the
-    time.perf_counter() at which the backend finished (set from its own thread)."""
+    time.perf_counter() at which this rank first saw the backend finished (poll() during
+    backward, or wait()).
+
+    Why polling and not a done-callback on the work's future: the backend runs such a callback
+    on its own thread, which must take the GIL. If that thread gets to it while the interpreter
+    is shutting down (a run's last all-reduce, then a barrier, destroy_process_group and exit on
+    a busy machine), Python 3.11 ends the thread in the middle of C++ code and the process aborts
+    ("terminate called without an active exception") or hangs at exit. Nothing here asks the
+    backend's threads to run Python."""
 
     def __init__(self, work, tensor):
         self.work, self.tensor, self.done_at = work, tensor, None
-        work.get_future().add_done_callback(self._done)
 
-    def _done(self, _future):
-        self.done_at = time.perf_counter()
+    def poll(self) -> None:
+        """Stamp done_at if the backend has finished (cheap: a flag read under a lock)."""
+        if self.done_at is None and self.work.is_completed():
+            self.done_at = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
+        self.poll()
         self.work.wait()
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
         return self.tensor
 
 
@@ -262,6 +274,14 @@ class DDP(nn.Module):
         if self.overlap:  # launch every full bucket whose predecessors have all been launched
             while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
                 self._launch(self.buckets[self._next])
+        if self.timeline is not None:  # note which launched buckets have finished, for the timeline
+            self._poll_launched()
+
+    def _poll_launched(self) -> None:
+        for b in self.buckets[:self._next]:
+            poll = getattr(b.handle, "poll", None)  # a custom comm_hook's handle may have none
+            if poll is not None:
+                poll()
 
     def _launch(self, bucket: Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
@@ -275,6 +295,8 @@ class DDP(nn.Module):
         if not self._expect:
             return  # nothing due: inside no_sync, or already finished
         t0 = time.perf_counter()
+        if self.timeline is not None:
+            self._poll_launched()
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for b in self.buckets:
