@@ -85,7 +85,8 @@ grade.check_network_bytes(student)
 # student.inter_node_bytes(traffic, grade.BIG, 8, grade.NAIVE) / student.inter_node_bytes(traffic, grade.BIG, 8)
 # ```
 #
-# How many times more bytes per rank does the naive order send over InfiniBand, and which
+# How many times more bytes per rank does the naive order send over the network between nodes
+# (RoCE, for Llama 3 405B: Dubey et al. 2024 §3.3.1), and which
 # dimension accounts for the difference? Back in notebook 10 (§7), how many seconds per step
 # is that for Llama 3 405B, and which dimension would you move off the network first?
 #
