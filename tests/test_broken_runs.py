@@ -25,17 +25,17 @@ ISSUE_NAMES = ("skip_collective", "reorder_collectives", "wrong_group", "microba
                "zero_token_expert", "sync_every_microbatch", "never_sync", "sum_not_avg", "unsynced_dropout",
                "overlapping_shards", "nan_on_one_rank", "uneven_oom")
 
-# The analysis's first line for each hang at its default world size and rank (the divergence).
+# The analysis's first line for each hang at its default world size and rank (the culprit).
 FIRST_LINES = {
-    "skip_collective": "rank 0 is in all_reduce #3 on group [0, 1]; rank 1 never entered it "
+    "skip_collective": "rank 1 never entered all_reduce #3 on group [0, 1] that rank 0 waits in "
                        "(its last call: all_reduce #2 on group [0, 1], completed)",
-    "reorder_collectives": "rank 0 is in all_reduce #2 on group [0, 1]; rank 1 called broadcast [4] float32 #2 "
-                           "there instead",
-    "wrong_group": "rank 2 is in all_reduce #1 on group [0, 2]; rank 0 never entered it "
-                   "(its last call: all_gather #1 on group [0, 1], completed)",
-    "microbatches_below_stages": "rank 0 is in recv #3 from rank 1; rank 1 never entered it "
+    "reorder_collectives": "rank 1 called broadcast [4] float32 #2 on group [0, 1] where rank 0 waits in "
+                           "all_reduce [4] float32",
+    "wrong_group": "rank 2 never entered all_gather #1 on group [2, 3] that rank 3 waits in "
+                   "(it is in all_reduce #1 on group [0, 2])",
+    "microbatches_below_stages": "rank 1 never entered send #3 to rank 0, the message rank 0 waits for "
                                  "(its last call: send #2 to rank 0, completed)",
-    "zero_token_expert": "rank 0 is in all_to_all_single #3 on group [0, 1]; rank 1 never entered it "
+    "zero_token_expert": "rank 1 never entered all_to_all_single #3 on group [0, 1] that rank 0 waits in "
                          "(its last call: all_to_all_single #2 on group [0, 1], completed)",
 }
 
@@ -61,7 +61,7 @@ def test_each_hang_times_out_and_the_analysis_names_the_rank_and_call(name, tmp_
 
 def test_the_rank_carrying_the_bug_can_be_chosen(tmp_path):
     run = run_bug("skip_collective", rank=2, world_size=3, timeout_s=HANG_S, dump_dir=tmp_path)
-    assert run.first_line == ("rank 0 is in all_reduce #3 on group [0, 1, 2]; rank 2 never entered it "
+    assert run.first_line == ("rank 2 never entered all_reduce #3 on group [0, 1, 2] that ranks 0, 1 wait in "
                               "(its last call: all_reduce #2 on group [0, 1, 2], completed)"), run.analysis
 
 
@@ -170,7 +170,7 @@ def test_the_torchrun_demo_dumps_a_hang_that_the_command_line_analyses(tmp_path)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode != 0 and "no result within --timeout 5 s" in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
-    cli = subprocess.run([sys.executable, "-m", "course_lib.observe.flight_recorder", str(tmp_path)],
+    cli = subprocess.run([sys.executable, "-m", "course_lib.observe.analyse_dumps", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 0 and cli.stdout.splitlines()[0] == FIRST_LINES["skip_collective"], cli.stdout
 

@@ -164,5 +164,5 @@ def test_the_broken_runs_hang_or_differ_and_the_hang_is_named(tmp_path):
         run_recorded(checks.train_until, checks.run_2_should_stop, world_size=2, backend="gloo", timeout_s=12,
                      stuck_after_s=4, dump_dir=tmp_path)
     assert info.value.analysis.splitlines()[0] == (
-        "rank 1 is in all_reduce #145 on group [0, 1]; rank 0 never entered it "
+        "rank 0 never entered all_reduce #145 on group [0, 1] that rank 1 waits in "
         "(its last call: all_reduce #144 on group [0, 1], completed)")

@@ -1,7 +1,7 @@
 """Run one catalogue entry on real gloo ranks from a notebook or a test: `run_bug(name)`.
 
     run = run_bug("skip_collective")                 the broken run: a timeout, analysed
-    run.outcome, run.analysis.splitlines()[0]        "timeout", "rank 0 is in all_reduce #3 ..."
+    run.outcome, run.analysis.splitlines()[0]        "timeout", "rank 1 never entered all_reduce #3 ..."
     run = run_bug("skip_collective", fixed=True)     the mended twin
     run.outcome, run.evidence.matches                "completed", True
 

@@ -4,8 +4,8 @@ found stuck ranks this way, with NCCL's own recorder (Dubey et al. 2024, §3.3.4
 
     with FlightRecorder(dump_dir, stuck_after_s=5):    rank code: record; dump when a call hangs
         ...
-    analyse(load_dumps(dump_dir))                       the analysis; its first line names the divergence
-    python -m course_lib.observe.flight_recorder DIR    the same from the files (torchrun runs)
+    analyse(load_dumps(dump_dir))                       the analysis; its first line names the culprit
+    python -m course_lib.observe.analyse_dumps DIR      the same from the files (torchrun runs)
 
 What a rank keeps: a ring buffer of its last `capacity` calls, recorded by a layer of the one
 patching engine (course_lib.observe.patching). Each entry has a sequence number: for a
@@ -16,17 +16,25 @@ global ranks (or the peer), the tensor's shape and dtype, and the state: "issued
 call returns, "completed" after.
 
 When a call hangs: a watchdog thread wakes every `poll_s` seconds; once the oldest call still
-"issued" is older than `stuck_after_s`, it writes the buffer to dump_dir/rank_<r>.json (once).
+"issued" is older than `stuck_after_s`, it writes the buffer to dump_dir/rank_<r>.json (once
+per such call: a call that was only slow and returned is overwritten when a later one sticks).
 It runs while the rank waits inside the collective, because torch releases the GIL there. A
 rank that leaves the recorder normally writes its file too, so the analysis can say what a
 rank that never entered a call did last.
 
-The analysis takes each call a rank is stuck in, the lowest sequence number first (then the
-lowest rank: the same order on every run, whatever the clocks say), and asks every other member
-of its group for its call with the same sequence number:
+The analysis takes each call a rank is stuck in and asks every other member of its group for
+its call with the same sequence number (the other end, for a message). A member that never
+entered it, or called something else there, is a culprit; each line names one, first, with the
+ranks left waiting on it:
 
-    rank 2 is in all_reduce #3 on group [0, 2]; rank 0 never entered it (it is in all_gather #3 on group [0, 1])
-    rank 3 is in broadcast #2 on group [0, 1, 2, 3]; rank 1 called all_reduce #2 there instead
+    rank 2 never entered all_reduce #3 on group [0, 1, 2, 3] that ranks 0, 1, 3 wait in (its last call: ...)
+    rank 1 called broadcast [4] float32 #2 on group [0, 1] where rank 0 waits in all_reduce [4] float32
+    rank 1 never entered send #3 to rank 0, the message rank 0 waits for (its last call: send #2 ...)
+
+The likeliest culprit comes first: the one the most ranks wait for, then the earliest call (by
+sequence number, not by clock: clocks of different hosts disagree), then a culprit itself stuck
+in another call (a wrong group, a reordering) before one that has left; the order is the same
+on every run.
 
 Limits: asynchronous calls (isend, irecv, batch_isend_irecv, async_op=True) count as completed
 when they are launched, so a hang in their wait() shows as the rank's last call, not as a stuck
@@ -139,10 +147,17 @@ class FlightRecorder:
 
     # ------------------------------------------------------------ the watchdog and the dump
     def _watch(self):
+        dumped_for = None  # the stuck call the last dump was written for
         while not self._stop.wait(self.poll_s):
-            issued = [e["issued_at"] for e in list(self.entries) if e["state"] == "issued"]
-            if issued and time.time() - min(issued) >= self.stuck_after_s and self.dumped is None:
+            issued = [e for e in list(self.entries) if e["state"] == "issued"]
+            if not issued:
+                continue
+            oldest = min(issued, key=lambda e: e["issued_at"])
+            # Once per stuck call: a call that was only slow (a loaded machine) and then returned
+            # must not leave a stale dump behind when the rank gets stuck in a later one.
+            if oldest is not dumped_for and time.time() - oldest["issued_at"] >= self.stuck_after_s:
                 self.dump()
+                dumped_for = oldest
 
     def dump(self, path=None) -> pathlib.Path:
         """Write {"rank", "world_size", "entries"} as JSON (default: dump_dir/rank_<r>.json)."""
@@ -193,6 +208,11 @@ def _where(e) -> str:
     return f"{e['op']} #{e['seq']} {'to' if e['op'] == 'send' else 'from'} rank {peer}"
 
 
+def _other_end(e) -> dict:
+    """The call a point-to-point entry's peer must make: the send for a recv, the recv for a send."""
+    return {**e, "op": "recv" if e["op"] == "send" else "send"}
+
+
 def _partner(e, entries: list[dict]):
     """The entry among a member's `entries` that must match e (same group and number, or the other
     end of a message); None when the member has not issued it."""
@@ -214,34 +234,61 @@ def _describe(member: int, entries: list[dict]) -> str:
     return "it made no call"
 
 
+def _ranks(ranks) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _wait(ranks) -> str:
+    return f"{_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+
+
 def analyse(dumps: dict[int, list[dict]], world_size: int | None = None) -> str:
-    """Lines naming, for each stuck call (lowest sequence number, then rank, first), the ranks that
-    do not match it; the first line names the first divergence. Ranks missing from `dumps` (no
-    file) are named."""
+    """Lines naming the culprits: for each stuck call, the members that never entered it or
+    called something else there, with the ranks left waiting; the most likely culprit first
+    (module docstring). Ranks missing from `dumps` (no file) are named."""
     world = world_size or max(dumps) + 1
-    # Earliest in its group's order first (sequence number, then rank), not by clock: clocks of
-    # different hosts disagree, and two ranks stuck at once would swap places from run to run.
+    # Each stuck call asks its members for their call with its number. Earliest in its group's
+    # order first (sequence number, then rank), not by clock: clocks of different hosts disagree.
     stuck = sorted(((e["seq"], r, e) for r, entries in dumps.items() for e in entries
                     if e["state"] == "issued"), key=lambda t: (t[0], t[1]))
-    lines, seen = [], set()
-    for _, rank, e in stuck:
+    found: dict = {}  # (culprit, what it did wrong, the call) -> [the waiting ranks, the call's number, order]
+    for seq, rank, e in stuck:
         members = e["group"] if "group" in e else [e["dst"] if e["op"] == "send" else e["src"]]
-        problems = []
         for m in members:
             if m == rank:
                 continue
             if m not in dumps:
-                problems.append(f"rank {m} wrote no dump (it finished, died, or never recorded)")
-                continue
-            f = _partner(e, dumps[m])
-            if f is None:
-                problems.append(f"rank {m} never entered it ({_describe(m, dumps[m])})")
-            elif "group" in e and (f["op"], f["shape"], f["dtype"]) != (e["op"], e["shape"], e["dtype"]):
-                problems.append(f"rank {m} called {f['op']} {f['shape']} {f['dtype']} #{f['seq']} there instead")
-        key = (rank, _where(e))
-        if problems and key not in seen:
-            seen.add(key)
-            lines.append(f"rank {rank} is in {_where(e)}; " + "; ".join(problems))
+                key = (m, "no dump", _where(e))
+            else:
+                f = _partner(e, dumps[m])
+                if f is None:
+                    key = (m, "never", _where(e) + " that" if "group" in e else _where(_other_end(e)) + ", the message")
+                elif "group" in e and (f["op"], f["shape"], f["dtype"]) != (e["op"], e["shape"], e["dtype"]):
+                    key = (m, f"called {f['op']} {f['shape']} {f['dtype']} #{f['seq']} on group {f['group']}",
+                           f"{e['op']} {e['shape']} {e['dtype']}")
+                else:
+                    continue
+            found.setdefault(key, [[], seq, len(found)])[0].append(rank)
+    stuck_ranks = {r for _, r, _ in stuck}
+
+    def order(item):
+        # The likeliest culprit first: the one most ranks wait for; then the earliest call; then one
+        # itself stuck elsewhere (it went to another call: a wrong group, a reordering) before one
+        # that finished (it may only have left, its own calls all matched); then discovery order.
+        (culprit, _, _), (waiters, seq, n) = item
+        return (-len(waiters), seq, culprit not in stuck_ranks, n)
+
+    lines = []
+    for (culprit, what, call), (waiters, _, _) in sorted(found.items(), key=order):
+        if what == "no dump":
+            lines.append(f"rank {culprit} wrote no dump (it finished, died, or never recorded); "
+                         f"{_wait(waiters)} for it in {call}")
+        elif what == "never":
+            verb = "in" if call.endswith(" that") else "for"  # a collective is waited in, a message for
+            lines.append(f"rank {culprit} never entered {call} {_wait(waiters)} {verb} "
+                         f"({_describe(culprit, dumps[culprit])})")
+        else:
+            lines.append(f"rank {culprit} {what} where {_wait(waiters)} in {call}")
     missing = sorted(set(range(world)) - set(dumps))
     if not lines:
         lines.append("no divergence found: every stuck call's partners are in the same call "
@@ -254,11 +301,11 @@ def analyse(dumps: dict[int, list[dict]], world_size: int | None = None) -> str:
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m course_lib.observe.flight_recorder DIR", file=sys.stderr)
+        print("usage: python -m course_lib.observe.analyse_dumps DIR", file=sys.stderr)
         return 2
     print(analyse(load_dumps(args[0])))
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the old command still answers; course_lib.observe.analyse_dumps says why it warns first
     sys.exit(main())

@@ -116,12 +116,13 @@ assert hang_1 is not None and hang_1.stuck_ranks == [0, 1, 3]
 
 # %%
 print(hang_1.analysis)
-assert hang_1.analysis.startswith("rank 0 is in all_reduce #3") and "rank 2 never entered it" in hang_1.analysis
+assert hang_1.analysis.startswith("rank 2 never entered all_reduce #3 on group [0, 1, 2, 3] that ranks 0, 1, 3")
 
 # %% [markdown]
-# Read the first line: rank 0 is in the group's third all-reduce; rank 2 never entered it, and
-# its last call was the second one, completed. So rank 2 skipped a call between its second and
-# third all-reduce: exactly where to look in its code.
+# Read it culprit first: rank 2 never entered the group's third all-reduce, the one ranks 0, 1
+# and 3 wait in, and its last call was the second one, completed. So rank 2 skipped a call
+# between its second and third all-reduce: exactly where to look in its code. The timeout named
+# the three that waited; the recorder names the one that did not.
 #
 # **Evidence 2: `monitored_barrier`.** gloo has a barrier that does not just wait: rank 0 waits
 # for every other rank with a timeout and then reports who did not arrive. Placed after a step,
@@ -194,12 +195,16 @@ except HangAnalysed as err:
     print("stuck ranks:", err.stuck_ranks)
     print(err.analysis)
     hang_2 = err
-assert hang_2 is not None and hang_2.analysis.splitlines()[0].startswith("rank 2 is in all_reduce #1 on group [0, 2]")
+assert hang_2 is not None and hang_2.analysis.splitlines()[0].startswith(
+    "rank 2 never entered all_gather #1 on group [2, 3] that rank 3 waits in (it is in all_reduce #1 on group [0, 2])")
 
 # %% [markdown]
-# The first line names the divergence: rank 2 is in an all-reduce on [0, 2], where rank 0 never
-# was. The second line is its consequence: rank 3 waits for rank 2. Reading only the timeout
-# (ranks 2 and 3 stuck) one would debug the wrong pair. The fix takes the group from the mesh
+# Two culprits, one waiter each. The first line names the one that went somewhere else: rank 2
+# never entered the all-gather rank 3 waits in, because it is in an all-reduce on [0, 2]. The
+# second line is its consequence: rank 0 never entered that all-reduce, having finished its own
+# all-gather on [0, 1] and left. A culprit stuck in another call comes before one that left with
+# every call matched, because a rank that left only did what its program said. Reading only the
+# timeout (ranks 2 and 3 stuck) one would debug the wrong pair. The fix takes the group from the mesh
 # by name on every rank, never by a rank's own arithmetic:
 
 # %%
@@ -501,10 +506,11 @@ print(f"all {len(BUGS)} mended twins match the single process")
 #
 # ```bash
 # torchrun --nproc-per-node 2 -m course_lib.demos.broken_run --bug skip_collective --timeout 4 --flight-recorder DIR
-# python -m course_lib.observe.flight_recorder DIR
+# python -m course_lib.observe.analyse_dumps DIR
 # ```
 #
-# Run for real here, on 2 gloo ranks:
+# Run for real here, on 2 gloo ranks; what the command prints is what a terminal shows, the
+# culprit first:
 
 # %%
 fr_dir = tempfile.mkdtemp(prefix="flight-")
@@ -513,10 +519,11 @@ job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalo
                       "-m", "course_lib.demos.broken_run", "--bug", "skip_collective", "--timeout", "4",
                       "--flight-recorder", fr_dir], capture_output=True, text=True, timeout=180, env=ENV)
 print("torchrun exit status:", job.returncode, "| dump files:", sorted(p.name for p in pathlib.Path(fr_dir).glob("*.json")))
-cli = subprocess.run([sys.executable, "-m", "course_lib.observe.flight_recorder", fr_dir], capture_output=True,
+cli = subprocess.run([sys.executable, "-m", "course_lib.observe.analyse_dumps", fr_dir], capture_output=True,
                      text=True, timeout=120, env=ENV)
 print(cli.stdout)
-assert job.returncode != 0 and cli.stdout.startswith("rank 0 is in all_reduce #3 on group [0, 1]")
+assert "Warning" not in cli.stderr, cli.stderr  # the terminal's first line is the analysis
+assert job.returncode != 0 and cli.stdout.startswith("rank 1 never entered all_reduce #3 on group [0, 1] that rank 0")
 
 # %% [markdown]
 # **`TORCH_DISTRIBUTED_DEBUG=DETAIL`.** The same demo with `reorder_collectives` and PyTorch's
@@ -533,6 +540,7 @@ assert job.returncode != 0 and mismatch, (job.stdout + job.stderr)[-3000:]
 short = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\)\)\)", ")", mismatch[0].split("RuntimeError: ")[1])
 print(textwrap.fill(short, 100))
 
+# %% [markdown]
 # ## 9. At scale: Llama 3's flight recorder
 #
 # The course's recorder is a small copy of one PyTorch ships for NCCL (enabled by
@@ -559,8 +567,8 @@ print(textwrap.fill(short, 100))
 # ## Self-check
 #
 # 1. A job on 64 ranks times out; the error lists 63 stuck ranks. Where do you look first?
-# 2. The flight recorder says: "rank 5 is in all_gather #12 on group [4, 5, 6, 7]; rank 6
-#    called reduce_scatter [1024] float32 #12 there instead". Name the bug and the fix.
+# 2. The flight recorder says: "rank 6 called reduce_scatter [1024] float32 #12 on group
+#    [4, 5, 6, 7] where ranks 4, 5, 7 wait in all_gather [1024] float32". Name the bug and the fix.
 # 3. A data-parallel run on 8 ranks shows a gradient norm 8 times the single process's at
 #    step 1 and a loss curve that looks normal under AdamW. What is wrong?
 # 4. The replicas' gradient checksums agree and the loss departs from the single process at
