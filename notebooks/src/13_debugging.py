@@ -111,8 +111,8 @@ assert hang_1 is not None and hang_1.stuck_ranks == [0, 1, 3]
 # group, shape, dtype, a sequence number per group, issued or completed). The members of a group
 # must issue their collectives on it in the same order, so their k-th calls must be the same
 # call. When a call had been pending for `STUCK_S` seconds, the rank wrote its buffer to a file;
-# a rank that left wrote it too. `run_recorded` then lined the dumps up and named the first
-# divergence:
+# a rank that left wrote it too. `run_recorded` then lined the dumps up and named the culprit,
+# the rank that never entered a call the others wait in:
 
 # %%
 print(hang_1.analysis)
@@ -556,8 +556,9 @@ print(textwrap.fill(short, 100))
 # ## What to remember
 #
 # * A timeout names the ranks that waited; the culprit is usually the one it does not name.
-# * Line the ranks up by group and sequence number (the flight recorder): the first divergence
-#   names the rank and the call. `monitored_barrier` names a rank that never arrives.
+# * Line the ranks up by group and sequence number (the flight recorder): its first line names
+#   the culprit, the rank and the call it never entered (or called differently), and who waits
+#   for it. `monitored_barrier` names a rank that never arrives.
 # * Every rank calls every collective, in one order, on the group it takes from the mesh.
 # * Silent bugs need a reference: the gradient norm (a factor of N is a sum for a mean),
 #   per-rank checksums (replicas must agree bitwise), loss parity with the single process
