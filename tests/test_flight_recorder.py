@@ -72,6 +72,29 @@ def test_a_skipped_collective_is_named_and_the_command_line_prints_the_culprit_f
     assert cli.stdout.splitlines()[0] == expected, cli.stdout
 
 
+def _slow_then_skip():
+    """Rank 0's first all-reduce waits past STUCK_S for a slow rank 1, then returns; rank 1 then
+    skips the second one."""
+    x = torch.ones(2)
+    if dist.get_rank() == 1:
+        time.sleep(STUCK_S + 1.0)
+    dist.all_reduce(x)
+    if dist.get_rank() == 0:
+        dist.all_reduce(x)
+    return True
+
+
+def test_a_call_that_was_only_slow_leaves_no_stale_dump(tmp_path):
+    """Rank 0 dumps while its first all-reduce waits for the slow rank 1; once that returns and
+    rank 0 is stuck in the second, it dumps again. With one dump per rank the analysis would see
+    rank 0 stuck in a call rank 1 completed and find no divergence."""
+    with pytest.raises(HangAnalysed) as info:
+        run_recorded(_slow_then_skip, world_size=2, timeout_s=STUCK_S * 2 + 1.0 + TIMEOUT_S / 2, stuck_after_s=STUCK_S,
+                     dump_dir=tmp_path)
+    assert info.value.analysis == ("rank 1 never entered all_reduce #2 on group [0, 1] that rank 0 waits in "
+                                   "(its last call: all_reduce #1 on group [0, 1], completed)"), info.value.analysis
+
+
 def test_a_run_without_a_hang_returns_as_run_on_ranks_does(tmp_path):
     def fine():
         x = torch.ones(2)
