@@ -170,7 +170,7 @@ def test_the_torchrun_demo_dumps_a_hang_that_the_command_line_analyses(tmp_path)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode != 0 and "no result within --timeout 5 s" in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
-    cli = subprocess.run([sys.executable, "-m", "course_lib.observe.analyse_dumps", str(tmp_path)],
+    cli = subprocess.run([sys.executable, "-m", "course_lib.observe.flight_recorder", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 0 and cli.stdout.splitlines()[0] == FIRST_LINES["skip_collective"], cli.stdout
 

@@ -66,7 +66,7 @@ def test_a_skipped_collective_is_named_and_the_command_line_prints_the_culprit_f
     expected = ("rank 2 never entered all_reduce #2 on group [0, 1, 2, 3] that ranks 0, 1, 3 wait in "
                 "(its last call: all_reduce #1 on group [0, 1, 2, 3], completed)")
     assert info.value.analysis == expected and sorted(info.value.stuck_ranks) == [0, 1, 3]
-    cli = subprocess.run([sys.executable, "-m", "course_lib.observe.analyse_dumps", str(tmp_path)],
+    cli = subprocess.run([sys.executable, "-m", "course_lib.observe.flight_recorder", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "RuntimeWarning" not in cli.stderr, cli.stderr
     assert cli.stdout.splitlines()[0] == expected, cli.stdout
@@ -172,3 +172,12 @@ def test_the_patching_engines_fast_binding_equals_inspects():
                 assert outcome(lambda: bind(args, kwargs)) == ref, (op, k, kwargs)
                 checked += 1
     assert checked > 100
+
+
+def test_the_command_line_refuses_a_directory_without_dumps_in_one_line(tmp_path, capsys):
+    from course_lib.observe.flight_recorder import main
+
+    assert main([str(tmp_path)]) == 2 and main([]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"flight_recorder: {tmp_path} holds no rank_<r>.json dump",
+                   "usage: python -m course_lib.observe.flight_recorder DIR"]

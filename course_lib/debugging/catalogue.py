@@ -142,7 +142,7 @@ def dropout_replicas(results, reference, world, bad_rank) -> Evidence:
 
 
 # ------------------------------------------------------------------ the catalogue
-FLIGHT_RECORDER = "flight recorder"  # python -m course_lib.observe.analyse_dumps DIR
+FLIGHT_RECORDER = "flight recorder"  # python -m course_lib.observe.flight_recorder DIR
 CHECKS = "collective checks"  # or TORCH_DISTRIBUTED_DEBUG=DETAIL: each call's op and shape compared first
 PARITY = "loss parity"  # with the single process, course_lib.observe.parity
 CHECKSUMS = "per-rank gradient checksums"

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m course_lib.demos.broken_run --bug skip_collective \\
              --timeout 10 --flight-recorder /tmp/fr
-    python -m course_lib.observe.analyse_dumps /tmp/fr        where the ranks diverged, culprit first
+    python -m course_lib.observe.flight_recorder /tmp/fr        where the ranks diverged, culprit first
     torchrun --nproc-per-node 2 -m course_lib.demos.broken_run --bug skip_collective --fixed
 
 Every rank runs the entry inside a flight recorder writing to DIR: a rank stuck in a call for

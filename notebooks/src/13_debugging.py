@@ -506,7 +506,7 @@ print(f"all {len(BUGS)} mended twins match the single process")
 #
 # ```bash
 # torchrun --nproc-per-node 2 -m course_lib.demos.broken_run --bug skip_collective --timeout 4 --flight-recorder DIR
-# python -m course_lib.observe.analyse_dumps DIR
+# python -m course_lib.observe.flight_recorder DIR
 # ```
 #
 # Run for real here, on 2 gloo ranks; what the command prints is what a terminal shows, the
@@ -519,7 +519,7 @@ job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalo
                       "-m", "course_lib.demos.broken_run", "--bug", "skip_collective", "--timeout", "4",
                       "--flight-recorder", fr_dir], capture_output=True, text=True, timeout=180, env=ENV)
 print("torchrun exit status:", job.returncode, "| dump files:", sorted(p.name for p in pathlib.Path(fr_dir).glob("*.json")))
-cli = subprocess.run([sys.executable, "-m", "course_lib.observe.analyse_dumps", fr_dir], capture_output=True,
+cli = subprocess.run([sys.executable, "-m", "course_lib.observe.flight_recorder", fr_dir], capture_output=True,
                      text=True, timeout=120, env=ENV)
 print(cli.stdout)
 assert "Warning" not in cli.stderr, cli.stderr  # the terminal's first line is the analysis

@@ -5,7 +5,7 @@ found stuck ranks this way, with NCCL's own recorder (Dubey et al. 2024, §3.3.4
     with FlightRecorder(dump_dir, stuck_after_s=5):    rank code: record; dump when a call hangs
         ...
     analyse(load_dumps(dump_dir))                       the analysis; its first line names the culprit
-    python -m course_lib.observe.analyse_dumps DIR      the same from the files (torchrun runs)
+    python -m course_lib.observe.flight_recorder DIR      the same from the files (torchrun runs)
 
 What a rank keeps: a ring buffer of its last `capacity` calls, recorded by a layer of the one
 patching engine (course_lib.observe.patching). Each entry has a sequence number: for a
@@ -301,11 +301,12 @@ def analyse(dumps: dict[int, list[dict]], world_size: int | None = None) -> str:
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m course_lib.observe.analyse_dumps DIR", file=sys.stderr)
+        print("usage: python -m course_lib.observe.flight_recorder DIR", file=sys.stderr)
         return 2
-    print(analyse(load_dumps(args[0])))
+    try:
+        dumps = load_dumps(args[0])
+    except (ValueError, OSError) as e:  # a wrong directory: one line, not a traceback
+        print(f"flight_recorder: {e}", file=sys.stderr)
+        return 2
+    print(analyse(dumps))
     return 0
-
-
-if __name__ == "__main__":  # the old command still answers; course_lib.observe.analyse_dumps says why it warns first
-    sys.exit(main())
