@@ -68,15 +68,20 @@ def test_portability_covers_both_kernels_and_both_thread_counts():
     assert re.search(r"^PORTABLE_DIRS \?= notebooks exercises$", (ROOT / "Makefile").read_text(), re.M)
 
 
-def test_make_test_runs_on_the_machines_own_path_and_ci_on_a_portable_one():
+def test_make_test_runs_on_the_machines_own_path_and_ci_on_it_and_a_portable_one():
     assert "ATEN_CPU_CAPABILITY" not in _recipe("test") and "OMP_NUM_THREADS" not in _recipe("test")
     assert re.search(r"^NOTEBOOK_PATH \?=\s*$", (ROOT / "Makefile").read_text(), re.M)  # the machine's own
     ci = (ROOT / ".ci" / "run").read_text()
-    for target in ("test", "test-browser"):
+    for target in ("test", "test-portability", "bench-quick", "test-browser"):
         assert re.search(rf"\bmake {target}\b", ci), f".ci/run must run make {target}"
-    # the notebooks and the exercises, on the first portable path unlike the machine's own
-    assert re.search(r"make test NOTEBOOK_PATH=\"\$path\"( |\|\||$)", ci, re.M) and "make -s portable-paths" in ci
-    assert "NOTEBOOK_DIRS" not in ci and re.search(r"^NOTEBOOK_DIRS \?= notebooks exercises$", _makefile(), re.M)
+    # the notebooks and the exercises on the machine's own path (what a learner's make test and
+    # kernel run: an AVX-512 learner's failure must show in CI), every folder of them...
+    assert re.search(r"make test( \|\||$)", ci, re.M) and "NOTEBOOK_PATH" not in ci and "NOTEBOOK_DIRS" not in ci
+    assert re.search(r"^NOTEBOOK_DIRS \?= notebooks exercises$", _makefile(), re.M)
+    # ...and again on the first portable path unlike it
+    assert re.search(r"make test-portability PORTABLE_PATHS=\"\$path\"( |\|\||$)", ci, re.M)
+    assert "make -s portable-paths" in ci and "make -s python-path" in ci
+    assert re.search(r"^PORTABLE_DIRS \?= notebooks exercises$", _makefile(), re.M)
 
 
 def test_the_switch_changes_low_precision_results_here():
