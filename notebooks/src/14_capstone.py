@@ -39,6 +39,7 @@ from course_lib.estimate.planner import plan
 from course_lib.estimate.step_time import memory_per_rank, step_time
 from course_lib.measure.validation import load_validation
 from course_lib.parallel.hybrid import train_single
+from course_lib.tolerances import first_grad_norm_check
 from course_lib.units import fmt_bytes
 
 ROOT = pathlib.Path.cwd().parent if pathlib.Path.cwd().name == "notebooks" else pathlib.Path.cwd()
@@ -133,25 +134,56 @@ print("saved:", sorted(d.name for d in checkpoints.iterdir()))
 print("3D then resumed:", " ".join(f"{x:.4f}" for x in run.losses))
 print("single process: ", " ".join(f"{x:.4f}" for x in run.single_losses))
 print(f"largest |difference| {run.max_difference:.1e} (tolerance {config.tolerance:.0e})")
-fp32_single = train_single(config.model, config.train, "fp32", config.recompute).train_losses
-drift = max(abs(a - b) for a, b in zip(run.single_losses, fp32_single))
-print(f"for scale: bf16 against fp32, both in one process: {drift:.1e}")
-# run.equal: every loss within config.tolerance = 1e-2 of the single process's. bf16 keeps 8 significant
-# bits (spacing 2^-7 at 1, so a rounding errs by up to 2^-8 ≈ 3.9e-3 relative) and the layouts round in
-# different places: ~1e-3 here
-assert run.equal and run.max_difference > 0
+
+
+def bf16_yardstick(cfg, run):
+    """How far bf16 itself moves the one-process curve from fp32 (the same batches and recomputation),
+    and step 1's gradient norm, the run's against the one process's: (drift, first_grad_norm_check)."""
+    fp32 = train_single(cfg.model, cfg.train, "fp32", cfg.recompute).train_losses
+    bf16 = train_single(cfg.model, cfg.train, cfg.precision, cfg.recompute)  # run.single_losses, with its norms
+    drift = max(abs(a - b) for a, b in zip(run.single_losses, fp32))
+    return drift, first_grad_norm_check(run.resumed.grad_norms[0], bf16.grad_norms[0], cfg.precision)
+
+
+def bf16_claims(run, drift, norm_check):
+    """The bf16 run against its yardstick, on this CPU (both move with the CPU's kernels):
+    * the yardstick is real and small: above 1e-4 (100 x the ~1e-6 that fp32's order of sums
+      moves the curve, section 3's fp32 run) and below a tenth of what the steps lower the loss;
+    * the layout moves the curve by less than 4 x drift: the two bf16 curves are each about drift
+      from fp32, so about 2 x drift from each other (triangle inequality), and each CPU rounds
+      its own way: twice that again;
+    * step 1's gradient norm, before AdamW amplifies anything: within the bound derived from bf16's
+      rounding of the parts each layout adds (course_lib.tolerances.FIRST_GRAD_NORM_RTOL)."""
+    fall = run.single_losses[0] - run.single_losses[-1]
+    assert 1e-4 < drift < fall / 10, (drift, fall)
+    assert 0 < run.max_difference < 4 * drift, (run.max_difference, drift)
+    assert norm_check[0], norm_check
+    return True
+
+
+drift, norm_check = bf16_yardstick(config, run)
+print(f"for scale: bf16 against fp32, both in one process: {drift:.1e} (the 3D curve is "
+      f"{run.max_difference / drift:.1f} x that from the one-process bf16 curve)")
+print(f"step 1's gradient norm, 3D against one process: {norm_check[1]:.1e} apart, relative (bound {norm_check[2]:.1e})")
+bf16_within = bf16_claims(run, drift, norm_check)
 
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# Only to a tolerance (the largest difference printed above, against the 1e-2 allowed). bf16
+# Only to a tolerance: the largest difference printed above is of the size of what bf16 does to
+# the curve in one process, printed under it (the cell checks that it stays below four times
+# that; `run_capstone`'s own tolerance is 1e-2). bf16
 # keeps 8 significant bits, so between 1 and 2 its numbers are $2^{-7} \approx 7.8 \times 10^{-3}$
 # apart, and every matmul output is rounded to the nearest of them, an error of up to half that
 # spacing, $2^{-8} \approx 3.9 \times 10^{-3}$ relative (Kalamkar et al. 2019). *Where* the
 # rounding happens depends on the layout: a tensor-parallel matmul rounds
 # each rank's partial sum to bf16 before the all-reduce adds them, where one process rounds
-# the full sum once; pipeline and data-parallel ranks add in other orders. The difference is
-# of the same size as bf16 against fp32 in one process, printed above. The master weights,
+# the full sum once; pipeline and data-parallel ranks add in other orders. Either bf16 curve
+# rounds as often as the other, so each can be expected about as far from fp32 as the other,
+# and the two about that far, or up to twice it, from each other. Before any optimizer step nothing has amplified the rounding yet, so step 1's
+# gradient norm has a bound derived from bf16 itself: each layout adds parts rounded to within
+# $2^{-8}$, about $2 \times 2^{-8}$ relative, allowed four times over ($2^{-5}$), and the cell checks
+# it (so does the torchrun demo's `--check` below). The master weights,
 # gradients and Adam's moments stay fp32 (autocast casts only inside the matmuls), which is
 # why nothing drifts away step after step.
 #
@@ -360,9 +392,13 @@ print(f"{moe.layout.describe()} -> {moe.resume.describe()}")
 print("3D + EP then resumed:", " ".join(f"{x:.4f}" for x in moe_run.losses))
 print("single process:      ", " ".join(f"{x:.4f}" for x in moe_run.single_losses))
 print(f"largest |difference| {moe_run.max_difference:.1e} (tolerance {moe.tolerance:.0e})")
+moe_drift, moe_norm = bf16_yardstick(moe, moe_run)
+print(f"for scale: bf16 against fp32, both in one process: {moe_drift:.1e}; step 1's gradient norm "
+      f"{moe_norm[1]:.1e} apart, relative (bound {moe_norm[2]:.1e})")
 print("bytes per dimension (rank 0):", ", ".join(f"{d} {fmt_bytes(t['bytes_sent'])}"
                                                  for d, t in moe_run.traffic[0].items()))
-assert moe_run.equal and moe_run.traffic[0]["ep"]["bytes_sent"] > 0
+moe_within = bf16_claims(moe_run, moe_drift, moe_norm)  # the same yardstick as section 3
+assert moe_run.traffic[0]["ep"]["bytes_sent"] > 0
 
 # %% [markdown]
 # ## 9. The trained model writes
@@ -433,8 +469,9 @@ assert len(greedy) == len(sampled) == 44 and sampled.startswith("The ")
 
 # %%
 print("self-check: the fp32 curve equals the single process's:", fp32_run.max_difference < 1e-4)
-print("self-check: the bf16 and MoE curves are within their tolerance:", run.equal and moe_run.equal)
-assert fp32_run.max_difference < 1e-4 and run.equal and moe_run.equal
+print("self-check: the bf16 and MoE curves are within 4 x what bf16 does to them in one process:",
+      bf16_within and moe_within)
+assert fp32_run.max_difference < 1e-4 and bf16_within and moe_within
 
 # %% [markdown]
 # ## References
