@@ -1,4 +1,5 @@
 """The step-time model of one layout (notebook 11): compute + overhead + exposed communication + bubble.
+(A little over 300 lines: the four terms share one reading of the layout and the cluster.)
 
 A layout is the runtime's course_lib.dims.ParallelDims: n_gpus = dp * ep * cp * tp * pp ranks
 (make_mesh's order: tp innermost, then cp, ep, dp, pp), m = microbatches micro-batches per

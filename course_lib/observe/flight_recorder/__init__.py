@@ -1,6 +1,7 @@
 """A flight recorder: each rank's last calls of torch.distributed, written to a file when one
 hangs, and the analysis that lines the ranks up and names where they diverge. Llama 3's team
-found stuck ranks this way, with NCCL's own recorder (Dubey et al. 2024, §3.3.4).
+found stuck ranks this way, with NCCL's own recorder (Dubey et al. 2024, §3.3.4). (A little
+over 300 lines: the recorder and the analysis read the same entries, and belong together.)
 
     with FlightRecorder(dump_dir, stuck_after_s=5):    rank code: record; dump when a call hangs
         ...

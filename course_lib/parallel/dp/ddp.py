@@ -173,16 +173,10 @@ def assign_buckets(sizes_bytes: list[int], bucket_cap_bytes: float,
 
 
 class AllReduceHandle:
-    """An async all-reduce in flight. wait() returns the reduced tensor; done_at is the
-    time.perf_counter() at which this rank first saw the backend finished (poll() during
-    backward, or wait()).
-
-    Why polling and not a done-callback on the work's future: the backend runs such a callback
-    on its own thread, which must take the GIL. If that thread gets to it while the interpreter
-    is shutting down (a run's last all-reduce, then a barrier, destroy_process_group and exit on
-    a busy machine), Python 3.11 ends the thread in the middle of C++ code and the process aborts
-    ("terminate called without an active exception") or hangs at exit. Nothing here asks the
-    backend's threads to run Python."""
+    """An async all-reduce in flight. wait() returns the reduced tensor; done_at is when this
+    rank first saw it finished (poll() during backward, or wait()). Polled, not a callback on the
+    work's future: gloo runs such callbacks on its thread under the GIL, and at interpreter exit
+    Python 3.11 ends that thread inside C++ (SIGABRT or a hang; CONTRIBUTING.md)."""
 
     def __init__(self, work, tensor):
         self.work, self.tensor, self.done_at = work, tensor, None
