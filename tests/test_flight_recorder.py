@@ -3,6 +3,8 @@ as a timeout whose message names the rank and the call where the ranks diverge; 
 on hand-written dumps; the command line; bad input refused before any rank starts."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -11,10 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.observe.flight_recorder import FlightRecorder, analyse, load_dumps, main
-from course_lib.runtime import HangAnalysed, run_recorded
+from course_lib.observe.flight_recorder import DUMP_REQUEST, FlightRecorder, analyse, load_dumps, main, request_dumps
+from course_lib.runtime import HangAnalysed, run_on_ranks, run_recorded
 
-TIMEOUT_S, STUCK_S = 8.0, 2.5  # the ranks dump after 2.5 s stuck; the parent gives up at 8 s
+# The parent's timeout is the only clock in a hang test: when it passes, the parent asks the ranks
+# for their dumps, which show where they are then. 15 s is what the ranks have to reach the hang
+# (a few new_groups and a collective: well under a second on a quiet machine, seconds at a load
+# average of 20-27 on 2 cores, where an 8 s budget that also held a 2.5 s stuck_after_s ran out).
+TIMEOUT_S = 15.0
 
 
 def _wrong_group():
@@ -45,7 +51,7 @@ def _skip_collective():
 
 def test_a_rank_on_the_wrong_group_is_named(tmp_path):
     with pytest.raises(HangAnalysed) as info:
-        run_recorded(_wrong_group, world_size=4, timeout_s=TIMEOUT_S, stuck_after_s=STUCK_S, dump_dir=tmp_path)
+        run_recorded(_wrong_group, world_size=4, timeout_s=TIMEOUT_S, dump_dir=tmp_path)
     # Two culprits, one waiter each: rank 2, itself stuck in another call, comes before rank 0,
     # which left with all its calls matched.
     first, second = info.value.analysis.splitlines()
@@ -62,7 +68,7 @@ def test_a_skipped_collective_is_named_and_the_command_line_prints_the_culprit_f
     the package course_lib.observe is imported before the module runs, and had it imported the
     module already, runpy would print a RuntimeWarning on stderr before the analysis."""
     with pytest.raises(HangAnalysed) as info:
-        run_recorded(_skip_collective, world_size=4, timeout_s=TIMEOUT_S, stuck_after_s=STUCK_S, dump_dir=tmp_path)
+        run_recorded(_skip_collective, world_size=4, timeout_s=TIMEOUT_S, dump_dir=tmp_path)
     expected = ("rank 2 never entered all_reduce #2 on group [0, 1, 2, 3] that ranks 0, 1, 3 wait in "
                 "(its last call: all_reduce #1 on group [0, 1, 2, 3], completed)")
     assert info.value.analysis == expected and sorted(info.value.stuck_ranks) == [0, 1, 3]
@@ -72,27 +78,63 @@ def test_a_skipped_collective_is_named_and_the_command_line_prints_the_culprit_f
     assert cli.stdout.splitlines()[0] == expected, cli.stdout
 
 
-def _slow_then_skip():
-    """Rank 0's first all-reduce waits past STUCK_S for a slow rank 1, then returns; rank 1 then
-    skips the second one."""
+def _slow_call_then_stuck(dump_dir):
+    """Two calls through the recorder's layer whose waits end on events, not clocks: each returns
+    only once the watchdog has dumped it as stuck. The first was only slow (it returns); the
+    second must get a dump of its own, not stay behind the first one's."""
     x = torch.ones(2)
-    if dist.get_rank() == 1:
-        time.sleep(STUCK_S + 1.0)
-    dist.all_reduce(x)
-    if dist.get_rank() == 0:
-        dist.all_reduce(x)
-    return True
+    path = pathlib.Path(dump_dir) / f"rank_{dist.get_rank()}.json"
+
+    def until_dumped_as_stuck(seq):
+        deadline = time.monotonic() + 60  # bounds a broken watchdog; a working one ends the wait
+        while time.monotonic() < deadline:
+            try:
+                entries = json.loads(path.read_text())["entries"]
+            except (OSError, ValueError):  # not written yet
+                entries = []
+            if any(e["seq"] == seq and e["state"] == "issued" for e in entries):
+                return [(e["seq"], e["state"]) for e in entries]
+            time.sleep(0.01)
+        raise AssertionError(f"no dump showed call #{seq} stuck within 60 s")
+
+    with FlightRecorder(dump_dir, stuck_after_s=0.05, poll_s=0.01) as recorder:
+        first = recorder.around("all_reduce", {"group": None, "tensor": x}, lambda: until_dumped_as_stuck(1))
+        second = recorder.around("all_reduce", {"group": None, "tensor": x}, lambda: until_dumped_as_stuck(2))
+    return first, second
 
 
 def test_a_call_that_was_only_slow_leaves_no_stale_dump(tmp_path):
-    """Rank 0 dumps while its first all-reduce waits for the slow rank 1; once that returns and
-    rank 0 is stuck in the second, it dumps again. With one dump per rank the analysis would see
-    rank 0 stuck in a call rank 1 completed and find no divergence."""
-    with pytest.raises(HangAnalysed) as info:
-        run_recorded(_slow_then_skip, world_size=2, timeout_s=STUCK_S * 2 + 1.0 + TIMEOUT_S / 2, stuck_after_s=STUCK_S,
-                     dump_dir=tmp_path)
-    assert info.value.analysis == ("rank 1 never entered all_reduce #2 on group [0, 1] that rank 0 waits in "
-                                   "(its last call: all_reduce #1 on group [0, 1], completed)"), info.value.analysis
+    """The watchdog (stuck_after_s, as under torchrun) dumps once per stuck call: the slow first
+    call, then the second. Dumping once per run would leave the first dump behind, and the
+    analysis would see the rank stuck in a call its peers completed."""
+    for first, second in run_on_ranks(_slow_call_then_stuck, str(tmp_path), world_size=2, timeout_s=120):
+        assert first == [(1, "issued")] and second == [(1, "completed"), (2, "issued")]
+
+
+def _answer_a_request(dump_dir):
+    """A request left in the directory before the recorder started is not answered; one made
+    while it runs is, by the watchdog, while the main thread waits."""
+    directory = pathlib.Path(dump_dir)
+    if dist.get_rank() == 0:
+        stale = directory / DUMP_REQUEST
+        stale.write_text("from an earlier run")
+        os.utime(stale, (1.0, 1.0))  # written long before this recorder started
+    dist.barrier()
+    mine = directory / f"rank_{dist.get_rank()}.json"
+    with FlightRecorder(dump_dir) as recorder:  # no stuck_after_s: it dumps only when asked, and on leaving
+        pending = recorder._request()  # what its watchdog would answer: nothing yet
+        dist.barrier()
+        silent = request_dumps(dump_dir, [0, 1]) if dist.get_rank() == 0 else None
+        dist.barrier()
+        answered = json.loads(mine.read_text())["request"]
+    return pending, silent, answered
+
+
+def test_a_request_is_answered_and_a_stale_one_is_not(tmp_path):
+    results = run_on_ranks(_answer_a_request, str(tmp_path), world_size=2, timeout_s=120, check_collectives=False)
+    assert [pending for pending, _, _ in results] == [None, None] and results[0][1] == []
+    request = (tmp_path / DUMP_REQUEST).read_text()
+    assert [answered for _, _, answered in results] == [request, request]
 
 
 def test_a_run_without_a_hang_returns_as_run_on_ranks_does(tmp_path):
@@ -136,6 +178,10 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path):
         FlightRecorder(None, stuck_after_s=1)
     with pytest.raises(ValueError, match=r"stuck_after_s=9 must be in \(0, timeout_s=8\)"):
         run_recorded(_skip_collective, world_size=2, timeout_s=8, stuck_after_s=9)
+    with pytest.raises(ValueError, match="poll_s=0 must be > 0"):
+        FlightRecorder(tmp_path, poll_s=0)
+    with pytest.raises(TypeError, match="on_timeout=3 must be callable"):
+        run_on_ranks(_skip_collective, world_size=2, on_timeout=3)
     with pytest.raises(ValueError, match="holds no rank_<r>.json dump"):
         load_dumps(tmp_path)
     assert main([]) == 2

@@ -8,7 +8,7 @@
 Every rank runs under the flight recorder (course_lib.runtime.run_recorded), without the course's
 collective checks (as under a plain torchrun: the hang is the symptom; check_collectives=True
 shows what the checks make of it). A hang becomes a timeout after `timeout_s` seconds; the ranks
-dump their recorders after timeout_s / 2 stuck, and the analysis of the dumps comes back in
+still running then dump their recorders, and the analysis of the dumps comes back in
 `run.analysis`. A crash comes back as `run.error` (the failing rank's last line). A finished run
 is compared with the single process: `run.evidence`.
 """

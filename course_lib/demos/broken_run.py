@@ -48,11 +48,12 @@ def _parse(argv):
 
 
 def _give_up(rank: int, timeout: float, recorder) -> None:
-    """The rank's watchdog: no result within --timeout. The recorder has dumped already if the
-    rank is stuck in a call (after timeout / 2); write it now in any case, then leave."""
+    """The rank's watchdog: no result within --timeout. The recorder may have dumped already (a
+    call stuck for timeout / 2); it dumps again now, so the file shows where the rank is when it
+    gives up, then the rank leaves."""
     where = ""
     if recorder is not None:
-        path = recorder.dumped or recorder.dump()
+        path = recorder.dump()
         where = f"; its flight recorder is in {path}"
     print(f"rank {rank}: no result within --timeout {timeout:g} s{where}", file=sys.stderr, flush=True)
     os._exit(1)  # the process group cannot be left cleanly while a peer is stuck

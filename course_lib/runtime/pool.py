@@ -291,7 +291,7 @@ def _print_rank_output(replies: dict[int, tuple]):
 
 
 def run_on_ranks(fn, *args, world_size: int = 4, backend: str = "auto", timeout_s: float = 60,
-                 check_collectives: bool = True, **kwargs) -> list:
+                 check_collectives: bool = True, on_timeout=None, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` ranks and return the results in rank order.
 
     Inside `fn` the default process group is initialised: `dist.get_rank()`,
@@ -305,10 +305,16 @@ def run_on_ranks(fn, *args, world_size: int = 4, backend: str = "auto", timeout_
     the same op with the same dtype and shape (course_lib/observe/checks.py; one extra tiny
     all-gather per collective, so benchmarks turn it off).
 
+    on_timeout(stuck_ranks), if given, is called when timeout_s has passed, while the stuck
+    ranks still run, before they are stopped (run_recorded asks their flight recorders for a
+    dump there).
+
     Raises RankError (a rank raised or died), RankTimeout (ranks still running after
     timeout_s), ValueError (bad arguments, before any process starts).
     """
     _validate(fn, world_size, timeout_s)
+    if on_timeout is not None and not callable(on_timeout):
+        raise TypeError(f"on_timeout={on_timeout!r} must be callable (it is called with the stuck ranks)")
     backend = resolve_backend(backend, world_size)
     try:
         # Shared modules go first: a rank installs them before unpickling fn (course_lib.runtime.modules).
@@ -327,8 +333,13 @@ def run_on_ranks(fn, *args, world_size: int = 4, backend: str = "auto", timeout_
     failures = {r: m[1] for r, m in replies.items() if m[0] == "error"}
     if failures or len(replies) < world_size:
         _POOLS.pop(key, None)
-        pool.kill()
+        stuck = [r for r in range(world_size) if r not in replies]
+        try:
+            if not failures and on_timeout is not None:
+                on_timeout(stuck)
+        finally:
+            pool.kill()
         if failures:
             raise RankError(failures, world_size)
-        raise RankTimeout([r for r in range(world_size) if r not in replies], world_size, timeout_s)
+        raise RankTimeout(stuck, world_size, timeout_s)
     return [cloudpickle.loads(replies[r][1]) for r in range(world_size)]

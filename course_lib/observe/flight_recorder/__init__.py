@@ -5,6 +5,7 @@ over 300 lines: the recorder and the analysis read the same entries, and belong 
 
     with FlightRecorder(dump_dir, stuck_after_s=5):    rank code: record; dump when a call hangs
         ...
+    request_dumps(dump_dir, ranks)                      from outside: every rank writes its buffer now
     analyse(load_dumps(dump_dir))                       the analysis; its first line names the culprit
     python -m course_lib.observe.flight_recorder DIR      the same from the files (torchrun runs)
 
@@ -16,12 +17,17 @@ point-to-point message, the k-th send to (or receive from) that peer. Then the o
 global ranks (or the peer), the tensor's shape and dtype, and the state: "issued" until the
 call returns, "completed" after.
 
-When a call hangs: a watchdog thread wakes every `poll_s` seconds; once the oldest call still
-"issued" is older than `stuck_after_s`, it writes the buffer to dump_dir/rank_<r>.json (once
-per such call: a call that was only slow and returned is overwritten when a later one sticks).
-It runs while the rank waits inside the collective, because torch releases the GIL there. A
-rank that leaves the recorder normally writes its file too, so the analysis can say what a
-rank that never entered a call did last.
+When to dump: a watchdog thread wakes every `poll_s` seconds and writes the buffer to
+dump_dir/rank_<r>.json when asked to: when the file dump_dir/dump_now holds a request it has
+not served yet (request_dumps writes it; so can `echo 1 > DIR/dump_now` on a torchrun job),
+and, with `stuck_after_s`, once the oldest call still "issued" is older than that (once per
+such call: a call that was only slow and returned is overwritten when a later one sticks).
+The request is the one a parent uses: it gives up on a hang whenever its own timeout says so,
+and the dumps then show where the ranks are at that moment, however slowly they got there (a
+fixed stuck_after_s shorter than the parent's timeout cannot promise that on a loaded machine).
+The watchdog runs while the rank waits inside the collective, because torch releases the GIL
+there. A rank that leaves the recorder normally writes its file too, so the analysis can say
+what a rank that never entered a call did last.
 
 The analysis takes each call a rank is stuck in and asks every other member of its group for
 its call with the same sequence number (the other end, for a message). A member that never
@@ -56,6 +62,8 @@ import torch.distributed as dist
 
 from course_lib._validate import check_int
 from course_lib.observe import patching
+
+DUMP_REQUEST = "dump_now"  # dump_dir/dump_now: a request for a dump (its text: the request's id)
 
 P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 _GROUP_OPS = tuple(op for op in patching.PATCHABLE_OPS if op not in P2P and op != "batch_isend_irecv")
@@ -97,6 +105,8 @@ class FlightRecorder:
             raise ValueError(f"stuck_after_s={stuck_after_s!r} must be > 0 seconds (or None: never dump by itself)")
         if stuck_after_s is not None and dump_dir is None:
             raise ValueError("stuck_after_s needs a dump_dir to write to")
+        if not poll_s > 0:
+            raise ValueError(f"poll_s={poll_s!r} must be > 0 seconds")
         self.dump_dir = None if dump_dir is None else pathlib.Path(dump_dir)
         self.stuck_after_s, self.poll_s = stuck_after_s, poll_s
         self.entries: collections.deque = collections.deque(maxlen=self.capacity)
@@ -147,9 +157,27 @@ class FlightRecorder:
         return result
 
     # ------------------------------------------------------------ the watchdog and the dump
+    def _request(self) -> str | None:
+        """The pending request's id; None when there is none, or it was made before this recorder
+        started (a request left over from an earlier run in the same directory is not for it)."""
+        path = self.dump_dir / DUMP_REQUEST
+        try:
+            if path.stat().st_mtime < self._started:
+                return None
+            return path.read_text() or None
+        except OSError:  # no request yet
+            return None
+
     def _watch(self):
         dumped_for = None  # the stuck call the last dump was written for
+        served = None
         while not self._stop.wait(self.poll_s):
+            request = self._request()
+            if request is not None and request != served:
+                self.dump(request=request)
+                served = request
+            if self.stuck_after_s is None:
+                continue
             issued = [e for e in list(self.entries) if e["state"] == "issued"]
             if not issued:
                 continue
@@ -160,14 +188,15 @@ class FlightRecorder:
                 self.dump()
                 dumped_for = oldest
 
-    def dump(self, path=None) -> pathlib.Path:
-        """Write {"rank", "world_size", "entries"} as JSON (default: dump_dir/rank_<r>.json)."""
+    def dump(self, path=None, request: str | None = None) -> pathlib.Path:
+        """Write {"rank", "world_size", "entries", "request"} as JSON (default: dump_dir/rank_<r>.json);
+        `request`: the id of the request it answers (None: the recorder's own decision)."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         path = pathlib.Path(path) if path is not None else self.dump_dir / f"rank_{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             data = {"rank": rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                    "entries": [dict(e) for e in list(self.entries)]}
+                    "entries": [dict(e) for e in list(self.entries)], "request": request}
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(data))
             tmp.replace(path)  # a reader never sees half a file
@@ -176,7 +205,8 @@ class FlightRecorder:
 
     def __enter__(self):
         patching.add_layer(self, outermost=True)  # its "issued" covers the whole wait for the peers
-        if self.stuck_after_s is not None:
+        if self.dump_dir is not None:
+            self._started = time.time()
             self._thread = threading.Thread(target=self._watch, name="flight-recorder", daemon=True)
             self._thread.start()
         return self
@@ -187,6 +217,31 @@ class FlightRecorder:
         if self.dump_dir is not None:  # a rank that finished says so: its last calls, all completed
             self.dump()
         return False
+
+
+def request_dumps(dump_dir, ranks, wait_s: float = 30.0, poll_s: float = 0.05) -> list[int]:
+    """Ask every recorder writing to `dump_dir` for a dump now; wait until each of `ranks` has
+    answered (its rank_<r>.json carries this request's id) or `wait_s` has passed. Returns the
+    ranks that did not answer (a rank whose process is gone, or one not yet inside its recorder).
+    The wait ends as soon as they have: a watchdog answers within a poll_s of its own, seconds
+    at most on a loaded machine; wait_s only bounds a rank that cannot answer at all."""
+    directory = pathlib.Path(dump_dir)
+    request = f"{time.time_ns()}"  # an id no earlier request in this directory had
+    tmp = directory / (DUMP_REQUEST + ".tmp")
+    tmp.write_text(request)
+    tmp.replace(directory / DUMP_REQUEST)  # a recorder never reads half an id
+    waiting, deadline = set(ranks), time.monotonic() + wait_s
+    while waiting and time.monotonic() < deadline:
+        for r in sorted(waiting):
+            try:
+                answered = json.loads((directory / f"rank_{r}.json").read_text()).get("request") == request
+            except (OSError, ValueError):  # not written yet
+                answered = False
+            if answered:
+                waiting.discard(r)
+        if waiting:
+            time.sleep(poll_s)
+    return sorted(waiting)
 
 
 # ------------------------------------------------------------------ the analysis
