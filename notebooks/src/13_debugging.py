@@ -54,7 +54,7 @@ from course_lib.train import StepHooks, TrainConfig, make_optimizer, share_rows,
 
 torch.manual_seed(0)
 WORLD, BAD = 4, 2  # 4 gloo ranks; the bug sits on rank 2
-TIMEOUT_S, STUCK_S = 5, 2  # a hang is given up after 5 s; the ranks dump their calls after 2 s stuck
+TIMEOUT_S = 5  # a hang is given up after 5 s; then each rank still running writes its last calls
 
 
 def show_source(fn):
@@ -100,7 +100,7 @@ def show_source(fn):
 # %%
 hang_1 = None
 try:
-    run_recorded(hangs.skip_collective, False, BAD, world_size=WORLD, timeout_s=TIMEOUT_S, stuck_after_s=STUCK_S)
+    run_recorded(hangs.skip_collective, False, BAD, world_size=WORLD, timeout_s=TIMEOUT_S)
 except HangAnalysed as err:  # a RankTimeout, with the flight recorder's analysis
     hang_1 = err
     print(f"timeout after {TIMEOUT_S} s; the ranks that did not finish: {err.stuck_ranks}")
@@ -110,9 +110,10 @@ assert hang_1 is not None and hang_1.stuck_ranks == [0, 1, 3]
 # **Evidence 1: the flight recorder.** Each rank kept a ring buffer of its last calls (op,
 # group, shape, dtype, a sequence number per group, issued or completed). The members of a group
 # must issue their collectives on it in the same order, so their k-th calls must be the same
-# call. When a call had been pending for `STUCK_S` seconds, the rank wrote its buffer to a file;
-# a rank that left wrote it too. `run_recorded` then lined the dumps up and named the culprit,
-# the rank that never entered a call the others wait in:
+# call. When the timeout passed, the parent asked every rank still running for its buffer, and
+# each wrote it to a file, showing where it was at that moment; a rank that left had written its
+# own on leaving. `run_recorded` then lined the dumps up and named the culprit, the rank that
+# never entered a call the others wait in:
 
 # %%
 print(hang_1.analysis)
@@ -190,7 +191,7 @@ print("mended twin: every rank holds the expected sums:", fixed[0]["sums"])
 # %%
 hang_2 = None
 try:
-    run_recorded(hangs.wrong_group, False, BAD, world_size=WORLD, timeout_s=TIMEOUT_S, stuck_after_s=STUCK_S)
+    run_recorded(hangs.wrong_group, False, BAD, world_size=WORLD, timeout_s=TIMEOUT_S)
 except HangAnalysed as err:
     print("stuck ranks:", err.stuck_ranks)
     print(err.analysis)
