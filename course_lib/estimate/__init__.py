@@ -10,7 +10,7 @@ which sits above this package.
                     zero_units / composed_zero_memory: ZeRO-2/3 composed with pp and tp
     calculator.py   the per-GPU memory and time-to-train calculator (figure; calculator_widget.py: widget)
     cluster.py      Cluster: devices, links, measured rates
-    traffic.py      each mesh axis's collectives of one step, as records (notebook 10 sums their
+    traffic/        each mesh axis's collectives of one step, as records (notebook 10 sums their
                     bytes, the step-time model prices them)
     step_time.py    the step-time model of a layout (course_lib.dims.ParallelDims) on a cluster
                     (notebook 11), memory per rank
