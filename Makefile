@@ -7,8 +7,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.course-installed
-# The CPU build of torch; the library itself supports torch >= 2.8 (see pyproject.toml).
-TORCH  ?= torch==2.13.0
+# torch's version: the one place it is pinned (tools/lock.py copies it into constraints.txt); the
+# library itself supports torch >= 2.8 (see pyproject.toml). Which build (tools/install_torch.py):
+# TORCH=auto, the CPU build from PyTorch's CPU index without an NVIDIA GPU and the CUDA build with
+# one; TORCH=cpu or TORCH=cuda forces it. The CUDA build's own wheels are pinned in constraints-cuda.txt.
+TORCH_VERSION ?= 2.13.0
+TORCH  ?= auto
 NBVAL  := --nbval --nbval-sanitize-with tools/nbval_sanitize.cfg --nbval-cell-timeout=300
 # The versions the suite last passed with (tools/lock.py writes it). Every install goes through it,
 # so a fresh clone next year installs what was tested, not whatever was released since.
@@ -26,7 +30,7 @@ PIP     = $(PY) -m pip install --quiet --disable-pip-version-check --no-compile 
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) "$(TORCH)"
+	$(PY) tools/install_torch.py --torch $(TORCH) --version $(TORCH_VERSION) $(if $(CONSTRAINTS),--cuda-constraints constraints-cuda.txt,) -- $(PIP)
 	$(PIP) -e ".[dev]"
 	@touch $(STAMP)
 
@@ -97,7 +101,7 @@ test-portability: $(STAMP)
 	done; exit $$status
 
 # For maintainers: the whole suite against the newest releases of every dependency (torch stays
-# at TORCH: a newer one is a separate decision), in its own .venv-latest. When it is green,
+# at TORCH_VERSION: a newer one is a separate decision), in its own .venv-latest. When it is green,
 # `make lock` takes those versions into constraints.txt; when it is red, its failures say what
 # a bump would break.
 test-latest:

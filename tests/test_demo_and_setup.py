@@ -94,7 +94,7 @@ def test_every_dependency_is_pinned_once_for_every_supported_python(python):
 
 def test_every_install_goes_through_the_constraints_and_torch_is_pinned_alike():
     makefile = (ROOT / "Makefile").read_text()
-    torch_pin = re.search(r"^TORCH\s*\?=\s*(\S+)", makefile, re.M).group(1)
+    torch_pin = "torch==" + re.search(r"^TORCH_VERSION\s*\?=\s*(\S+)", makefile, re.M).group(1)
     assert _constraints()["torch"] == [(torch_pin.split("==")[1], "")]
     assert re.search(r"^CONSTRAINTS \?= constraints.txt$", makefile, re.M)
     installs = [line for line in makefile.splitlines() if "pip install" in line or line.strip().startswith("$(PIP)")]

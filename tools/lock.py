@@ -13,7 +13,8 @@ How: the interpreter running this script (the one the suite ran on) and each oth
 dependencies with `pip install --dry-run --report` (nothing is installed); the other Pythons
 keep the tested versions wherever those install there. Versions every
 interpreter agrees on are written plainly; the others get a `python_version` marker per Python.
-torch itself is pinned to the Makefile's TORCH (the CPU build is chosen there, not here).
+torch itself is pinned to the Makefile's TORCH_VERSION (the build is chosen by tools/install_torch.py;
+the CUDA build's own wheels are pinned in constraints-cuda.txt by tools/lock_cuda.py).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def requirements() -> list[str]:
 
 
 def torch_pin() -> str:
-    line = re.search(r"^TORCH\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M)
-    return line.group(1)
+    line = re.search(r"^TORCH_VERSION\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M)
+    return f"torch=={line.group(1)}"
 
 
 def find_interpreters() -> dict[str, str]:
