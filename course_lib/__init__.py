@@ -23,14 +23,29 @@ Names the notebooks, exercises and graders rely on (kept stable):
     course_lib.model.GPT / GPTConfig       -- the reference model
 """
 
-from course_lib.observe.timeline import Timeline, plot_gantt
-from course_lib.observe.tracer import CommTracer, format_summary, merge_summaries
-from course_lib.parallel.mesh import check_mesh, make_mesh, mesh_groups
-from course_lib.runtime.pool import RankError, RankTimeout, run_on_ranks, shutdown_pools
+import importlib
 
-__all__ = [
-    "run_on_ranks", "RankError", "RankTimeout", "shutdown_pools",
-    "CommTracer", "merge_summaries", "format_summary",
-    "Timeline", "plot_gantt",
-    "make_mesh", "check_mesh", "mesh_groups",
-]
+# Imported on first use (PEP 562), not with the package: `import course_lib.estimate` (pure
+# formulas) must not import torch, and Python imports this file first for any course_lib module.
+_EXPORTS = {
+    "run_on_ranks": "course_lib.runtime.pool", "RankError": "course_lib.runtime.pool",
+    "RankTimeout": "course_lib.runtime.pool", "shutdown_pools": "course_lib.runtime.pool",
+    "CommTracer": "course_lib.observe.tracer", "merge_summaries": "course_lib.observe.tracer",
+    "format_summary": "course_lib.observe.tracer",
+    "Timeline": "course_lib.observe.timeline", "plot_gantt": "course_lib.observe.timeline",
+    "make_mesh": "course_lib.parallel.mesh", "check_mesh": "course_lib.parallel.mesh",
+    "mesh_groups": "course_lib.parallel.mesh",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'course_lib' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

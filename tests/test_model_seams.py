@@ -155,6 +155,9 @@ def _course_lib_imports(path: pathlib.Path) -> set[str]:
 
 def test_model_modules_import_one_way():
     model_dir = ROOT / "course_lib" / "model"
-    assert _course_lib_imports(model_dir / "layers.py") == set()
+    # config.py (GPTConfig, no torch) is the bottom: the estimator imports it without torch
+    assert _course_lib_imports(model_dir / "config.py") == set()
+    assert _course_lib_imports(model_dir / "layers.py") == {"course_lib.model.config"}
     assert _course_lib_imports(model_dir / "moe.py") == {"course_lib.model.layers"}
-    assert _course_lib_imports(model_dir / "gpt.py") == {"course_lib.model.layers", "course_lib.model.moe"}
+    assert _course_lib_imports(model_dir / "gpt.py") == {"course_lib.model.config", "course_lib.model.layers",
+                                                         "course_lib.model.moe"}

@@ -15,21 +15,22 @@
 from here, as the notebooks use them.
 """
 
-from course_lib.comm.collectives import (
-    ALL_REDUCE_ALGORITHMS,
-    chunk_bounds,
-    pairwise_all_to_all,
-    ps_all_reduce,
-    rabenseifner_all_reduce,
-    ring_all_gather,
-    ring_all_reduce,
-    ring_reduce_scatter,
-    ring_send_chunk,
-    sharded_ps_all_reduce,
-    theory_bytes_sent,
-    tree_all_reduce,
-)
+import importlib
 
+# collectives.py (torch) is imported on first use (PEP 562): costmodel.py and measured.py are
+# imported by the estimator, which must import where torch is not installed.
 __all__ = ["ALL_REDUCE_ALGORITHMS", "chunk_bounds", "ring_send_chunk", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "tree_all_reduce", "rabenseifner_all_reduce", "ps_all_reduce", "sharded_ps_all_reduce",
            "pairwise_all_to_all", "theory_bytes_sent"]
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module 'course_lib.comm' has no attribute {name!r}")
+    value = getattr(importlib.import_module("course_lib.comm.collectives"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_context_parallel, check_tp
 from course_lib.estimate.params import cdiv, kv_dim, ff_dim, as_count, positive_int, unpack
-from course_lib.model import GPTConfig
+from course_lib.model.config import GPTConfig
 
 @dataclass(frozen=True)
 class Recipe:

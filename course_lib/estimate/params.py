@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib.model import GPTConfig, expected_num_params
+from course_lib.model.config import GPTConfig, expected_num_params
 
 
 def as_count(name: str, value, minimum: int = 0) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from course_lib.dims import check_experts, check_tp, split_layers
 from course_lib.estimate.memory import RECIPES, activation_bytes, model_state_bytes
 from course_lib.estimate.params import cdiv, ff_dim, param_breakdown, positive_int, unpack
-from course_lib.model import GPTConfig
+from course_lib.model.config import GPTConfig
 
 
 def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int = 0) -> dict[str, int]:

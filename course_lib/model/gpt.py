@@ -40,97 +40,20 @@ q, k, v -> out), and the token positions are an argument, `forward(idx, targets,
 seams a strategy that splits the sequence needs (it swaps the one and passes its shard's
 positions in the other). The MLP and the attention core live in layers.py, below this file and
 moe.py.
+GPTConfig and expected_num_params live in config.py (no torch: the estimator reads them).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.model.layers import ATTN_IMPLS, MLP, CausalAttention
+from course_lib.model.config import ATTN_IMPLS, GPTConfig, expected_num_params  # noqa: F401 (re-exported)
+from course_lib.model.layers import MLP, CausalAttention
 from course_lib.model.moe import MoELayer, auxiliary_loss
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 97  # course_lib.data.VOCAB_SIZE: the course's fixed alphabet
-    block_size: int = 64  # context length: the longest sequence the model accepts
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 64
-    d_ff: int | None = None  # None means 4 * d_model, as in GPT-2
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear layers and LayerNorms
-    tie_weights: bool = True  # head.weight is tok_emb.weight
-    attn_impl: str = "naive"  # "naive" (explicit T x T scores) or "fused" (one kernel, F.scaled_dot_product_attention)
-    # Mixture of experts (course_lib/model/moe.py, notebook 07). n_experts = 0 is the dense model;
-    # n_experts > 0 turns every block's MLP into a router plus n_experts expert MLPs.
-    n_experts: int = field(default=0, repr=False)
-    top_k: int = field(default=1, repr=False)  # experts per token
-    capacity_factor: float | None = field(default=None, repr=False)  # None: no token is dropped
-    aux_loss_coef: float = field(default=0.01, repr=False)  # Switch load-balancing loss weight
-    z_loss_coef: float = field(default=0.001, repr=False)  # router z-loss weight
-
-    def __repr__(self):  # a dense config prints as it always did; an MoE config adds its fields
-        shown = [f for f in fields(self) if f.repr or self.n_experts]
-        return f"GPTConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
-
-    def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff <= 0):
-            raise ValueError(f"d_ff={self.d_ff!r} must be a positive int or None (= 4*d_model)")
-        if self.d_model % self.n_head != 0:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout!r} must satisfy 0 <= dropout < 1")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl={self.attn_impl!r} must be one of {ATTN_IMPLS}")
-        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
-            raise ValueError(f"n_experts={self.n_experts!r} must be an int >= 0 (0 = dense MLP)")
-        if self.n_experts:
-            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts:
-                raise ValueError(f"top_k={self.top_k!r} must satisfy 1 <= top_k <= n_experts={self.n_experts}")
-            cf = self.capacity_factor
-            if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
-                raise ValueError(f"capacity_factor={cf!r} must be > 0, or None for no capacity limit")
-            for name in ("aux_loss_coef", "z_loss_coef"):
-                if not getattr(self, name) >= 0:
-                    raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def ff_dim(self) -> int:
-        return 4 * self.d_model if self.d_ff is None else self.d_ff
-
-    @classmethod
-    def tiny(cls, vocab_size: int = 97, **overrides) -> "GPTConfig":
-        """The small model of tests and notebooks (~0.1M params). The dataset decides
-        vocab_size; other fields may be overridden: tiny(V, attn_impl="fused")."""
-        base = cls(vocab_size=vocab_size, block_size=64, n_layer=2, n_head=4, d_model=64)
-        return replace(base, **overrides)
-
-
-def expected_num_params(config: GPTConfig) -> int:
-    """The closed-form parameter count from the module docstring."""
-    d, f, b = config.d_model, config.ff_dim, int(config.bias)
-    per_block = 4 * d * d + 2 * d * f + 2 * d + b * (7 * d + f)
-    if config.n_experts:  # n_experts expert MLPs (2df + b(f + d) each) and a d x n_experts router
-        per_block += (config.n_experts - 1) * (2 * d * f + b * (f + d)) + d * config.n_experts
-    total = config.n_layer * per_block + config.vocab_size * d + config.block_size * d
-    total += d + b * d  # ln_f
-    if not config.tie_weights:
-        total += config.vocab_size * d  # separate head matrix
-    return total
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

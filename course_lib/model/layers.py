@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ATTN_IMPLS = ("naive", "fused")
+from course_lib.model.config import ATTN_IMPLS
 
 
 class MLP(nn.Module):
