@@ -8,10 +8,10 @@ course_lib.estimate (which costs them), so both read the same rules and the same
     world_size = pp * dp * ep * cp * tp
     rank = (((pp_index * dp + dp_index) * ep + ep_index) * cp + cp_index) * tp + tp_index
 
-With cp = 1 the mesh is the four-dimension one of before, MESH_DIMS (what make_mesh builds):
-ParallelDims.sizes() leaves cp out, and the geometry functions take sizes without a "cp" key,
-so every rank's coordinates and every group are unchanged. torchtitan orders its mesh pp, dp,
-cp, tp the same way.
+Every axis is always present, size 1 included (ParallelDims.sizes(), make_mesh's RankMesh); the
+groups spanning several axes are named once, as data (DERIVED_GROUPS), and `groups` gives any
+group's rank lists. The geometry also takes sizes without "cp" (MESH_DIMS: notebooks 00 and 10's
+four axes). torchtitan orders its mesh pp, dp, cp, tp the same way.
 
 What each degree splits (B = global batch, L = layers, E = experts, T = sequence):
 
@@ -30,8 +30,7 @@ The rules come in two kinds, kept apart: `check_model` is what any run of this l
 (the estimator costs exactly what it accepts); `check_composable` is what the course's runtime
 (course_lib.parallel.hybrid) cannot compose yet. ParallelDims.check is both, plus the world size.
 Each rule is one ValueError naming the value and the rule, raised before any rank starts.
-(Over 300 lines on purpose: the one rule book, the vocabulary and the mesh geometry stay in one
-file that both the runtime and the estimator read; splitting them would give a rule two homes.)
+(Over 300 lines on purpose: the rule book, vocabulary and geometry in one file both sides read.)
 """
 
 from __future__ import annotations
@@ -42,7 +41,14 @@ from dataclasses import asdict, dataclass
 from course_lib._validate import check_int, check_one_of
 
 MESH_ORDER = ("pp", "dp", "ep", "cp", "tp")  # outermost -> innermost, context parallelism included
-MESH_DIMS = ("pp", "dp", "ep", "tp")  # make_mesh's dimensions (course_lib.parallel.mesh): MESH_ORDER at cp = 1
+MESH_DIMS = ("pp", "dp", "ep", "tp")  # the four axes notebooks 00 and 10 name (cp one rank)
+# Groups spanning several axes, named once: {name: the axes its ranks differ in} (RankMesh.group)
+DERIVED_GROUPS = {
+    "dp_cp": ("dp", "cp"),  # dense gradients' mean and ZeRO's shards: cp ranks hold whole weights
+    "replica": ("dp", "ep"),  # the ranks reading different rows: dp_index*ep + ep_index
+    "loss": ("dp", "ep", "cp"),  # the step's loss: the mean over replicas and sequence shards
+}
+GROUPS = {**{a: (a,) for a in MESH_ORDER}, **DERIVED_GROUPS}  # every group a rank belongs to
 TOPOLOGY_AWARE = MESH_ORDER  # tp innermost: its ranks share a node; cp next to it
 NAIVE = ("tp", "cp", "ep", "dp", "pp")  # tp outermost: its ranks sit gpus_per_node or more apart
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "pipedream_2bw")  # the course runs
@@ -54,7 +60,6 @@ CP_METHODS = ("ring", "allgather", "ulysses")  # how context-parallel attention 
 
 
 # ---------------------------------------------------------------- the rules, one function each
-
 def check_tp(tp: int, n_head: int, d_ff: int, n_kv_head: int | None = None) -> None:
     """Whole heads and whole MLP columns per tensor-parallel rank: tp must divide n_head (and
     n_kv_head, d_ff). The one place this rule is written; d_model = n_head * head_dim follows."""
@@ -161,10 +166,8 @@ def check_batch(batch_size: int, replicas: int, microbatches: int) -> int:
 
 
 # ---------------------------------------------------------------- the mesh's geometry
-
 def check_order(order) -> tuple[str, ...]:
-    """A permutation of MESH_ORDER, or of MESH_DIMS (the four without cp: a mesh of cp = 1,
-    where cp is one rank wherever it sits)."""
+    """A permutation of MESH_ORDER, or of MESH_DIMS (without cp: one rank wherever it sits)."""
     order = tuple(order)
     if sorted(order) not in (sorted(MESH_ORDER), sorted(MESH_DIMS)):
         raise ValueError(f"order={order!r} must be a permutation of {MESH_ORDER} (cp may be left out: "
@@ -173,8 +176,8 @@ def check_order(order) -> tuple[str, ...]:
 
 
 def _axes(sizes: dict[str, int], order) -> tuple[str, ...]:
-    """`order` over the dims `sizes` names: sizes without "cp" are a four-dimension mesh (cp
-    dropped from the order); an order without cp takes a cp of size 1, placed next to tp."""
+    """`order` over the dims `sizes` names: without "cp" in sizes a four-axis mesh (cp dropped from
+    the order); an order without cp takes a cp of size 1, placed next to tp."""
     order = check_order(order)
     if "cp" not in sizes:
         return tuple(d for d in order if d != "cp")
@@ -206,18 +209,27 @@ def rank_of(coords: dict[str, int], sizes: dict[str, int], order=TOPOLOGY_AWARE)
     return rank
 
 
-def groups(sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[str, list[list[int]]]:
-    """For each dim `sizes` names, its groups: the ranks that differ only in that dim's index."""
+def groups(sizes: dict[str, int], order=TOPOLOGY_AWARE, names=None) -> dict[str, list[list[int]]]:
+    """THE group geometry: {name: its groups} for names = {name: axes} (default: each dim `sizes`
+    names, alone; GROUPS: every group a RankMesh holds). A group of axes A is the ranks that differ
+    only in A's indices: the groups partition the world, each in increasing rank (a rank's index
+    in it: its coordinates along A read as one number, in `order`), by their smallest rank."""
     order = _axes(sizes, order)
-    world = math.prod(sizes[d] for d in order)
+    names = {d: (d,) for d in MESH_ORDER if d in order} if names is None else names
+    coords = [coordinates(r, sizes, order) for r in range(math.prod(sizes[d] for d in order))]
     out = {}
-    for dim in (d for d in MESH_ORDER if d in order):
+    for name, axes in names.items():
         seen: dict[tuple, list[int]] = {}
-        for r in range(world):
-            c = coordinates(r, sizes, order)
-            seen.setdefault(tuple(v for k, v in c.items() if k != dim), []).append(r)
-        out[dim] = list(seen.values())
+        for r, c in enumerate(coords):
+            seen.setdefault(tuple(v for k, v in c.items() if k not in axes), []).append(r)
+        out[name] = list(seen.values())
     return out
+
+
+def fits_node(span: int, gpus_per_node: int) -> bool:
+    """Groups {base + k*stride, k < n} of span n * stride (ranks numbered node by node) all sit in
+    one node iff the span fits a node and never straddles two (link_of, estimate's Cluster.link)."""
+    return span <= gpus_per_node and gpus_per_node % span == 0
 
 
 def link_of(dim: str, sizes: dict[str, int], gpus_per_node: int, order=TOPOLOGY_AWARE) -> str:
@@ -227,13 +239,16 @@ def link_of(dim: str, sizes: dict[str, int], gpus_per_node: int, order=TOPOLOGY_
         return "none"
     order = _axes(sizes, order)
     stride = math.prod(sizes[d] for d in order[order.index(dim) + 1:])
-    # Groups are {base + k*stride}; all of them fit a node iff the span does and never straddles.
-    span = stride * sizes[dim]
-    return "intra" if span <= gpus_per_node and gpus_per_node % span == 0 else "inter"
+    return "intra" if fits_node(stride * sizes[dim], gpus_per_node) else "inter"
+
+
+def product_text(degrees: dict[str, int]) -> str:
+    """'pp*dp*ep*tp = 2*2*1*2 = 8' in the caller's order, cp shown when > 1: a world-size mismatch."""
+    shown = {d: n for d, n in degrees.items() if d != "cp" or n != 1}
+    return f"{'*'.join(shown)} = {'*'.join(map(str, shown.values()))} = {math.prod(shown.values())}"
 
 
 # ---------------------------------------------------------------- one layout
-
 @dataclass(frozen=True)
 class ParallelDims:
     """The degrees and options of one run; validated once, in the parent, before any rank starts."""
@@ -260,14 +275,12 @@ class ParallelDims:
 
     @property
     def replicas(self) -> int:
-        """How many different shares of the batch there are: dp * ep (the cp ranks of a
-        replica read the same rows, each its own part of the sequence)."""
+        """Different shares of the batch: dp * ep (a replica's cp ranks read the same rows)."""
         return self.dp * self.ep
 
     def sizes(self) -> dict[str, int]:
-        """{dim: degree} in MESH_ORDER; cp only when > 1 (otherwise MESH_DIMS, the mesh make_mesh
-        builds: coordinates and groups exactly as before cp existed)."""
-        return {d: getattr(self, d) for d in MESH_ORDER if d != "cp" or self.cp > 1}
+        """{axis: degree} in MESH_ORDER, every axis (size 1 included): the mesh make_mesh builds."""
+        return {d: getattr(self, d) for d in MESH_ORDER}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -382,8 +395,6 @@ class ParallelDims:
         if world_size is not None:
             self._check_counts()
             if self.world_size != world_size:
-                names = ("pp", "dp", "ep", "cp", "tp") if self.cp > 1 else ("pp", "dp", "ep", "tp")
-                raise ValueError(f"{'*'.join(names)} = {'*'.join(str(getattr(self, d)) for d in names)} = "
-                                 f"{self.world_size} must equal world_size={world_size}")
+                raise ValueError(f"{product_text(self.sizes())} must equal world_size={world_size}")
         self.check_model(model_config, batch_size, seq_len)
         return self.check_composable(model_config)

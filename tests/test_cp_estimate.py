@@ -126,7 +126,7 @@ def test_at_cp_1_every_coordinate_and_group_is_as_before(sizes):
     assert D.groups(sizes) == mesh_groups(world, **sizes)
     with_cp = {**sizes, "cp": 1}
     dims = D.ParallelDims(**sizes)
-    assert dims.sizes() == sizes  # no cp key: make_mesh's four dimensions
+    assert dims.sizes() == with_cp  # every axis, cp of size 1 included: make_mesh's five
     for r in range(world):
         c = D.coordinates(r, sizes)
         assert list(c) == ["pp", "dp", "ep", "tp"]

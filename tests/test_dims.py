@@ -28,6 +28,13 @@ GRID = [dict(dp=dp, tp=tp, pp=pp, ep=ep, virtual_stages=v, microbatches=m, sched
         for dp, tp, pp, ep, v, m, s, sp in itertools.product(
             (1, 2), (1, 2, 3), (1, 2, 3), (1, 2), (1, 2), (1, 2, 4), ("1f1b", "interleaved_1f1b", "zero_bubble"),
             (False, True))]
+# context parallelism: T = 12 tokens, so cp = 3 with load balancing (2cp = 6 chunks) fits and
+# cp = 4 does not; Ulysses needs cp | n_head (heads of 2 and 6); cp with an MoE model is refused
+GRID += [dict(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, cp_method=method, cp_load_balance=lb, microbatches=m,
+              sequence_parallel=sp)
+         for dp, tp, pp, ep, cp, method, lb, m, sp in itertools.product(
+             (1, 2), (1, 2), (1, 2), (1, 2), (2, 3, 4), ("ring", "allgather", "ulysses"), (True, False), (1, 2),
+             (False, True))]
 BATCH = 8
 
 

@@ -55,7 +55,9 @@ def test_3d_dp2_tp2_pp2_equals_single_process(dense, zero):
     dims = ParallelDims(dp=2, tp=2, pp=2, zero=zero, microbatches=2)
     results = run_hybrid(dims, dense, TRAIN, timeout_s=240)
     _assert_equal_to_single(results, train_single(dense, TRAIN))
-    assert {tuple(r.coords.values()) for r in results} == {(p, d, 0, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
+    # every axis present, size 1 included: (pp, dp, ep, cp, tp)
+    assert {tuple(r.coords.values()) for r in results} == {(p, d, 0, 0, t) for p in (0, 1) for d in (0, 1)
+                                                          for t in (0, 1)}
 
 
 def test_4d_mesh_with_experts_equals_single_process(moe):

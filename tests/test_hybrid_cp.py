@@ -230,7 +230,7 @@ def test_bad_context_parallel_layouts_are_refused_before_any_rank_starts(dense, 
     assert message in str(err.value), str(err.value)
 
 
-def test_traffic_by_dimension_names_cp_and_dp_cp_and_leaves_cp1_unchanged():
+def test_traffic_by_dimension_names_cp_and_dp_cp_and_cp1_as_before():
     """Pure Python: which dimension a group's records count under."""
     from types import SimpleNamespace
 
@@ -242,6 +242,6 @@ def test_traffic_by_dimension_names_cp_and_dp_cp_and_leaves_cp1_unchanged():
     assert groups["cp"][0] == [0, 2] and groups["dp"][0] == [0, 4] and groups["tp"][0] == [0, 1]
     got = traffic_by_dimension([rec([0, 2]), rec([0, 2, 4, 6]), rec([0, 1]), rec([1, 3, 5, 7])], dims, 8)
     assert {d: s["calls"] for d, s in got.items()} == {"cp": 1, "dp_cp": 2, "tp": 1}
-    plain = ParallelDims(dp=2, tp=2)  # cp = 1: the four dimensions of before, no cp key anywhere
-    assert set(mesh_groups(4, **plain.sizes())) == {"pp", "dp", "ep", "tp"}
+    plain = ParallelDims(dp=2, tp=2)  # cp = 1: its groups are single ranks, so no call counts under cp
+    assert set(mesh_groups(4, **plain.sizes())) == {"pp", "dp", "ep", "cp", "tp"}
     assert traffic_by_dimension([rec([0, 2])], plain, 4) == {"dp": {"calls": 1, "bytes_sent": 4, "bytes_recv": 4}}

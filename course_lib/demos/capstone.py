@@ -27,6 +27,7 @@ import signal
 import sys
 
 from course_lib.capstone import load_config, train_segment
+from course_lib.dims import product_text
 from course_lib.parallel.hybrid import train_single
 from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.tolerances import first_grad_norm_check
@@ -53,9 +54,9 @@ def main(argv=None) -> int:
         config = load_config(args.config)
         dims = config.resume if args.resume else config.layout
         if dims.world_size != world:
-            names = ("dp", "tp", "pp", "ep") + (("cp",) if dims.cp > 1 else ())
-            raise ValueError(f"[{section}] {'*'.join(names)} = {'*'.join(str(getattr(dims, d)) for d in names)} = "
-                             f"{dims.world_size} must equal the number of processes (WORLD_SIZE={world})")
+            degrees = {d: getattr(dims, d) for d in ("dp", "tp", "pp", "ep", "cp")}
+            raise ValueError(f"[{section}] {product_text(degrees)} must equal the number of processes "
+                             f"(WORLD_SIZE={world})")
         if args.kill_rank is not None and not 0 <= args.kill_rank < world:
             raise ValueError(f"--kill-rank={args.kill_rank} must be in [0, WORLD_SIZE={world})")
     except ValueError as err:  # before any rank waits: one clear line, no traceback

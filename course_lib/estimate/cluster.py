@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from course_lib._validate import check_int
 from course_lib.comm.costmodel import LinkModel
-from course_lib.dims import ParallelDims, link_of
+from course_lib.dims import ParallelDims, fits_node, link_of
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Cluster:
         """The link a group of `size` ranks `stride` apart crosses: the node's when its span
         fits a node without straddling two (course_lib.dims.link_of's rule)."""
         span = size * stride
-        return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
+        return self.intra if fits_node(span, self.gpus_per_node) else self.inter
 
     def link_of(self, dim: str, dims: ParallelDims) -> LinkModel:
         """The link of mesh dimension `dim` of the layout `dims`, placed as make_mesh places it

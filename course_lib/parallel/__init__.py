@@ -1,6 +1,7 @@
 """Parallel training strategies: one sub-package per mesh axis.
 
-    mesh.py    make_mesh(dp, tp, pp, ep): the named DeviceMesh every strategy takes its groups from
+    mesh.py    make_mesh(dims): this rank's RankMesh, every strategy's groups: the five axes (size 1
+               included) and the derived groups of course_lib.dims.DERIVED_GROUPS
     clip.py    clip_grad_norm_(grads_and_weights, max_norm, group): the one global-norm clip; each
                axis passes its pieces with weight 1 / copies, so every element is counted once
     placement.py  Placement: how an axis splits (or replicates) a tensor: which dim, which ranks
@@ -31,10 +32,10 @@ from course_lib.parallel.dp import (
     run_data_parallel,
     train_data_parallel,
 )
-from course_lib.parallel.mesh import check_mesh, make_mesh, mesh_groups
+from course_lib.parallel.mesh import RankMesh, check_mesh, make_mesh, mesh_groups, mesh_layout
 
 __all__ = [
     "DDP", "naive_all_reduce_gradients", "check_replicas", "broadcast_parameters", "assign_buckets",
     "train_data_parallel", "run_data_parallel", "LowPrecisionHook", "TopKHook",
-    "make_mesh", "check_mesh", "mesh_groups",
+    "make_mesh", "check_mesh", "mesh_groups", "mesh_layout", "RankMesh",
 ]

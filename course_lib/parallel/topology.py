@@ -1,14 +1,16 @@
 """Rank placement: which mesh dimension's traffic crosses which link of a cluster (notebook 10).
 
 Ranks are numbered node by node (ranks 0..G-1 on node 0, G = GPUs per node). The order of the
-mesh dimensions decides which ranks form a group: with order (d_0, ..., d_3), d_3 innermost,
+mesh dimensions decides which ranks form a group: with order (d_0, ..., d_4), d_4 innermost,
 
-    rank = ((c_0 * n_1 + c_1) * n_2 + c_2) * n_3 + c_3,     stride(d_i) = n_{i+1} * ... * n_3
+    rank = (((c_0 * n_1 + c_1) * n_2 + c_2) * n_3 + c_3) * n_4 + c_4,   stride(d_i) = n_{i+1} ... n_4
 
 so a group of dimension d is {base + k * stride(d), k < n_d}, and it stays inside one node iff
-no two of its ranks lie on different nodes (for the sizes here: stride * n_d <= G, aligned).
-make_mesh uses TOPOLOGY_AWARE = ("pp", "dp", "ep", "tp"): tp innermost, on NVLink; pp
-outermost, its point-to-point sends the only traffic that must leave the node. NAIVE reverses it.
+no two of its ranks lie on different nodes (stride * n_d <= G, aligned: course_lib.dims.fits_node).
+The groups are course_lib.dims.groups', the one geometry make_mesh's RankMesh is built from.
+make_mesh uses TOPOLOGY_AWARE = ("pp", "dp", "ep", "cp", "tp"): tp innermost, on NVLink, cp
+next; pp outermost, its point-to-point sends the only traffic that must leave the node. NAIVE
+reverses it.
 
 Traffic of one step, bytes sent, summed over all ranks: course_lib.estimate.traffic, one function
 per axis (re-exported by each axis package), whose records the step-time model (notebook 11)
@@ -25,6 +27,8 @@ m micro-batches, L blocks:
         B s top_k rows of d elements, summed over ranks; (ep-1)/ep of them leave the rank under
         uniform routing) + the counts (E int64 per rank and micro-batch) + the average of the
         dense gradients over ep (one all-reduce of every dense parameter a rank holds)
+    cp  per block and micro-batch, the attention's exchange of keys and values (cp_method: the
+        ring's sends, the all-gather and its reduce-scatter, or Ulysses' all-to-alls): cp_traffic
 
 Time on a link: ring all-reduce 2(N-1) alpha + 2(N-1)/N S/beta; point-to-point alpha + S/beta
 (course_lib.comm.costmodel's alpha-beta model; NVLink and InfiniBand figures from its CLUSTERS).
@@ -37,7 +41,8 @@ from dataclasses import dataclass
 from course_lib.comm.costmodel import CLUSTERS, LinkModel
 # the mesh geometry (orders, rank <-> coordinates, groups, which link a dimension crosses) is
 # course_lib.dims': re-exported here, where notebook 10 and the traffic model read it
-from course_lib.dims import MESH_DIMS, NAIVE, TOPOLOGY_AWARE, check_order, coordinates, groups, link_of, rank_of
+from course_lib.dims import (MESH_DIMS, MESH_ORDER, NAIVE, TOPOLOGY_AWARE, check_order, coordinates, fits_node, groups,
+                             link_of, rank_of)
 # each axis's traffic: the records the step-time model (notebook 11) prices too
 from course_lib.estimate.traffic import step_traffic
 
@@ -66,14 +71,15 @@ def traffic_per_step(config, dims, batch_size: int, seq: int | None = None, dtyp
     The squared norm's all-reduce (over the world) is left out: the tracer files it under "world"."""
     records = step_traffic(config, dims, batch_size, seq, dtype_bytes)
     out = {}
-    for dim in ("tp", "pp", "dp", "ep"):
-        rows = records[dim]
+    for dim in ("tp", "pp", "dp", "ep", "cp"):
         if getattr(dims, dim) == 1:
             continue
+        rows = records[dim]
         main = [r for r in rows if r.op == rows[0].op and not r.report]
         # a message of the average rank: the dp flat unit (ranks differ: stages, tp copies), else rank 0's
         message = sum(r.world_bytes for r in main) / dims.world_size / main[0].calls if dim == "dp" else main[0].nbytes
-        out[dim] = {"op": OPS[dim] if dim != "dp" or dims.zero else "all_reduce",
+        op = CP_OPS[dims.cp_method] if dim == "cp" else OPS[dim] if dim != "dp" or dims.zero else "all_reduce"
+        out[dim] = {"op": op,
                     "bytes_sent": sum(r.world_bytes for r in rows), "message_bytes": message}
     for row in out.values():
         row["bytes_per_rank"] = row["bytes_sent"] / dims.world_size
@@ -81,6 +87,7 @@ def traffic_per_step(config, dims, batch_size: int, seq: int | None = None, dtyp
 
 
 OPS = {"tp": "all_reduce", "pp": "send/recv", "dp": "reduce_scatter+all_gather", "ep": "all_to_all"}
+CP_OPS = {"ring": "send/recv", "allgather": "reduce_scatter+all_gather", "ulysses": "all_to_all"}  # by cp_method
 
 
 def link_seconds(op: str, nbytes: float, n: int, link: LinkModel) -> float:

@@ -26,6 +26,7 @@ from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.cp.apply import apply_context_parallel, check_apply, context_parallel_loss
 from course_lib.parallel.dp.apply import apply_data_parallel
+from course_lib.parallel.mesh import make_mesh
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.techniques.accumulation import accumulate_gradients
@@ -41,17 +42,10 @@ def check_run(config, train_cfg, cp: int, dp: int = 1, method: str = "ring", loa
 
 
 def cp_groups(cp: int, dp: int = 1):
-    """(cp group, dp group, cp index, dp index) of this rank on dp * cp ranks (cp innermost).
-    Collective: every rank creates every group, in the same order."""
-    rank = dist.get_rank()
-    cp_group = dp_group = None
-    for d in range(dp):  # the cp groups: consecutive ranks
-        g = dist.new_group(list(range(d * cp, (d + 1) * cp)))
-        cp_group = g if rank // cp == d else cp_group
-    for c in range(cp):  # the dp groups: ranks cp apart
-        g = dist.new_group(list(range(c, dp * cp, cp)))
-        dp_group = g if rank % cp == c else dp_group
-    return cp_group, dp_group, rank % cp, rank // cp
+    """(cp group, dp group, cp index, dp index) of this rank on dp * cp ranks (cp innermost): the
+    groups of make_mesh(dp=dp, cp=cp). Collective: every rank calls it."""
+    mesh = make_mesh(dp=dp, cp=cp)
+    return mesh.group("cp"), mesh.group("dp"), mesh.coords["cp"], mesh.coords["dp"]
 
 
 def train_context_parallel(config, train_cfg, cp: int, dp: int = 1, method: str = "ring", load_balance: bool = True,

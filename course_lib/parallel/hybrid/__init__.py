@@ -5,7 +5,7 @@
                  layout with its rule, in the parent, before any rank starts
     compose.py   build_hybrid: make_mesh -> apply_tensor_parallel (tp) -> apply_expert_parallel (ep)
                  -> apply_context_parallel (cp) -> build_stage (pp) -> ZeRO-1 / AdamW over dp
-                 (dp·cp when cp > 1); sync_gradients; the ONE global-norm clip
+                 (the mesh's dp·cp group: dp's own at cp = 1); sync_gradients; the ONE global-norm clip
                  (clip_grad_norm_hybrid) that counts each shard once across every dimension
     zero_pp.py   ZeRO-2 / ZeRO-3 over dp on a pipeline (and tp) stage: each gradient reduced once
                  per step, when its last micro-batch's backward ends; stage 3's two reshard policies

@@ -1,6 +1,6 @@
 """The ordered composition on one mesh, and the one global-norm clip.
 
-    mesh  = make_mesh(dp, tp, pp, ep, cp)                   dims ("pp", "dp", "ep", ["cp",] "tp")
+    mesh  = make_mesh(dims)                                 a RankMesh: axes pp, dp, ep, cp, tp
     model = GPT(config, seed)                               the same plain model on every rank
     apply_tensor_parallel(model, mesh["tp"], sp)            1. TP (+SP): inside every block
     apply_expert_parallel(model, mesh["ep"])                2. EP: each MoE layer keeps E/ep experts
@@ -17,7 +17,7 @@ Sequence parallelism with pp > 1: between blocks a tp rank holds its T/tp tokens
 residual stream, so a stage boundary sends that shard (stage.sequence_shards = tp sizes the
 receive): the pipeline's messages are tp times smaller, as in Megatron.
 
-Context parallelism (cp > 1). Every rank of a replica reads the replica's rows; rank c of the
+Context parallelism. Every rank of a replica reads the replica's rows; rank c of the
 cp group keeps its shard of their sequence, T/cp tokens (idx, targets and their absolute
 positions, SequenceLayout: contiguous or zig-zag), and runs the model, or its pipeline stage,
 on that shard alone: the first stage embeds the shard's positions (held by the stage, below),
@@ -27,7 +27,8 @@ Ulysses). The loss of a rank is the mean over its local tokens; the shards are e
 mean over cp of the local means is the single process's loss, and the gradient of the whole
 batch is the MEAN over the cp ranks of their local gradients, as over dp replicas. The cp
 ranks hold whole weights, so dp and cp are one reduction group: ZeRO's engine runs over the
-dp·cp ranks (groups["dp_cp"]; torchtitan's FSDP over dp_shard x cp does the same), averaging
+dp·cp ranks (mesh.group("dp_cp"), course_lib.dims.DERIVED_GROUPS; at cp = 1 it IS the dp
+group; torchtitan's FSDP over dp_shard x cp does the same), averaging
 the gradients over dp * cp and, at ZeRO-1, sharding the optimizer state over dp * cp ranks
 instead of keeping cp identical copies of it. The alternative, an all-reduce over cp and
 then ZeRO over dp, moves more bytes and keeps cp copies of the state for no gain.
@@ -49,7 +50,7 @@ and one all-reduce (sum) over the whole world of sum_p w(p) * ||g_p||^2 gives ||
 element counted exactly once. Every rank then scales by min(1, max_norm / (||g|| + 1e-6)).
 
 Each factor is read from the axis's own record (course_lib.parallel.placement): `placements(parts)`
-lists every parameter's Placement on tp, ep, pp, cp (cp > 1: whole on every cp rank) and dp, as
+lists every parameter's Placement on tp, ep, pp, cp (whole on every cp rank) and dp, as
 the layers, the experts, the stage, the context-parallel model and the ZeRO units report them,
 and w(p) = 1 / the product of their copies. The same records rebuild the single-process state
 dict from any layout (`full_state_dict`) and give the checkpoint its boxes.
@@ -60,7 +61,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from course_lib.model import GPT
 from course_lib.parallel.clip import clip_grad_norm_
@@ -68,7 +68,7 @@ from course_lib.parallel.cp.apply import apply_context_parallel, cp_placements
 from course_lib.parallel.hybrid.zero_pp import build_stage_optimizer
 from course_lib.parallel.ep import apply_expert_parallel, reduce_gradients
 from course_lib.parallel.ep.apply import ep_placements
-from course_lib.parallel.mesh import make_mesh, mesh_groups
+from course_lib.parallel.mesh import make_mesh
 from course_lib.parallel.placement import Placement, gather_full, parameter_names, weight
 from course_lib.parallel.pp import build_stage
 from course_lib.parallel.pp.schedules import make_schedule
@@ -104,31 +104,12 @@ class ShardPositionEmbedding(TokenAndPositionEmbedding):
         return super().forward(idx, self.positions if pos is None else pos)
 
 
-def _dp_cp_group(dims, world_size: int):
-    """The ZeRO group at cp > 1: the dp * cp ranks sharing this rank's pp, ep and tp indices.
-    Collective: every rank creates every such group, in the same order."""
-    by_dim = mesh_groups(world_size, **dims.sizes())
-    rank, mine = dist.get_rank(), None
-    for ranks in dp_cp_ranks(by_dim):
-        g = dist.new_group(ranks)
-        mine = g if rank in ranks else mine
-    return mine
-
-
-def dp_cp_ranks(by_dim: dict[str, list[list[int]]]) -> list[list[int]]:
-    """The rank lists of the dp·cp groups: each dp group joined with the cp groups of its members."""
-    cp_of = {r: g for g in by_dim["cp"] for r in g}
-    out = {tuple(sorted(r for d in dp for r in cp_of[d])) for dp in by_dim["dp"]}
-    return [list(g) for g in sorted(out)]
-
-
 def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
     """Rank code: the composition in the module docstring, on this rank. `dims` must have been
-    checked in the parent (ParallelDims.check). groups and coords have a "cp" entry only when
-    cp > 1 (then also groups["dp_cp"], the ZeRO group)."""
+    checked in the parent (ParallelDims.check). coords and groups are the RankMesh's: every axis
+    (size 1 included) and every derived group (course_lib.dims.DERIVED_GROUPS)."""
     mesh = make_mesh(dims)
-    groups = {d: mesh[d].get_group() for d in mesh.mesh_dim_names}
-    coords = {d: dist.get_rank(groups[d]) for d in groups}
+    groups, coords = mesh.groups, mesh.coords
     model = GPT(model_config, seed=seed)
     if device is not None:
         model = model.to(device)
@@ -138,7 +119,6 @@ def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
         apply_expert_parallel(model, groups["ep"])
     if dims.cp > 1:  # after tp: the attention it wraps holds tp's n_head / tp heads
         apply_context_parallel(model, groups["cp"], dims.cp_method, dims.cp_load_balance)
-        groups["dp_cp"] = _dp_cp_group(dims, dist.get_world_size())
     if dims.recompute == "full":  # in place: the names stay the single-process ones
         recompute_in_place(model.blocks)
     stage = build_stage(model, groups["pp"], dims.virtual_stages) if dims.pp > 1 else None
@@ -152,9 +132,9 @@ def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
 
 
 def zero_group(parts: HybridParts):
-    """The ranks that average the gradients and (ZeRO-1) shard the optimizer state: dp, and
-    dp·cp when cp > 1 (module docstring)."""
-    return parts.groups["dp_cp"] if parts.dims.cp > 1 else parts.groups["dp"]
+    """The ranks that average the gradients and (ZeRO-1) shard the optimizer state: dp·cp (the dp
+    group itself at cp = 1; module docstring)."""
+    return parts.groups["dp_cp"]
 
 
 def trained_module(parts: HybridParts):
@@ -180,7 +160,7 @@ def make_hybrid_optimizer(parts: HybridParts, train_cfg):
         return parts.optimizer
     # ZeRO's engine at stage 0 is plain data parallelism with one flat all-reduce per group;
     # at stage 1 it shards the optimizer state. Either way it averages the gradients over dp
-    # (dp·cp when cp > 1: the cp ranks' local gradients are averaged like replicas').
+    # (dp·cp: the cp ranks' local gradients are averaged like replicas').
     parts.optimizer = ShardedOptimizer.for_stage([(i, g["params"]) for i, g in enumerate(groups)], torch.optim.AdamW,
                                                  zero_group(parts), kw, parts.dims.zero, groups=groups)
     return parts.optimizer
@@ -204,15 +184,16 @@ def trained_parameters(parts: HybridParts) -> list[tuple[str, torch.nn.Parameter
 def _dp_state_placements(parts: HybridParts) -> dict[int, tuple[Placement, Placement]]:
     """{id(p): (Placement over cp, Placement over dp)} of the optimizer's copy of p: at ZeRO-1
     its range of the flat unit's shards, at zero=0 whole on every replica (the engine's units
-    have one shard). When the engine runs over dp·cp (cp > 1) its flat range is one rank's of
-    all dp * cp: the flat placement (axis "dp_cp") says which, and on cp the range is then held
-    by this rank alone; at zero=0 the copy is whole on every dp and cp rank."""
-    opt, c = parts.optimizer, parts.coords
+    have one shard). The engine runs over dp·cp: when that group is more than dp's, its
+    flat range is one rank's of all dp * cp: the flat placement (axis "dp_cp") says which, and
+    on cp the range is then held by this rank alone; at zero=0 the copy is whole on every dp and
+    cp rank."""
+    opt, c, mesh_groups = parts.optimizer, parts.coords, parts.groups
     if opt is None:
         raise ValueError("the optimizer's placements need parts.optimizer (make_hybrid_optimizer first)")
-    cp, rank_cp = parts.dims.cp, c.get("cp", 0)
-    over_cp = cp > 1 and opt.group is parts.groups.get("dp_cp")
-    whole_cp = Placement.replicated("cp", rank_cp, cp)
+    cp = parts.dims.cp
+    over_cp = opt.group is mesh_groups["dp_cp"] and mesh_groups["dp_cp"] is not mesh_groups["dp"]
+    whole_cp = Placement.replicated("cp", c["cp"], cp)
     out = {}
     for s in opt.shards:
         u = s.unit
@@ -220,31 +201,30 @@ def _dp_state_placements(parts: HybridParts) -> dict[int, tuple[Placement, Place
             if u.world_size == 1:
                 out[id(p)] = (whole_cp, Placement.replicated("dp", c["dp"], parts.dims.dp))
             else:
-                out[id(p)] = (Placement.whole("cp", (rank_cp,), rank_cp, cp) if over_cp else whole_cp,
+                out[id(p)] = (Placement.whole("cp", (c["cp"],), c["cp"], cp) if over_cp else whole_cp,
                               Placement.of_flat_unit("dp_cp" if over_cp else "dp", off, n, u.shard_numel, u.rank,
                                                      u.world_size))
     return out
 
 
 def placements(parts: HybridParts, state: bool = False) -> dict[str, tuple[Placement, ...]]:
-    """{single-process name: its Placements on (tp, ep, pp[, cp], dp)} for the parameters this rank
+    """{single-process name: its Placements on (tp, ep, pp, cp, dp)} for the parameters this rank
     trains, each read from its axis: the TP layers, the expert layers, the pipeline stage, the
-    context-parallel model (cp > 1 only: every parameter whole on every cp rank); on dp the
-    parameters are whole on every replica or, with state=True, what the optimizer holds of them
-    (masters, their state, the dp-mean gradient the clip reads): at ZeRO-1 a flat range of the
-    TP-local tensor (over dp·cp when cp > 1, and then on cp this rank's alone)."""
+    context-parallel model (every parameter whole on every cp rank); on dp the parameters are
+    whole on every replica or, with state=True, what the optimizer holds of them (masters, their
+    state, the dp-mean gradient the clip reads): at ZeRO-1 a flat range of the TP-local tensor
+    (over dp·cp, and then on cp this rank's alone)."""
     dims, coords = parts.dims, parts.coords
     tp = tp_placements(parts.model) if dims.tp > 1 else {}
     ep = ep_placements(parts.model, parts.groups["ep"]) if dims.ep > 1 else {}
     pp = parts.stage.placements() if parts.stage is not None else {}
-    cp = cp_placements(parts.model) if dims.cp > 1 else {}
+    cp = cp_placements(parts.model) if dims.cp > 1 else {}  # applied only when it splits, as tp and ep
     state_of = _dp_state_placements(parts) if state else {}
-    whole = {a: Placement.replicated(a, coords[a], getattr(dims, a)) for a in ("tp", "ep", "pp", "dp")}
+    whole = {a: Placement.replicated(a, coords[a], getattr(dims, a)) for a in ("tp", "ep", "pp", "cp", "dp")}
     out = {}
     for name, p in trained_parameters(parts):
-        on_cp, on_dp = state_of.get(id(p), (cp.get(name), whole["dp"]))
-        out[name] = (tp.get(name, whole["tp"]), ep.get(name, whole["ep"]), pp.get(name, whole["pp"]),
-                     *((on_cp,) if dims.cp > 1 else ()), on_dp)
+        on_cp, on_dp = state_of.get(id(p), (cp.get(name, whole["cp"]), whole["dp"]))
+        out[name] = (tp.get(name, whole["tp"]), ep.get(name, whole["ep"]), pp.get(name, whole["pp"]), on_cp, on_dp)
     return out
 
 

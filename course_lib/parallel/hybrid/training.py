@@ -1,12 +1,12 @@
-"""The reference training loop on a dp x tp x pp x ep (x cp) mesh, its single-process twin, and
+"""The reference training loop on a dp x tp x pp x ep x cp mesh, its single-process twin, and
 the bytes each mesh dimension moved.
 
 Every rank draws the reference's global batch (a generator seeded with train_cfg.seed) and
-keeps the share of its replica, r = dp_index * ep + ep_index: rows [r*B/R, (r+1)*B/R), R = dp*ep.
-tp, pp and cp ranks of one replica read the same rows; a cp rank then keeps its shard of their
-sequence (T/cp tokens, with their positions). The loss of a step is the mean over the R
-replicas and the cp shards (one all-reduce over dp, one over ep, one over cp), so every rank
-reports the global loss.
+keeps the share of its replica, r = dp_index * ep + ep_index: rows [r*B/R, (r+1)*B/R), R = dp*ep
+(RankMesh.rows). tp, pp and cp ranks of one replica read the same rows; a cp rank then keeps its
+shard of their sequence (T/cp tokens, with their positions). The loss of a step is the mean over
+the R replicas and the cp shards, the loss group (RankMesh.mean_loss: an all-reduce over each of
+dp, ep and cp that has more than one rank), so every rank reports the global loss.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.cp.apply import shard_batch
-from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hybrid, dp_cp_ranks,
-                                                make_hybrid_optimizer, sync_gradients, trained_module, zero_group)
+from course_lib.parallel.hybrid.compose import (build_hybrid, clip_grad_norm_hybrid, make_hybrid_optimizer,
+                                                sync_gradients, trained_module, zero_group)
 from course_lib.dims import ParallelDims
 from course_lib.parallel.hybrid.zero_pp import measure_stage_bytes
-from course_lib.parallel.mesh import mesh_groups
+from course_lib.parallel.mesh import mesh_layout
 from course_lib.parallel.pp import run_schedule
 from course_lib.parallel.tp import gather_full_state_dict
 from course_lib.runtime import run_on_ranks
@@ -62,12 +62,10 @@ def dimension_of(group_ranks, groups_by_dim: dict[str, list[list[int]]], world_s
 
 
 def traffic_by_dimension(records, dims: ParallelDims, world_size: int) -> dict[str, dict[str, int]]:
-    """{dimension: calls and bytes} of the tracer's records. At cp > 1 the attention's calls run
-    on the cp groups ("cp") and ZeRO's on the dp·cp groups ("dp_cp"; with dp = 1 that group is
-    the cp group, so they count under "cp" too)."""
-    groups = mesh_groups(world_size, **dims.sizes())
-    if dims.cp > 1:
-        groups["dp_cp"] = dp_cp_ranks(groups)
+    """{dimension: calls and bytes} of the tracer's records: the first group of the mesh (an axis,
+    else a derived group: ZeRO's on the dp·cp groups, "dp_cp") with the call's ranks; a group equal
+    to an axis counts under that axis (at dp = 1 the dp·cp groups are the cp groups: "cp")."""
+    groups = {name: g for name, g in mesh_layout(dims).items() if name in (*dims.sizes(), "dp_cp")}
     out: dict[str, dict[str, int]] = {}
     for r in records:
         s = out.setdefault(dimension_of(r.group_ranks, groups, world_size),
@@ -111,8 +109,8 @@ def precision_context(precision: str):
 
 
 def make_forward_backward(parts, dims, timeline=None):
-    """train_step's forward_backward for a hybrid layout: at cp > 1 the rank's sequence shard of
-    its rows first; the pipeline schedule when there are stages, else `microbatches` accumulated
+    """train_step's forward_backward for a hybrid layout: with context parallelism the rank's
+    sequence shard of its rows first; the pipeline schedule when there are stages, else `microbatches` accumulated
     micro-batches, under dims.precision; then the gradient synchronisation of every mesh
     dimension. Returns the mean loss of the rank's share (its local tokens). A Timeline
     (optional) gets the forward/backward (or the pipeline's F/B, sends and receives) and the
@@ -124,7 +122,7 @@ def make_forward_backward(parts, dims, timeline=None):
 
     def forward_backward(_module, x, y):
         pos = None
-        if dims.cp > 1:  # this cp rank's tokens of every row, and their positions (the stage holds them)
+        if dims.cp > 1:  # context parallelism applied: this cp rank's tokens of every row and their positions
             x, y, pos = shard_batch(x, y, parts.model.cp_layout, parts.coords["cp"])
         with precision_context(dims.precision):
             if parts.stage is not None:
@@ -146,21 +144,15 @@ def make_forward_backward(parts, dims, timeline=None):
 
 def replica_rows(parts, dims: ParallelDims, batch_size: int) -> slice:
     """The rows of the global batch this rank's replica r = dp_index * ep + ep_index reads
-    (tp and pp ranks of one replica read the same rows)."""
-    return share_rows(parts.coords["dp"] * dims.ep + parts.coords["ep"], dims.replicas, batch_size)
+    (tp, pp and cp ranks of one replica read the same rows): RankMesh.rows."""
+    return parts.mesh.rows(batch_size)
 
 
 def mean_over_replicas(parts, dims: ParallelDims):
-    """train_loop's report_loss: this replica's loss -> the global loss, the mean over the
-    R = dp * ep replicas and the cp equal sequence shards (an all-reduce over dp, one over ep
-    and one over cp, in float64), the same on every rank."""
-    def report(loss: float) -> float:
-        mean = torch.tensor(loss / (dims.replicas * dims.cp), dtype=torch.float64, device=rank_device())
-        for d in ("dp", "ep", "cp"):
-            if getattr(dims, d) > 1:
-                dist.all_reduce(mean, group=parts.groups[d])
-        return float(mean)
-    return report
+    """train_loop's report_loss: this replica's loss -> the global loss, the mean over the loss
+    group (R = dp * ep replicas x cp equal sequence shards; RankMesh.mean_loss, float64), the
+    same on every rank."""
+    return parts.mesh.mean_loss
 
 
 def train_hybrid(dims: ParallelDims, model_config, train_cfg, trace: bool = False) -> HybridResult:
