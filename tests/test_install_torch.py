@@ -17,6 +17,8 @@ PIP = ["py", "-m", "pip", "install", "-q", "-c", "constraints.txt"]
 CPU_STEPS = [PIP + ["--no-deps", "--index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0+cpu"],
              PIP + ["torch==2.13.0+cpu"]]
 CUDA_STEP = [PIP + ["-c", "constraints-cuda.txt", "torch===2.13.0"]]
+# The CPU index unreachable: ==, so a 2.13.0+cpu wheel pip's own sources hold still wins over PyPI's CUDA one
+FALLBACK = [PIP + ["-c", "constraints-cuda.txt", "torch==2.13.0"]]
 
 
 def never():
@@ -33,9 +35,9 @@ def plan(torch, *, gpu, probe, system="Linux"):
     ("auto", lambda: True, never, CUDA_STEP, "the CUDA build, from the default index: an NVIDIA GPU was found"),
     ("cpu", never, lambda: None, CPU_STEPS, "the CPU build, from PyTorch's CPU index: TORCH=cpu"),
     ("cuda", never, never, CUDA_STEP, "the CUDA build, from the default index: TORCH=cuda"),
-    ("auto", lambda: False, lambda: "URLError: timed out", CUDA_STEP,
-     "could not be reached (URLError: timed out), so the default index's wheel instead"),
-    ("cpu", never, lambda: "HTTP 503", CUDA_STEP, "could not be reached (HTTP 503)"),
+    ("auto", lambda: False, lambda: "URLError: timed out", FALLBACK,
+     "could not be reached (URLError: timed out), so torch==2.13.0 from the default index instead"),
+    ("cpu", never, lambda: "HTTP 503", FALLBACK, "could not be reached (HTTP 503)"),
 ], ids=["no-gpu", "gpu", "forced-cpu", "forced-cuda", "index-unreachable", "forced-cpu-unreachable"])
 def test_the_build_and_the_exact_pip_commands(torch, gpu, probe, commands, said):
     got, line = plan(torch, gpu=gpu, probe=probe)
@@ -87,7 +89,7 @@ def test_dry_run_prints_the_commands_and_the_makefile_calls_the_tool():
     # cpu is forced, so only the probe decides: either both CPU steps or the fallback to the default index
     assert (out.startswith("+ PY -m pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "
                            "torch==2.13.0+cpu\n+ PY -m pip install torch==2.13.0+cpu\n")
-            or out.startswith("+ PY -m pip install torch===2.13.0\ntorch 2.13.0: PyTorch's CPU index")), out
+            or out.startswith("+ PY -m pip install torch==2.13.0\ntorch 2.13.0: PyTorch's CPU index")), out
     assert out.rstrip().endswith("(dry run)")
     makefile = (ROOT / "Makefile").read_text()
     rule = re.search(r"^\$\(STAMP\):.*?\n\n", makefile, re.M | re.S).group(0)

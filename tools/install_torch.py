@@ -18,8 +18,10 @@ On macOS and Windows the default index's wheel is already a CPU build (macOS: wi
 The CPU build is installed in two pip runs: torch alone (--no-deps) from the CPU index, then torch's
 pure-Python dependencies from the default index (or a mirror the user configured), so that the
 versions pinned in constraints.txt come from where they are published. Where the CPU index cannot be
-reached (probed with a GET and a short timeout), the default index's wheel is installed instead, and
-one line says so, what was installed and how large it is on disk.
+reached (probed with a GET and a short timeout), torch==VERSION is installed from the default index
+instead (PyPI's Linux wheel: the CUDA build; a VERSION+cpu wheel in a mirror or --find-links folder
+pip is configured with wins over it), and one line says so, what was installed and how large it is
+on disk.
 
 Pins: the version comes from one place, the Makefile's TORCH_VERSION (tools/lock.py writes it into
 constraints.txt too). The CPU build is asked for as VERSION+cpu, the CUDA build as ===VERSION (arbitrary
@@ -104,9 +106,14 @@ def plan(torch: str, version: str, pip: list[str], *, system: str, gpu, probe,
     why = "TORCH=cpu" if torch == "cpu" else "no NVIDIA GPU found (nvidia-smi -L)"
     unreachable = probe()
     if unreachable:
-        return [default_wheel], (f"torch {version}: PyTorch's CPU index {CPU_INDEX} could not be reached "
-                                 f"({unreachable}), so the default index's wheel instead (on Linux the CUDA "
-                                 f"build, with its NVIDIA wheels; it runs on the CPU all the same); {why}")
+        # torch==VERSION, not ===: a VERSION+cpu wheel that pip's configured sources hold (a mirror,
+        # --find-links) still wins over PyPI's CUDA wheel; the line printed after the install says
+        # which one came.
+        fallback = pip + (["-c", cuda_constraints] if cuda_constraints else []) + [f"torch=={version}"]
+        return [fallback], (f"torch {version}: PyTorch's CPU index {CPU_INDEX} could not be reached "
+                            f"({unreachable}), so torch=={version} from the default index instead (PyPI's "
+                            f"Linux wheel is the CUDA build, with its NVIDIA wheels: it runs on the CPU all "
+                            f"the same); {why}")
     return ([pip + ["--no-deps", "--index-url", CPU_INDEX, f"torch=={version}+cpu"],
              pip + [f"torch=={version}+cpu"]],
             f"torch {version}+cpu, the CPU build, from PyTorch's CPU index: {why}")
