@@ -84,6 +84,16 @@ test-under-load: $(STAMP)
 	@COURSE_GRADE_WITH=solutions $(PY) tools/under_load.py --procs $(LOAD_PROCS) -- \
 		$(PY) -m pytest -p no:cacheprovider -q --durations=15 tests
 
+# The point-to-point code under NCCL's rules on the gloo ranks (course_lib/observe/nccl_rules.py,
+# CONTRIBUTING.md "NCCL's rules on CPU ranks"): the rules' own tests, the pipeline schedules,
+# PipeDream-2BW and the send/recv collectives with COURSE_NCCL_RULES=1, which every rank pool of
+# the session inherits.
+NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_pipeline.py tests/test_pp_v_schedules.py tests/test_comm.py
+.PHONY: test-nccl-rules
+test-nccl-rules: $(STAMP)
+	@echo "== pytest under NCCL's rules: $(NCCL_RULES_TESTS)"
+	@COURSE_NCCL_RULES=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -p no:cacheprovider -q --durations=10 $(NCCL_RULES_TESTS)
+
 # nbval again over every notebook and exercise on the CPU paths a learner may have that differ
 # most from the one that stored the outputs (AVX-512, all cores): PyTorch's scalar kernels
 # (ATEN_CPU_CAPABILITY=default) on one thread, and its AVX2 kernels on two. A stored output that

@@ -54,11 +54,21 @@ def flat_view(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
 
 def exchange(send_buf, dst, recv_buf, src, group=None) -> None:
     """Send to dst while receiving from src (group ranks); both directions overlap. Empty or
-    None buffers are skipped, so a rank can only send or only receive."""
+    None buffers are skipped, so a rank can only send or only receive.
+
+    When dst and src are the same peer (a ring of 2, a tree's or Rabenseifner's partner), the
+    lower rank issues its send first and the higher its receive: NCCL runs a pair's calls in
+    issue order, so if both sent first, each send would wait for a receive queued behind the
+    other's send (course_lib/observe/nccl_rules.py)."""
     works = []
-    if send_buf is not None and send_buf.numel():
+    sending = send_buf is not None and send_buf.numel()
+    receiving = recv_buf is not None and recv_buf.numel()
+    receive_first = receiving and sending and dst == src and dist.get_rank(group) > dst
+    if receive_first:
+        works.append(dist.irecv(recv_buf, global_rank(group, src), group=group))
+    if sending:
         works.append(dist.isend(send_buf, global_rank(group, dst), group=group))
-    if recv_buf is not None and recv_buf.numel():
+    if receiving and not receive_first:
         works.append(dist.irecv(recv_buf, global_rank(group, src), group=group))
     for w in works:
         w.wait()

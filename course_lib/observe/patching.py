@@ -13,7 +13,8 @@ including the wait for late peers, which the checks' fingerprint exchange absorb
 
 A layer is an object with `ops` (the names it wants to see) and
 `around(op, args, call) -> result`, where `args` are the call's bound arguments (defaults
-applied) and `call()` runs the rest of the chain. Why one engine: two independent patchers
+applied) and `call()` runs the rest of the chain; `call(name=value, ...)` runs it with those
+arguments changed (nccl_rules.py renumbers point-to-point tags so). Why one engine: two independent patchers
 would each save "the original" and restore it in the wrong order, and each would need its own
 guard against nested calls.
 
@@ -37,6 +38,7 @@ PATCHABLE_OPS = (
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
     "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
     "gather", "scatter", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "monitored_barrier",
 )
 
 _real: dict[str, object] = {}  # op -> torch's own function, captured before any patching
@@ -100,18 +102,20 @@ def _dispatch(op: str, original, layers: list):
     def patched(*args, **kwargs):
         if getattr(_local, "depth", 0):  # inside another patched call: straight through
             return original(*args, **kwargs)
-        arguments = bind(args, kwargs)
-
-        def run(i: int):
+        def run(i: int, arguments: dict, changed: bool):
             if i == len(layers):
                 _local.depth = 1
                 try:
-                    return original(*args, **kwargs)
+                    return original(**arguments) if changed else original(*args, **kwargs)
                 finally:
                     _local.depth = 0
-            return layers[i].around(op, arguments, lambda: run(i + 1))
 
-        return run(0)
+            def call(**changes):
+                return run(i + 1, {**arguments, **changes}, True) if changes else run(i + 1, arguments, changed)
+
+            return layers[i].around(op, arguments, call)
+
+        return run(0, bind(args, kwargs), False)
 
     return patched
 

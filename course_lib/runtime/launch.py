@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from course_lib.observe.nccl_rules import install_from_env as install_nccl_rules
 from course_lib.runtime.device import resolve_backend, threads_per_rank
 
 
@@ -49,6 +50,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"course/attempt_{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)
+    install_nccl_rules()  # COURSE_NCCL_RULES=1: NCCL's point-to-point rules on gloo (observe/nccl_rules.py)
     return backend
 
 

@@ -16,6 +16,7 @@ import signal
 import traceback
 from datetime import timedelta
 
+from course_lib.observe import nccl_rules
 from course_lib.observe.checks import install_collective_checks
 from course_lib.runtime.groups import destroy_groups, live_groups
 from course_lib.runtime.modules import install as install_shared_modules
@@ -90,7 +91,12 @@ def worker_main(rank, world_size, backend, port, conn, n_threads, check_collecti
                 fn, args, kwargs = cloudpickle.loads(call)
                 _seed_everything(rank)
                 destroy_groups(live_groups())  # what earlier calls left (course_lib.runtime.groups)
-                reply = ("ok", cloudpickle.dumps(fn(*args, **kwargs)))
+                # COURSE_NCCL_RULES=1 in the environment the pool started with: NCCL's
+                # point-to-point rules for every call (course_lib/observe/nccl_rules.py).
+                rules = nccl_rules.enforced() if nccl_rules.enabled_in_env() else contextlib.nullcontext()
+                with rules:
+                    result = fn(*args, **kwargs)
+                reply = ("ok", cloudpickle.dumps(result))
             except BaseException:  # noqa: BLE001 - every failure goes back to the parent
                 reply = ("error", traceback.format_exc())
         conn.send(reply + (out.getvalue(), err.getvalue()))

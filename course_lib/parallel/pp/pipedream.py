@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from course_lib.data import CharDataset, collate, sample_indices
 from course_lib.dims import split_layers
 from course_lib.model import GPT
+from course_lib.parallel.pp.p2p_plan import Mailbox, plan_messages
 from course_lib.parallel.pp.schedules import one_f_one_b
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.runtime import run_on_ranks
@@ -131,14 +132,17 @@ def train_2bw(model_config, train_cfg, n_microbatches: int, group=None) -> Piped
     mb, T = xs[0].shape
     d = model_config.d_model
     versions = {0: copy.deepcopy(stage.chunks[0])}  # version k = W_k, a module the forwards run
-    saved, sends, losses = {}, [], [[] for _ in range(N)]
+    saved, losses = {}, [[] for _ in range(N)]
+    sched = one_f_one_b(p, N * m)
+    # Messages in batches every rank issues in the same order (NCCL's rules: p2p_plan.py).
+    box = Mailbox(plan_messages(sched), rank, group, lambda: torch.empty(mb, T, d, device=dev))
 
     def peer(r):
         return dist.get_global_rank(group, r) if group is not None else r
 
-    def send(t, r, tag):
-        t = t.detach().contiguous()
-        sends.append((dist.isend(t, peer(r), group=group, tag=tag), t))
+    def send(t, key, i):
+        box.put(key, t)
+        box.issue(box.rounds[i] + 1)
 
     def update(t):  # batch t's last backward ran here: W_{t+1} = step(W_t, g_t(W_{t-1}))
         res.step_seconds.append(time.perf_counter() - clock[-1])
@@ -153,7 +157,8 @@ def train_2bw(model_config, train_cfg, n_microbatches: int, group=None) -> Piped
         versions[t + 1] = copy.deepcopy(stage.chunks[0])  # for batch t+2
 
     clock = [time.perf_counter()]
-    for act in one_f_one_b(p, N * m).actions[rank]:
+    for i, act in enumerate(sched.actions[rank]):
+        box.issue(box.rounds[i])
         k = act.microbatch
         t = k // m
         version = versions[max(t - 1, 0)]
@@ -162,31 +167,27 @@ def train_2bw(model_config, train_cfg, n_microbatches: int, group=None) -> Piped
             if first:
                 inp = xs[k]
             else:
-                inp = torch.empty(mb, T, d, device=dev)
-                dist.recv(inp, peer(rank - 1), group=group, tag=k)
-                inp.requires_grad_()
+                inp = box.get(("F", k, rank)).requires_grad_()
             out = version(inp)
             if last:
                 loss = _mean_loss(out, ys[k])
                 losses[t].append(loss.detach())
                 out = loss / m
             else:
-                send(out, rank + 1, k)
+                send(out, ("F", k, rank + 1), i)
             saved[k] = (inp, out)
         else:
             inp, out = saved.pop(k)
             dy = None
             if not last:
-                dy = torch.empty_like(out)
-                dist.recv(dy, peer(rank + 1), group=group, tag=N * m + k)
+                dy = box.get(("B", k, rank + 1))
             torch.autograd.backward(out, dy)
             if not first:
-                send(inp.grad, rank - 1, N * m + k)
+                send(inp.grad, ("B", k, rank), i)
             if k % m == m - 1:
                 update(t)
         res.versions_held.append(tuple(sorted(versions)))
-    for work, _ in sends:
-        work.wait()
+    box.finish()
     mean = torch.tensor([float(torch.stack(ls).mean()) if last else 0.0 for ls in losses])
     dist.broadcast(mean, peer(p - 1), group=group)
     res.train_losses = mean.tolist()

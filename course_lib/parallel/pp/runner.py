@@ -14,9 +14,11 @@ The batch is cut into m equal micro-batches. For each action of this rank, in or
              stashed (x, dy); W now adds dW = dy^T x and db = sum(dy) to the .grad of its weights.
 
 Since the mean loss is L = (1/m) sum_j L_j, the accumulated .grad is dL/dtheta: the single-process
-gradient of the whole batch's mean loss. Sends are isend (they never block) and receives block,
-so a schedule that passes check_schedule cannot deadlock. Messages carry a tag made of
-(activation or gradient, micro-batch, stage), so the order in which they arrive does not matter.
+gradient of the whole batch's mean loss. Messages go in the batches of
+p2p_plan.plan_messages, which every rank issues in the same order (NCCL matches a pair's messages
+in issue order and ignores tags): a rank posts its receives as soon as their sender's round has
+passed, so a message can land while it still computes, and an action waits only for what has not
+arrived yet.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.parallel.pp.p2p_plan import Mailbox, plan_messages
 from course_lib.parallel.pp.schedules import Schedule, check_schedule, make_schedule
 
 CATEGORY = {"F": "forward", "B": "backward", "W": "weight-grad"}
-PREFETCH = 2  # receives are posted this many actions ahead
 
 
 class _LinearInputGradOnly(torch.autograd.Function):
@@ -116,7 +118,7 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
     if sched.placement != getattr(stage, "placement", "loop"):
         raise ValueError(f"schedule {sched.name!r} places its stages {sched.placement!r}, the stage was built "
                          f"with placement {getattr(stage, 'placement', 'loop')!r} (build_stage(..., placement=...))")
-    S, last = stage.n_stages, stage.n_stages - 1
+    last = stage.n_stages - 1
     pad = {k: 0.0 for k in "FBW"} | dict(action_seconds or {})
     if not sched.split_backward:
         pad["B"] += pad["W"]
@@ -128,60 +130,37 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
     dtype = next(stage.parameters()).dtype
     params = {p_.untyped_storage().data_ptr() for p_ in stage.parameters()}
     inputs, outputs, graph_bytes, sinks, losses = {}, {}, {}, {}, []
-    pending_sends, local = [], {}
+    local = {}
     live = peak = 0
     current = {"sink": None}
+    tokens = T // getattr(stage, "sequence_shards", 1)  # sequence parallelism: the tp rank's T/tp
+    box = Mailbox(plan_messages(sched), stage.rank, stage.group,
+                  lambda: torch.empty(mb, tokens, d_model, dtype=dtype, device=idx.device))
 
-    def tag(kind, j, s):  # kind 0: activation entering stage s, 1: gradient leaving stage s
-        return (kind * m + j) * S + s
-
-    def send(t, s_to, tg, label):
+    # Messages are keyed (kind, micro-batch, stage): ("F", j, s) the activation entering stage s,
+    # ("B", j, s) the gradient leaving stage s.
+    def send(t, s_to, key, label, i):
         if stage.global_rank_of_stage(s_to) == dist.get_rank():
-            local[tg] = t.detach().clone()
+            local[key] = t.detach().clone()
             return
+        box.put(key, t)
         with span(label, "comm"):
-            t = t.detach().contiguous()
-            pending_sends.append((dist.isend(t, stage.global_rank_of_stage(s_to), group=stage.group, tag=tg), t))
+            box.issue(box.rounds[i] + 1)  # the batch of this round: what this action made
 
-    # The receives each action needs, in order: (source stage, tag). They are posted as irecv
-    # PREFETCH actions ahead, so a message can land while this rank still computes (the sender
-    # need not wait for us to ask); the action then only waits for what has not arrived yet.
-    acts = sched.actions[stage.rank]
-    needs = []
-    for act in acts:
-        s_act = stage.stage_of(act.chunk)
-        src = (s_act - 1 if act.kind == "F" and s_act > 0 else s_act + 1 if act.kind == "B" and s_act < last else None)
-        remote = src is not None and stage.global_rank_of_stage(src) != dist.get_rank()
-        needs.append((src, tag(0, act.microbatch, s_act) if act.kind == "F" else tag(1, act.microbatch, s_act + 1))
-                     if remote else None)
-    posted, next_post = {}, 0
-
-    def post_until(i):
-        nonlocal next_post
-        while next_post < min(i + PREFETCH + 1, len(acts)):
-            if needs[next_post] is not None:
-                src, tg = needs[next_post]
-                tokens = T // getattr(stage, "sequence_shards", 1)  # sequence parallelism: the tp rank's T/tp
-                buf = torch.empty(mb, tokens, d_model, dtype=dtype, device=idx.device)
-                posted[tg] = (dist.irecv(buf, stage.global_rank_of_stage(src), group=stage.group, tag=tg), buf)
-            next_post += 1
-
-    def recv(s_from, tg, label):
-        if tg in local:
-            return local.pop(tg)
-        work, buf = posted.pop(tg)
+    def recv(key, label):
+        if key in local:
+            return local.pop(key)
         with span(label, "comm"):
-            work.wait()
-        return buf
+            return box.get(key)
 
     split = _deferred_weight_grads(stage, current) if sched.split_backward else contextlib.nullcontext()
     with split:
-        for i, act in enumerate(acts):
-            post_until(i)
+        for i, act in enumerate(sched.actions[stage.rank]):
+            box.issue(box.rounds[i])  # every batch of an earlier round: this action's receive is posted
             j, c = act.microbatch, act.chunk
             s, name = stage.stage_of(c), str(act)
             if act.kind == "F":
-                x = idx_mb[j] if s == 0 else recv(s - 1, tag(0, j, s), f"recv {name}").requires_grad_()
+                x = idx_mb[j] if s == 0 else recv(("F", j, s), f"recv {name}").requires_grad_()
                 saved = []
                 current["sink"] = sinks[(j, c)] = []
                 with span(name, CATEGORY["F"]), torch.autograd.graph.saved_tensors_hooks(
@@ -200,9 +179,9 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
                 live += graph_bytes[(j, c)]
                 inputs[(j, c)], outputs[(j, c)] = x, out
                 if s != last:
-                    send(out, s + 1, tag(0, j, s + 1), f"send {name}")
+                    send(out, s + 1, ("F", j, s + 1), f"send {name}", i)
             elif act.kind == "B":
-                dy = None if s == last else recv(s + 1, tag(1, j, s + 1), f"recv {name}")
+                dy = None if s == last else recv(("B", j, s + 1), f"recv {name}")
                 with span(name, CATEGORY["B"]):
                     torch.autograd.backward(outputs.pop((j, c)), dy)
                     time.sleep(pad["B"] / v)
@@ -211,7 +190,7 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
                 if sched.split_backward:
                     live += _storage_bytes((t for w in sinks[(j, c)] for t in w[2:]), params)
                 if s != 0:
-                    send(x.grad, s - 1, tag(1, j, s), f"send {name}")
+                    send(x.grad, s - 1, ("B", j, s), f"send {name}", i)
             else:
                 sink = sinks.pop((j, c))
                 live -= _storage_bytes((t for w in sink for t in w[2:]), params)
@@ -219,8 +198,7 @@ def run_schedule(stage, idx: torch.Tensor, targets: torch.Tensor, schedule, n_mi
                     _apply_weight_grads(sink)
                     time.sleep(pad["W"] / v)
             peak = max(peak, live)
-    for work, _ in pending_sends:
-        work.wait()
+    box.finish()
     stage.last_peak_activation_bytes = peak
     stage.sum_tied_gradients()
     # The last stage holds the losses; every rank returns their mean.

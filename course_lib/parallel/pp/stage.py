@@ -122,9 +122,14 @@ class PipelineStage(nn.Module):
         peer = self.global_rank_of_stage(self.n_stages - 1 if self.rank == 0 else 0)
         mine = weight.grad.detach().clone()
         theirs = torch.empty_like(mine)
-        work = dist.isend(mine, peer, group=self.group)
-        dist.recv(theirs, peer, group=self.group)
-        work.wait()
+        # Stage 0's rank sends first, the last stage's receives first: if both sent first, each
+        # send would wait for a receive the other posts only after it (NCCL hangs on that).
+        if self.rank == 0:
+            dist.send(mine, peer, group=self.group)
+            dist.recv(theirs, peer, group=self.group)
+        else:
+            dist.recv(theirs, peer, group=self.group)
+            dist.send(mine, peer, group=self.group)
         weight.grad.add_(theirs)
 
     def placements(self) -> dict[str, Placement]:
