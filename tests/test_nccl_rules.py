@@ -24,7 +24,7 @@ def test_both_ranks_send_first_is_a_named_deadlock_not_a_hang():
     msg = str(e.value)
     assert "2 of 2 rank(s) failed" in msg and "deadlock" in msg and "both ranks send first" in msg
     for rank, peer in ((0, 1), (1, 0)):
-        assert f"rank {rank} send send #1 to rank {peer} (shape [1048576], float32, tag 0)" in msg
+        assert f"rank {rank} send #1 to rank {peer} (shape [1048576], float32, tag 0)" in msg
 
 
 def _by_parity(n):
@@ -59,7 +59,7 @@ def _receives_first(batched):
 def test_receive_posted_ahead_of_the_send_deadlocks_unless_batched():
     with pytest.raises(RankError) as e:
         run_on_ranks(under_rules(_receives_first), False, world_size=2, timeout_s=60)
-    assert "deadlock" in str(e.value) and "rank 0 irecv recv #1 from rank 1" in str(e.value)
+    assert "deadlock" in str(e.value) and "rank 0 irecv #1 from rank 1" in str(e.value)
     # one batch: its calls progress independently, as NCCL's group does
     assert run_on_ranks(under_rules(_receives_first), True, world_size=2, timeout_s=60) == [1.0, 0.0]
 
@@ -83,8 +83,8 @@ def test_tags_relied_on_are_a_mismatch_and_gloo_unchanged_without_the_rules():
         run_on_ranks(under_rules(_tagged), world_size=2, timeout_s=60)
     msg = str(e.value)
     assert "tags differ" in msg
-    assert ("rank 0 isend send #1 to rank 1 (shape [1], float32, tag 1) is the message NCCL delivers into "
-            "rank 1 irecv recv #1 from rank 0 (shape [1], float32, tag 2)") in msg
+    assert ("rank 0 isend #1 to rank 1 (shape [1], float32, tag 1) is the message NCCL delivers into "
+            "rank 1 irecv #1 from rank 0 (shape [1], float32, tag 2)") in msg
 
 
 def _shapes():
@@ -127,7 +127,7 @@ def test_a_ring_of_blocking_sends_is_a_named_cycle():
     msg = str(e.value)
     assert "deadlock" in msg
     for r in range(3):
-        assert f"rank {r}: rank {r} send send #1 to rank {(r + 1) % 3}" in msg
+        assert f"rank {r}: rank {r} send #1 to rank {(r + 1) % 3}" in msg
 
 
 def _gloo_only(which):

@@ -65,7 +65,7 @@ class _Rules:
 
     # --- the store: one list of calls per (group, rank, peer) --------------------------------
     def reset(self):
-        self.epoch += 1
+        self.epoch, self.blocked = self.epoch + 1, 0
         self.lists, self.counts = {}, {}  # (group, a, b) -> a's calls with b; (group, a, b, kind) -> n
         self.store = c10d._get_default_store()
         self.me = dist.get_rank()
@@ -137,28 +137,26 @@ class _Rules:
     def wait(self, g, peer, idx: list[int]):
         limit = float(os.environ.get(WAIT_ENV, "30"))
         start, pause, mark = time.monotonic(), 0.0005, f"ncclr/{self.epoch}/blocked/{self.me}"
-        try:
-            while True:
-                mine, theirs = self.read(g, self.me, peer), self.read(g, peer, self.me)
-                for i in idx:
-                    self.check_match(mine[i], theirs)
-                if self.progress(mine, theirs)[0] > max(idx):
-                    return
-                waited = time.monotonic() - start
-                if waited > 0.05 and not self.blocked:
-                    self.blocked += 1
-                    self.store.set(mark, json.dumps([g, peer, max(idx), self.blocked]))
-                if self.blocked:
-                    self.find_cycle(g, peer, max(idx))
-                if waited > limit:
-                    raise NcclRuleError(f"NCCL rules: {_describe(mine[max(idx)])} waited {limit:g} s ({WAIT_ENV}) for "
-                                        f"its partner: {self.explain(g, self.me, peer, max(idx))}")
-                time.sleep(pause)
-                pause = min(pause * 2, 0.02)
-        finally:
+        while True:
+            mine, theirs = self.read(g, self.me, peer), self.read(g, peer, self.me)
+            for i in idx:
+                self.check_match(mine[i], theirs)
+            if self.progress(mine, theirs)[0] > max(idx):
+                if self.blocked:  # kept on an error: the peers of a deadlock find the cycle too
+                    self.store.set(mark, "[]")
+                    self.blocked = 0
+                return
+            waited = time.monotonic() - start
+            if waited > 0.05 and not self.blocked:
+                self.blocked = 1
+                self.store.set(mark, json.dumps([g, peer, max(idx)]))
             if self.blocked:
-                self.store.set(mark, "[]")
-                self.blocked = 0
+                self.find_cycle(g, peer, max(idx))
+            if waited > limit:
+                raise NcclRuleError(f"NCCL rules: {_describe(mine[max(idx)])} waited {limit:g} s ({WAIT_ENV}) for "
+                                    f"its partner: {self.explain(g, self.me, peer, max(idx))}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def marks(self) -> dict:
         n = dist.get_world_size()
@@ -267,8 +265,10 @@ def _call(op, kind, tensor, tag) -> dict:
 
 
 def _describe(c) -> str:
+    """'rank 0 isend #2 to rank 1 (shape [4], float32, tag 0)': #k counts the pair's messages one way."""
+    call = f"batched {c['kind']}" if c["op"] == "batch_isend_irecv" else c["op"]
     direction = "to" if c["kind"] == "send" else "from"
-    return (f"rank {c['rank']} {c['op']} {c['kind']} #{c['n'] + 1} {direction} rank {c['peer']} "
+    return (f"rank {c['rank']} {call} #{c['n'] + 1} {direction} rank {c['peer']} "
             f"(shape {c['shape']}, {c['dtype']}, tag {c['tag']})")
 
 
