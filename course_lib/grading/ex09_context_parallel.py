@@ -261,7 +261,10 @@ def _ring_on_rank(name: str, positions: list[list[int]], shape: tuple):
     for step in range(cp):
         if step < cp - 1:  # post the exchange first: the block travels while this one is computed
             nxt = torch.empty_like(kv)
-            reqs = [dist.isend(kv, (r + 1) % cp), dist.irecv(nxt, (r - 1) % cp)]
+            # one batch: with cp = 2 both ranks send to and receive from the same peer, which
+            # NCCL (it runs a pair's calls in issue order) only progresses as one group
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % cp),
+                                           dist.P2POp(dist.irecv, nxt, (r - 1) % cp)])
         k_pos = torch.tensor(positions[(r - step) % cp])
         part_out, part_lse = block_attention(q, kv[0], kv[1], q_pos, k_pos)
         pairs += int((k_pos[None, :] <= q_pos[:, None]).sum())
