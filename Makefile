@@ -88,7 +88,8 @@ test-under-load: $(STAMP)
 # CONTRIBUTING.md "NCCL's rules on CPU ranks"): the rules' own tests, the pipeline schedules,
 # PipeDream-2BW and the send/recv collectives with COURSE_NCCL_RULES=1, which every rank pool of
 # the session inherits.
-NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_pipeline.py tests/test_pp_v_schedules.py tests/test_comm.py
+NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_pipeline.py tests/test_pp_v_schedules.py tests/test_comm.py \
+	tests/test_grading_ex09.py
 .PHONY: test-nccl-rules
 test-nccl-rules: $(STAMP)
 	@echo "== pytest under NCCL's rules: $(NCCL_RULES_TESTS)"

@@ -192,8 +192,13 @@ def _one_f_one_b_unbatched():
 
 
 def test_1f1b_without_batches_deadlocks():
-    with pytest.raises(RankError, match="deadlock"):
+    with pytest.raises(RankError) as e:
         run_on_ranks(under_rules(_one_f_one_b_unbatched), world_size=2, timeout_s=60)
+    msg = str(e.value)
+    assert "deadlock" in msg and "both ranks send first" not in msg
+    assert ("rank 0: rank 0 recv #1 from rank 1 (shape [4], float32, tag 0), queued behind rank 0 isend #2 to "
+            "rank 1 (shape [4], float32, tag 0), waits for rank 1's matching send") in msg
+    assert "rank 1: rank 1 recv #2 from rank 0 (shape [4], float32, tag 0), queued behind rank 1 isend #1 to rank 0" in msg
 
 
 # ---------------------------------------------------------------- the course's own orders, under the rules

@@ -188,9 +188,10 @@ class _Rules:
 
     def explain(self, g, x, y, i) -> str:
         a, b = self.read(g, x, y), self.read(g, y, x)
-        c, head = a[i], b[self.progress(a, b)[1]] if self.progress(a, b)[1] < len(b) else None
-        return (f"{_describe(c)} waits for rank {y}'s matching {'receive' if c['kind'] == 'send' else 'send'}; rank {y}'s "
-                f"next call with rank {x} is " + (_describe(head) if head else "not issued yet"))
+        (fa, fb), c = self.progress(a, b), a[i]
+        behind = f", queued behind {_describe(a[fa])}," if a[fa]["unit"] != c["unit"] else ""
+        return (f"{_describe(c)}{behind} waits for rank {y}'s matching {'receive' if c['kind'] == 'send' else 'send'}; "
+                f"rank {y}'s next call with rank {x} is " + (_describe(b[fb]) if fb < len(b) else "not issued yet"))
 
     # --- the layer ---------------------------------------------------------------------------
     def around(self, op, a, call):
