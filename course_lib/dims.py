@@ -144,11 +144,11 @@ def layers_per_rank(n_layer: int, pp: int, v: int = 1) -> list[int]:
 
 
 def check_experts(ep: int, n_experts: int) -> None:
-    """ep | n_experts; a dense model (n_experts 0, or 1 in the estimator's terms) has nothing to split."""
+    """ep | n_experts; a dense model (n_experts = 0: ModelShape's vocabulary) has nothing to split."""
     check_int("ep", ep)
-    if ep > 1 and n_experts <= 1:
+    if ep > 1 and not n_experts:
         raise ValueError(f"ep={ep} needs an MoE model: n_experts={n_experts} is dense")
-    if n_experts > 1 and n_experts % ep:
+    if n_experts and n_experts % ep:
         raise ValueError(f"ep={ep} must divide n_experts={n_experts}: every rank holds n_experts / ep whole experts")
 
 
@@ -318,24 +318,24 @@ class ParallelDims:
             check_int(name, getattr(self, name))
 
     def check_model(self, model_config, batch_size: int, seq_len: int | None = None) -> "ParallelDims":
-        """THE rule book: what any run of this layout needs from the model (a course GPTConfig)
-        and the batch. Returns self."""
+        """THE rule book: what any run of this layout needs from the model and the batch. The
+        model is read through its .shape (course_lib.model.config.ModelShape, n_experts = 0 dense:
+        a GPTConfig's, an estimate config's, or a ModelShape), the view the estimator reads too.
+        Returns self."""
         self._check_counts()
         check_int("zero", self.zero, minimum=0)
         check_one_of("zero", self.zero, ZERO_STAGES)
         check_one_of("precision", self.precision, PRECISIONS)
         check_one_of("recompute", self.recompute, RECOMPUTE)
-        cfg = model_config
-        seq = cfg.block_size if seq_len is None else check_int("seq_len", seq_len)
-        # in the estimator's order (step_time.check_layout), so both name the same rule first
+        shape = model_config.shape
+        seq = shape.block_size if seq_len is None else check_int("seq_len", seq_len)
         check_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         check_sequence_parallel(self.sequence_parallel, self.tp)
-        split_layers(cfg.n_layer, self.pp * self.virtual_stages)
-        check_context_parallel(self.cp, seq, cfg.n_head, self.cp_method, self.cp_load_balance,
-                               getattr(cfg, "n_kv_head", None))
+        split_layers(shape.n_layer, self.pp * self.virtual_stages)
+        check_context_parallel(self.cp, seq, shape.n_head, self.cp_method, self.cp_load_balance, shape.n_kv_head)
         check_sequence_parallel(self.sequence_parallel, self.tp, seq // self.cp)  # tp splits a cp shard
-        check_tp(self.tp, cfg.n_head, cfg.ff_dim, getattr(cfg, "n_kv_head", None))
-        check_experts(self.ep, cfg.n_experts)
+        check_tp(self.tp, shape.n_head, shape.ff_dim, shape.n_kv_head)
+        check_experts(self.ep, shape.n_experts)
         check_batch(batch_size, self.replicas, self.microbatches)
         return self
 

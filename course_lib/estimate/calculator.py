@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, replace
 
 from course_lib import estimate as E
 from course_lib.dims import ParallelDims
+from course_lib.estimate.params import model_shape
+from course_lib.estimate.per_gpu import check_degrees, gpu_memory
 from course_lib.estimate.step_time import fp8_flops_per_token
 from course_lib.units import GB, GiB
 
@@ -124,9 +126,9 @@ def evaluate(s: Settings) -> dict:
     base = config.base if isinstance(config, E.MoEConfig) else config
     seq = base.block_size if s.seq is None else s.seq
     L = s.layout
-    memory = E.per_gpu_memory(config, s.batch, seq, s.recipe, L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
-                              "optimizer" if s.offload else "none", s.attention,
-                              sequence_parallel=L.sequence_parallel, cp=L.cp, cp_method=L.cp_method)
+    shape = model_shape(config)
+    check_degrees(L, shape)
+    memory = gpu_memory(L, shape, s.batch, seq, s.recipe, "optimizer" if s.offload else "none", s.attention)
     gpu = GPUS[s.gpu]
     tokens = PRESET_TOKENS[s.preset] if s.tokens is None else s.tokens
     flops = E.flops_per_token(config, seq) * tokens

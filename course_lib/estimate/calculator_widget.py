@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from course_lib import estimate as E
-from course_lib.dims import ParallelDims
+from course_lib.dims import ParallelDims, check_tp
+from course_lib.estimate.params import model_shape
 from course_lib.estimate.calculator import (GPUS, PRESET_TOKENS, Settings, build_config, evaluate, fmt_tokens,
                                             gpu_label, parse_tokens, plot_scenarios, summary_text)
 from course_lib.widgets import LiveFigure, render
@@ -67,10 +68,10 @@ def valid_options(values: dict) -> dict[str, list]:
                "pp": _divisors(values["n_layer"], 128), "ep": _divisors(values["n_experts"], 64)}
     head = values["n_head"] if values["n_head"] in options["n_head"] else _nearest(options["n_head"], values["n_head"])
     config = build_config(replace(s, n_head=None if head == getattr(base, "n_head") else head))
-    tps = []
+    shape, tps = model_shape(config), []
     for tp in _divisors(head, 128):
         try:
-            E.per_gpu_memory(config, tp=tp)
+            check_tp(tp, shape.n_head, shape.ff_dim, shape.n_kv_head)
             tps.append(tp)
         except ValueError:
             pass

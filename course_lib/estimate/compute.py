@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from course_lib.estimate.params import GPTConfig, ff_dim, param_breakdown, positive_int, unpack
+from course_lib.estimate.params import GPTConfig, ff_dim, model_shape, param_breakdown, positive_int
 
 
 
@@ -25,7 +25,8 @@ def flops_per_token(config, seq: int | None = None, causal: bool = False, traini
     Kaplan et al. 2020's 2 * n_layer * n_ctx * d_attn. Backward costs twice the forward
     (gradients for inputs and for weights), so training = 3 * forward, about 6 * N per token.
     """
-    base, n_experts, top_k = unpack(config)
+    shape = model_shape(config)
+    base, top_k = shape.base, shape.top_k
     s = base.block_size if seq is None else seq
     s = positive_int("seq", s)
     p = param_breakdown(config)

@@ -23,7 +23,7 @@ from dataclasses import replace
 from course_lib.comm.measured import collective_time
 from course_lib.dims import ParallelDims, check_context_parallel
 from course_lib.estimate.memory import activation_bytes
-from course_lib.estimate.params import MoEConfig, kv_dim, positive_int, unpack
+from course_lib.estimate.params import MoEConfig, kv_dim, model_shape, positive_int
 from course_lib.estimate.traffic import cp_traffic, wire_bytes
 
 
@@ -72,7 +72,7 @@ def ring_exposed(config, dims: ParallelDims, micro_batch: int, seq: int, link, f
     cp = dims.cp
     if cp == 1:
         return {"forward": 0.0, "backward": 0.0}
-    base = unpack(config)[0]
+    base = model_shape(config).base
     q = seq // cp
     kv = 2 * micro_batch * q * kv_dim(base) * act_bytes / dims.tp
     t_kv = collective_time(link, "send", kv, 2)
@@ -94,12 +94,12 @@ def cp_costs(config, seq: int, cp: int, method: str = "ring", load_balance: bool
 
     seq may exceed config.block_size: the model is costed with a context window of seq (its
     position table, if any, grows; nothing else changes)."""
-    base = unpack(config)[0]
+    base = model_shape(config).base
     seq, batch = positive_int("seq", seq), positive_int("batch", batch)
     check_context_parallel(cp, seq, base.n_head, method, load_balance, getattr(base, "n_kv_head", None))
     if seq > base.block_size:
         config = _with_window(config, seq)
-        base = unpack(config)[0]
+        base = model_shape(config).base
     act = activation_bytes(config, batch, seq, dtype_bytes, attention="fused", cp=cp, cp_method=method)
     dims = ParallelDims(cp=cp, cp_method=method, cp_load_balance=load_balance)
     records = [r for r in cp_traffic(config, dims, batch, seq, dtype_bytes) if not r.report]

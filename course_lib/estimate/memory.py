@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_context_parallel, check_tp
-from course_lib.estimate.params import cdiv, kv_dim, ff_dim, as_count, positive_int, unpack
+from course_lib.estimate.params import cdiv, kv_dim, ff_dim, as_count, model_shape, positive_int
 from course_lib.model.config import GPTConfig
 
 @dataclass(frozen=True)
@@ -232,7 +232,8 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     layers are counted with fused q|k|v and gate|up matmuls (one FP8 copy of each input, as
     Transformer Engine fuses them); MoE with the top_k experts' weight copies.
     """
-    base, n_experts, top_k = unpack(config)
+    shape = model_shape(config)
+    base, n_experts, top_k = shape.base, shape.n_experts, shape.top_k  # n_experts 0: dense
     if not isinstance(fp8_linears, bool):
         raise ValueError(f"fp8_linears={fp8_linears!r} must be True or False")
     seq = base.block_size if seq is None else seq
@@ -276,7 +277,7 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     t["attention proj input"] = e * n * d // tp
     t["attention residual dropout mask"] = cdiv(mask * n * d, rep)
     t["norm2 input"] = cdiv(e * n * d, rep) + stats
-    if n_experts > 1:  # the router matmul saves its input; its softmax saves fp32 probabilities
+    if n_experts:  # the router matmul saves its input; its softmax saves fp32 probabilities
         t["router input"] = cdiv(e * n * d, rep)
         t["router probabilities (fp32)"] = cdiv(4 * n * n_experts, rep)
     # MLP: an expert layer runs top_k experts per token; each saves its own (dispatched) input.

@@ -1,6 +1,9 @@
 """Model shapes and exact parameter counts (notebook 01, section 1).
 
     LlamaLikeConfig, MoEConfig           shapes beyond the course GPT (SwiGLU/GQA, experts)
+    model_shape(config)                  the read-only ModelShape of any config form (n_experts = 0:
+                                         dense, an MoEConfig of one expert too), the view the rule
+                                         book (ParallelDims.check_model) reads as well
     COURSE_GPT, GPT3_175B, LLAMA3_*      published shapes; PRESETS by name
     param_breakdown(config)              counts by part (one layer, one expert)
     param_count(config, active=False)    the exact total
@@ -16,9 +19,9 @@ each token runs through `top_k` of them). The small helpers at the end of this m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from course_lib.model.config import GPTConfig, expected_num_params
+from course_lib.model.config import GPTConfig, ModelShape, expected_num_params
 
 
 def as_count(name: str, value, minimum: int = 0) -> int:
@@ -67,6 +70,12 @@ class LlamaLikeConfig:
             raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}: "
                              f"each key/value head serves a whole group of query heads")
 
+    @property
+    def shape(self) -> ModelShape:
+        """The read-only view the rule book and the estimator share (a dense model)."""
+        return ModelShape(self.n_layer, self.n_head, self.n_kv_head, self.d_model, self.d_ff, self.vocab_size,
+                          self.block_size, config=self, base=self)
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -103,6 +112,14 @@ class MoEConfig:
         if self.attention_params is not None:
             positive_int("attention_params", self.attention_params)
 
+    @property
+    def shape(self) -> ModelShape:
+        """The base's shape with this config's experts: n_experts = 1 (one expert MLP, no
+        router: the base model) is the dense shape, n_experts = 0."""
+        moe = self.n_experts > 1
+        return replace(self.base.shape, n_experts=self.n_experts if moe else 0, top_k=self.top_k if moe else 1,
+                       config=self, base=self.base)
+
 
 # Published shapes. GPT-3: Brown et al. 2020, Table 2.1 (GPT-2 tokenizer, learned positions,
 # tied embeddings). Llama 3: Dubey et al. 2024, Table 3 (vocab 128256, 8 KV heads).
@@ -115,15 +132,11 @@ PRESETS = {"course GPT": COURSE_GPT, "GPT-3 175B": GPT3_175B, "Llama-3 8B": LLAM
            "Llama-3 70B": LLAMA3_70B, "Llama-3 405B": LLAMA3_405B}
 
 
-def unpack(config):
-    """(base config, n_experts, top_k); a dense model is one expert with top_k = 1. A course
-    GPTConfig with n_experts > 0 (course_lib.model.moe) is a mixture of experts too."""
-    if isinstance(config, MoEConfig):
-        return config.base, config.n_experts, config.top_k
-    if isinstance(config, GPTConfig) and config.n_experts:
-        return config, config.n_experts, config.top_k
-    if isinstance(config, (GPTConfig, LlamaLikeConfig)):
-        return config, 1, 1
+def model_shape(config) -> ModelShape:
+    """The read-only shape of a GPTConfig (a course MoE GPT too), LlamaLikeConfig, MoEConfig or
+    ModelShape: n_experts = 0 is dense whichever config form said it (an MoEConfig's one expert)."""
+    if isinstance(config, (GPTConfig, LlamaLikeConfig, MoEConfig, ModelShape)):
+        return config.shape
     raise ValueError(f"config={config!r} must be a GPTConfig, LlamaLikeConfig or MoEConfig")
 
 
@@ -144,7 +157,8 @@ def param_breakdown(config) -> dict[str, int]:
     (q, o and the narrower k, v), mlp 3df (gate, up, down), norms 2d, final_norm d, head Vd.
     MoE adds a router of d * n_experts per layer.
     """
-    base, n_experts, _ = unpack(config)
+    shape = model_shape(config)
+    base = shape.base
     d, f, V = base.d_model, ff_dim(base), base.vocab_size
     if isinstance(base, GPTConfig):
         b = int(base.bias)
@@ -154,7 +168,7 @@ def param_breakdown(config) -> dict[str, int]:
     else:
         parts = dict(embedding=V * d, position=0, attention=2 * d * d + 2 * d * kv_dim(base),
                      mlp=3 * d * f, norms=2 * d, final_norm=d, head=V * d)
-    parts["router"] = d * n_experts if n_experts > 1 else 0
+    parts["router"] = d * shape.n_experts  # none in a dense model (n_experts = 0)
     # one routed expert and the S shared ones of a layer (DeepSeekMoE); "mlp" stays the base's MLP
     fe = getattr(config, "d_expert", None) or f
     expert = (2 * d * fe + b * (fe + d)) if isinstance(base, GPTConfig) else 3 * d * fe
@@ -199,11 +213,12 @@ def param_count(config, active: bool = False) -> int:
 
     DeepSeek-V3 (with mla_attention_params) gives 671.0e9 total and 37.6e9 active.
     """
-    base, n_experts, top_k = unpack(config)
+    shape = model_shape(config)
+    base = shape.base
     if isinstance(config, GPTConfig):  # + the shared experts of a course MoEGPTConfig
         return expected_num_params(config) + config.n_layer * param_breakdown(config)["shared"]
     p = param_breakdown(config)
-    experts = top_k if active else n_experts
+    experts = shape.top_k if active else shape.mlps
     if not isinstance(config, MoEConfig) or config.d_expert is None and not config.n_shared_experts:
         moe_mlp = experts * p["mlp"]  # the plain MoE: each expert is the base's MLP
     else:
@@ -222,7 +237,8 @@ def moe_flops_per_token(config, seq: int | None = None, training: bool = True) -
         A attention matrices, F the dense MLP, R = d E the router, X one expert's matrices
     Fine-grained experts (course_lib.model.moe_config.fine_grained) keep (top_k + S) * X, so they
     change only R. Training = 3 * forward."""
-    base, n_experts, top_k = unpack(config)
+    shape = model_shape(config)
+    base, top_k = shape.base, shape.top_k
     s = positive_int("seq", base.block_size if seq is None else seq)
     p = param_breakdown(config)
     d, L, V = base.d_model, base.n_layer, base.vocab_size

@@ -2,16 +2,19 @@
 dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it).
 
     rank_param_counts(config, tp, pp, ep, stage)   parameters one rank of a pipeline stage holds
-    per_gpu_memory(config, ...)                     bytes on the busiest GPU (or on one stage's)
+    gpu_memory(dims, shape, batch, ...)             bytes on the busiest GPU (or on one stage's) of
+                                                    a ParallelDims already checked (check_model)
+    per_gpu_memory(config, ...)                     the same from degrees given as keywords
+                                                    (notebook 01): checks them, then gpu_memory
     zero_units(config, dims, rank)                  ZeRO-2/3's flat units on a pipeline rank, composed
     composed_zero_memory(config, dims, ...)         their state, accumulated gradient and gathered peak
 """
 
 from __future__ import annotations
 
-from course_lib.dims import check_experts, check_tp, split_layers
+from course_lib.dims import ParallelDims, check_experts, check_tp, split_layers
 from course_lib.estimate.memory import RECIPES, activation_bytes, model_state_bytes
-from course_lib.estimate.params import cdiv, ff_dim, param_breakdown, positive_int, unpack
+from course_lib.estimate.params import cdiv, ff_dim, model_shape, param_breakdown, positive_int
 from course_lib.model.config import GPTConfig
 
 
@@ -33,7 +36,8 @@ def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int 
 
     Llama-like models have no biases (b = 0) and split their k, v heads over tp as well.
     """
-    base, n_experts, _ = unpack(config)
+    shape = model_shape(config)
+    base = shape.base
     p = param_breakdown(config)
     d = base.d_model
     whole_bias = d if isinstance(base, GPTConfig) and base.bias else 0  # a row-parallel bias: not split
@@ -46,7 +50,7 @@ def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int 
         dense += vocab_rows + p["position"]
     if stage == pp - 1:
         dense += p["final_norm"] + (vocab_rows if p["head"] or pp > 1 else 0)
-    expert = layers * (n_experts // ep) * mlp
+    expert = layers * (shape.mlps // ep) * mlp
     return {"dense": dense, "expert": expert}
 
 
@@ -75,24 +79,46 @@ def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str =
     sequence_parallel defaults to tp > 1. offload="optimizer" moves the optimizer state
     (fp32 master, m, v) to CPU memory (ZeRO-Offload), reported as "cpu_offload".
     """
-    base, n_experts, _ = unpack(config)
+    shape = model_shape(config)
     dp, tp, pp, ep, cp = (positive_int(name, v) for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep),
                                                                   ("cp", cp)))
+    positive_int("batch", batch)
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, zero=zero_stage, recompute=recompute, cp_method=cp_method,
+                        sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel)
+    check_degrees(dims, shape)
+    return gpu_memory(dims, shape, batch, seq, recipe, offload, attention, stage)
+
+
+def check_degrees(dims: ParallelDims, shape) -> None:
+    """The rules of course_lib.dims a count of bytes needs, without a global batch or a schedule
+    (per_gpu_memory's and the calculator's): whole degrees, tp | heads and d_ff, every one of
+    pp stages a block, ep | n_experts. What the runtime splits, the estimator costs."""
+    for name in ("dp", "tp", "pp", "ep", "cp"):
+        positive_int(name, getattr(dims, name))
+    check_tp(dims.tp, shape.n_head, shape.ff_dim, shape.n_kv_head)
+    split_layers(shape.n_layer, dims.pp)  # uneven when pp does not divide n_layer
+    check_experts(dims.ep, shape.n_experts)
+
+
+def gpu_memory(dims: ParallelDims, shape, batch: int = 1, seq: int | None = None, recipe: str = "bf16_mixed",
+               offload: str = "none", attention: str | None = None, stage: int | None = None) -> dict:
+    """per_gpu_memory of the layout `dims` (its dp, tp, pp, ep, cp, zero, recompute,
+    sequence_parallel, cp_method) for the model `shape` (model_shape(config)): `batch` the
+    micro-batch per GPU. The layout's rules are not checked again here: `dims` has passed
+    dims.check_model(shape, ...) (step_time.check_layout) or per_gpu_memory's checks."""
+    config, pp = shape.config, dims.pp
     batch = positive_int("batch", batch)
-    # the rule book (course_lib.dims): what the runtime splits, the estimator costs
-    check_tp(tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None))
-    stages = split_layers(base.n_layer, pp)  # uneven when pp does not divide n_layer
-    check_experts(ep, n_experts if n_experts > 1 else 0)
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r} must be one of {sorted(RECIPES)}")
     if offload not in ("none", "optimizer"):
         raise ValueError(f"offload={offload!r} must be 'none' or 'optimizer'")
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp):
         raise ValueError(f"stage={stage!r} must be None (the busiest) or an int in [0, pp={pp})")
-    sp = tp > 1 if sequence_parallel is None else sequence_parallel
+    stages = split_layers(shape.n_layer, pp)
+    dp, tp, ep, cp, zero_stage = dims.dp, dims.tp, dims.ep, dims.cp, dims.zero
     dtype = 4 if recipe == "fp32" else 2
-    act = activation_bytes(config, batch, seq, dtype, recompute, attention, tp, sp, cp=cp, cp_method=cp_method,
-                           fp8_linears=recipe == "fp8")
+    act = activation_bytes(config, batch, seq, dtype, dims.recompute, attention, tp, dims.sequence_parallel, cp=cp,
+                           cp_method=dims.cp_method, fp8_linears=recipe == "fp8")
 
     def bytes_of(s: int) -> dict:
         counts = rank_param_counts(config, tp, pp, ep, s)
@@ -149,14 +175,15 @@ def zero_units(config, dims, rank: int = 0, by_chunk: bool = False) -> list:
     (GPT, b = 1 with biases): 2(d + bd) norms, qkv 3bd/tp, proj bd, per expert fc bf/tp and
     proj bd (Llama-like: the 2 RMSNorms, 2d), and the final norm on the last stage. Empty units
     are left out. by_chunk=True: stage 3's units as one list per chunk."""
-    base, n_experts, _ = unpack(config)
+    shape = model_shape(config)
+    base = shape.base
     n_stages = dims.pp * dims.virtual_stages
     tp, ep = dims.tp, dims.ep
     stages = rank_stages(dims, rank)
     b = int(getattr(base, "bias", False)) if isinstance(base, GPTConfig) else 0
     d, f = base.d_model, ff_dim(base)
     norms = param_breakdown(config)["norms"]
-    per_block = norms + 3 * b * d // tp + b * d + (n_experts // ep) * (b * f // tp + b * d)
+    per_block = norms + 3 * b * d // tp + b * d + (shape.mlps // ep) * (b * f // tp + b * d)
     final = param_breakdown(config)["final_norm"]
     split = split_layers(base.n_layer, n_stages)
     tied = bool(getattr(base, "tie_weights", False)) and n_stages > 1
@@ -219,8 +246,7 @@ def composed_zero_memory(config, dims, recipe: str = "bf16_mixed", rank: int = 0
             chunks = [sum(n * cdiv(p, n) for p in c) for c in zero_units(config, dims, rank, by_chunk=True)]
             gathered = max(chunks) if reshard else sum(chunks)
         else:
-            base, n_experts, _ = unpack(config)
-            blocks = [len(split_layers(base.n_layer, dims.pp * dims.virtual_stages)[s]) for s in rank_stages(dims, rank)]
+            blocks = [len(split_layers(model_shape(config).n_layer, dims.pp * dims.virtual_stages)[s]) for s in rank_stages(dims, rank)]
             block = _block_params(config, dims.tp, dims.ep)
             gathered = local - sum(blocks) * block + block if reshard else local
         gathered *= r.param
@@ -230,9 +256,10 @@ def composed_zero_memory(config, dims, recipe: str = "bf16_mixed", rank: int = 0
 
 def _block_params(config, tp: int, ep: int) -> int:
     """One transformer block's parameters on one tp rank (rank_param_counts' per-layer terms)."""
-    base, n_experts, _ = unpack(config)
+    shape = model_shape(config)
+    base = shape.base
     p = param_breakdown(config)
     whole_bias = base.d_model if isinstance(base, GPTConfig) and base.bias else 0
     attention = (p["attention"] - whole_bias) // tp + whole_bias
     mlp = (p["mlp"] - whole_bias) // tp + whole_bias
-    return attention + p["norms"] + p["router"] + (n_experts // ep) * mlp
+    return attention + p["norms"] + p["router"] + (shape.mlps // ep) * mlp

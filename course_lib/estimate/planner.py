@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from course_lib._validate import check_int
-from course_lib.dims import RECOMPUTE, ZERO_STAGES, ParallelDims, check_context_parallel, check_tp
+from course_lib.dims import RECOMPUTE, ZERO_STAGES, ParallelDims, check_context_parallel, check_experts, check_tp
 from course_lib.estimate.cluster import Cluster
-from course_lib.estimate.params import ff_dim, unpack
-from course_lib.estimate.step_time import ALL_TERMS, composed, memory_per_rank, step_time
+from course_lib.estimate.params import model_shape
+from course_lib.estimate.step_time import ALL_TERMS, _memory_per_rank, _step_time, check_layout, composed
 from course_lib.units import fmt_bytes
 
 
@@ -90,24 +90,24 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster={cluster!r} must be a course_lib.estimate.cluster.Cluster")
     global_batch = check_int("global_batch", global_batch)
-    base, n_experts, _ = unpack(config)
-    seq = base.block_size if seq is None else check_int("seq", seq)
-    if seq > base.block_size:
-        raise ValueError(f"seq={seq} must be <= block_size={base.block_size}")
+    shape = model_shape(config)
+    seq = shape.block_size if seq is None else check_int("seq", seq)
+    if seq > shape.block_size:
+        raise ValueError(f"seq={seq} must be <= block_size={shape.block_size}")
     max_tp = cluster.gpus_per_node if max_tp is None else check_int("max_tp", max_tp)
-    n, kv = cluster.n_gpus, getattr(base, "n_kv_head", None)
+    n, kv = cluster.n_gpus, shape.n_kv_head
     out = []
     for tp in divisors(n):
-        if tp > max_tp or not _obeys(check_tp, tp, base.n_head, ff_dim(base), kv):
+        if tp > max_tp or not _obeys(check_tp, tp, shape.n_head, shape.ff_dim, kv):
             continue
         for cp, method in [(c, m) for c in (divisors(n // tp) if cps is None else cps) for m in cp_methods
                            if (n // tp) % c == 0 and (c > 1 or m == cp_methods[0])
-                           and _obeys(check_context_parallel, c, seq, base.n_head, m, True, kv)]:
+                           and _obeys(check_context_parallel, c, seq, shape.n_head, m, True, kv)]:
             for pp in divisors(n // (tp * cp)):
-                if base.n_layer % pp:
+                if shape.n_layer % pp:
                     continue
                 for ep in divisors(n // (tp * cp * pp)):
-                    if n_experts % ep or (ep > 1 and n_experts == 1):
+                    if not _obeys(check_experts, ep, shape.n_experts):
                         continue
                     dp = n // (tp * cp * pp * ep)
                     if global_batch % (dp * ep) or (tp > 1 and (seq // cp) % tp):
@@ -118,14 +118,14 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
                                   per_replica, micro_batches, zero_stages, recomputes, schedules, max_v)
     if not out:
         raise ValueError(f"no layout of n_gpus={n} devices divides global_batch={global_batch} into whole "
-                         f"micro-batches per replica with tp | n_head={base.n_head} (tp <= {max_tp}) and "
-                         f"pp | n_layer={base.n_layer}: change the batch or the device count")
+                         f"micro-batches per replica with tp | n_head={shape.n_head} (tp <= {max_tp}) and "
+                         f"pp | n_layer={shape.n_layer}: change the batch or the device count")
     return out
 
 
 def _inner(config, cluster, global_batch, seq, recipe, attention, causal, degrees, per_replica, micro_batches,
            zero_stages, recomputes, schedules, max_v, reshard_policies=(True, False)):
-    base, pp = unpack(config)[0], degrees.pp
+    n_layer, pp = model_shape(config).n_layer, degrees.pp
     out = []
     for mb in micro_batches:
         if per_replica % mb:
@@ -136,7 +136,7 @@ def _inner(config, cluster, global_batch, seq, recipe, attention, causal, degree
             shapes = [(s, 1) for s in schedules if s != "interleaved_1f1b"]
             if "interleaved_1f1b" in schedules:
                 shapes += [("interleaved_1f1b", v) for v in range(2, max_v + 1)
-                           if base.n_layer % (pp * v) == 0 and m % pp == 0]
+                           if n_layer % (pp * v) == 0 and m % pp == 0]
             if m < pp:
                 shapes = [(s, v) for s, v in shapes if s == "gpipe"]
         for schedule, v in shapes:
@@ -151,8 +151,9 @@ def _inner(config, cluster, global_batch, seq, recipe, attention, causal, degree
                                    schedule=schedule, sequence_parallel=degrees.tp > 1)
                     if not reshard:
                         dims = replace(dims, reshard_after_forward=False)
-                    mem = memory_per_rank(config, dims, global_batch, seq, recipe, attention)
-                    t = step_time(config, dims, cluster, global_batch, seq, recipe, attention, causal)
+                    seq, micro_batch = check_layout(config, dims, global_batch, seq)  # once per layout
+                    mem = _memory_per_rank(config, dims, seq, micro_batch, recipe, attention)
+                    t = _step_time(config, dims, cluster, global_batch, seq, micro_batch, recipe, attention, causal)
                     out.append(Candidate(dims, global_batch, t, mem, mem["total"] <= cluster.memory_bytes))
     return out
 

@@ -60,47 +60,35 @@ recomputed block's all-reduces.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from course_lib._validate import check_int, check_one_of
-from course_lib.dims import (RECOMPUTE, ZERO_STAGES, ParallelDims, check_batch, check_context_parallel,
-                             check_schedule, check_sequence_parallel, layers_per_rank)
+from course_lib.dims import ParallelDims, layers_per_rank
 from course_lib.comm.measured import CollectiveTable, collective_time
 from course_lib.estimate.bubble import formula_for
 from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.context import attention_imbalance, ring_exposed
 from course_lib.estimate.memory import RECIPES
-from course_lib.estimate.params import GPTConfig, param_breakdown, unpack
-from course_lib.estimate.per_gpu import FSDP_UNITS, composed_zero_memory, per_gpu_memory, zero_units
+from course_lib.estimate.params import GPTConfig, model_shape, param_breakdown
+from course_lib.estimate.per_gpu import FSDP_UNITS, composed_zero_memory, gpu_memory, zero_units
 from course_lib.estimate.traffic import (ddp_buckets, seconds, step_traffic,  # noqa: F401 (ddp_buckets: re-exported)
                                           tp_traffic)
 
 
 def check_layout(config, dims: ParallelDims, batch_size: int, seq: int | None = None) -> tuple[int, int]:
     """ValueError unless the layout `dims` can run `config` on a global batch of batch_size
-    sequences; returns (seq, micro_batch). The rule book's rules (course_lib.dims), in
-    ParallelDims.check_model's order, so both name the same broken rule first."""
+    sequences; returns (seq, micro_batch). The rule book itself (ParallelDims.check_model, on the
+    model's ModelShape), once: what the estimator's entry points check before costing, and
+    nothing on the way re-checks it."""
     if not isinstance(dims, ParallelDims):
         raise ValueError(f"dims={dims!r} must be a course_lib.dims.ParallelDims")
-    base = unpack(config)[0]
-    seq = base.block_size if seq is None else check_int("seq", seq)
-    if seq > base.block_size:
-        raise ValueError(f"seq={seq} must be <= block_size={base.block_size}")
-    for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches"):
-        check_int(name, getattr(dims, name))
-    check_one_of("zero", dims.zero, ZERO_STAGES)
-    check_one_of("recompute", dims.recompute, RECOMPUTE)
-    check_schedule(dims.schedule, dims.pp, dims.microbatches, dims.virtual_stages)
-    check_sequence_parallel(dims.sequence_parallel, dims.tp)
-    # every chunk at least one block (uneven splits run and are costed by their busiest rank);
-    # the sequence shared whole by sequence parallelism; per_gpu_memory checks tp against heads
-    # and d_ff, ep against the experts
-    layers_per_rank(base.n_layer, dims.pp, dims.virtual_stages)
-    check_context_parallel(dims.cp, seq, base.n_head, dims.cp_method, dims.cp_load_balance,
-                           getattr(base, "n_kv_head", None))
-    check_sequence_parallel(dims.sequence_parallel, dims.tp, seq // dims.cp)  # tp splits a cp shard
-    per_gpu_memory(config, 1, seq, "fp32", 0, dims.dp, dims.tp, dims.pp, dims.ep, cp=dims.cp)
-    share = check_batch(batch_size, dims.replicas, dims.microbatches)
-    return seq, share // dims.microbatches
+    shape = model_shape(config)
+    seq = shape.block_size if seq is None else check_int("seq", seq)
+    if seq > shape.block_size:
+        raise ValueError(f"seq={seq} must be <= block_size={shape.block_size}")
+    dims.check_model(shape, batch_size, seq)
+    return seq, batch_size // (dims.replicas * dims.microbatches)
 
 
 def composed(dims) -> bool:
@@ -120,10 +108,15 @@ def memory_per_rank(config, dims: ParallelDims, batch_size: int, seq: int | None
     dims.reshard_after_forward; the rank's whole stage without), and "between_steps": the shards
     held between steps; total = params + grads + optimizer + gathered + activations."""
     seq, micro_batch = check_layout(config, dims, batch_size, seq)
+    return _memory_per_rank(config, dims, seq, micro_batch, recipe, attention, fsdp_unit)
+
+
+def _memory_per_rank(config, dims: ParallelDims, seq: int, micro_batch: int, recipe: str = "bf16_mixed",
+                     attention: str | None = None, fsdp_unit: str = "chunk") -> dict:
+    """memory_per_rank of a layout check_layout has passed (seq, micro_batch: its answer)."""
     check_one_of("fsdp_unit", fsdp_unit, FSDP_UNITS)
     L, m, v = dims, dims.microbatches, dims.virtual_stages
-    mem = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
-                         attention=attention, sequence_parallel=L.sequence_parallel, cp=L.cp, cp_method=L.cp_method)
+    mem = gpu_memory(L, model_shape(config), micro_batch, seq, recipe, attention=attention)
     if L.pp > 1:
         # 1F1B and ZB-H1 hold min(m, pp) micro-batches on stage 0: all of them when m < pp
         factor = {"gpipe": m / L.pp, "interleaved_1f1b": 1 + (L.pp - 1) / (L.pp * v)}.get(
@@ -141,11 +134,12 @@ def parameter_tensors(config, ep: int = 1) -> tuple[int, int]:
     loops over. A course GPT block: two LayerNorms, qkv and proj, fc and proj (each with a
     bias when config.bias); an MoE block a router and E/ep experts of fc and proj instead of
     the MLP; outside: token and position embeddings, the final norm (and an untied head)."""
-    base, n_experts, _ = unpack(config)
+    shape = model_shape(config)
+    base, n_experts = shape.base, shape.n_experts  # 0: dense
     if not isinstance(base, GPTConfig):  # Llama-like: 2 RMSNorms, q k v o, gate up down
-        return 2 + 4 + (3 if n_experts == 1 else 1 + 3 * n_experts // ep), 2 + (0 if getattr(base, "tie_weights", False) else 1)
+        return 2 + 4 + (1 + 3 * n_experts // ep if n_experts else 3), 2 + (0 if getattr(base, "tie_weights", False) else 1)
     per = 2 if base.bias else 1
-    mlp = 2 * per if n_experts == 1 else 1 + 2 * per * (n_experts // ep)
+    mlp = 1 + 2 * per * (n_experts // ep) if n_experts else 2 * per
     return 2 * per + 2 * per + mlp, 2 + per + (0 if base.tie_weights else 1)
 
 
@@ -153,7 +147,8 @@ def fp8_flops_per_token(config) -> float:
     """Training FLOPs per token of the matmuls apply_fp8 runs in FP8: the blocks' linears,
     3 * 2 * n_layer * (attention matrices + top_k MLP matrices) (flops_per_token's N_mm without
     the router and the head, which stay in bf16, and without the attention scores)."""
-    base, _, top_k = unpack(config)
+    shape = model_shape(config)
+    base, top_k = shape.base, shape.top_k
     p = param_breakdown(config)
     d, f = base.d_model, (base.ff_dim if isinstance(base, GPTConfig) else base.d_ff)
     attn_mm, mlp_mm = (4 * d * d, 2 * d * f) if isinstance(base, GPTConfig) else (p["attention"], p["mlp"])
@@ -206,6 +201,14 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     collective is preceded by an all-gather of a CHECK_BYTES fingerprint per rank, priced on the
     same link as "checks"."""
     seq, micro_batch = check_layout(config, dims, batch_size, seq)
+    return _step_time(config, dims, cluster, batch_size, seq, micro_batch, recipe, attention, causal, gather_dtype,
+                      checked_collectives)
+
+
+def _step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq: int, micro_batch: int,
+               recipe: str = "bf16_mixed", attention: str | None = None, causal: bool = False,
+               gather_dtype: str | None = None, checked_collectives: bool = False) -> dict:
+    """step_time of a layout check_layout has passed (seq, micro_batch: its answer)."""
     check_one_of("recipe", recipe, RECIPES)
     check_one_of("gather_dtype", gather_dtype, (None, "fp8"))
     if gather_dtype == "fp8" and dims.zero != 3:
@@ -216,7 +219,7 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     if n_gpus > C.n_gpus:
         product = "dp*ep*cp*tp*pp" if L.cp > 1 else "dp*ep*tp*pp"
         raise ValueError(f"the layout needs {product} = {n_gpus} devices, the cluster has n_gpus={C.n_gpus}")
-    base = unpack(config)[0]
+    base = model_shape(config).base
     e = 4 if recipe in ("fp32", "bf16_autocast") else 2  # bytes of an activation / gradient on the wire
     batch = batch_size
     tokens = batch * seq
@@ -254,7 +257,10 @@ def step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, seq
     # per parameter group (a composed layout), ZeRO-1 reduce-scatter + all-gather, ZeRO-2 the
     # reduce-scatter every micro-batch, ZeRO-3 per block 2 all-gathers and a reduce-scatter per
     # micro-batch (the root once). norm: the global norm's all-reduce, over the whole world.
-    local = per_gpu_memory(config, micro_batch, seq, recipe, L.zero, L.dp, L.tp, L.pp, L.ep, cp=L.cp)["params_on_gpu"]
+    # the parameters of the stage per_gpu_memory's defaults find busiest (no recomputation,
+    # sequence parallelism with tp, the ring): the rank whose gradients and updates are priced
+    busiest = replace(L, recompute="none", sequence_parallel=L.tp > 1, cp_method="ring")
+    local = gpu_memory(busiest, model_shape(config), micro_batch, seq, recipe)["params_on_gpu"]
     param_bytes = 1 if gather_dtype == "fp8" else RECIPES[recipe].param  # what ZeRO's all-gathers carry
     traffic = step_traffic(config, L, batch_size, seq, e, RECIPES[recipe].grad, param_bytes, local)
     term, calls, checks = {}, {}, 0.0

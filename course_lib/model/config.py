@@ -5,6 +5,8 @@ torch is not installed; gpt.py builds the torch model from the same config (its 
 derives the parameter count that expected_num_params evaluates).
 
     GPTConfig            the fields and their checks; tiny() is the tests' and notebooks' model
+    ModelShape           the read-only shape the rule book (course_lib.dims) and the estimator
+                         read, GPTConfig.shape (the estimator's configs have a .shape too)
     expected_num_params  the count of gpt.py's docstring (GPT.num_params counts real tensors)
     ATTN_IMPLS           the attention implementations: "naive" or "fused"
 """
@@ -14,6 +16,50 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 ATTN_IMPLS = ("naive", "fused")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a layout's rules and costs read of a model, one vocabulary for every config form:
+    n_experts = 0 is the dense model (one MLP per block), n_experts = E > 0 a router and E expert
+    MLPs per block, top_k of them per token (1 when dense). `config` is the config it views and
+    `base` its architecture (the config itself, or an estimate MoEConfig's base): the formulas
+    that need more than the shape (biases, tied head, SwiGLU) read them; they do not take part
+    in ==. Here, beside GPTConfig, so that both course_lib.parallel (which runs a GPTConfig) and
+    course_lib.estimate (which costs any config form) read it without torch; course_lib.dims
+    reads its fields (ParallelDims.check_model) without importing it."""
+
+    n_layer: int
+    n_head: int
+    n_kv_head: int  # key/value heads: n_head without grouped-query attention
+    d_model: int
+    ff_dim: int
+    vocab_size: int
+    block_size: int
+    n_experts: int = 0
+    top_k: int = 1
+    config: object = field(default=None, compare=False, repr=False)
+    base: object = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_kv_head", "d_model", "ff_dim", "vocab_size", "block_size", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts={self.n_experts!r} must be an int >= 0 (0 = dense MLP)")
+        if self.top_k > max(self.n_experts, 1):
+            raise ValueError(f"top_k={self.top_k} must be <= n_experts={self.n_experts} (1 for a dense model)")
+
+    @property
+    def shape(self) -> "ModelShape":
+        """Itself: whatever takes a config's .shape takes a shape."""
+        return self
+
+    @property
+    def mlps(self) -> int:
+        """MLPs per block: the n_experts experts, or the dense model's one."""
+        return max(self.n_experts, 1)
 
 
 @dataclass(frozen=True)
@@ -72,6 +118,13 @@ class GPTConfig:
     @property
     def ff_dim(self) -> int:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @property
+    def shape(self) -> ModelShape:
+        """The read-only view the rule book and the estimator share (ModelShape)."""
+        moe = self.n_experts > 0
+        return ModelShape(self.n_layer, self.n_head, self.n_head, self.d_model, self.ff_dim, self.vocab_size,
+                          self.block_size, self.n_experts, self.top_k if moe else 1, config=self, base=self)
 
     @classmethod
     def tiny(cls, vocab_size: int = 97, **overrides) -> "GPTConfig":

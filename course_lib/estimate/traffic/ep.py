@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from course_lib.estimate.params import unpack
+from course_lib.estimate.params import model_shape
 from course_lib.estimate.traffic.records import Collective, _shape, dense_params, padded_vocab
 
 
@@ -13,7 +13,8 @@ def ep_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
         return []
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
     s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
-    _, n_experts, top_k = unpack(config)
+    shape = model_shape(config)
+    n_experts, top_k = shape.n_experts, shape.top_k
     L, m, n, R = base.n_layer, dims.microbatches, dims.ep, dims.replicas * getattr(dims, "cp", 1)
     rows = mb * s * top_k * base.d_model * act_bytes  # one micro-batch's routed rows, every rank sends all
     dense = (dense_params(config) + (padded_vocab(config, dims.tp) * base.d_model

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from course_lib.comm.measured import CollectiveTable, collective_time
 from course_lib.dims import check_batch, layers_per_rank
-from course_lib.estimate.params import param_breakdown, param_count, unpack
+from course_lib.estimate.params import model_shape, param_breakdown, param_count
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _pipeline_rank(rank: int, pp: int) -> int:
 
 
 def _shape(config, dims, batch_size, seq):
-    base = unpack(config)[0]
+    base = model_shape(config).base
     s = base.block_size if seq is None else seq
     mb = check_batch(batch_size, dims.replicas, dims.microbatches) // dims.microbatches
     return base, s, mb, max(layers_per_rank(base.n_layer, dims.pp, dims.virtual_stages))
@@ -83,19 +83,20 @@ def ddp_buckets(nbytes: float, first: float = 1 << 20, cap: float = 25 * (1 << 2
 # ----------------------------------------------------------------------------- parameter counts
 def padded_vocab(config, tp: int) -> int:
     """The vocabulary rounded up to a multiple of tp (the vocabulary-parallel embedding's rows)."""
-    return -(-unpack(config)[0].vocab_size // tp) * tp
+    return -(-model_shape(config).base.vocab_size // tp) * tp
 
 
 def _dense_base(config):
-    base = unpack(config)[0]
+    base = model_shape(config).base
     return replace(base, n_experts=0) if getattr(base, "n_experts", 0) else base
 
 
 def total_params(config) -> int:
     """Every parameter once; an MoE model: the dense count with each MLP replaced by
     n_experts MLPs and a router (d x E, no bias)."""
-    base, experts, _ = unpack(config)
-    if experts == 1:
+    shape = model_shape(config)
+    base, experts = shape.base, shape.n_experts
+    if not experts:
         return param_count(config)
     dense = _dense_base(config)
     return param_count(dense) + base.n_layer * (param_breakdown(dense)["mlp"] * (experts - 1) + base.d_model * experts)
@@ -103,8 +104,9 @@ def total_params(config) -> int:
 
 def dense_params(config) -> int:
     """Parameters outside the experts (all of them for a dense model)."""
-    base, experts, _ = unpack(config)
-    if experts == 1:
+    shape = model_shape(config)
+    base, experts = shape.base, shape.n_experts
+    if not experts:
         return total_params(config)
     return total_params(config) - base.n_layer * experts * param_breakdown(_dense_base(config))["mlp"]
 
@@ -120,7 +122,7 @@ def replica_group_params(config, dims) -> int:
     """Parameters held by the pp*ep*tp ranks of one data-parallel copy, summed: a tp-replicated
     tensor counted tp times, dense tensors ep times, the tied matrix once more when the first
     and last stage differ, the vocabulary padding of tensor parallelism included."""
-    base = unpack(config)[0]
+    base = model_shape(config).base
     vpad, d, tied = padded_vocab(config, dims.tp), base.d_model, getattr(base, "tie_weights", False)
     n = total_params(config) + (vpad - base.vocab_size) * d * (1 if tied else 2)
     n += (dims.tp - 1) * tp_replicated_params(config) if dims.tp > 1 else 0
