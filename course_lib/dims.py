@@ -52,6 +52,7 @@ GROUPS = {**{a: (a,) for a in MESH_ORDER}, **DERIVED_GROUPS}  # every group a ra
 TOPOLOGY_AWARE = MESH_ORDER  # tp innermost: its ranks share a node; cp next to it
 NAIVE = ("tp", "cp", "ep", "dp", "pp")  # tp outermost: its ranks sit gpus_per_node or more apart
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev", "pipedream_2bw")  # the course runs
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank in a V (virtual_stages = 2): rank r holds stages r, 2p-1-r
 ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallelism; 1 optimizer state, 2 + gradients, 3 + parameters
 COMPOSED_ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3 with pp/tp: gradients reduced once per step (parallel/hybrid/zero_pp.py)
 RECOMPUTE = ("none", "selective", "full")  # selective: attention's s^2 part (Korthikanti et al. 2022)
@@ -113,10 +114,10 @@ def check_schedule(schedule: str, pp: int, m: int, v: int = 1) -> None:
     check_one_of("schedule", schedule, SCHEDULES)
     if v > 1 and pp == 1:
         raise ValueError(f"virtual_stages={v} needs pp > 1")
-    if schedule in ("zbv", "dualpipev") and v != 2:
+    if schedule in V_SCHEDULES and v != 2:
         raise ValueError(f"schedule={schedule!r} places exactly 2 chunks per rank in a V (rank r holds stages r and "
                          f"2p-1-r): virtual_stages must be 2, got {v}")
-    if v > 1 and schedule not in ("interleaved_1f1b", "zbv", "dualpipev"):
+    if v > 1 and schedule not in ("interleaved_1f1b", *V_SCHEDULES):
         raise ValueError(f"virtual_stages={v} needs schedule='interleaved_1f1b' ({schedule!r} runs one chunk per rank)")
     if schedule == "interleaved_1f1b" and pp > 1 and m % pp:
         raise ValueError(f"microbatches={m} must be a multiple of the pp={pp} ranks for interleaved_1f1b "
@@ -318,10 +319,8 @@ class ParallelDims:
             check_int(name, getattr(self, name))
 
     def check_model(self, model_config, batch_size: int, seq_len: int | None = None) -> "ParallelDims":
-        """THE rule book: what any run of this layout needs from the model and the batch. The
-        model is read through its .shape (course_lib.model.config.ModelShape, n_experts = 0 dense:
-        a GPTConfig's, an estimate config's, or a ModelShape), the view the estimator reads too.
-        Returns self."""
+        """THE rule book: what any run of this layout needs from the model, read through its .shape
+        (course_lib.model.config.ModelShape, the estimator's view too), and the batch. Returns self."""
         self._check_counts()
         check_int("zero", self.zero, minimum=0)
         check_one_of("zero", self.zero, ZERO_STAGES)

@@ -27,7 +27,7 @@ Pure formulas: course_lib.parallel.pp.bubble measures the bubble of real runs ag
 
 from __future__ import annotations
 
-from course_lib.dims import check_schedule
+from course_lib.dims import V_SCHEDULES, check_schedule
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
@@ -56,7 +56,7 @@ def formula_for(schedule: str, p: int, m: int, v: int = 1, steps: int | None = N
     check_schedule(schedule, p, m, v)
     if schedule == "zero_bubble":
         return zero_bubble_fraction(p, m)
-    if schedule in ("zbv", "dualpipev"):
+    if schedule in V_SCHEDULES:
         return v_bubble_fraction(p, m)
     if schedule == "pipedream_2bw":
         return 0.0 if steps is None else bubble_fraction(p, steps * m)

@@ -12,7 +12,7 @@ dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it).
 
 from __future__ import annotations
 
-from course_lib.dims import ParallelDims, check_experts, check_tp, split_layers
+from course_lib.dims import V_SCHEDULES, ParallelDims, check_experts, check_tp, split_layers
 from course_lib.estimate.memory import RECIPES, activation_bytes, model_state_bytes
 from course_lib.estimate.params import cdiv, ff_dim, model_shape, param_breakdown, positive_int
 from course_lib.model.config import GPTConfig
@@ -147,9 +147,6 @@ def gpu_memory(dims: ParallelDims, shape, batch: int = 1, seq: int | None = None
         if best is None or out["total"] > best["total"]:
             best = out
     return best
-
-
-V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank in a V: rank r runs stages r and 2 pp - 1 - r
 
 
 def rank_stages(dims, rank: int = 0) -> list[int]:

@@ -36,6 +36,7 @@ any rank to the last), averaged over the ranks.
 from __future__ import annotations
 
 # the formulas live with the other formulas (course_lib.estimate); measured here against them
+from course_lib.dims import V_SCHEDULES
 from course_lib.estimate.bubble import bubble_fraction, zero_bubble_fraction  # noqa: F401
 from course_lib.estimate.bubble import formula_for as _estimate_formula_for
 from course_lib.estimate.bubble import v_bubble_fraction as _estimate_v_bubble
@@ -62,7 +63,7 @@ def v_bubble_fraction(p: int, m: int, schedule: str = "zbv") -> float:
 def formula_for(schedule: str, p: int, m: int, v: int = 1, steps: int = 1) -> float:
     """The bubble formula of a named schedule (course_lib.dims.SCHEDULES); pipedream_2bw over
     `steps` steps (one fill and one drain for the whole run)."""
-    if schedule in ("zbv", "dualpipev"):
+    if schedule in V_SCHEDULES:
         return v_bubble_fraction(p, m, schedule)
     return _estimate_formula_for(schedule, p, m, v, steps)
 
@@ -97,7 +98,7 @@ def time_schedules(model_config, runs, micro_batch: int = 2, action_seconds: dic
 
     dev, out, stages = rank_device(), [], {}
     for schedule, m, v in runs:
-        placement = "v" if schedule in ("zbv", "dualpipev") else "loop"
+        placement = "v" if schedule in V_SCHEDULES else "loop"
         if (v, placement) not in stages:
             stages[(v, placement)] = build_stage(GPT(model_config, seed=seed).to(dev), group, v, placement)
         stage = stages[(v, placement)]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.data import CharDataset
+from course_lib.dims import V_SCHEDULES
 from course_lib.model import GPT
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.parallel.pp.training import PipelineResult, check_pipeline, clip_grad_norm_pipeline, train_pipeline
@@ -27,13 +28,12 @@ from course_lib.runtime.device import rank_device
 from course_lib.train import StepHooks, flat_grads, flat_params, make_optimizer, train_loop
 
 NATIVE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
-V_NATIVE = ("zbv", "dualpipev")
 
 
 def check_native(schedule: str, virtual_stages: int) -> None:
     if schedule not in NATIVE_SCHEDULES:
         raise ValueError(f"schedule={schedule!r} must be one of {NATIVE_SCHEDULES} for torch.distributed.pipelining")
-    if schedule in V_NATIVE:
+    if schedule in V_SCHEDULES:
         if virtual_stages != 2:
             raise ValueError(f"schedule={schedule!r} needs virtual_stages=2 (two chunks per rank in a V), "
                              f"got {virtual_stages}")
@@ -49,7 +49,7 @@ def native_schedule(stage, schedule: str, n_microbatches: int):
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
-    vocab, scale = stage.vocab_size, (n_microbatches if schedule in V_NATIVE else 1)
+    vocab, scale = stage.vocab_size, (n_microbatches if schedule in V_SCHEDULES else 1)
 
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1)) / scale
@@ -57,7 +57,7 @@ def native_schedule(stage, schedule: str, n_microbatches: int):
     dev = next(stage.parameters()).device
     torch_stages = [TorchStage(chunk, stage.stage_of(c), stage.n_stages, dev, group=stage.group)
                     for c, chunk in enumerate(stage.chunks)]
-    if schedule in V_NATIVE:
+    if schedule in V_SCHEDULES:
         cls = ScheduleZBVZeroBubble if schedule == "zbv" else ScheduleDualPipeV
         sched = cls(torch_stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         sched.loss_scale = scale
@@ -94,7 +94,7 @@ def train_native(model_config, train_cfg, schedule: str = "1f1b", n_microbatches
     check_pipeline(model_config, n, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
     dev = rank_device()
     dataset = CharDataset("train", block_size=model_config.block_size)
-    placement = "v" if schedule in V_NATIVE else "loop"
+    placement = "v" if schedule in V_SCHEDULES else "loop"
     stage = build_stage(GPT(model_config, seed=train_cfg.seed).to(dev), group, virtual_stages, placement)
     sched = native_schedule(stage, schedule, n_microbatches)
     optimizer = make_optimizer(stage, train_cfg)

@@ -21,9 +21,9 @@ a cap on the micro-batches in flight (forward done, activations not yet released
 
 from __future__ import annotations
 
-from course_lib.dims import SCHEDULES  # the vocabulary the planner and the rule book share
+from course_lib.dims import SCHEDULES, V_SCHEDULES  # the vocabulary the planner and the rule book share
 from course_lib.parallel.pp.actions import Action, Schedule, ScheduleError, rank_of, stage_of
-from course_lib.parallel.pp.v_schedules import V_SCHEDULES, dualpipev, zbv
+from course_lib.parallel.pp.v_schedules import dualpipev, zbv
 
 
 def _check_counts(p, m, v=1):
