@@ -60,15 +60,12 @@ class _Rules:
 
     ops = frozenset(_P2P) | {"batch_isend_irecv", "monitored_barrier"} | _REDUCING
 
-    def __init__(self):
-        self.epoch, self.lists, self.counts, self.blocked = 0, {}, {}, 0
+    epoch = 0
 
     # --- the store: one list of calls per (group, rank, peer) --------------------------------
-    def reset(self):
-        self.epoch, self.blocked = self.epoch + 1, 0
-        self.lists, self.counts = {}, {}  # (group, a, b) -> a's calls with b; (group, a, b, kind) -> n
-        self.store = c10d._get_default_store()
-        self.me = dist.get_rank()
+    def reset(self):  # lists: (group, a, b) -> a's calls with b; counts: (group, a, b, kind) -> n
+        self.epoch, self.blocked, self.lists, self.counts = self.epoch + 1, 0, {}, {}
+        self.store, self.me = c10d._get_default_store(), dist.get_rank()
 
     def _key(self, g, a, b):
         return f"ncclr/{self.epoch}/{g}/{a}-{b}"
@@ -158,9 +155,8 @@ class _Rules:
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
-    def marks(self) -> dict:
-        n = dist.get_world_size()
-        keys = [f"ncclr/{self.epoch}/blocked/{r}" for r in range(n)]
+    def marks(self) -> dict:  # rank -> [group, peer, call] it waits on ([] or absent: none)
+        keys = [f"ncclr/{self.epoch}/blocked/{r}" for r in range(dist.get_world_size())]
         return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys) if self.store.check([k])}
 
     def find_cycle(self, g, peer, i):
@@ -283,9 +279,7 @@ def enforced(on: bool = True):
     was = RULES in patching.active_layers()
     if on:
         RULES.reset()
-        patching.add_layer(RULES)
-    else:
-        patching.remove_layer(RULES)
+    (patching.add_layer if on else patching.remove_layer)(RULES)
     try:
         yield
     finally:
