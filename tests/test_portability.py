@@ -72,7 +72,7 @@ def test_make_test_runs_on_the_machines_own_path_and_ci_on_it_and_a_portable_one
     assert "ATEN_CPU_CAPABILITY" not in _recipe("test") and "OMP_NUM_THREADS" not in _recipe("test")
     assert re.search(r"^NOTEBOOK_PATH \?=\s*$", (ROOT / "Makefile").read_text(), re.M)  # the machine's own
     ci = (ROOT / ".ci" / "run").read_text()
-    for target in ("test", "test-portability", "bench-quick", "test-browser"):
+    for target in ("test", "test-nccl-rules", "test-portability", "bench-quick", "test-browser"):
         assert re.search(rf"\bmake {target}\b", ci), f".ci/run must run make {target}"
     # the notebooks and the exercises on the machine's own path (what a learner's make test and
     # kernel run: an AVX-512 learner's failure must show in CI), every folder of them...
