@@ -23,7 +23,7 @@ Names the notebooks, exercises and graders rely on (kept stable):
     course_lib.model.GPT / GPTConfig       -- the reference model
 """
 
-import importlib
+from course_lib._lazy import lazy_exports
 
 # Imported on first use (PEP 562), not with the package: `import course_lib.estimate` (pure
 # formulas) must not import torch, and Python imports this file first for any course_lib module.
@@ -39,13 +39,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'course_lib' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -15,7 +15,7 @@
 from here, as the notebooks use them.
 """
 
-import importlib
+from course_lib._lazy import lazy_exports
 
 # collectives.py (torch) is imported on first use (PEP 562): costmodel.py and measured.py are
 # imported by the estimator, which must import where torch is not installed.
@@ -24,13 +24,4 @@ __all__ = ["ALL_REDUCE_ALGORITHMS", "chunk_bounds", "ring_send_chunk", "ring_red
            "pairwise_all_to_all", "theory_bytes_sent"]
 
 
-def __getattr__(name: str):
-    if name not in __all__:
-        raise AttributeError(f"module 'course_lib.comm' has no attribute {name!r}")
-    value = getattr(importlib.import_module("course_lib.comm.collectives"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(__all__, "course_lib.comm.collectives"), globals())

@@ -9,8 +9,7 @@
                a sequence-splitting strategy swaps
 """
 
-import importlib
-
+from course_lib._lazy import lazy_exports
 from course_lib.model.config import ATTN_IMPLS, GPTConfig, expected_num_params
 
 # The torch modules are imported on first use (PEP 562): `course_lib.model.config` (and so the
@@ -23,13 +22,4 @@ __all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "CausalAttention"
            "sequence_positions", "ATTN_IMPLS"]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'course_lib.model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
