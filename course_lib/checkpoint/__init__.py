@@ -2,7 +2,7 @@
 async saves, the full training state, and elastic recovery.
 
     reshard.py     boxes of global tensors; a flat ZeRO range as boxes; copying overlaps
-    slots.py       the records of what a rank holds: Slot, Piece, Layout
+    slots.py       the records of what a rank holds: Slot, Piece, RankSlots
     layouts.py     what each rank holds (replicated, ZeRO flat shards, tensor parallel) as boxes
     hybrid.py      the same for composed dp x tp x pp layouts (course_lib.parallel.hybrid)
     format.py      the course's own format: one file per rank + metadata.json (global shapes, offsets)
@@ -25,12 +25,12 @@ from course_lib.checkpoint.format import CheckpointError, save_sharded
 from course_lib.checkpoint.layouts import LAYOUTS, describe_layout
 from course_lib.checkpoint.reader import CheckpointReader
 from course_lib.checkpoint.reshard import Box, flat_range_boxes, index_runs, whole
-from course_lib.checkpoint.slots import Layout, Piece, Slot
+from course_lib.checkpoint.slots import RankSlots, Piece, Slot
 from course_lib.checkpoint.state import LoadInfo, capture_rng, load_training_state, restore_rng, save_training_state
 
 __all__ = [
     "AsyncCheckpointer", "checkpoint_path", "complete_checkpoints", "latest_checkpoint", "prune",
-    "CheckpointError", "save_sharded", "CheckpointReader", "LAYOUTS", "Layout", "Piece", "Slot",
+    "CheckpointError", "save_sharded", "CheckpointReader", "LAYOUTS", "RankSlots", "Piece", "Slot",
     "describe_layout", "Box", "flat_range_boxes", "index_runs", "whole", "LoadInfo", "capture_rng",
     "load_training_state", "restore_rng", "save_training_state",
 ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from course_lib.checkpoint.reshard import Box
-from course_lib.checkpoint.slots import Layout, Slot, flat_boxes, placed_boxes
+from course_lib.checkpoint.slots import RankSlots, Slot, flat_boxes, placed_boxes
 from course_lib.parallel.placement import Placement
 from course_lib.parallel.hybrid.compose import placements, trained_parameters
 
@@ -77,12 +77,12 @@ def zero_composed_slots(optimizer, bases: list[BaseSlot]) -> list[Slot]:
     return slots
 
 
-def hybrid_layout(parts, optimizer=None) -> Layout:
-    """The Layout of a build_hybrid rank (pass parts.optimizer or make_hybrid_optimizer's result)."""
+def hybrid_layout(parts, optimizer=None) -> RankSlots:
+    """The RankSlots of a build_hybrid rank (pass parts.optimizer or make_hybrid_optimizer's result)."""
     bases = base_slots(parts)
     params = [_as_slot(b) for b in bases]
     if optimizer is not None and hasattr(optimizer, "shards"):  # ZeRO-1 over dp
-        return Layout("hybrid", zero_composed_slots(optimizer, bases), params,
+        return RankSlots("hybrid", zero_composed_slots(optimizer, bases), params,
                       lambda master: optimizer.optimizer.state[master])
     state = (lambda p: optimizer.state[p]) if optimizer is not None else (lambda p: {})
-    return Layout("hybrid", params, params, state)
+    return RankSlots("hybrid", params, params, state)

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from course_lib.checkpoint.hybrid import hybrid_layout
 from course_lib.checkpoint.reshard import whole
-from course_lib.checkpoint.slots import Layout, Piece, Slot, flat_boxes, placed_boxes
+from course_lib.checkpoint.slots import RankSlots, Piece, Slot, flat_boxes, placed_boxes
 from course_lib.parallel.placement import Placement
 from course_lib.parallel.tp.apply import tp_placements
 
@@ -84,8 +84,8 @@ def tp_slots(model: nn.Module) -> list[Slot]:
     return slots
 
 
-def describe_layout(model: nn.Module, optimizer=None, kind: str = "replicated") -> Layout:
-    """The Layout of (model, optimizer) on this rank. kind: one of LAYOUTS ("hybrid": pass the
+def describe_layout(model: nn.Module, optimizer=None, kind: str = "replicated") -> RankSlots:
+    """The RankSlots of (model, optimizer) on this rank. kind: one of LAYOUTS ("hybrid": pass the
     HybridParts of course_lib.parallel.hybrid.build_hybrid as `model`; see hybrid.py)."""
     if kind not in LAYOUTS:
         raise ValueError(f"kind={kind!r} must be one of {LAYOUTS}")
@@ -94,22 +94,22 @@ def describe_layout(model: nn.Module, optimizer=None, kind: str = "replicated") 
     plain_state = (lambda p: optimizer.state[p]) if optimizer is not None else (lambda p: {})
     if kind == "replicated":
         slots = replicated_slots(model)
-        return Layout(kind, slots, slots, plain_state)
+        return RankSlots(kind, slots, slots, plain_state)
     if kind == "tp":
         slots = tp_slots(model)
-        return Layout(kind, slots, slots, plain_state)
+        return RankSlots(kind, slots, slots, plain_state)
     if optimizer is None or not hasattr(optimizer, "shards"):
         raise ValueError("kind='zero' needs the optimizer returned by course_lib.parallel.zero")
     slots = zero_slots(model, optimizer)
     load = slots if optimizer.stage == 3 else replicated_slots(model)  # stages 0-2 hold whole params
-    return Layout(kind, slots, load, lambda master: optimizer.optimizer.state[master])
+    return RankSlots(kind, slots, load, lambda master: optimizer.optimizer.state[master])
 
 
 def model_pieces(slots: list[Slot]) -> list[Piece]:
     return [Piece(f"model.{s.name}", s.shape, s.box, s.select(s.local)) for s in slots]
 
 
-def state_pieces(layout: Layout, slots: list[Slot] | None = None) -> list[Piece]:
+def state_pieces(layout: RankSlots, slots: list[Slot] | None = None) -> list[Piece]:
     """optim.<name>.<k> pieces: per-element state shaped like the slot's local tensor takes the
     slot's box; a 0-d state (Adam's step) is one replicated element."""
     out, seen = [], set()
@@ -130,7 +130,7 @@ def state_pieces(layout: Layout, slots: list[Slot] | None = None) -> list[Piece]
     return out
 
 
-def materialize_state(layout: Layout, tensor_meta: dict) -> None:
+def materialize_state(layout: RankSlots, tensor_meta: dict) -> None:
     """Create the optimizer state a checkpoint holds (zeros; the load then fills it), so a fresh
     optimizer can be loaded before its first step. tensor_meta: the checkpoint's {key: {shape, dtype}}."""
     for s in layout.save_slots:  # the state lives where the saved (owned) slots live

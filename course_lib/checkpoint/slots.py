@@ -1,6 +1,6 @@
 """The records that describe what a rank holds for the checkpoint (see layouts.py): a Slot (this
 rank's tensor holds a box of a global parameter), a Piece (a key, its global shape, the box and
-this rank's view, as format.py saves and loads it) and a Layout (the slots to save, the slots to
+this rank's view, as format.py saves and loads it) and a RankSlots (the slots to save, the slots to
 load, and where the optimizer keeps each local tensor's state). layouts.py and hybrid.py both
 build them; they sit here, below both, with the two readings of an axis's Placement
 (course_lib.parallel.placement) that both need: a split's boxes (`placed_boxes`) and a flat
@@ -36,7 +36,11 @@ class Piece:
 
 
 @dataclass
-class Layout:
+class RankSlots:
+    """What one rank saves and loads (`kind`: one of layouts.LAYOUTS): the slots it saves, the
+    slots it loads into (they differ under ZeRO stages 0-2: the rank saves its flat shard of the
+    masters and loads whole parameters), and where its optimizer keeps each local tensor's state."""
+
     kind: str
     save_slots: list[Slot]
     load_slots: list[Slot]

@@ -41,7 +41,7 @@ REFUSE = (
     "course_lib.checkpoint.reader", "course_lib.checkpoint.hybrid", "course_lib.checkpoint.dcp",
     "course_lib.checkpoint.viz",
     "course_lib.checkpoint.Box", "course_lib.checkpoint.flat_range_boxes", "course_lib.checkpoint.CheckpointReader",
-    "course_lib.checkpoint.LAYOUTS", "course_lib.checkpoint.Layout", "course_lib.checkpoint.describe_layout",
+    "course_lib.checkpoint.LAYOUTS", "course_lib.checkpoint.RankSlots", "course_lib.checkpoint.describe_layout",
 )
 
 # (numel, old_world, new_world, old shard size S, new shard size S'), S = ceil(numel / world) worked

@@ -11,7 +11,7 @@
                     the single process
 """
 
-from course_lib.sharding.layouts import (HIDDEN, LAYOUTS, Layout, Record, Shapes, check_layout, formula, mapping_table,
+from course_lib.sharding.layouts import (HIDDEN, LAYOUTS, ShardingPlan, Record, Shapes, check_layout, formula, mapping_table,
                                         totals)
 
-__all__ = ["HIDDEN", "LAYOUTS", "Layout", "Record", "Shapes", "check_layout", "formula", "mapping_table", "totals"]
+__all__ = ["HIDDEN", "LAYOUTS", "ShardingPlan", "Record", "Shapes", "check_layout", "formula", "mapping_table", "totals"]

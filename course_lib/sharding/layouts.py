@@ -57,7 +57,7 @@ class Shapes:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardingPlan:
     """A mesh (axis names and sizes, in order) and a PartitionSpec per tensor."""
 
     name: str
@@ -83,21 +83,21 @@ class Layout:
         return tuple(("Shard", spec.index(axis)) if axis in spec else ("Replicate",) for axis, _ in self.axes)
 
 
-def _layouts(n: int = 4) -> dict[str, Layout]:
+def _layouts(n: int = 4) -> dict[str, ShardingPlan]:
     half = n // 2
     megatron = {"fc": ("tp", None), "proj": (None, "tp")}
     rows = [
-        Layout("dp", "data parallel (DDP)", (("dp", n),),
+        ShardingPlan("dp", "data parallel (DDP)", (("dp", n),),
                {"x": ("dp", None, None), "t": ("dp", None, None), "fc": (None, None), "proj": (None, None)}),
-        Layout("tp", "Megatron: fc column-parallel, proj row-parallel", (("tp", n),),
+        ShardingPlan("tp", "Megatron: fc column-parallel, proj row-parallel", (("tp", n),),
                {"x": (None, None, None), "t": (None, None, None), **megatron}, use={"y": (None, None, None)}),
-        Layout("sp", "Megatron with sequence parallelism", (("tp", n),),
+        ShardingPlan("sp", "Megatron with sequence parallelism", (("tp", n),),
                {"x": (None, "tp", None), "t": (None, "tp", None), **megatron},
                use={"x": (None, None, None), "y": (None, "tp", None)}),
-        Layout("fsdp", "ZeRO-3 / FSDP: weights split by rows, batch split", (("dp", n),),
+        ShardingPlan("fsdp", "ZeRO-3 / FSDP: weights split by rows, batch split", (("dp", n),),
                {"x": ("dp", None, None), "t": ("dp", None, None), "fc": ("dp", None), "proj": ("dp", None)},
                use={"fc": (None, None), "proj": (None, None)}),
-        Layout("dp_tp", "2D mesh: data parallel x Megatron", (("dp", half), ("tp", n // half)),
+        ShardingPlan("dp_tp", "2D mesh: data parallel x Megatron", (("dp", half), ("tp", n // half)),
                {"x": ("dp", None, None), "t": ("dp", None, None), **megatron}, use={"y": ("dp", None, None)}),
     ]
     return {r.name: r for r in rows}
@@ -112,7 +112,7 @@ LAYOUTS = _layouts()
 HIDDEN = {"sp": (None, None, "tp"), "fsdp": ("dp", None, None)}
 
 
-def check_layout(name: str, shapes: Shapes = Shapes()) -> Layout:
+def check_layout(name: str, shapes: Shapes = Shapes()) -> ShardingPlan:
     """The layout called `name`, after checking every split divides its dim."""
     if name not in LAYOUTS:
         raise ValueError(f"layout={name!r} must be one of {sorted(LAYOUTS)}")
