@@ -21,7 +21,7 @@ closed form.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,8 +51,12 @@ def _chunk_len(seq_len: int, cp: int, load_balance: bool) -> int:
 
 def shard_positions(seq_len: int, cp: int, rank: int, load_balance: bool) -> torch.LongTensor:
     """The absolute positions (int64, increasing) of the T/cp tokens rank holds."""
-    c = _chunk_len(seq_len, cp, load_balance)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_ids(cp, rank, load_balance)])
+    return _chunk_positions(_chunk_len(seq_len, cp, load_balance), chunk_ids(cp, rank, load_balance))
+
+
+def _chunk_positions(c: int, ids: list[int]) -> torch.LongTensor:
+    """The positions of chunks `ids` of c tokens each, in order."""
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in ids])
 
 
 def shard_sequence(x: torch.Tensor, cp: int, rank: int, load_balance: bool, dim: int = 1) -> torch.Tensor:
@@ -103,14 +107,21 @@ def attention_work(seq_len: int, cp: int, load_balance: bool) -> list[int]:
 class SequenceLayout:
     """How a sequence of seq_len tokens is split over cp ranks (contiguous or zig-zag).
     The divisibility rule (cp | T, or 2cp | T with load_balance) is checked on construction;
-    `check(n_head, method)` adds what depends on the model and the method (Ulysses: cp | heads)."""
+    `check(n_head, method)` adds what depends on the model and the method (Ulysses: cp | heads).
+    Built once per run: the chunk length and every rank's positions are computed (and checked)
+    on construction, so a step reads them instead of recomputing them per batch."""
 
     seq_len: int
     cp: int
     load_balance: bool = True
+    _chunk: int = field(init=False, repr=False, compare=False, default=0)
+    _positions: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
-        _chunk_len(self.seq_len, self.cp, self.load_balance)  # raises naming the rule
+        c = _chunk_len(self.seq_len, self.cp, self.load_balance)  # raises naming the rule
+        object.__setattr__(self, "_chunk", c)
+        object.__setattr__(self, "_positions", tuple(_chunk_positions(c, chunk_ids(self.cp, r, self.load_balance))
+                                                     for r in range(self.cp)))
 
     def check(self, n_head: int, method: str, n_kv_head: int | None = None) -> None:
         """The whole rule book for running `method` with n_head heads on this layout."""
@@ -124,14 +135,21 @@ class SequenceLayout:
 
     @property
     def chunk_len(self) -> int:
-        return _chunk_len(self.seq_len, self.cp, self.load_balance)
+        return self._chunk
 
     def chunk_ids(self, rank: int) -> list[int]:
         return chunk_ids(self.cp, rank, self.load_balance)
 
     def positions(self, rank: int) -> torch.LongTensor:
-        """The absolute positions rank holds (increasing)."""
-        return shard_positions(self.seq_len, self.cp, rank, self.load_balance)
+        """The absolute positions rank holds (increasing): shard_positions, computed on
+        construction (a copy, so the layout's own stays as built)."""
+        self._check_rank(rank)
+        return self._positions[rank].clone()
+
+    def _check_rank(self, rank: int) -> None:
+        check_int("rank", rank, minimum=0)
+        if rank >= self.cp:
+            raise ValueError(f"rank={rank} must be < cp={self.cp}")
 
     def all_positions(self) -> torch.LongTensor:
         """Every rank's positions concatenated in rank order: the order of a sequence gathered
@@ -139,7 +157,13 @@ class SequenceLayout:
         return torch.cat([self.positions(r) for r in range(self.cp)])
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
-        return shard_sequence(x, self.cp, rank, self.load_balance, dim)
+        """shard_sequence with the layout's chunk length (x's length along dim must be seq_len)."""
+        self._check_rank(rank)
+        if x.shape[dim] != self.seq_len:
+            raise ValueError(f"the tensor's length {x.shape[dim]} along dim {dim} must be the layout's "
+                             f"seq_len={self.seq_len}")
+        c = self._chunk
+        return torch.cat([x.narrow(dim, i * c, c) for i in chunk_ids(self.cp, rank, self.load_balance)], dim=dim)
 
     def unshard(self, shards: list, dim: int = 1) -> torch.Tensor:
         return unshard_sequence(shards, self.cp, self.load_balance, dim)

@@ -71,7 +71,7 @@ from course_lib.parallel.ep.apply import ep_placements
 from course_lib.parallel.mesh import make_mesh
 from course_lib.parallel.placement import Placement, gather_full, parameter_names, weight
 from course_lib.parallel.pp import build_stage
-from course_lib.parallel.pp.schedules import make_schedule
+from course_lib.parallel.pp.runner import plan_pipeline
 from course_lib.parallel.pp.stage import TokenAndPositionEmbedding
 from course_lib.parallel.tp import apply_tensor_parallel
 from course_lib.parallel.tp.apply import tp_placements
@@ -81,7 +81,9 @@ from course_lib.techniques.activation_checkpointing import recompute_in_place
 
 @dataclass
 class HybridParts:
-    """What one rank holds: the mesh, its coordinates, the (parallel) model and its stage."""
+    """What one rank holds: the mesh, its coordinates, the (parallel) model, its stage and the
+    pipeline's plan (runner.PipelinePlan: the checked schedule and its messages, built once here
+    and run every step; None without stages)."""
 
     dims: object
     mesh: object
@@ -90,6 +92,7 @@ class HybridParts:
     model: GPT
     stage: object
     optimizer: object = None
+    plan: object = None
 
 
 class ShardPositionEmbedding(TokenAndPositionEmbedding):
@@ -122,13 +125,14 @@ def build_hybrid(dims, model_config, seed: int = 0, device=None) -> HybridParts:
     if dims.recompute == "full":  # in place: the names stay the single-process ones
         recompute_in_place(model.blocks)
     stage = build_stage(model, groups["pp"], dims.virtual_stages) if dims.pp > 1 else None
+    plan = plan_pipeline(dims.schedule, dims.pp, dims.virtual_stages, dims.microbatches) if dims.pp > 1 else None
     if stage is not None and dims.sequence_parallel:  # the blocks' output is this tp rank's T/tp tokens
         stage.sequence_shards = dims.tp
     if stage is not None and dims.cp > 1 and stage.chunks[0].first:  # the chunk holding stage 0
         first = stage.chunks[0]
         positions = model.cp_layout.positions(coords["cp"])
         first.embed = ShardPositionEmbedding(first.embed, positions if device is None else positions.to(device))
-    return HybridParts(dims, mesh, coords, groups, model, stage)
+    return HybridParts(dims, mesh, coords, groups, model, stage, plan=plan)
 
 
 def zero_group(parts: HybridParts):
@@ -153,7 +157,7 @@ def make_hybrid_optimizer(parts: HybridParts, train_cfg):
         chunks = list(parts.stage.chunks) if parts.stage is not None else [parts.model]
         tied = parts.stage.tied_weight() if parts.stage is not None else None
         d = parts.dims  # split backward (W actions): weight gradients land after their hooks fired
-        split = d.pp > 1 and make_schedule(d.schedule, d.pp, d.microbatches, d.virtual_stages).split_backward
+        split = parts.plan is not None and parts.plan.split_backward
         parts.optimizer = build_stage_optimizer(chunks, groups, torch.optim.AdamW, zero_group(parts), kw, d.zero,
                                                 d.microbatches, d.reshard_after_forward,
                                                 late=[tied] if tied is not None else [], overlap=not split)

@@ -126,7 +126,7 @@ def make_forward_backward(parts, dims, timeline=None):
             x, y, pos = shard_batch(x, y, parts.model.cp_layout, parts.coords["cp"])
         with precision_context(dims.precision):
             if parts.stage is not None:
-                loss = run_schedule(parts.stage, x, y, dims.schedule, m, timeline=timeline)
+                loss = run_schedule(parts.stage, x, y, parts.plan, m, timeline=timeline)  # planned once (build_hybrid)
             else:
                 loss = 0.0
                 for i, (xc, yc) in enumerate(zip(x.chunk(m), y.chunk(m))):

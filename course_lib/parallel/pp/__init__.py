@@ -6,7 +6,11 @@ flowing through them by a schedule.
     schedules.py  the schedules as data (per-rank F/B/W lists), their simulation and checker
     v_schedules.py  ZB-V and DualPipeV: two chunks per rank in a V
     pipedream.py  PipeDream-2BW: no flush, two weight versions, one-step-stale updates
-    runner.py     run_schedule(stage, idx, targets, schedule, n_microbatches): real send/recv
+    p2p_plan.py   the schedule's messages in batches both ends issue in the same order (NCCL's rules)
+    runner.py     plan_pipeline (a checked schedule and its messages, built once per run) and
+                  run_schedule(stage, idx, targets, plan, n_microbatches): the executor, real send/recv
+    accounting.py the executor's observer: saved bytes and their peak, timeline spans, padding
+    deferred.py   zero bubble's split backward: input gradients in B, weight gradients in W
     training.py   train_pipeline / run_pipeline: the reference loop, pipelined
     bubble.py     the bubble formulas and the bubble measured from a run's timeline
     native.py     the same stages under torch.distributed.pipelining
@@ -16,7 +20,7 @@ flowing through them by a schedule.
 from course_lib.estimate.traffic import pp_traffic
 from course_lib.parallel.pp.actions import rank_of, stage_of
 from course_lib.parallel.pp.pipedream import reference_2bw, run_2bw
-from course_lib.parallel.pp.runner import run_schedule
+from course_lib.parallel.pp.runner import PipelinePlan, plan_pipeline, run_schedule
 from course_lib.parallel.pp.schedules import (
     SCHEDULES,
     Action,
@@ -40,6 +44,7 @@ from course_lib.parallel.pp.training import (
 
 __all__ = [
     "build_stage", "pp_traffic", "PipelineStage", "split_layers", "run_schedule",
+    "PipelinePlan", "plan_pipeline",
     "SCHEDULES", "Action", "Schedule", "ScheduleError", "make_schedule", "check_schedule", "simulate",
     "in_flight", "schedule_events",
     "train_pipeline", "run_pipeline", "check_pipeline", "PipelineResult", "clip_grad_norm_pipeline",

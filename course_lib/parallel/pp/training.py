@@ -18,7 +18,7 @@ from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.parallel.clip import clip_grad_norm_
-from course_lib.parallel.pp.runner import run_schedule, validate_run
+from course_lib.parallel.pp.runner import PipelinePlan, plan_pipeline, run_schedule
 from course_lib.dims import split_layers
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.runtime import run_on_ranks
@@ -44,15 +44,23 @@ def clip_grad_norm_pipeline(stage, max_norm: float) -> torch.Tensor:
     return clip_grad_norm_(pairs, max_norm, stage.group)
 
 
-def check_pipeline(model_config, world_size: int, schedule, n_microbatches: int, batch_size: int,
-                   virtual_stages: int = 1):
-    """Every rule a pipelined run must satisfy, checked in the parent before any rank waits."""
+def plan_checked(model_config, world_size: int, schedule, n_microbatches: int, batch_size: int,
+                 virtual_stages: int = 1) -> PipelinePlan:
+    """Every rule a pipelined run must satisfy, then the schedule's PipelinePlan (runner.py):
+    built once per run, and run every step."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1")
     split_layers(model_config.n_layer, world_size * virtual_stages)
-    return validate_run(schedule, world_size, virtual_stages, n_microbatches, batch_size)
+    return plan_pipeline(schedule, world_size, virtual_stages, n_microbatches, batch_size)
+
+
+def check_pipeline(model_config, world_size: int, schedule, n_microbatches: int, batch_size: int,
+                   virtual_stages: int = 1):
+    """Every rule a pipelined run must satisfy, checked in the parent before any rank waits;
+    returns the Schedule."""
+    return plan_checked(model_config, world_size, schedule, n_microbatches, batch_size, virtual_stages).schedule
 
 
 def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatches: int = 4,
@@ -60,11 +68,11 @@ def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatch
                    action_seconds: dict | None = None) -> PipelineResult:
     """Rank code: train_cfg.steps steps of the reference loop, pipelined over `group`."""
     n = dist.get_world_size(group)
-    sched = check_pipeline(model_config, n, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
+    plan = plan_checked(model_config, n, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
     dev = rank_device()
     dataset = CharDataset("train", block_size=model_config.block_size)
     model = GPT(model_config, seed=train_cfg.seed).to(dev)
-    stage = build_stage(model, group, virtual_stages, sched.placement)  # "v" for zbv and dualpipev
+    stage = build_stage(model, group, virtual_stages, plan.placement)  # "v" for zbv and dualpipev
     del model
     optimizer = make_optimizer(stage, train_cfg)
     timeline = Timeline() if record_timeline else None
@@ -73,7 +81,7 @@ def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatch
     result.set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
 
     def forward_backward(_stage, x, y):
-        return run_schedule(_stage, x, y, schedule, n_microbatches, timeline=timeline,
+        return run_schedule(_stage, x, y, plan, n_microbatches, timeline=timeline,
                             action_seconds=action_seconds)
 
     hooks = StepHooks(forward_backward=forward_backward, clip_grad_norm=lambda c: clip_grad_norm_pipeline(stage, c))
