@@ -118,14 +118,18 @@ def test_the_hybrid_trainer_builds_its_schedule_and_sequence_layout_once(kw, wor
     _assert_once(run_on_ranks(rank, dims, world_size=world, timeout_s=180), keys)
 
 
-def test_a_context_parallel_run_checks_its_layout_once():
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_a_context_parallel_run_checks_its_layout_once(method):
+    """The layout's rules run when it is built (check_apply, SequenceLayout); a step reads the
+    positions it computed then, and the attention modules do not re-check them per call."""
     config = _config()
 
-    def rank():
+    def rank(method):
         from course_lib.parallel.cp.training import train_context_parallel
 
         return _counting(lambda steps: train_context_parallel(
-            config, TrainConfig(steps=steps, batch_size=4, eval_every=10**6, eval_batches=1, progress=False), cp=2))
+            config, TrainConfig(steps=steps, batch_size=4, eval_every=10**6, eval_batches=1, progress=False), cp=2,
+            method=method))
 
-    for counts in run_on_ranks(rank, world_size=2, timeout_s=120):
+    for counts in run_on_ranks(rank, method, world_size=2, timeout_s=120):
         assert counts[1] == counts[3] and counts[3].get("layout", 0) >= 1, counts

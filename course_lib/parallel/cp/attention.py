@@ -59,7 +59,10 @@ def allgather_attention(q, k, v, q_pos, group, layout: SequenceLayout, scale=Non
     return out
 
 
-def _check(q, k, v, q_pos, group, layout, method):
+def _check(q, k, v, q_pos, group, layout, method, positions_checked: bool = False):
+    """The call's rules. positions_checked: q_pos was taken from the layout itself, once, and the
+    method was checked against it (ContextParallelAttention), so the per-call comparison and the
+    layout's rule book are skipped; the shapes are still checked on every call."""
     if method not in CP_METHODS:
         raise ValueError(f"method={method!r} must be one of {CP_METHODS}")
     cp = dist.get_world_size(group)
@@ -71,6 +74,8 @@ def _check(q, k, v, q_pos, group, layout, method):
     if q.shape[SEQ_DIM] != layout.shard_len or tuple(q_pos.shape) != (layout.shard_len,):
         raise ValueError(f"this rank's shard holds {layout.shard_len} tokens (seq_len={layout.seq_len} over "
                          f"cp={layout.cp}); got q with {q.shape[SEQ_DIM]} and q_pos of shape {tuple(q_pos.shape)}")
+    if positions_checked:
+        return
     rank = dist.get_rank(group)
     if not torch.equal(q_pos.cpu(), layout.positions(rank)):
         raise ValueError(f"q_pos must be layout.positions({rank}) (the other ranks' positions are read off the "
@@ -80,14 +85,14 @@ def _check(q, k, v, q_pos, group, layout, method):
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, group,
-                      layout: SequenceLayout, method: str = "ring") -> torch.Tensor:
+                      layout: SequenceLayout, method: str = "ring", *, positions_checked: bool = False) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence's keys.
 
     q, k, v: (B, H, s, hd), this rank's shard (s = layout.shard_len tokens at positions q_pos =
     layout.positions(rank)); group: the cp ranks (layout.cp of them). Returns out (B, H, s, hd),
     the rows of full causal attention at q_pos; differentiable in q, k, v. The calls each method
-    makes are in the module docstring."""
-    _check(q, k, v, q_pos, group, layout, method)
+    makes are in the module docstring. positions_checked: see _check."""
+    _check(q, k, v, q_pos, group, layout, method, positions_checked)
     if layout.cp == 1:
         return block_attention(q, k, v, q_pos, q_pos)[0]
     if method == "allgather":
@@ -123,7 +128,8 @@ class ContextParallelAttention(nn.Module):
         self.q_pos = layout.positions(self.rank).to(self.q_pos.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_attention(q, k, v, self.q_pos, self.group, self.layout, self.method)
+        # q_pos is the layout's own (set_layout): not compared again on every call
+        return context_attention(q, k, v, self.q_pos, self.group, self.layout, self.method, positions_checked=True)
 
     def extra_repr(self) -> str:
         return f"method={self.method!r}, cp={self.layout.cp}, load_balance={self.layout.load_balance}"
