@@ -42,7 +42,7 @@ from course_lib.estimate.bubble import formula_for as _estimate_formula_for
 from course_lib.estimate.bubble import v_bubble_fraction as _estimate_v_bubble
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
-from course_lib.parallel.pp.runner import run_schedule
+from course_lib.parallel.pp.runner import plan_pipeline, run_schedule
 from course_lib.parallel.pp.schedules import make_schedule, schedule_events
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.parallel.pp.training import check_pipeline
@@ -105,10 +105,10 @@ def time_schedules(model_config, runs, micro_batch: int = 2, action_seconds: dic
         gen = torch.Generator().manual_seed(seed)
         idx = torch.randint(0, model_config.vocab_size, (m * micro_batch, model_config.block_size + 1), generator=gen)
         x, y = idx[:, :-1].to(dev), idx[:, 1:].to(dev)
-        timed = []
+        timed, plan = [], plan_pipeline(schedule, stage.n_ranks, v, m)  # built once, run every step
         for k in range(repeats + 1):
             tl = Timeline() if k else None
-            loss = run_schedule(stage, x, y, schedule, m, timeline=tl, action_seconds=action_seconds)
+            loss = run_schedule(stage, x, y, plan, m, timeline=tl, action_seconds=action_seconds)
             stage.zero_grad(set_to_none=True)
             if k:
                 timed.append(tl.events)
