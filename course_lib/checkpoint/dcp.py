@@ -43,6 +43,7 @@ from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.parallel.zero.native import fsdp2_model
 from course_lib.train import StepHooks, share_rows, train_loop
+from course_lib.runtime.device import rank_device
 
 
 @contextlib.contextmanager
@@ -160,7 +161,8 @@ def _fsdp2_run(model_config, train_cfg, seed: int, group=None):
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         train_loop(model, opt, dataset, train_cfg,
                    StepHooks(clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)),
-                   rows=share_rows(rank, n, train_cfg.batch_size), generator=torch.Generator().manual_seed(seed))
+                   rows=share_rows(rank, n, train_cfg.batch_size), generator=torch.Generator().manual_seed(seed),
+                   device=rank_device())  # the batches where FSDP2 put the parameters (the mesh's device)
     return model, opt
 
 

@@ -22,6 +22,7 @@ from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.parallel.zero.apply import apply_zero
 from course_lib.train import StepHooks, TrainResult, share_rows, train_loop
+from course_lib.runtime.device import rank_device
 
 STATE = ("exp_avg", "exp_avg_sq")
 
@@ -83,7 +84,7 @@ def train_zero3_flat(model_config, train_cfg, save_dir=None, resume: list[dict] 
     dataset = CharDataset("train", block_size=model_config.block_size)
 
     def global_loss(loss):  # the mean over ranks, the same at any world size
-        mean = torch.tensor([loss / n], dtype=torch.float64)
+        mean = torch.tensor([loss / n], dtype=torch.float64, device=rank_device())
         dist.all_reduce(mean, group=group)
         return mean.item()
 

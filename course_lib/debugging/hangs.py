@@ -17,6 +17,7 @@ import torch.nn as nn
 from course_lib.dims import split_layers
 from course_lib.observe.memory import SavedActivations
 from course_lib.parallel.ep.dispatch import combine, dispatch, exchange_counts
+from course_lib.runtime.device import rank_device
 
 D = 4  # features of every small tensor here
 
@@ -29,7 +30,7 @@ def skip_collective(fixed: bool, bad_rank: int, probe_s: float | None = None) ->
     rank 0 then raises naming the rank that did not arrive, instead of hanging."""
     rank, sums = dist.get_rank(), []
     for step in (1, 2, 3):
-        grad = torch.full((D,), float(step * (rank + 1)))
+        grad = torch.full((D,), float(step * (rank + 1)), device=rank_device())
         if rank == bad_rank and step == 3:
             grad.zero_()  # this rank's rows were all padding
         if fixed:
@@ -52,9 +53,10 @@ def reorder_collectives(fixed: bool, bad_rank: int) -> dict:
     """Two buckets synchronised with two different collectives; bad_rank walks them in the other
     order (as when hooks fire in an order that depends on the rank's own graph)."""
     rank = dist.get_rank()
-    grads = torch.full((D,), float(rank + 1))
-    weights = torch.full((D,), 10.0 * (rank + 1))
-    dist.all_reduce(torch.zeros(1))  # every rank starts together
+    dev = rank_device()
+    grads = torch.full((D,), float(rank + 1), device=dev)
+    weights = torch.full((D,), 10.0 * (rank + 1), device=dev)
+    dist.all_reduce(torch.zeros(1, device=dev))  # every rank starts together
     calls = [lambda: dist.all_reduce(grads), lambda: dist.broadcast(weights, src=0)]
     if not fixed and rank == bad_rank:
         calls.reverse()  # the bug: this rank's order is not the others'
@@ -74,8 +76,8 @@ def wrong_group(fixed: bool, bad_rank: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group
     dp = [dist.new_group(list(range(j, world, 2))) for j in range(2)]
-    x = torch.full((D,), float(rank))
-    out = [torch.empty(D) for _ in range(2)]
+    x = torch.full((D,), float(rank), device=rank_device())
+    out = [torch.empty(D, device=x.device) for _ in range(2)]
     group = tp[rank // 2]
     if not fixed and rank == bad_rank:
         group = dp[rank % 2]  # the bug: the group of the other mesh dimension
@@ -112,13 +114,14 @@ def microbatches_below_stages(fixed: bool, bad_rank=None) -> dict:
     backwards. Sends are isend (never block); receives block."""
     p, r = dist.get_world_size(), dist.get_rank()
     m = max(p - 2, 1)
-    layer = _pipe_layers(p)[r]
-    xs = _pipe_batch(m)
+    dev = rank_device()
+    layer = _pipe_layers(p)[r].to(dev)
+    xs = _pipe_batch(m).to(dev)
     inputs, outputs, sends, loss_sum = {}, {}, [], 0.0
 
     def forward(j):
         nonlocal loss_sum
-        x = xs[j].clone() if r == 0 else torch.empty(3, D)
+        x = xs[j].clone() if r == 0 else torch.empty(3, D, device=dev)
         if r > 0:
             dist.recv(x, r - 1)
         x.requires_grad_(r > 0)
@@ -131,7 +134,7 @@ def microbatches_below_stages(fixed: bool, bad_rank=None) -> dict:
         if loss is not None:
             loss.backward()
         else:
-            grad = torch.empty(3, D)
+            grad = torch.empty(3, D, device=dev)
             dist.recv(grad, r + 1)  # waits for the next stage's gradient of micro-batch j
             outputs[j].backward(grad)
         if r > 0:
@@ -184,13 +187,14 @@ def zero_token_expert(fixed: bool, bad_rank: int) -> dict:
     back). The router sends no token to bad_rank's expert."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x, route = _tokens(rank, world, bad_rank)
+    x = x.to(rank_device())
     order = sorted(range(6), key=lambda i: route[i])  # rows sorted by expert = by rank
     counts = [route.count(e) for e in range(world)]
-    send, recv = exchange_counts(counts)
+    send, recv = exchange_counts(counts, device=x.device)
     received = dispatch(x[order], send, recv)
     if not fixed and received.shape[0] == 0:
         return {"out": None}  # the bug: "no tokens, nothing to do" skips the all-to-all back
-    expert_out = _expert(rank)(received)  # the fix: run (on zero rows too) and always combine
+    expert_out = _expert(rank).to(x.device)(received)  # the fix: run (on zero rows too) and always combine
     back = combine(expert_out, send, recv)
     out = torch.empty_like(x)
     out[order] = back
@@ -219,14 +223,15 @@ def uneven_oom(fixed: bool, bad_rank=None) -> dict:
     against it after its forward. Nothing exhausts the machine: the cap is a number."""
     p, r = dist.get_world_size(), dist.get_rank()
     n_layer = 3 * p - 1
-    layers = _pipe_layers(n_layer)
+    dev = rank_device()
+    layers = [lin.to(dev) for lin in _pipe_layers(n_layer)]
     split = split_layers(n_layer, p) if fixed else _uneven_split(n_layer, p)  # the fix: the balanced split
     cap_layers = -(-n_layer // p)
     probe = nn.Sequential(*[nn.Sequential(lin, nn.Tanh()) for lin in _pipe_layers(cap_layers)])
     with SavedActivations(probe) as at_cap:
         probe(torch.zeros(3, D, requires_grad=True))
     mine = nn.Sequential(*[nn.Sequential(layers[i], nn.Tanh()) for i in split[r]])
-    x = _pipe_batch(1)[0].clone() if r == 0 else torch.empty(3, D)
+    x = _pipe_batch(1)[0].clone().to(dev) if r == 0 else torch.empty(3, D, device=dev)
     if r > 0:
         dist.recv(x, r - 1)
     x.requires_grad_(True)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from course_lib.comm.autograd import reduce_from_group
 from course_lib.loop import share_rows
 from course_lib.observe.tracer import CommTracer
+from course_lib.runtime.device import rank_device
 
 B, D_IN, HIDDEN, STEPS, LR, ACCUM = 48, 8, 16, 3, 0.1, 2
 
@@ -46,17 +47,18 @@ def flat_grad(model: nn.Module) -> torch.Tensor:
 def checksum(t: torch.Tensor) -> str:
     """8 hex digits of the tensor's bytes: equal exactly when the tensors are bitwise equal
     (up to a hash collision, about 1 in 4e9)."""
-    return hashlib.sha1(t.detach().contiguous().numpy().tobytes()).hexdigest()[:8]
+    return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:8]
 
 
 def train(body, steps: int = STEPS) -> dict:
     """SGD(LR) on tiny_model for `steps` steps; body(model, x, y) back-propagates (and syncs) one
-    step's gradient and returns the loss to record."""
-    model = tiny_model()
+    step's gradient and returns the loss to record. Model and batches on the rank's device."""
+    dev = rank_device()
+    model = tiny_model().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = {"losses": [], "grad_norms": [], "checksums": []}
     for step in range(1, steps + 1):
-        x, y = global_batch(step)
+        x, y = (t.to(dev) for t in global_batch(step))
         opt.zero_grad(set_to_none=False)
         out["losses"].append(value(body(model, x, y)))
         g = flat_grad(model)
@@ -76,7 +78,7 @@ def mse(model, x, y) -> torch.Tensor:
 
 
 def mean_over_ranks(loss) -> float:
-    t = torch.tensor([value(loss)])
+    t = torch.tensor([value(loss)], device=rank_device())
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
 
@@ -174,12 +176,12 @@ def nan_on_one_rank(fixed: bool, bad_rank: int) -> dict:
     """The loss is the mean squared error over the real rows only (a mask)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = share_rows(rank, world, B)
-    mask = valid_rows(world, bad_rank)[rows]
+    mask = valid_rows(world, bad_rank)[rows].to(rank_device())
     finite = []
 
     def body(model, x, y):
         err = (model(x[rows]) - y[rows]).pow(2).squeeze(1)
-        n_valid = torch.tensor([float(mask.sum())])
+        n_valid = torch.tensor([float(mask.sum())], device=rank_device())
         dist.all_reduce(n_valid)  # real rows over every rank
         if fixed:
             loss = (err * mask).sum() / n_valid * world  # the fix: divide by the count over every rank
@@ -193,7 +195,7 @@ def nan_on_one_rank(fixed: bool, bad_rank: int) -> dict:
 
 
 def reference_masked(world: int, bad_rank: int) -> dict:
-    mask = valid_rows(world, bad_rank)
+    mask = valid_rows(world, bad_rank).to(rank_device())
 
     def body(model, x, y):
         loss = ((model(x) - y).pow(2).squeeze(1) * mask).sum() / mask.sum()
@@ -221,10 +223,11 @@ def unsynced_dropout(fixed: bool, bad_rank=None) -> dict:
     """One step of a tensor-parallel MLP (Megatron: W1 split by rows, W2 by columns, an all-reduce
     forward, identity backward), then dropout on its replicated output."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    w1, b1, w2, b2 = _tp_weights()
+    dev = rank_device()
+    w1, b1, w2, b2 = (t.to(dev) for t in _tp_weights())
     h = slice(rank * HIDDEN // world, (rank + 1) * HIDDEN // world)
     params = [t.clone().requires_grad_() for t in (w1[h], b1[h], w2[:, h], b2)]
-    x, _ = global_batch(1)
+    x = global_batch(1)[0].to(dev)
     y = torch.cos(x)
     torch.manual_seed(SEED if fixed else SEED + rank)  # the bug: a per-rank seed for a replicated region
     loss = _tp_forward(x, y, *params, reduce=lambda t: reduce_from_group(t))

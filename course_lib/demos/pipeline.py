@@ -149,8 +149,8 @@ def main(argv=None):
 
         def report(step, loss):
             busy = sum(e - s for _, s, e, c in now["timeline"].events if c in COMPUTE)
-            bubble = torch.tensor([1 - busy / (now["end"] - now["start"])])
-            bubbles = [torch.zeros(1) for _ in range(p)]
+            bubble = torch.tensor([1 - busy / (now["end"] - now["start"])], device=dev)
+            bubbles = [torch.zeros(1, device=dev) for _ in range(p)]
             dist.all_gather(bubbles, bubble)
             if rank == 0:
                 ref_loss = ref_losses[step - 1]

@@ -39,6 +39,7 @@ from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.tolerances import BF16_LOSS_ATOL, adamw_loss_atol, first_grad_norm_check
 from course_lib.train import StepHooks, TrainConfig, share_rows, train_loop
 from course_lib.units import fmt_bytes
+from course_lib.runtime.device import rank_device
 
 
 def _per_param_bytes(config, cfg, bf16, hsdp, offload, offload_dir) -> tuple[dict, dict]:
@@ -86,7 +87,7 @@ def zero_demo(stage: int, steps: int = 5, bf16: bool = False, offload=False, bat
                          hsdp=hsdp, offload_dir=offload_dir if offload == "nvme" else None, **same)
     else:
         res = train_zero(config, cfg, stage, offload=bool(offload), **same)
-    losses = torch.tensor(res.train_losses, dtype=torch.float64)
+    losses = torch.tensor(res.train_losses, dtype=torch.float64, device=rank_device())
     dist.all_reduce(losses)
     ref = train_zero_reference(config, cfg, **same) if dist.get_rank() == 0 else None
     run = {"losses": (losses / n).tolist(), "reference": ref.train_losses if ref else None,

@@ -45,7 +45,7 @@ from course_lib.comm.measured import CollectiveTable, link_from_dict, measure_ta
 from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.step_time import Cluster
 from course_lib.model import GPT
-from course_lib.runtime import run_on_ranks
+from course_lib.runtime import rank_device, run_on_ranks
 
 TABLE_SIZES = (4, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 TABLE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -80,12 +80,12 @@ def paced_seconds(fn, seconds: float) -> float:
     collective needs. Outside a process group of several ranks: sustained_seconds."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return sustained_seconds(fn, seconds)
-    one = torch.zeros(1)
+    one = torch.zeros(1, device=rank_device())  # on the rank's device: NCCL communicates nothing else
     fn()  # warm-up: first-call allocation and kernel selection
     dist.all_reduce(one)
     t0 = time.perf_counter()
     fn()
-    calls = torch.tensor([max(1, int(seconds / max(time.perf_counter() - t0, 1e-6)))])
+    calls = torch.tensor([max(1, int(seconds / max(time.perf_counter() - t0, 1e-6)))], device=one.device)
     dist.all_reduce(calls, op=dist.ReduceOp.MIN)
     calls = int(calls)
 

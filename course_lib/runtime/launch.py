@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.observe.nccl_rules import install_from_env as install_nccl_rules
-from course_lib.runtime.device import resolve_backend, threads_per_rank
+from course_lib.observe.device_rule import install_from_env as install_device_rule
+from course_lib.runtime.device import rank_device, resolve_backend, threads_per_rank
 
 
 def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
@@ -51,6 +52,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
     dist.init_process_group(backend, store=dist.PrefixStore(f"course/attempt_{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)
     install_nccl_rules()  # COURSE_NCCL_RULES=1: NCCL's point-to-point rules on gloo (observe/nccl_rules.py)
+    install_device_rule(rank_device())  # COURSE_DEVICE_RULE=1: communicated tensors on the rank's device
     return backend
 
 

@@ -16,8 +16,9 @@ import signal
 import traceback
 from datetime import timedelta
 
-from course_lib.observe import nccl_rules
+from course_lib.observe import device_rule, nccl_rules
 from course_lib.observe.checks import install_collective_checks
+from course_lib.runtime.device import rank_device
 from course_lib.runtime.groups import destroy_groups, live_groups
 from course_lib.runtime.modules import install as install_shared_modules
 
@@ -94,7 +95,9 @@ def worker_main(rank, world_size, backend, port, conn, n_threads, check_collecti
                 # COURSE_NCCL_RULES=1 in the environment the pool started with: NCCL's
                 # point-to-point rules for every call (course_lib/observe/nccl_rules.py).
                 rules = nccl_rules.enforced() if nccl_rules.enabled_in_env() else contextlib.nullcontext()
-                with rules:
+                # COURSE_DEVICE_RULE=1: every communicated tensor on the rank's device (observe/device_rule.py).
+                devices = device_rule.enforced(rank_device()) if device_rule.enabled_in_env() else contextlib.nullcontext()
+                with rules, devices:
                     result = fn(*args, **kwargs)
                 reply = ("ok", cloudpickle.dumps(result))
             except BaseException:  # noqa: BLE001 - every failure goes back to the parent

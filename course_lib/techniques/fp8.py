@@ -315,11 +315,11 @@ def all_gather_fp8(shard: torch.Tensor, group=None, fmt: str = "e4m3",
     _element(fmt, granularity)
     n = torch.distributed.get_world_size(group)
     q, s = quantize(shard.reshape(1, -1), fmt, granularity)
-    qs = torch.empty(n * q.numel(), dtype=torch.uint8)
+    qs = torch.empty(n * q.numel(), dtype=torch.uint8, device=shard.device)  # the shard's device: NCCL's
     all_gather_single(qs, q.reshape(-1).view(torch.uint8).contiguous(), group=group)
     flat_s = s.reshape(-1).contiguous()
     wire_s = flat_s.view(torch.uint8) if flat_s.dtype == E8M0 else flat_s  # e8m0 scales: 1 byte each
-    ss = torch.empty(n * wire_s.numel(), dtype=wire_s.dtype)
+    ss = torch.empty(n * wire_s.numel(), dtype=wire_s.dtype, device=shard.device)
     all_gather_single(ss, wire_s, group=group)
     ss = ss.view(s.dtype)
     k, m = q.numel(), flat_s.numel()

@@ -188,7 +188,7 @@ def train_2bw(model_config, train_cfg, n_microbatches: int, group=None) -> Piped
                 update(t)
         res.versions_held.append(tuple(sorted(versions)))
     box.finish()
-    mean = torch.tensor([float(torch.stack(ls).mean()) if last else 0.0 for ls in losses])
+    mean = torch.tensor([float(torch.stack(ls).mean()) if last else 0.0 for ls in losses], device=dev)
     dist.broadcast(mean, peer(p - 1), group=group)
     res.train_losses = mean.tolist()
     res.final_params = flat_params(stage)
