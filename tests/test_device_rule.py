@@ -187,3 +187,19 @@ def _paced():
 
 def test_calibration_pacing_under_the_rule():
     assert run_on_ranks(under_rule(_paced, rank_device), world_size=2, timeout_s=60) == [True, True]
+
+
+def test_the_environment_variable_turns_the_rule_on_for_every_rank_call():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = ("import torch, torch.distributed as dist\n"
+              "from course_lib.runtime import run_on_ranks\n"
+              "def f():\n"
+              "    dist.all_reduce(torch.ones(1))\n"
+              "run_on_ranks(f, world_size=2, timeout_s=60)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=pathlib.Path(__file__).parents[1], env={**os.environ, "COURSE_DEVICE_RULE": "1"})
+    assert proc.returncode != 0 and "DeviceRuleError" in proc.stderr and "all_reduce was handed tensor" in proc.stderr
