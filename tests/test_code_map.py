@@ -67,3 +67,14 @@ def test_the_other_maps_point_to_the_one_of_record():
     import course_lib
 
     assert "README.md" in course_lib.__doc__ and "runtime/" not in course_lib.__doc__
+
+
+def test_every_module_of_observe_and_runtime_is_on_the_map():
+    """The layers and the runtime's parts are what a contributor looks for first."""
+    for package in ("observe/", "runtime/"):
+        lines = layout_block()
+        first = next(line for line in lines if line.startswith(f"  {package} "))
+        block = "\n".join([first, *sub_block(lines, package, 2)])
+        here = children(LIB / package.rstrip("/"))
+        missing = sorted(n for n in here if not re.search(rf"\b{re.escape(n)}", block))
+        assert not missing, f"README.md's Layout under {package} does not name {missing}"
