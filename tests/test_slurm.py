@@ -98,3 +98,19 @@ def test_without_a_demo_or_gpus_it_says_what_to_do(tmp_path):
     proc = sbatch(env, "course_lib.demos.allreduce", timeout=30)
     assert proc.returncode == 2 and "pass --gpus-per-node=N to sbatch, or set NPROC_PER_NODE" in proc.stderr
     assert not (tmp_path / "srun.log").exists()
+
+
+def test_a_long_node_list_does_not_break_the_script(tmp_path):
+    """The first node is read after the whole list: `scontrol ... | head -n 1` under pipefail ended
+    the script with SIGPIPE (status 141, nothing printed) when scontrol still wrote after head had
+    left (seen once in CI with 2 nodes). Here scontrol writes far more than a pipe holds, so that
+    pipeline fails every time; srun only records its command."""
+    env = fake_slurm(tmp_path, 2, SLURM_GPUS_ON_NODE="2", RDZV_PORT="29555")
+    (tmp_path / "bin" / "scontrol").write_text(
+        '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 1\necho node-first\n'
+        'for ((i = 0; i < 200000; i++)); do echo node-other; done\n')
+    (tmp_path / "bin" / "srun").write_text('#!/bin/bash\necho "srun $*" >> "$FAKE_SLURM_LOG"\n')
+    proc = sbatch(env, "course_lib.demos.allreduce")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "rendezvous at node-first:29555" in proc.stdout
+    assert "--rdzv-endpoint=node-first:29555" in (tmp_path / "srun.log").read_text()
