@@ -1,4 +1,6 @@
 """NCCL's point-to-point rules, enforced on gloo CPU ranks (COURSE_NCCL_RULES=1).
+(A few lines over 300: matching, rendezvous and the deadlock's explanation read the same
+published calls, and belong together.)
 
 gloo is forgiving where NCCL is not, so code that passes on CPU ranks can hang or receive the
 wrong buffer on GPUs. NCCL's User Guide ("Point-to-point communication" and the ncclSend/ncclRecv

@@ -110,7 +110,6 @@ class FlightRecorder:
         self.dump_dir = None if dump_dir is None else pathlib.Path(dump_dir)
         self.stuck_after_s, self.poll_s = stuck_after_s, poll_s
         self.entries: collections.deque = collections.deque(maxlen=self.capacity)
-        self.dumped: pathlib.Path | None = None
         self._counts: collections.Counter = collections.Counter()
         self._lock = threading.Lock()  # one dump at a time (the watchdog, or a caller's)
         self._stop = threading.Event()
@@ -200,7 +199,6 @@ class FlightRecorder:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(data))
             tmp.replace(path)  # a reader never sees half a file
-            self.dumped = path
         return path
 
     def __enter__(self):
