@@ -189,6 +189,28 @@ def test_calibration_pacing_under_the_rule():
     assert run_on_ranks(under_rule(_paced, rank_device), world_size=2, timeout_s=60) == [True, True]
 
 
+def _timers(device):
+    from course_lib.comm import costmodel
+    from course_lib.comm.measured import measure_table
+
+    dev = None if device is None else rank_device()
+    pp = costmodel.ping_pong((8, 1024), rounds=1, iters=1, device=dev)
+    t = costmodel.time_collective(dist.all_reduce, 1024, iters=1, device=dev)
+    table = measure_table([1024], [2], ops=("all_reduce", "send"), iters=1, rounds=1, device=dev)
+    return (pp is None) == (dist.get_rank() != 0), t > 0, sorted(table)
+
+
+def test_cost_model_timers_take_the_rank_device():
+    """The timers of notebook 02 and the calibration table: buffers on the device handed in."""
+    assert run_on_ranks(under_rule(_timers, rank_device), "rank", world_size=2, timeout_s=60) == [
+        (True, True, ["all_reduce", "send"])] * 2
+
+
+def test_cost_model_timers_without_a_device_are_refused_under_the_rule():
+    with pytest.raises(RankError, match="DeviceRuleError"):
+        run_on_ranks(under_rule(_timers, rank_device), None, world_size=2, timeout_s=60)
+
+
 def test_the_environment_variable_turns_the_rule_on_for_every_rank_call():
     import os
     import pathlib

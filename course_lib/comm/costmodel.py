@@ -157,8 +157,17 @@ def fit_alpha_beta(sizes_bytes, seconds, name: str = "measured") -> LinkModel:
 
 
 # ----------------------------------------------------------------------------- measuring (rank code)
+def synchronize(device) -> None:
+    """Wait for the work queued on a GPU: CUDA calls return at launch, so a clock read without
+    this times the launch, not the work. Nothing to wait for on the CPU (None)."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), rounds: int = 5,
-              iters: int = 3, warmup: int = 1, all_pairs: bool = False) -> list[float] | None:
+              iters: int = 3, warmup: int = 1, all_pairs: bool = False, device=None) -> list[float] | None:
     """Inside rank code on >= 2 ranks: ranks 0 and 1 bounce one message of each size back and
     forth; returns the one-way times on rank 0 (None on the others).
 
@@ -172,6 +181,10 @@ def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), roun
     interleaved passes (iters round trips of each size per pass), so a burst of load from
     elsewhere on the machine slows one pass of every size rather than every round trip of
     one size: a single size far off the fitted line is then rare, not a matter of luck.
+
+    device: where the buffers live: the rank's device (`runtime.device.rank_device()` on GPU
+    ranks, whose NCCL communicates CUDA tensors only); None is the CPU of gloo ranks. On a
+    GPU the clock is read after `synchronize`, so a time is the transfer, not its launch.
     """
     import torch
     import torch.distributed as dist
@@ -186,7 +199,7 @@ def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), roun
     me, peer = rank % 2, rank ^ 1  # me == 0: the pinger of the pair (rank, rank ^ 1)
     active = rank <= 1 or (all_pairs and peer < n)
     best = [float("inf")] * len(sizes_bytes)
-    buffers = [torch.zeros(max(1, int(size)), dtype=torch.uint8) for size in sizes_bytes]
+    buffers = [torch.zeros(max(1, int(size)), dtype=torch.uint8, device=device) for size in sizes_bytes]
     for round_ in range(rounds if active else 0):
         for i, buf in enumerate(buffers):
             for it in range((warmup if round_ == 0 else 0) + iters):
@@ -197,30 +210,34 @@ def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), roun
                 else:
                     dist.recv(buf, peer)
                     dist.send(buf, peer)
+                synchronize(device)
                 if round_ > 0 or it >= warmup:
                     best[i] = min(best[i], time.perf_counter() - t0)
     dist.barrier()
     return [b / 2 for b in best] if rank == 0 else None
 
 
-def time_collective(fn, nbytes: int, iters: int = 5, warmup: int = 1) -> float:
+def time_collective(fn, nbytes: int, iters: int = 5, warmup: int = 1, device=None) -> float:
     """Inside rank code: seconds for one call of fn(tensor) on a float32 tensor of `nbytes`.
 
     Every iteration starts together (barrier) and counts as long as its slowest rank; the
-    fastest iteration is returned on every rank (see ping_pong for why the minimum).
+    fastest iteration is returned on every rank (see ping_pong for why the minimum, and for
+    `device`).
     """
     import torch
     import torch.distributed as dist
 
-    x = torch.randn(max(1, int(nbytes) // 4))
+    x = torch.randn(max(1, int(nbytes) // 4), device=device)
     for _ in range(warmup):
         fn(x)
     best = float("inf")
-    elapsed = torch.zeros(1, dtype=torch.float64)
+    elapsed = torch.zeros(1, dtype=torch.float64, device=device)
     for _ in range(iters):
         dist.barrier()
+        synchronize(device)
         t0 = time.perf_counter()
         fn(x)
+        synchronize(device)
         elapsed[0] = time.perf_counter() - t0
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         best = min(best, elapsed.item())

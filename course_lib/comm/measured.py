@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
-from course_lib.comm.costmodel import LinkModel, predict_time
+from course_lib.comm.costmodel import LinkModel, predict_time, synchronize
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 # the alpha-beta formula (costmodel.cost_terms) of each op on a LinkModel
@@ -129,12 +129,14 @@ def _call(op, group, peer, shard, recv, full):
             dist.send(full, peer)
 
 
-def measure_table(sizes, group_sizes, ops=OPS, iters: int = 6, rounds: int = 2, name: str = "measured") -> dict:
+def measure_table(sizes, group_sizes, ops=OPS, iters: int = 6, rounds: int = 2, name: str = "measured",
+                  device=None) -> dict:
     """Rank code on every rank of the world: for each op, group size g (dividing the world; the
     world is cut into consecutive groups of g, all calling at once, as a layout's groups do) and
     size, the mean seconds of `iters` back-to-back calls (sustained, as in a training step), the
     smallest mean over `rounds` passes, the slowest rank's. Returns the `entries` of a
-    CollectiveTable (the same on every rank)."""
+    CollectiveTable (the same on every rank). device: where the buffers live (as in
+    costmodel.ping_pong: the rank's device on GPU ranks, None for the CPU)."""
     import torch
     import torch.distributed as dist
 
@@ -156,18 +158,20 @@ def measure_table(sizes, group_sizes, ops=OPS, iters: int = 6, rounds: int = 2, 
                 for i, numel in enumerate(numels):
                     if op == "send" and g != 2:
                         continue
-                    full, shard = torch.zeros(numel), torch.zeros(numel // g)
-                    recv = shard if op == "reduce_scatter" else torch.zeros(numel)
+                    full, shard = torch.zeros(numel, device=device), torch.zeros(numel // g, device=device)
+                    recv = shard if op == "reduce_scatter" else torch.zeros(numel, device=device)
                     peer, group = rank ^ 1, groups[g]
                     _call(op, group, peer, shard, recv, full)  # warm-up: connections, buffers
                     dist.barrier()
+                    synchronize(device)
                     t0 = time.perf_counter()
                     for _ in range(iters):
                         _call(op, group, peer, shard, recv, full)
+                    synchronize(device)
                     per_call = (time.perf_counter() - t0) / iters
                     if op == "send":
                         per_call /= 2  # a round trip is two messages
-                    elapsed = torch.tensor([per_call], dtype=torch.float64)
+                    elapsed = torch.tensor([per_call], dtype=torch.float64, device=device)
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     cell = entries[op][str(g)][1]
                     cell[i] = min(cell[i], float(elapsed))

@@ -181,7 +181,7 @@ def probe(config, micro_batch: int, seq: int, sizes=None, ops=None) -> dict:
     dist.barrier()
     bandwidth = copy_bandwidth()
     table = measure_table(TABLE_SIZES if sizes is None else sizes, group_sizes(dist.get_world_size()),
-                          TABLE_OPS if ops is None else ops, rounds=1)
+                          TABLE_OPS if ops is None else ops, rounds=1, device=rank_device())
     return {"matmul": matmul, "model": model, "recipes": recipes, "optimizer": optimizer, "bandwidth": bandwidth,
             "table": table}
 
