@@ -107,8 +107,10 @@ def check_sequence_parallel(sequence_parallel: bool, tp: int, seq: int | None = 
             raise ValueError(f"sequence length {seq} must be divisible by tp={tp} under sequence parallelism")
 
 
-def check_schedule(schedule: str, pp: int, m: int, v: int = 1) -> None:
-    """A pipeline schedule's own rules (m micro-batches, v chunks per rank)."""
+def check_pipeline_choice(schedule: str, pp: int, m: int, v: int = 1) -> None:
+    """A pipeline schedule's own rules (m micro-batches, v chunks per rank), checked on its name and
+    degrees before anything is built (parallel.pp.check_schedule checks a built schedule by
+    simulating it)."""
     for name, value in (("pp", pp), ("microbatches", m), ("virtual_stages", v)):
         check_int(name, value)
     check_one_of("schedule", schedule, SCHEDULES)
@@ -328,7 +330,7 @@ class ParallelDims:
         check_one_of("recompute", self.recompute, RECOMPUTE)
         shape = model_config.shape
         seq = shape.block_size if seq_len is None else check_int("seq_len", seq_len)
-        check_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
+        check_pipeline_choice(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         check_sequence_parallel(self.sequence_parallel, self.tp)
         split_layers(shape.n_layer, self.pp * self.virtual_stages)
         check_context_parallel(self.cp, seq, shape.n_head, self.cp_method, self.cp_load_balance, shape.n_kv_head)

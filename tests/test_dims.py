@@ -106,7 +106,7 @@ def test_one_rule_one_place():
     with pytest.raises(ValueError, match="n_layer=3 blocks cannot fill 4 stages"):
         D.split_layers(3, 4)
     with pytest.raises(ValueError, match="virtual_stages=2 needs pp > 1"):
-        D.check_schedule("interleaved_1f1b", 1, 2, 2)
+        D.check_pipeline_choice("interleaved_1f1b", 1, 2, 2)
 
 
 def test_the_label_names_a_layout_for_a_resume():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from course_lib import run_on_ranks
 from course_lib.data import CharDataset
-from course_lib.dims import check_schedule as check_dims_schedule
+from course_lib.dims import check_pipeline_choice
 from course_lib.model import GPTConfig
 from course_lib.parallel.pp import (
     Action,
@@ -152,7 +152,7 @@ def test_v_schedules_reject_bad_input_naming_the_value_and_rule(monkeypatch):
     with pytest.raises(ValueError, match="'zbv' places exactly 2 chunks per rank in a V.*got 1"):
         make_schedule("zbv", 2, 4, 1)
     with pytest.raises(ValueError, match="'dualpipev' places exactly 2 chunks .*got 3"):
-        check_dims_schedule("dualpipev", 2, 8, 3)
+        check_pipeline_choice("dualpipev", 2, 8, 3)
     with pytest.raises(ValueError, match="dualpipev needs n_microbatches >= 2 \\* n_ranks = 8 .*got 6"):
         make_schedule("dualpipev", 4, 6, 2)
     with pytest.raises(ValueError, match="'pipedream_2bw' has no per-step action list"):

@@ -27,7 +27,7 @@ Pure formulas: course_lib.parallel.pp.bubble measures the bubble of real runs ag
 
 from __future__ import annotations
 
-from course_lib.dims import V_SCHEDULES, check_schedule
+from course_lib.dims import V_SCHEDULES, check_pipeline_choice
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
@@ -53,7 +53,7 @@ def v_bubble_fraction(p: int, m: int) -> float:
 def formula_for(schedule: str, p: int, m: int, v: int = 1, steps: int | None = None) -> float:
     """The bubble formula of a named schedule (course_lib.dims.SCHEDULES); pipedream_2bw over
     `steps` steps (None: a step of a long run, 0)."""
-    check_schedule(schedule, p, m, v)
+    check_pipeline_choice(schedule, p, m, v)
     if schedule == "zero_bubble":
         return zero_bubble_fraction(p, m)
     if schedule in V_SCHEDULES:
