@@ -33,7 +33,8 @@ import torch.distributed as dist
 from course_lib.data import CharDataset
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.timeline import Timeline
-from course_lib.parallel.pp import SCHEDULES, build_stage, check_pipeline, run_schedule
+from course_lib.dims import V_SCHEDULES
+from course_lib.parallel.pp import SCHEDULES, build_stage, check_pipeline, plan_pipeline, run_schedule
 from course_lib.parallel.pp.bubble import COMPUTE, formula_for
 from course_lib.parallel.pp.pipedream import check_2bw, reference_2bw, train_2bw
 from course_lib.parallel.pp.training import clip_grad_norm_pipeline
@@ -61,7 +62,7 @@ def parse_args(argv=None):
         parser.error(f"--steps={args.steps} must be >= 1, --action-ms={args.action_ms} >= 0 and "
                      f"--tolerance={args.tolerance} >= 0")
     if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule in ("zbv", "dualpipev") else 1
+        args.virtual_stages = 2 if args.schedule in V_SCHEDULES else 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
     two_bw = args.schedule == "pipedream_2bw"
     try:  # every rule, before any rank joins the group
@@ -124,8 +125,8 @@ def main(argv=None):
         dev, rank = rank_device(), dist.get_rank()
         p, m, v = dist.get_world_size(), args.microbatches, args.virtual_stages
         dataset = CharDataset("train", block_size=config.block_size)
-        placement = "v" if args.schedule in ("zbv", "dualpipev") else "loop"
-        stage = build_stage(GPT(config, seed=train_cfg.seed).to(dev), None, v, placement)
+        plan = plan_pipeline(args.schedule, p, v, m, args.batch_size)  # once per run, not per step
+        stage = build_stage(GPT(config, seed=train_cfg.seed).to(dev), None, v, plan.placement)
         optimizer = make_optimizer(stage, train_cfg)
         ref_losses = []
         if rank == 0:  # the single process on the same batches (its own generator, seeded alike), first
@@ -142,7 +143,7 @@ def main(argv=None):
         def forward_backward(_stage, x_, y_):
             dist.barrier()
             now["start"] = time.perf_counter()
-            loss = run_schedule(stage, x_, y_, args.schedule, m, timeline=now["timeline"], action_seconds=pad)
+            loss = run_schedule(stage, x_, y_, plan, m, timeline=now["timeline"], action_seconds=pad)
             dist.barrier()
             now["end"] = time.perf_counter()
             return loss
