@@ -108,9 +108,8 @@ def check_sequence_parallel(sequence_parallel: bool, tp: int, seq: int | None = 
 
 
 def check_pipeline_choice(schedule: str, pp: int, m: int, v: int = 1) -> None:
-    """A pipeline schedule's own rules (m micro-batches, v chunks per rank), checked on its name and
-    degrees before anything is built (parallel.pp.check_schedule checks a built schedule by
-    simulating it)."""
+    """A schedule's own rules on its name and degrees (m micro-batches, v chunks per rank), before
+    anything is built (parallel.pp.check_schedule simulates a built one)."""
     for name, value in (("pp", pp), ("microbatches", m), ("virtual_stages", v)):
         check_int(name, value)
     check_one_of("schedule", schedule, SCHEDULES)
