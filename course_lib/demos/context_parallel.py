@@ -24,6 +24,7 @@ import os
 import sys
 
 from course_lib.data import CharDataset
+from course_lib.demos.verdict import compare_losses, refuse
 from course_lib.dims import CP_METHODS
 from course_lib.model import GPTConfig
 from course_lib.parallel.cp.training import check_run, train_context_parallel
@@ -75,9 +76,7 @@ def main(argv=None) -> int:
     try:
         cp, config, train = build(args, world)
     except ValueError as err:  # before any rank waits: one clear line, no traceback
-        if rank == 0:
-            print(f"context_parallel: bad layout: {err}", file=sys.stderr, flush=True)
-        return 2
+        return refuse("context_parallel", err, rank)
 
     backend = init_from_env()
     try:
@@ -95,13 +94,7 @@ def main(argv=None) -> int:
         return 0
     tolerance = adamw_loss_atol(args.lr) if args.tolerance is None else args.tolerance
     reference = train_reference(config, train)
-    worst = 0.0
-    for step, (a, b) in enumerate(zip(result.train_losses, reference.train_losses), start=1):
-        worst = max(worst, abs(a - b))
-        print(f"step {step}  loss {a:.6f}  single process {b:.6f}  |diff| {abs(a - b):.2e}")
-    verdict = "OK" if worst <= tolerance else "MISMATCH"
-    print(f"largest difference {worst:.2e} (tolerance {tolerance:.1e}): {verdict}", flush=True)
-    return 0 if verdict == "OK" else 1
+    return compare_losses(result.train_losses, reference.train_losses, tolerance)
 
 
 if __name__ == "__main__":
