@@ -30,6 +30,8 @@
 # * contrast the flat design with FSDP2's per-parameter sharding (names, shapes, state dicts),
 #   predict the all-gathers of each `reshard_after_forward` mode, and read HSDP's traffic per
 #   mesh dimension;
+# * read PyTorch's `MemTracker` on a ZeRO-3 step and reconcile its categories with the formula
+#   and the course's measurement, byte for byte;
 # * decide when ZeRO-Offload's PCIe transfers, host-side step or NVMe tier become the bottleneck;
 # * choose between ZeRO-3, tensor and pipeline parallelism for a memory budget, and map the
 #   course's options to DeepSpeed's config keys and PyTorch's FSDP2.
@@ -48,6 +50,7 @@ import torch.nn as nn
 from course_lib import RankError, run_on_ranks
 from course_lib.data import CharDataset
 from course_lib.estimate import LLAMA3_8B, model_state_bytes, per_param_memory
+from course_lib.measure.torch_memtracker import format_three_ways, memory_three_ways, memtracker_missing
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
@@ -634,6 +637,90 @@ for label, run, kw in (("True", True, {}), ("False", False, {"reshard_after_forw
 # being gathered twice, its padded tensors and the all-gather's output).
 
 # %% [markdown]
+# ### The same step under PyTorch's MemTracker
+#
+# At work you will not write a counter for every kind of tensor: PyTorch ships one.
+# `torch.distributed._tools.mem_tracker.MemTracker` (a private module: its name and calls may
+# change between torch versions) is a `TorchDispatchMode`, so it sees every tensor an operator
+# returns, and it files each storage under a category by **when** it was made: during forward
+# "Activation", during backward "Temp", inside an optimizer step "Optstate"; module parameters
+# and buffers, and gradients (through gradient hooks), by registration. `track_external(model,
+# optimizer, batch)` registers what exists before it starts (a plain tensor files as "Other");
+# `get_tracker_snapshot()` returns `{device: {category: bytes}}` now, and
+# `get_tracker_snapshot("peak")` the split at the moment the tracked total was largest;
+# `display_snapshot("peak", units="MiB")` prints it (its KiB, MiB and GiB are powers of 2, as the
+# course's).
+#
+# `memory_three_ways` runs one step of this section's per-parameter stage 3 (policy "block",
+# AdamW, fp32, 3 sequences per rank) with MemTracker around it on every rank, and in the same
+# step the course's own measurement (`measure_state_bytes`, and notebook 01's saved-tensor hooks
+# with the model state left out), beside the formulas (`per_param_memory`, notebook 01's
+# `activation_bytes`).
+#
+# **Predict:** will MemTracker's parameter and gradient bytes equal the course's exactly? For the
+# optimizer state, and for "Activation" right after forward, does it report more or less than
+# the course counts (AdamW's m and v; the tensors saved for backward), and why?
+#
+# <details><summary>Answer</summary>
+#
+# Parameters and gradients: exactly, they are the same tensors (the local shards and their
+# gradients). Optimizer state: a little more. AdamW also keeps a step counter per parameter, a
+# 0-dim fp32 tensor, which MemTracker counts and the course leaves out (it is not per-element
+# state). Activations: more. MemTracker calls "Activation" everything forward made that is still
+# alive, whatever holds it: besides the saved tensors, the root unit's gathered weights (kept
+# until the end of backward, section 6) and the loss itself.
+# </details>
+
+# %%
+why = memtracker_missing()  # None on this torch; one sentence on a torch without the private API
+if why is not None:
+    print(why)
+else:
+    three = memory_three_ways(CONFIG, N, TRAIN.batch_size, **RANKS)
+    print(format_three_ways(three[0]))
+    n_tensors = len(list(GPT(CONFIG).parameters()))
+    f, c, m, parts = three[0]["formula"], three[0]["course"], three[0]["memtracker"], three[0]["parts"]
+    print(f"optimizer state: MemTracker - course = {m['optimizer'] - c['optimizer']:,} bytes: AdamW's step counters, "
+          f"4 bytes for each of the {n_tensors} parameter tensors")
+    print(f"activations: course - formula = {c['activations'] - f['activations']} bytes: the total weight the "
+          f"cross-entropy saves to divide by (0-dim fp32)")
+    print(f"activations: MemTracker - course = {m['activations'] - c['activations']:,} bytes: the root unit's gathered "
+          f"weights {parts['gathered after forward']:,} (formula {parts['gathered after forward (formula)']:,}) "
+          f"+ the loss {parts['loss']}")
+    phase = "in backward (Temp > 0)" if three[0]["peak_split"].get("Temp", 0) else "outside backward"
+    print(f"MemTracker's peak on rank 0: {three[0]['peak']:,} bytes, {phase}: "
+          + ", ".join(f"{k} {v:,}" for k, v in three[0]["peak_split"].items()))
+    for r in three:  # every rank, byte for byte
+        f, c, m, parts = r["formula"], r["course"], r["memtracker"], r["parts"]
+        assert all(f[k] == c[k] for k in ("params", "grads", "optimizer"))
+        assert m["params"] == c["params"] and m["grads"] == c["grads"]
+        assert m["optimizer"] - c["optimizer"] == parts["step counters"] == 4 * n_tensors
+        assert c["activations"] - f["activations"] == parts["loss total weight"] == 4
+        assert parts["gathered after forward"] == parts["gathered after forward (formula)"]
+        assert m["activations"] - c["activations"] == parts["gathered after forward"] + parts["loss"]
+        assert r["peak"] >= m["params"] + m["activations"]  # a maximum over the step includes the end of forward
+
+# %% [markdown]
+# Parameters and gradients agree in all three columns to the byte, on every rank, and the other
+# two rows differ by exactly the parts printed under the table, each measured in the same step.
+# The activation row is the lesson: MemTracker files a storage by *when* it was made, not by
+# *why* it is alive, so a weight ZeRO-3 gathers in forward is, for it, an activation. The
+# formula and the course count what autograd needs for backward, which is what recomputation
+# (notebook 04) can trade away; the gathered root is model state that stage 3 chose to keep.
+# torch's `FSDPMemTracker` (`torch.distributed._tools.fsdp2_mem_tracker`) exists for this
+# reason: it accepts only modules wrapped by torch's own `fully_shard`, hooks FSDP2's gather
+# and reduce, and files their tensors as "Unsharded Param", "All Gather" and "Reduce Scatter"
+# instead.
+#
+# What MemTracker gives that the course's counters do not: it needs no knowledge of the
+# strategy, it keeps a snapshot per module before and after each forward and backward
+# (`display_modulewise_snapshots(depth=2, units="MiB")`), and a peak over the whole step. Its
+# peak is taken after each operator it sees, so a temporary made and freed inside one C++
+# kernel escapes it (on a GPU, `torch.cuda.max_memory_allocated` sees those). And on a GPU it
+# rounds every storage up to 512 bytes, the caching allocator's smallest block, so its columns
+# there exceed numel times element size.
+
+# %% [markdown]
 # ## 9. Offload: the optimizer on the host
 #
 # ZeRO-Offload (Ren et al. 2021) keeps the fp32 master weights and Adam's moments in CPU
@@ -843,6 +930,9 @@ assert [smallest_dp(s) for s in (1, 2, 3)] == [None, None, 16]
 #    under which name?
 # 7. HSDP on 4 nodes of 8 GPUs: per step, how many bytes of a unit's $P$-byte gradient does a
 #    rank send to other nodes (ring algorithms)?
+# 8. You switch section 8's MemTracker run to `reshard_after_forward=False`. Which of
+#    MemTracker's rows change right after forward, and by how much, in terms of the blocks'
+#    gathered (padded) elements $P_b$?
 #
 # <details><summary>Answers</summary>
 #
@@ -863,6 +953,10 @@ assert [smallest_dp(s) for s in (1, 2, 3)] == [None, None, 16]
 # 7. Only the all-reduce of its reduced shard, $P/8$, across the 4 replicas:
 #    $2 \cdot \frac34 \cdot \frac P8 = \frac{3}{16}P$. The all-gathers and the reduce-scatter
 #    stay inside the node.
+# 8. Only "Activation": it grows by $4 \sum_b P_b$ bytes in fp32, the blocks' gathered weights,
+#    made during forward and now kept until their backward. Parameters, gradients and optimizer
+#    state are the shards and do not change; neither do the saved activations the formula
+#    counts.
 # </details>
 #
 # ## References
@@ -896,6 +990,9 @@ assert [smallest_dp(s) for s in (1, 2, 3)] == [None, None, 16]
 #   sharding with DTensor, mixed precision and prefetching.
 # * DeepSpeed, *Zero Redundancy Optimizer* tutorial (deepspeed.ai/tutorials/zero): the
 #   `zero_optimization` config of section 11 on a real model.
+# * PyTorch source, `torch/distributed/_tools/mem_tracker.py` (`MemTracker`) and
+#   `fsdp2_mem_tracker.py` (`FSDPMemTracker`), torch 2.13: the categories, snapshots and peak
+#   read in section 8, in their docstrings (private modules, no documentation page).
 #
 # Next: write a ZeRO-2 step yourself in `exercises/ex08_zero2_step.ipynb`: every gradient
 # reduce-scattered and dropped as backward produces it, so that no rank ever holds the whole
