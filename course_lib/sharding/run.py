@@ -2,6 +2,7 @@
 
     data = make_data()                      the same seeded fp32 tensors for all three
     jax_answer = run_jax(data)              JAX in its own process on 8 emulated CPU devices
+    modes_table(jax_answer)                 dp x tp three ways in JAX: automatic, manual, explicit
     run_jax(data2, shapes2, names=("sp",))  ... only some layouts' programs, at other sizes
     torch_answer = run_torch(data)          the course and DTensor on 4 gloo ranks
     compare_collectives(...), compare_numbers(...)
@@ -33,6 +34,8 @@ JAX_DEVICES = 8
 # terms in another order; XLA and ATen use different GELU and matmul kernels): a few ulps of
 # each value's magnitude, so 1e-5 relative plus 1e-6 absolute (for values near 0) holds with room.
 RTOL, ATOL = 1e-5, 1e-6
+# the layout JAX also runs by hand (shard_map) and in explicit mode, beside tp's shard_map
+EXPLICIT_LAYOUT = "dp_tp"
 
 
 def make_data(shapes: Shapes = Shapes(), seed: int = 0) -> dict[str, np.ndarray]:
@@ -59,7 +62,9 @@ def programs(names=tuple(LAYOUTS)) -> dict[str, tuple[str, dict]]:
 
 def run_jax(data: dict, shapes: Shapes = Shapes(), names=tuple(LAYOUTS), timeout_s: float = 120) -> dict:
     """The JAX programs' answer: {"devices", "platform", "programs": {name: {"hlo", "out"}}} for
-    programs(names) (plus tp_shard_map with tp), on data of the given shapes."""
+    programs(names) (plus <layout>_shard_map for tp and dp_tp), on data of the given shapes; with
+    dp_tp also "explicit": {"programs": {variant: {"hlo", "out", "types"}}, "refused": {"error",
+    "message"}}, or {"unavailable": why} on a jax without explicit mode."""
     for name in names:
         check_layout(name, shapes)
     got = {k: tuple(v.shape) for k, v in data.items()}
@@ -69,7 +74,8 @@ def run_jax(data: dict, shapes: Shapes = Shapes(), names=tuple(LAYOUTS), timeout
                "layouts": {name: {"axes": [list(a) for a in L.axes], "specs": L.specs}
                            for name, L in LAYOUTS.items() if name in names},
                "programs": {p: {"layout": layout, "use": use} for p, (layout, use) in programs(names).items()},
-               "shard_map": "tp" in names}
+               "shard_map": [name for name in ("tp", EXPLICIT_LAYOUT) if name in names],
+               "explicit": EXPLICIT_LAYOUT if EXPLICIT_LAYOUT in names else None}
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={JAX_DEVICES}",
                JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore")
     done = subprocess.run([sys.executable, str(PROGRAM)], input=json.dumps(request), capture_output=True,
@@ -77,7 +83,8 @@ def run_jax(data: dict, shapes: Shapes = Shapes(), names=tuple(LAYOUTS), timeout
     if done.returncode != 0:
         raise RuntimeError(f"the JAX process failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     answer = json.loads(done.stdout)
-    for program in answer["programs"].values():
+    explicit = answer.get("explicit", {}).get("programs", {})
+    for program in [*answer["programs"].values(), *explicit.values()]:
         program["out"] = {k: np.asarray(v, dtype=np.float32) for k, v in program["out"].items()}
         program["collectives"] = hlo.collectives(program["hlo"])
     return answer
@@ -170,3 +177,12 @@ def source_of(function: str) -> str:
         if isinstance(node, ast.FunctionDef) and node.name == function:
             return ast.get_source_segment(text, node)
     raise ValueError(f"no function {function!r} in {PROGRAM.name}")
+
+
+def modes_table(jax_answer: dict, name: str = EXPLICIT_LAYOUT) -> dict:
+    """{source: {(op, group): bytes}} for the formula and the layout's step in JAX's three modes:
+    automatic (jit with shardings), manual (shard_map), explicit (typed arrays, y's type said)."""
+    return {"formula": totals(formula(name)),
+            "automatic (jit + shardings)": totals(jax_answer["programs"][name]["collectives"]),
+            "manual (shard_map)": totals(jax_answer["programs"][f"{name}_shard_map"]["collectives"]),
+            "explicit (sharding in types)": totals(jax_answer["explicit"]["programs"]["all_reduce"]["collectives"])}

@@ -21,7 +21,9 @@
 #    a JAX function) and hold them against the course's formula and its hand-written strategy;
 # 3. say what `pjit` became, when a sharding annotation on an intermediate changes the plan, and
 #    why the same layout can compile to another plan at other sizes;
-# 4. write the same step per device with `shard_map`, beside the course's own layers.
+# 4. write the same step per device with `shard_map`, beside the course's own layers;
+# 5. read a sharding as part of an array's type in JAX's explicit mode (`float32[4@dp,8,16]`),
+#    and fix a program it refuses with one line that names the collective.
 #
 # One program runs everywhere: an MLP on the residual stream, weights stored as `nn.Linear`
 # stores them (out × in), and one SGD step.
@@ -40,8 +42,8 @@ import numpy as np
 
 from course_lib.sharding import LAYOUTS, Shapes, formula, mapping_table, totals
 from course_lib.sharding import hlo
-from course_lib.sharding.run import (ATOL, RTOL, collective_table, format_table, make_data, max_rel_error,
-                                     numbers_table, run_jax, run_torch, source_of)
+from course_lib.sharding.run import (ATOL, EXPLICIT_LAYOUT, RTOL, collective_table, format_table, make_data,
+                                     max_rel_error, modes_table, numbers_table, run_jax, run_torch, source_of)
 from course_lib.sharding.torch_side import reference_step
 
 SHAPES = Shapes()  # b=4 sequences of s=8 tokens, d=16, hidden f=64, fp32, lr=0.1
@@ -378,7 +380,8 @@ for name in ("sp", "sp_h"):  # another plan, the same step (fp32 reordering, sec
 # runs it on every device of the mesh, with explicit collectives inside (`psum`,
 # `all_gather`, `psum_scatter`). It is the course's style — `ColumnParallelLinear` and
 # `RowParallelLinear` are per-rank programs with `f` and `g` written in — inside a compiler.
-# Megatron's MLP both ways:
+# Megatron's MLP both ways (the same function runs the dp × tp layout in section 7, where each
+# device also holds its rows of the batch):
 
 # %%
 print(source_of("run_shard_map"))
@@ -410,7 +413,170 @@ assert max_rel_error(NUMBERS["tp"]["JAX shard_map"], NUMBERS["tp"]["reference"])
 print("shard_map: same collectives as the course's layers, same step within tolerance")
 
 # %% [markdown]
-# ## 7. The dictionary
+# ## 7. Sharding as a type, literally: JAX's explicit mode
+#
+# So far JAX ran in two modes. In the **automatic** one (sections 2-5) a sharding is given at
+# the inputs and the outputs, plus constraints on a few intermediates, and the compiler completes the
+# rest, sometimes not as you meant (section 5). In the **manual** one (`shard_map`, section 6)
+# you write the per-device program and its collectives. JAX has a third, between them:
+# **explicit sharding** (JAX documentation, "Explicit sharding", 2025). The mesh's axes are
+# declared `AxisType.Explicit`, and every array's sharding becomes part of its *type*, for every
+# intermediate, at trace time, as its shape is. `jax.typeof(x)` prints it: `float32[4@dp,8,16]`
+# reads "dim 0, of length 4, split over mesh axis `dp`; the others whole". Each operation
+# computes its result's type from its operands' types; where they do not decide it, the program
+# is refused when it is traced, before anything is compiled, instead of being left to the
+# compiler. The same step in that mode (`course_lib/sharding/jax_program.py`):
+
+# %%
+print(source_of("explicit_loss"))
+print()
+print(source_of("run_explicit"))
+
+# %% [markdown]
+# `how` picks one of four ways to write the line that makes `y` (`EXPLICIT_Y` in the same
+# file); the first says nothing. We run the dp × tp layout of section 3: a 2 × 2 mesh
+# `("dp", "tp")`, `x` split by batch over `dp`, `fc` column-parallel and `proj` row-parallel
+# over `tp`. Its inputs' types are the layout table itself:
+
+# %%
+EXPLICIT = JAX["explicit"]  # from the same JAX process as every program above
+layout = LAYOUTS[EXPLICIT_LAYOUT]
+sizes = dict(layout.axes)
+
+
+def sharded_type(tensor_spec, shape):
+    """The type jax.typeof prints for a float32 array of this shape and PartitionSpec."""
+    return "float32[" + ",".join(str(n) if axis is None else f"{n}@{axis}" for n, axis in zip(shape, tensor_spec)) + "]"
+
+
+for tensor in ("x", "fc", "proj"):
+    print(f"{tensor:5} P{layout.specs[tensor]}  ->  {sharded_type(layout.specs[tensor], SHAPES.shape(tensor))}")
+
+# %% [markdown]
+# **Predict.** Follow the types through `h = gelu(x fc^T)` and `y = h proj^T` with nothing
+# more said. Which line does explicit mode refuse, and why?
+#
+# <details><summary>Answer</summary>
+#
+# The second. `x fc^T` is typed: `x`'s batch split (over `dp`) and `fc`'s output features
+# (over `tp`) land on different dims of `h`, `float32[4@dp,8,64@tp]`, and no device needs
+# another's data. `h proj^T` contracts the hidden features, split over `tp` on both sides: each
+# device can only form a partial sum of `y` (DTensor's `Partial()`), and what `y` is once summed
+# — whole on every `tp` device (an all-reduce: Megatron's `g`) or split along the sequence (a
+# reduce-scatter: sequence parallelism) — is a choice the operands' types do not make. The
+# automatic mode makes it for you, by its heuristics; the explicit mode asks.
+# </details>
+
+# %%
+refused = EXPLICIT["refused"]
+print(f"how='refused': {refused['error']}:")
+print(f"  {refused['message']}")
+assert refused["error"] == "ShardingTypeError" and "out_sharding" in refused["message"]
+
+# %% [markdown]
+# The fix is one line, and it names the collective: `jnp.matmul(h, proj.T,
+# out_sharding=P("dp", None, None))` says `y` is whole over `tp`, so the partial sums are
+# all-reduced. It is the annotation the layout gives the automatic mode on `y`
+# (`layout.use`, section 1), there a constraint the compiler plans around, here part of the
+# program's types. Every
+# value's type in that step, read with `jax.typeof` while it was traced, against the layout
+# table:
+
+# %%
+typed = EXPLICIT["programs"]["all_reduce"]
+shapes_of = {**{k: SHAPES.shape(k) for k in ("x", "fc", "proj")}, "h": (SHAPES.b, SHAPES.s, SHAPES.f),
+             "y": SHAPES.shape("x"), "loss": ()}
+spec_of = {**layout.specs, "h": ("dp", None, "tp"), "y": layout.use["y"], "loss": ()}
+for name, got in typed["types"].items():
+    tensor = name[2:] if name.startswith("g_") else name  # a gradient has its value's type
+    want = sharded_type(spec_of[tensor], shapes_of[tensor])
+    print(f"{name:6} {got:24} P{spec_of[tensor]}")
+    assert got == want, (name, got, want)
+print(f"every type = the layout's spec on the value's shape ({len(typed['types'])} values)")
+
+# %% [markdown]
+# The gradients come out with their values' types: autodiff transposes each operation with the
+# types it was traced with, so the backward pass needs no annotation of its own (the
+# transpose of `x fc^T` is a contraction over `tp` again, whose result type is `x`'s).
+#
+# ### Three modes, one layout
+#
+# The same dp × tp step, from the same JAX process: automatic (section 3's `jax.jit` with the
+# layout's shardings and its constraint on `y`), manual (`shard_map`, section 6's function on the
+# 2 × 2 mesh: `psum` over `tp` is `g`, `pmean` over `dp` averages the loss), explicit (the typed
+# step above). The collectives of each compiled program, bytes by (op, group size), against the
+# formula of section 3:
+
+# %%
+MODES = modes_table(JAX)
+print(format_table(MODES))
+programs_of = {"automatic (jit + shardings)": JAX["programs"][EXPLICIT_LAYOUT],
+               "manual (shard_map)": JAX["programs"][f"{EXPLICIT_LAYOUT}_shard_map"],
+               "explicit (sharding in types)": typed}
+for mode, program in programs_of.items():
+    print(f"  {mode:30} instructions: {hlo.calls(program['hlo'])}")
+    assert hlo.calls(program["hlo"]) == {"all_reduce": 3}, mode  # g, f, and dp's combined one (below)
+for mode, row in MODES.items():
+    assert row == MODES["formula"], mode  # every mode sends exactly the formula's bytes
+print("automatic, manual and explicit: the formula's collectives, byte for byte")
+
+# %% tags=["nbval-ignore-output"]
+# fp32, the same arithmetic in another order (section 4's tolerance and its reason)
+reference = NUMBERS[EXPLICIT_LAYOUT]["reference"]
+for mode, program in programs_of.items():
+    error = max_rel_error(program["out"], reference)
+    print(f"  {mode:30} largest error against one process {error:.1e} (<= {RTOL} passes)")
+    assert error <= RTOL, mode
+print(f"loss: {float(typed['out']['loss']):.6f} (one process: {float(reference['loss']):.6f})")
+
+# %% [markdown]
+# All three compile to the same two all-reduces of $M/dp$ over `tp` (`g` forward, `f`
+# backward) and one combined all-reduce over `dp` of the two weight-gradient shards and the
+# loss, and compute the same step. What differs is who decided: in the automatic mode the
+# compiler, guided by one constraint; in the manual mode you, per device, with `psum`; in the
+# explicit mode you, at the one line where the types left a choice, and the compiler
+# everywhere else.
+#
+# ### The other answer to the same question
+#
+# The refusal was not pedantry: the partial sums of `y` have a second legitimate type.
+# `out_sharding=P("dp", "tp", None)` asks for `y` split along the sequence over `tp`, which is
+# sequence parallelism's reduce-scatter (notebook 05). Then the loss's sum runs over `tp` too,
+# and in backward the reduce-scatter's transpose gathers $\partial L/\partial y$ (section 3's
+# sp layout). Two more tools of the mode: `jax.sharding.reshard(v, P(...))` changes a value's
+# type in the middle of a program, and the collective that takes it there follows (DTensor's
+# `redistribute`); `jax.sharding.auto_axes` hands one operation back to the compiler, its
+# result's type still said (`out_sharding`), and `explicit_axes` is its converse, an explicit
+# region inside an automatic program.
+
+# %%
+scattered, handed_back = EXPLICIT["programs"]["reduce_scatter"], EXPLICIT["programs"]["auto_axes"]
+print(f"y: {scattered['types']['y']} with out_sharding=P('dp', 'tp', None)")
+rows = {"out_sharding: y whole over tp": totals(typed["collectives"]),
+        "out_sharding: y split over tp": totals(scattered["collectives"]),
+        "auto_axes, y whole over tp": totals(handed_back["collectives"])}
+print(format_table(rows))
+split, whole = rows["out_sharding: y split over tp"], rows["out_sharding: y whole over tp"]
+M_local = M // sizes["dp"]  # one activation on a dp replica's rows
+assert scattered["types"]["y"] == sharded_type(("dp", "tp", None), SHAPES.shape("x"))
+assert split[("all_gather", sizes["tp"])] == M_local  # dL/dy gathered in backward
+# the forward reduce-scatter (an all-reduce on XLA's CPU pipeline, section 3) has g's bytes; the loss is reduced over tp too
+assert split[("all_reduce", sizes["tp"])] == whole[("all_reduce", sizes["tp"])] + SHAPES.e
+assert rows["auto_axes, y whole over tp"] == whole and handed_back["types"] == typed["types"]
+for program in (scattered, handed_back):  # another plan, the same step (fp32 reordering, section 4)
+    assert max_rel_error(program["out"], reference) <= RTOL
+print(f"y split over tp: + {M_local:,} bytes gathered (dL/dy) + {SHAPES.e} bytes (the loss over tp); the same step")
+
+# %% [markdown]
+# The type you write for `y` is the collective you get: whole over `tp` is an all-reduce,
+# split over `tp` a reduce-scatter (with its all-gather in backward), and no type at all is a
+# `ShardingTypeError` at trace time. This is the appendix's title made literal: the sharding
+# is checked like a shape, and a program whose communication is ambiguous does not compile.
+# The price is the annotation on every such line; the gain is that a plan cannot change behind
+# your back, as section 5's did when the sizes changed.
+
+# %% [markdown]
+# ## 8. The dictionary
 #
 # The same layouts under their names in Megatron-LM, DeepSpeed (ZeRO) and PyTorch FSDP, as
 # DTensor placements and as JAX PartitionSpecs (`fc` stored as `nn.Linear` stores it: out ×
@@ -445,6 +611,8 @@ for who, tensor, placements, spec in mapping_table():
 # 7. `jax.experimental.pjit.pjit(f, in_shardings=a, out_shardings=b)`: how is it spelled now?
 # 8. The sp layout compiled to the formula's plan at b=4, s=8, d=16, f=64 and to another at
 #    b=8, s=12, d=20, f=40. What decided, and what brings the formula's plan back?
+# 9. In explicit mode on the dp × tp mesh, what is `jax.typeof` of `h = gelu(x fc^T)`? Why is
+#    `h proj^T` refused, and what are the two one-line answers, with their collectives?
 #
 # <details><summary>Answers</summary>
 #
@@ -464,6 +632,11 @@ for who, tensor, placements, spec in mapping_table():
 #    the first size, the activation ($M > P$) at the second. Pinning $h$ with
 #    `with_sharding_constraint(h, P(None, None, "tp"))` restores it (or write the block with
 #    `shard_map`).
+# 9. `float32[4@dp,8,64@tp]`. Its contracting dim is split over `tp` in both operands, so each
+#    device holds a partial sum and the result's sharding is not decided by the types;
+#    `out_sharding=P("dp", None, None)` (an all-reduce, Megatron's `g`) or
+#    `out_sharding=P("dp", "tp", None)` (a reduce-scatter, with an all-gather of the gradient
+#    in backward).
 # </details>
 #
 # **Next:** this appendix has no graded exercise; the layouts it revisits are graded in ex05
@@ -487,6 +660,10 @@ for who, tensor, placements, spec in mapping_table():
 #   Training Trillion Parameter Models.* SC '20, arXiv:1910.02054.
 # * Zhao, Y., Gu, A., Varma, R., Luo, L., Huang, C.-C., Xu, M., et al. (2023). *PyTorch FSDP:
 #   Experiences on Scaling Fully Sharded Data Parallel.* VLDB 2023, arXiv:2304.11277.
+# * JAX documentation (2025). *Explicit sharding (a.k.a. "sharding in types").*
+#   docs.jax.dev (the "Explicit sharding" notebook, linked from "Distributed arrays and automatic
+#   parallelization"). `AxisType.Explicit` meshes,
+#   `jax.typeof`, `out_sharding`, `reshard`, `auto_axes` / `explicit_axes` (section 7).
 # * Further reading: the JAX documentation's "Distributed arrays and automatic
 #   parallelization" and "Manual parallelism with shard_map" tutorials; PyTorch's
 #   `torch.distributed.tensor` (DTensor) documentation, with `CommDebugMode`.
