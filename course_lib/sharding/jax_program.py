@@ -25,6 +25,7 @@ program, the compiled HLO text and the step's numbers:
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 
@@ -120,8 +121,11 @@ EXPLICIT_Y = {"refused": None, "all_reduce": ("dp", None, None), "reduce_scatter
 def explicit_available():
     """None, or why this jax has no explicit sharding mode."""
     axis_type = getattr(jax.sharding, "AxisType", None)
-    if axis_type is None or not hasattr(axis_type, "Explicit") or not hasattr(jax, "typeof"):
-        return f"jax {jax.__version__} has no explicit sharding mode (jax.sharding.AxisType.Explicit, jax.typeof)"
+    needs = (hasattr(axis_type, "Explicit"), hasattr(jax, "typeof"), hasattr(jax, "set_mesh"),
+             hasattr(jax.sharding, "auto_axes"), "out_sharding" in inspect.signature(jnp.matmul).parameters)
+    if not all(needs):
+        return (f"jax {jax.__version__} has no explicit sharding mode as used here (jax.sharding.AxisType.Explicit, "
+                "jax.typeof, jax.set_mesh, jax.sharding.auto_axes, jnp.matmul(..., out_sharding=))")
     return None
 
 

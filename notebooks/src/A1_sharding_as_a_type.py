@@ -440,6 +440,7 @@ print(source_of("run_explicit"))
 
 # %%
 EXPLICIT = JAX["explicit"]  # from the same JAX process as every program above
+assert "unavailable" not in EXPLICIT, EXPLICIT.get("unavailable")  # this section needs the pinned jax
 layout = LAYOUTS[EXPLICIT_LAYOUT]
 sizes = dict(layout.axes)
 
