@@ -29,6 +29,10 @@ viewed as (rows, K) with K its last dim:
                 Formats (MX) v1.0, 2023). x/s can reach just under 2^(emax+1) > max: it saturates.
 
 fmt "mxfp8" is e4m3 elements with "mx32" scales (MXFP8); "mx32" also takes e5m2 elements.
+Four bits: `quantize(x, "mxfp4", "mx32")` and `quantize(x, "nvfp4", "nv16")` (e2m1 elements in
+32-element blocks with e8m0 scales, or 16-element blocks with e4m3 scales and an fp32 tensor scale)
+go to course_lib.techniques.fp4, and so does `dequantize` for "nv16"; RECIPES "mxfp4" and "nvfp4"
+run FP8Linear's matmuls on those formats (the same regrouping in backward).
 Which format where: the per-tensor recipes are "hybrid", e4m3 forward and e5m2 for gradients (one
 scale must span a gradient's range); the fine-grained ones use e4m3 for every tensor, their small
 groups giving the range (DeepSeek-AI 2024, V3 report §3.3.2; Transformer Engine's Float8BlockScaling
@@ -61,11 +65,13 @@ import torch
 import torch.nn as nn
 
 from course_lib.comm.compat import all_gather_single
+from course_lib.techniques import fp4
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FMT_NAMES = ("e4m3", "e5m2", "mxfp8")
 GRANULARITIES = ("tensor", "row", "tile128", "block128", "mx32")
-ALONG_ROWS = ("row", "tile128", "mx32")  # groups that lie along a row: transposing changes them
+BLOCKS = {"tensor": None, "row": None, "tile128": (1, 128), "block128": (128, 128), "mx32": (1, 32), "nv16": (1, 16)}
+ALONG_ROWS = ("row", "tile128", "mx32", "nv16")  # groups that lie along a row: transposing changes them
 EMAX = {"e4m3": 8, "e5m2": 15}  # exponent of each format's largest power of two (448 = 1.75 * 2^8)
 E8M0 = getattr(torch, "float8_e8m0fnu", None)  # MX scale dtype (torch 2.7+); else float32 powers of two
 
@@ -87,15 +93,15 @@ def _element(fmt: str, granularity: str | None = None) -> str:
 
 def _blocks(shape, granularity: str) -> tuple[int, int, int, int]:
     """(rows, K, block rows, block cols) of the (rows, K) view; ValueError when a dim does not divide."""
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity={granularity!r} must be one of {GRANULARITIES}")
+    if granularity not in BLOCKS:  # GRANULARITIES and FP4's "nv16"
+        raise ValueError(f"granularity={granularity!r} must be one of {GRANULARITIES} (or 'nv16' for nvfp4)")
     if len(shape) == 0:
         raise ValueError("a 0-d tensor has no rows to scale: give x at least one dimension")
     k = shape[-1]
     rows = 1
     for s in shape[:-1]:
         rows *= s
-    br, bc = {"tensor": (rows, k), "row": (1, k), "tile128": (1, 128), "block128": (128, 128), "mx32": (1, 32)}[granularity]
+    br, bc = BLOCKS[granularity] or {"tensor": (rows, k), "row": (1, k)}[granularity]
     if k % bc:
         raise ValueError(f"granularity={granularity!r} needs the last dim K={k} divisible by {bc} "
                          f"(groups of {bc} along each row); got shape {tuple(shape)}")
@@ -125,7 +131,12 @@ def scales_from_amax(a: torch.Tensor, fmt: str, granularity: str) -> torch.Tenso
 def quantize(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor",
              scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): q = saturate(round(x / s)) in x's shape and the format's torch dtype; scales of
-    shape (rows / block rows, K / block cols). Pass `scales` to use given ones (delayed scaling)."""
+    shape (rows / block rows, K / block cols). Pass `scales` to use given ones (delayed scaling).
+    fmt "mxfp4" or "nvfp4": course_lib.techniques.fp4.quantize (q float32 on the e2m1 grid)."""
+    if fmt in fp4.FORMATS:
+        return fp4.quantize(x, fmt, granularity, scales)
+    if granularity == "nv16":
+        raise ValueError(f"granularity='nv16' is NVFP4's (fmt='nvfp4'), got fmt={fmt!r}")
     rows, k, br, bc = _blocks(x.shape, granularity)
     el = _element(fmt, granularity)
     if scales is None:
@@ -142,6 +153,8 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor",
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, granularity: str, shape=None) -> torch.Tensor:
     """fp32 q * s of `shape` (default q's). q may come flat (after a gather); `shape` says the layout."""
+    if granularity == "nv16":  # NVFP4's two-level scales
+        return fp4.dequantize(q, scales, granularity, shape)
     shape = tuple(q.shape if shape is None else shape)
     rows, k, br, bc = _blocks(shape, granularity)
     if q.numel() != rows * k:
@@ -184,6 +197,8 @@ RECIPES = {
     "rowwise": FP8Recipe("row", "row", "row"),  # one scale per token / output channel (torchao's "rowwise")
     "blockwise": FP8Recipe("tile128", "block128", "tile128", "e4m3", "e4m3"),  # DeepSeek-V3: e4m3 everywhere
     "mxfp8": FP8Recipe("mx32", "mx32", "mx32", "mxfp8", "mxfp8"),  # OCP MX: 32-element power-of-two blocks, e4m3 everywhere
+    "mxfp4": FP8Recipe("mx32", "mx32", "mx32", "mxfp4", "mxfp4"),  # the same blocks, e2m1 elements
+    "nvfp4": FP8Recipe("nv16", "nv16", "nv16", "nvfp4", "nvfp4"),  # 16-element e2m1 blocks, e4m3 + fp32 tensor scales
 }
 
 
@@ -209,12 +224,16 @@ def _scaled_mm_forward(qx, sx, qw, sw, recipe):
     return out.float()  # row-wise _scaled_mm accumulates in fp32 but writes bf16
 
 
+def _flat(scales) -> tuple:
+    return tuple(scales) if isinstance(scales, fp4.NVScales) else (scales,)
+
+
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module):
         r, k = module.recipe, x.shape[-1]
         x2 = x.reshape(-1, k)
-        for gran, width in (("tile128", 128), ("mx32", 32)):  # dW regroups x and dY along the tokens
+        for gran, width in (("tile128", 128), ("mx32", 32), ("nv16", 16)):  # dW regroups x and dY along the tokens
             if gran in (r.activation, r.grad) and x2.shape[0] % width:
                 raise ValueError(f"granularity={gran!r}: dW groups x and dY along the tokens, so the "
                                  f"{x2.shape[0]} tokens must divide into groups of {width}")
@@ -225,13 +244,16 @@ class _FP8Matmul(torch.autograd.Function):
             out = dequantize(qx, sx, r.activation) @ dequantize(qw, sw, r.weight).t()
         if bias is not None:
             out = out + bias.float()
-        ctx.save_for_backward(qx, sx, qw, sw)  # FP8 copies: 1 byte per element, the scales besides
+        ctx.nv = isinstance(sx, fp4.NVScales), isinstance(sw, fp4.NVScales)  # NVFP4: two scale tensors each
+        ctx.save_for_backward(qx, *_flat(sx), qw, *_flat(sw))  # FP8 copies: 1 byte per element, the scales besides
         ctx.module, ctx.x_shape, ctx.x_dtype, ctx.has_bias = module, x.shape, x.dtype, bias is not None
         return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx, sx, qw, sw = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
+        qx, sx = saved.pop(0), fp4.NVScales(saved.pop(0), saved.pop(0)) if ctx.nv[0] else saved.pop(0)
+        qw, sw = saved.pop(0), fp4.NVScales(saved.pop(0), saved.pop(0)) if ctx.nv[1] else saved.pop(0)
         r = ctx.module.recipe
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         qg, sg = _cast(g2, r.backward_fmt, r.grad, ctx.module.histories.get("grad_output"))

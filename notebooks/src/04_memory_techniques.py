@@ -16,7 +16,7 @@
 # | **mixed precision** (bf16 / fp16 compute) | activations (~half), and on GPUs the time of every matmul | numerics: fp16 needs *loss scaling*; the fp32 *master weights* keep the model state at 16 B/param |
 # | **activation checkpointing** | activations: from every layer's to one tensor per segment | one more forward pass of the checkpointed layers (a third more compute when backward costs two forwards; §2.4 measures it) |
 # | **gradient accumulation** | activations for a given batch: divided by the number of micro-batches | the micro-batches run one after another |
-| **FP8 matmuls** (§1.7-1.9) | the matmul inputs saved for backward (1 byte), FSDP's parameter all-gather (half of bf16), and on GPUs the matmul time | numerics: 3 or 2 mantissa bits, so every tensor needs a *scale*, and the grain of the scales decides what outliers cost |
+| **FP8 and FP4 matmuls** (§1.7-1.10) | the matmul inputs saved for backward (1 byte), FSDP's parameter all-gather (half of bf16), and on GPUs the matmul time | numerics: 3 or 2 mantissa bits, so every tensor needs a *scale*, and the grain of the scales decides what outliers cost |
 #
 # **After this notebook you can**
 #
@@ -30,11 +30,14 @@
 #   spot the missing 1/k;
 # * read the FP8 formats' range and spacing, scale a tensor into e4m3 per tensor, row, tile,
 #   block or MX block, say which granularity survives an outlier channel or token, and count
-#   what FP8 saves in memory and traffic (and why its speed is a GPU's).
+#   what FP8 saves in memory and traffic (and why its speed is a GPU's);
+# * quantize by hand into e2m1's eight magnitudes with MXFP4's power-of-two and NVFP4's e4m3 and
+#   fp32 scales, and say what the NVFP4 training recipe adds (random Hadamard transforms,
+#   stochastic rounding, 2D weight blocks, layers kept in higher precision) and why.
 #
 # Every claim below is measured on the course GPT and held against the formulas of
 # notebook 01 (`course_lib.estimate`) with an `assert`. The code lives in
-# `course_lib/techniques/`: `amp.py`, `activation_checkpointing.py`, `accumulation.py` and `fp8.py`.
+# `course_lib/techniques/`: `amp.py`, `activation_checkpointing.py`, `accumulation.py`, `fp8.py` and `fp4.py`.
 
 # %%
 import math
@@ -842,6 +845,242 @@ print(format_gpu_table(gpu_measurement()))
 # </details>
 
 # %% [markdown]
+# ### 1.10 Four bits: MXFP4 and NVFP4
+#
+# NVIDIA's Blackwell GPUs also multiply 4-bit floats, and NVIDIA (2025) pretrained a 12B-parameter
+# model on 10 trillion tokens with its matmuls in a 4-bit format, to a loss and downstream accuracy
+# close to its FP8 twin. Four bits leave one sensible float: **e2m1**, 1 sign, 2 exponent and
+# 1 mantissa bit, exponent bias 1, no infinities or NaN (OCP Microscaling Formats (MX)
+# Specification v1.0, 2023). It has eight magnitudes, 0, 0.5, 1, 1.5, 2, 3, 4 and 6: 0.5 apart
+# below 2, two apart between 4 and 6, and nothing past 6 = 1.5 × 2². One scale per tensor cannot
+# hold a tensor in that, so every short block of a row gets its own scale, as `mx32` did for FP8:
+#
+# | | MXFP4 (OCP MX v1.0, 2023) | NVFP4 (NVIDIA 2025) |
+# |---|---|---|
+# | block | 32 elements of a row | 16 elements of a row |
+# | block scale | e8m0, a power of two: $X = 2^{\lfloor \log_2 \text{amax} \rfloor - 2}$ | e4m3: $\text{amax}_b / 6$ times $g$, rounded to e4m3 |
+# | tensor scale | none | fp32: $g = 6 \cdot 448 / \text{amax}$ of the whole tensor, undone by $1/g$ |
+# | bits per element | 4 + 8/32 = 4.25 | 4 + 8/16 = 4.5, plus 32 per tensor |
+#
+# The MX rule (its 2 is e2m1's largest exponent, 6 = 1.5 × 2²) puts a block's amax somewhere in
+# [4X, 8X): an amax above 6X saturates to 6, and one just above 4X wastes the top of the grid. A
+# power of two cannot put the amax on 6; an e4m3 scale can, up to e4m3's rounding (3 mantissa
+# bits). NVFP4's fp32 tensor scale $g$ maps the largest block scale onto 448, e4m3's max, so
+# that the block scales of a tensor of any size fit e4m3's range. `quantize(x, "mxfp4", "mx32")`
+# and `quantize(x, "nvfp4", "nv16")` return the e2m1 values (as float32 on this CPU) and the scales.
+
+# %%
+from course_lib.techniques import fp4
+
+print("e2m1, codes 0000 to 1111:", fp4.decode(torch.arange(16, dtype=torch.uint8)).tolist())
+assert fp4.decode(torch.arange(8, dtype=torch.uint8)).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0] * 4])  # one MX block of 32 elements, amax 7
+q4, s4 = quantize(ties, "mxfp4", "mx32")
+print(f"MXFP4: amax 7, scale 2^(2 - 2) = {s4.float().item():g}: {ties[0, :8].tolist()} -> {q4[0, :8].tolist()}")
+assert s4.float().item() == 1 and q4[0, :8].tolist() == [0, 1, 1, 2, 2, 4, 4, 6]  # ties to even; 7 saturates to 6
+block12 = torch.tensor([[12.0, 3.0, -1.5, 0.625] + [0.0] * 28])
+q4, s4 = quantize(block12, "mxfp4", "mx32")
+print(f"MXFP4: amax 12, scale 2^(3 - 2) = {s4.float().item():g}: {block12[0, :4].tolist()} -> "
+      f"{dequantize(q4, s4, 'mx32')[0, :4].tolist()}")
+assert s4.float().item() == 2 and dequantize(q4, s4, "mx32")[0, :4].tolist() == [12, 3, -2, 1]
+two = torch.tensor([[12.0, 3.0, -1.5, 0.625] + [0.0] * 12 + [1.0, 0.5] + [0.0] * 14])  # two NVFP4 blocks
+q4, s4 = quantize(two, "nvfp4", "nv16")
+back = dequantize(q4, s4, "nv16")
+print(f"NVFP4: g = 6 * 448 / 12 = {1 / s4.tensor.item():g}; block scales e4m3(12/6 * 224) = "
+      f"{s4.block[0, 0].float().item():g} and e4m3(1/6 * 224 = 37.3) = {s4.block[0, 1].float().item():g}")
+print(f"       block 1 {two[0, :4].tolist()} -> {back[0, :4].tolist()};  block 2 {two[0, 16:18].tolist()} -> "
+      f"{[round(v, 4) for v in back[0, 16:18].tolist()]} (1 / (36/224) = 6.22 saturates to 6)")
+assert s4.block.float().tolist() == [[448, 36]] and back[0, :4].tolist() == [12, 3, -2, 1]
+# 1 * 224/36 = 6.22 saturates to 6, 0.5 * 224/36 = 3.11 rounds to 3; fp32 rounds 1/224 and the product (2^-23 each)
+assert all(math.isclose(got, want, rel_tol=2**-22) for got, want in zip(back[0, 16:18].tolist(), (6 * 36 / 224, 3 * 36 / 224)))
+print({f: fp4.bits_per_element(f) for f in ("mxfp4", "nvfp4")}, "bits per element with the block scales")
+
+# %% [markdown]
+# **Predict first.** Back to §1.7's activations (512 tokens × 256 channels) and their channel
+# made 10^4 times larger. MXFP8 (e4m3 elements in the same 32-element blocks) left about 2 %
+# mean relative error on the ordinary entries, with or without the outlier. How much do MXFP4
+# and NVFP4 leave, which of the two less, and does the outlier channel now cost something?
+#
+# <details><summary>Answer</summary>
+#
+# About ten times FP8's: e2m1 rounds a value by up to a quarter of its power of two, and every
+# entry below a quarter of its block's scale flushes to zero (a tenth or so of these activations,
+# whose GELU leaves many near zero). NVFP4 less than MXFP4: its e4m3 scale puts each block's
+# amax on 6 rather than anywhere in [4, 8), and its blocks are half as long. And the outlier now
+# costs: e2m1 spans only 0.5 to 6, three and a half powers of two, so in the outlier's block the
+# ordinary entries flush to zero (up to 31 of the 255 per row for MXFP4, 15 for NVFP4). e4m3's
+# eighteen powers of two kept them; in four bits, the block size is what bounds an outlier's damage.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+# the same activations as §1.7 (fp32 matmul outputs, which differ in the last bits between CPUs)
+fp4_rows = {}
+for label, x, mask in (("no outlier", acts, torch.ones_like(chan_mask)), ("channel x 1e4", chan_x, chan_mask)):
+    fp4_rows[label] = {"e4m3 tensor": outlier_errors(x, mask, "e4m3", ("tensor",))["tensor"],
+                       "MXFP8": outlier_errors(x, mask, "e4m3", ("mx32",))["mx32"],
+                       "MXFP4": outlier_errors(x, mask, "mxfp4", ("mx32",))["mx32"],
+                       "NVFP4": outlier_errors(x, mask, "nvfp4", ("nv16",))["nv16"]}
+print(f"{'':12}" + "".join(f"{k:>28}" for k in fp4_rows))
+for f in fp4_rows["no outlier"]:
+    print(f"{f:12}" + "".join(f"{r[f][0]:>10.3f} ({r[f][1]:6.1%} to 0)" for r in fp4_rows.values()))
+clean4, chan4 = fp4_rows["no outlier"], fp4_rows["channel x 1e4"]
+for r in (clean4, chan4):  # four bits: several times FP8's error (e2m1 spacing 2^-1 vs e4m3's 2^-3 relative)
+    assert min(r["MXFP4"][0], r["NVFP4"][0]) > 4 * r["MXFP8"][0] and r["NVFP4"][0] < r["MXFP4"][0]
+for f in ("MXFP4", "NVFP4"):  # the outlier's block flushes: more entries to 0, a larger error
+    assert chan4[f][1] > clean4[f][1] and chan4[f][0] > clean4[f][0]
+assert chan4["NVFP4"][1] - clean4["NVFP4"][1] < chan4["MXFP4"][1] - clean4["MXFP4"][1]  # 15 entries per row, not 31
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.2))
+fmts4 = list(clean4)
+for j, (label, r) in enumerate(fp4_rows.items()):
+    ax.bar([i + 0.4 * j for i in range(len(fmts4))], [r[f][0] for f in fmts4], 0.4, label=label)
+ax.set_xticks([i + 0.2 for i in range(len(fmts4))], fmts4)
+ax.set_yscale("log")
+ax.set_ylabel("mean relative error of\nthe ordinary entries")
+ax.set_title("four bits: ten times FP8's error, and an outlier empties its block")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# **Training with FP4 matmuls.** The recipes `"mxfp4"` and `"nvfp4"` run `FP8Linear` (§1.8) on
+# the 4-bit formats: every matmul input in e2m1 with its block scales, regrouped along each
+# backward matmul's summed dimension as before, products accumulated in fp32; the output head,
+# the embeddings, attention's own matmuls, norms and the fp32 master weights and AdamW stay as
+# they were.
+#
+# **Predict first.** Same 30 steps and batches as §1.5 and §1.8. Rounding is now four times
+# coarser than FP8's. Does the course GPT still train, and how far from fp32 does it end?
+#
+# <details><summary>Answer</summary>
+#
+# It trains, and at this scale it ends about as close to fp32 as FP8 did, within the spread of
+# initialisation seeds on the CPUs tried. Thirty steps of a tiny model learn the characters'
+# frequencies, which survive coarse rounding; the damage NVIDIA (2025) fights shows over long
+# runs (trillions of tokens), where the small biases of every step accumulate. The cell allows
+# twice the seeds' spread, and prints where this machine's run lands.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+# 4-bit numerics are exact arithmetic, but the fp32 matmuls round differently on each CPU: the printed
+# losses vary from machine to machine, the asserts hold on any of them
+fp4_curves = {recipe: train_30(apply_fp8(GPT(cfg), recipe))[0] for recipe in ("mxfp4", "nvfp4")}
+tail4 = {**{k: tail[k] for k in ("fp32", "bf16 + fp32 master", "FP8 mxfp8")},
+         **{f"FP4 {k}": last10(v) for k, v in fp4_curves.items()}}
+for name, v in tail4.items():
+    print(f"{name:20} mean loss of the last 10 steps {v:.3f} ({v - tail4['fp32']:+.3f} from fp32)")
+print(f"the yardstick, §1.5: fp32 from initialisation seeds 0-3 ends {spread:.3f} apart")
+# Tolerance: twice the seeds' spread (about 0.27, a fifth of what the 30 steps lower the loss). FP4 ended
+# -0.01 to +0.05 from fp32 on the CPUs tried (AVX-512, AVX2, scalar kernels), FP8 up to +0.11 on another
+# machine (§1.8); e2m1's rounding is four times e4m3's, so one spread would leave an untried CPU little room.
+for k in fp4_curves:
+    for ref in ("fp32", "bf16 + fp32 master"):
+        assert abs(tail4[f"FP4 {k}"] - tail4[ref]) < 2 * spread, (k, ref, tail4, spread)
+    assert fp4_curves[k][0] - tail4[f"FP4 {k}"] > 0.75 * fall  # it trains: most of fp32's fall
+within = [k for k in fp4_curves if abs(tail4[f"FP4 {k}"] - tail4["fp32"]) < spread]
+print(f"within one seed spread of fp32 on this machine: {', '.join(within) if within else 'neither'}")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.4))
+for name in ("fp32", "bf16 + fp32 master"):
+    ax.plot(range(1, 31), curves[name], label=name, lw=2, alpha=0.6)
+ax.plot(range(1, 31), fp8_curves["mxfp8"], label="FP8 mxfp8", lw=1)
+for name, v in fp4_curves.items():
+    ax.plot(range(1, 31), v, label=f"FP4 {name}", lw=1, ls="--")
+ax.set_xlabel("step")
+ax.set_ylabel("train loss")
+ax.set_title("the same 30 steps with FP4 matmuls")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# **What the NVFP4 recipe adds.** Thirty steps hide what trillions of tokens show. NVIDIA (2025,
+# §4) found that a 12B model diverged with every linear layer in NVFP4, and trained it stably
+# to 10T tokens with four additions:
+#
+# 1. **Some layers in higher precision**: about 15 % of the linear layers, most of them the last
+#    blocks (whose weight gradients showed the largest quantization errors), stay in bf16, as do
+#    the embeddings, the output head, norms, attention's softmax and score matmuls; master weights,
+#    gradients and optimizer state stay fp32. The course's `apply_fp8` keeps the head out, and
+#    the rest of that list never enters `FP8Linear`.
+# 2. **2D blocks for weights**: 16×16 blocks, the same group whether forward reads a weight along
+#    its rows or backward along its columns, so both passes multiply the same quantized weight
+#    (DeepSeek-V3's 128×128 blocks of §1.8, for the same reason); activations and gradients keep
+#    1×16 blocks.
+# 3. **Stochastic rounding for gradients**: round up with probability equal to the distance from
+#    the lower neighbour, so that the rounded value is right *on average* (Gupta et al. 2015);
+#    weights and activations keep round-to-nearest, whose error is smaller but has a sign.
+# 4. **Random Hadamard transforms** (16×16, random signs) applied to the two inputs of the
+#    weight-gradient matmul: an orthogonal mix of each 16-element group along the summed
+#    dimension, undone by the matmul itself since $(AH)(H^\top B) = AB$. It spreads a block's
+#    outlier over its 16 elements, so the block's distribution is closer to a Gaussian's.
+#
+# The last two are cheap to see. Stochastic rounding first: a gradient entry worth 0.3 of its
+# block's scale arrives 10,000 times (the same small update, step after step).
+
+# %%
+y = torch.full((10_000,), 0.3)  # between the grid's 0 and 0.5
+nearest = fp4.round_e2m1(y)
+stoch = fp4.round_e2m1(y, stochastic=True, generator=torch.Generator().manual_seed(0))
+print(f"sum of 10,000 x 0.3 = {y.sum().item():,.0f}:  round-to-nearest {nearest.sum().item():,.0f}, "
+      f"stochastic {stoch.sum().item():,.1f}")
+print(f"error of one rounding, root mean square: nearest {(nearest - y).pow(2).mean().sqrt().item():.3f}, "
+      f"stochastic {(stoch - y).pow(2).mean().sqrt().item():.3f}")
+assert torch.all(nearest == 0.5)  # 0.3 is nearer 0.5 than 0: every rounding adds 0.2, always the same way
+# unbiased: the sum of 10,000 draws of 0 or 0.5 (p = 0.6) has standard deviation 0.5 sqrt(10,000 * 0.6 * 0.4) = 24.5
+assert abs(stoch.sum().item() - 3000) < 6 * 24.5
+assert set(stoch.unique().tolist()) == {0.0, 0.5}
+
+# %% [markdown]
+# Round-to-nearest adds the same 0.2 every time: the sum is two thirds too large. Stochastic
+# rounding is right on average, at the price of a larger error per rounding, which is why the
+# recipe spends it on the gradients (sums of many such roundings) only.
+#
+# The Hadamard transform next, on a heavy-tailed tensor (Student's t with 3 degrees of freedom,
+# the shape of tails gradients often have): each 16-element group is multiplied by
+# $\text{diag}(\pm 1)\, H_{16} / 4$, quantized, dequantized and multiplied back.
+
+# %% tags=["nbval-ignore-output"]
+# torch.randn's vectorized kernels differ in the last bits between CPUs: the printed errors vary slightly
+gen = torch.Generator().manual_seed(0)
+heavy = torch.randn(512, 256, generator=gen) / ((torch.randn(3, 512, 256, generator=gen) ** 2).sum(0) / 3).sqrt()
+rht = fp4.random_hadamard(16, gen)
+assert torch.allclose(rht @ rht.T, torch.eye(16), atol=1e-6)  # orthogonal, up to fp32 rounding (2^-23 per term)
+rotated = fp4.blockwise(heavy, rht)
+
+
+def crest(t):
+    """Mean over the 16-element groups of amax / root mean square: 4 for a lone spike, about 2 for a Gaussian."""
+    g = t.reshape(-1, 16)
+    return (g.abs().amax(1) / g.pow(2).mean(1).sqrt()).mean().item()
+
+
+def rel_mse(x, back):
+    return ((back - x).pow(2).sum() / x.pow(2).sum()).item()
+
+
+rht_err = {}
+for f, g in (("mxfp4", "mx32"), ("nvfp4", "nv16")):
+    plain = dequantize(*quantize(heavy, f, g), g)
+    mixed = fp4.blockwise(dequantize(*quantize(rotated, f, g), g), rht.T)
+    rht_err[f] = (rel_mse(heavy, plain), rel_mse(heavy, mixed))
+print(f"amax / rms per group of 16: {crest(heavy):.2f} before, {crest(rotated):.2f} after the transform")
+for f, (a, b) in rht_err.items():
+    print(f"{f}: relative squared error {a:.4f} without, {b:.4f} with the transform ({b / a - 1:+.0%})")
+assert crest(rotated) < 0.9 * crest(heavy)  # the spikes are spread: measured 2.5 -> 2.0
+assert rht_err["mxfp4"][1] < 0.85 * rht_err["mxfp4"][0]  # MXFP4's power-of-two scales gain: measured -37%
+assert rht_err["nvfp4"][1] > rht_err["nvfp4"][0]  # NVFP4's e4m3 scales fit each block already: measured +19%
+
+# %% [markdown]
+# The transform spreads the spikes, and MXFP4, whose power-of-two scale wastes up to half of the
+# grid on a block with a spike, gains. NVFP4's own scale already fits each 16-element block,
+# and its error *rises*: the mixed block is denser, and fewer of its elements sit near the
+# amax that e4m3 puts exactly on 6. So the element error is not where the transform pays for
+# NVFP4. NVIDIA (2025) applies it to the weight-gradient inputs only and judges each of the
+# four additions by training with and without it; one tensor's error is where such a choice
+# starts, not where it ends.
+
+# %% [markdown]
 # ## 2. Activation checkpointing
 #
 # Backward needs, for every op, what that op saved in forward. Activation checkpointing keeps only a few
@@ -1316,6 +1555,12 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #   closer to fp32 than a change of initialisation seed does; they save the matmul inputs for
 #   backward in one byte and halve FSDP's parameter all-gather; the model state stays at
 #   16 B/param; the speed is the GPU's.
+# * **FP4.** e2m1 has eight magnitudes (0 to 6, one mantissa bit), so every block carries a
+#   scale: MXFP4 a power of two per 32 elements, NVFP4 an e4m3 scale per 16 plus an fp32 scale per
+#   tensor, which puts each block's amax on 6. Ten times FP8's rounding error, and an outlier
+#   empties its block; the course GPT still trains for 30 steps. At scale NVIDIA (2025) added
+#   layers kept in bf16, 16×16 weight blocks, stochastic rounding of the gradients (unbiased)
+#   and random Hadamard transforms of the weight-gradient inputs (spreading a block's outliers).
 # * **Activation checkpointing** keeps one tensor per segment and recomputes the rest: same
 #   gradients bit for bit, the saved bytes of `⌈L/k⌉ b + outside`, for one more forward of the
 #   blocks (a third more compute when backward costs two forwards; more for small layers).
@@ -1342,6 +1587,10 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #    changes in the update?
 # 6. A weight matrix's largest entry is 900 and most entries are near 0.01. With one e4m3 scale
 #    for the whole matrix, what happens to the small entries? What would you change?
+# 7. An MXFP4 block's largest magnitude is 7 and its other entries are near 1. What scale does
+#    the MX rule give, and what becomes of the 7 and of a 1? If the same block is the largest of
+#    its tensor in NVFP4, what are its scales, and what becomes of the 7 and the 1?
+# 8. Why does the NVFP4 recipe round gradients stochastically but weights and activations to nearest?
 #
 # <details><summary>Answers</summary>
 #
@@ -1365,6 +1614,16 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #    (2^-6 ≈ 0.016): a subnormal with one or two significant bits, and anything below 2^-10 ≈ 0.001
 #    units (0.002 here) rounds to 0. Finer scales (row-wise, 1×128 tiles, 128×128 blocks, MX
 #    blocks) give the small entries scales of their own; the outlier only spoils its own group.
+# 7. MX: ⌊log₂ 7⌋ = 2, so X = 2^(2-2) = 1: the 7 saturates to 6 (14 % low), a 1 stays 1. NVFP4:
+#    g = 6·448/7 = 384, the block scale e4m3(7/6 · 384) = 448 exactly, decoding with 448/384 = 7/6:
+#    the 7 becomes 6 · 7/6 = 7 exactly, and a 1 becomes 1/(7/6) ≈ 0.857 → rounds to 1 (the grid
+#    is 0.5 apart there) → 7/6 ≈ 1.17. Neither is exact everywhere: MX loses the top, NVFP4's finer
+#    scale moves the rest of the grid.
+# 8. A gradient is summed over many steps and micro-batches: round-to-nearest makes the same
+#    error with the same sign every time a value sits at the same place between two grid points,
+#    and those errors add up (§1.10: 10,000 × 0.3 summed to 5,000). Stochastic rounding is right
+#    on average, so the sums are right, at the price of a larger error per value, which forward's
+#    weights and activations, used once per step, would pay without gaining from the averaging.
 # </details>
 
 # %% [markdown]
@@ -1392,7 +1651,14 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #   (e4m3: no infinities, NaN S.1111.111).
 # * Rouhani et al. (2023). *Microscaling Data Formats for Deep Learning*, arXiv:2310.10537, and the
 #   OCP *Microscaling Formats (MX) Specification v1.0* (2023): 32-element blocks with a shared
-#   power-of-two (e8m0) scale, MXFP8 (§1.7).
+#   power-of-two (e8m0) scale, MXFP8 (§1.7); the FP4 element e2m1 (bias 1, max 6, no inf or NaN)
+#   and MXFP4's scale rule $2^{\lfloor \log_2 \text{amax} \rfloor - e_\text{max}}$, $e_\text{max} = 2$ (§1.10).
+# * NVIDIA (2025). *Pretraining Large Language Models with NVFP4*, arXiv:2509.25149: NVFP4's
+#   16-element blocks with e4m3 block scales and an fp32 tensor scale, and the recipe that trained
+#   a 12B model on 10T tokens (layers kept in bf16, 16×16 weight blocks, stochastic rounding of
+#   gradients, random Hadamard transforms of the weight-gradient inputs) (§1.10).
+# * Gupta et al. (2015). *Deep Learning with Limited Numerical Precision*, ICML 2015: stochastic
+#   rounding, unbiased, for training in low precision (§1.10).
 # * DeepSeek-AI (2024). *DeepSeek-V3 Technical Report*, arXiv:2412.19437, §3.3: FP8 training with
 #   1×128 activation tiles and 128×128 weight blocks, e4m3 for every tensor (§3.3.2), fp32 master
 #   weights with AdamW's moments in bf16 (§3.3.3), the output head in higher precision; §3.5.2: the
