@@ -26,7 +26,9 @@
 # * write a schedule as per-rank action lists and check it for missing actions and deadlocks;
 # * place two chunks per rank in a V (ZB-V, DualPipeV) and weigh their bubble against their
 #   memory; run PipeDream-2BW without a flush and measure what its stale update costs;
-# * place PP in a 3D layout and estimate its communication with the α-β model.
+# * place PP in a 3D layout and estimate its communication with the α-β model;
+# * read PyTorch's own action lists (`torch.distributed.pipelining`) and their lowered form with
+#   messages and FSDP's gathers beside ours, and say where and why they differ.
 
 # %%
 %matplotlib inline
@@ -462,7 +464,8 @@ for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
 # ZB-V, the steady F&B pairs, then a cool-down whose second half splits B from W again. The
 # course's comes from ZB-V's list scheduler with one rule added: when an F and a B of another
 # micro-batch can both start, they go together as a pair and that B runs whole. Both train to
-# the same numbers (the cell at the end of this section). Our ranks are single-threaded CPU
+# the same numbers (the cell at the end of this section; section 14 puts the two lists side by
+# side). Our ranks are single-threaded CPU
 # processes: a pair runs F, then B, and nothing overlaps. The simulator starts a pair when both
 # halves can start and times it as $t_F + t_B$, so on its ideal clock (equal times, free
 # messages) the pairs gain nothing and DualPipeV ties with ZB-V; off that clock the two differ
@@ -744,7 +747,250 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # hundreds of milliseconds, so PP tolerates slow links. What it cannot tolerate is few
 # micro-batches: the bubble $\frac{p-1}{m+p-1}$ is why large runs use $m \gg p$, which the
 # global batch (and DP's share of it) must allow.
+
+# %% [markdown]
+# ## 14. PyTorch's own action lists beside ours
 #
+# `torch.distributed.pipelining` (sections 8 and 9), the library you will use at work, writes its
+# schedules as data too. Every rank computes, for every rank, the ordered list of actions it runs
+# (`pipeline_order`, actions such as `2F0`: stage 2, forward, micro-batch 0), and the multi-stage
+# schedules lower that list into one with the messages and FSDP's gathers in it
+# (`pipeline_order_with_comms`). Torch's own chart maker,
+# `torch.distributed.pipelining._schedule_visualizer.get_schedule_ops`, builds a schedule on a mock
+# stage and returns both lists without a rank, a message or a tensor.
+# `course_lib.parallel.pp.torch_order` reads them that way and translates torch's words into ours:
+#
+# | torch | what it is | ours |
+# |---|---|---|
+# | `F` | forward | `F` |
+# | `I` (`BACKWARD_INPUT`) | the input gradient only | `B` of a split backward |
+# | `W` (`BACKWARD_WEIGHT`) | the weight gradient | `W` |
+# | `B` (`FULL_BACKWARD`) | the whole backward | `B`, followed at once by its `W` in a schedule that splits others |
+# | `OVERLAP_F_B` | an F and a B run as one unit | an `F&B` pair |
+# | `SEND_F` `RECV_F` `SEND_B` `RECV_B` | the messages | derived from the lists (`p2p_plan`) |
+# | `UNSHARD` `RESHARD` `REDUCE_GRAD` | FSDP's gather and free of a stage, the gradient reduction | not in our lists |
+#
+# A stage index becomes a rank and a chunk through the placement: the loop for interleaving, the
+# V for ZB-V and DualPipeV. GPipe and 1F1B hold one stage per rank, and torch's `step` runs them
+# with a loop of its own, not from the list; `traced_order` runs that loop on a stand-in stage that
+# writes down each forward and backward it is asked for and sends nothing.
+#
+# All five schedules that both libraries ship, at $p = 4$ ranks and $m = 8$ micro-batches (two
+# chunks per rank where there are chunks): for each rank our list above torch's, blue F, green B,
+# orange W (paler for chunk 1), a black frame where torch's list first parts from ours.
+
+# %%
+import numpy as np
+from matplotlib.colors import to_rgba
+
+from course_lib.parallel.pp.p2p_plan import plan_messages
+from course_lib.parallel.pp.torch_order import (check_lowered, comm_counts, compare, to_course, torch_lacks,
+                                                torch_order, traced_order)
+
+NATIVE_FIVE = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2)]
+TORCH = {}  # name -> (ours, torch's, the comparison per rank)
+for name, v in NATIVE_FIVE:
+    if why := torch_lacks(name):
+        print(f"{name}: left out, {why}")
+        continue
+    ours, theirs = make_schedule(name, P, M, v), to_course(name, P, M, torch_order(name, P, M))
+    TORCH[name] = (ours, theirs, compare(ours, theirs))
+
+COLOURS = {"F": "tab:blue", "B": "tab:green", "W": "tab:orange"}
+fig, axes = plt.subplots(len(TORCH), 1, figsize=(11, 1.45 * len(TORCH) + 0.6), squeeze=False)
+for ax, (name, (ours, theirs, cmp)) in zip(axes[:, 0], TORCH.items()):
+    width = max(len(a) for s in (ours, theirs) for a in s.actions)
+    grid = np.ones((3 * P - 1, width, 4))  # per rank a row of ours, a row of torch's, a white gap
+    for r in range(P):
+        for row, sched in ((3 * r, ours), (3 * r + 1, theirs)):
+            for i, a in enumerate(sched.actions[r]):
+                grid[row, i] = to_rgba(COLOURS[a.kind], 1.0 if a.chunk == 0 else 0.45)
+        if cmp[r].first is not None:
+            ax.add_patch(plt.Rectangle((cmp[r].first, 3 * r), 1, 2, fill=False, edgecolor="black", linewidth=1.5))
+    ax.imshow(grid, aspect="auto", interpolation="nearest", extent=(0, width, 3 * P - 1, 0))
+    ax.set_yticks([3 * r + k + 0.5 for r in range(P) for k in (0, 1)],
+                  [f"rank {r} {who}" for r in range(P) for who in ("ours", "torch")], fontsize=5.5)
+    ax.set_title(f"{name}: p = {P}, m = {M}", fontsize=8)
+    ax.tick_params(axis="x", labelsize=6)
+axes[-1, 0].set_xlabel("position in the rank's list")
+fig.tight_layout()
+plt.show()
+for name, (ours, theirs, cmp) in TORCH.items():
+    same = [c.rank for c in cmp if c.agree]
+    print(f"{name:>16}: {len(ours.actions[0])} actions on rank 0; " + (
+        "every rank's list the same" if len(same) == P else "; ".join(str(c) for c in cmp)))
+for name in ("gpipe", "interleaved_1f1b"):
+    if name in TORCH:
+        assert all(c.agree for c in TORCH[name][2])  # the same actions in the same order, exactly
+for name in ("zbv", "dualpipev"):
+    if name in TORCH:
+        assert all(c.same_actions for c in TORCH[name][2]) and TORCH[name][2][0].first != 0
+
+# %% [markdown]
+# GPipe and interleaved 1F1B are the same lists on every rank: torch's `Interleaved1F1B` is
+# Megatron's order, as ours is (Narayanan et al. 2021), and its `None` idle steps, which only
+# its chart uses, drop out. 1F1B deserves a closer look at its last rank:
+
+# %%
+if "1f1b" in TORCH:
+    ours, theirs, cmp = TORCH["1f1b"]
+    traced = to_course("1f1b", P, M, traced_order("1f1b", P, M))
+    print(f"rank {P - 1}, ours:                  ", " ".join(map(str, ours.actions[P - 1])))
+    print(f"rank {P - 1}, torch's pipeline_order:", " ".join(map(str, theirs.actions[P - 1])))
+    print(f"rank {P - 1}, torch's step (traced): ", " ".join(map(str, traced.actions[P - 1])))
+    try:
+        check_schedule(theirs)
+        print("our checker passes torch's list")
+    except ScheduleError as err:
+        print(f"our checker on torch's list: {err}")
+    assert all(c.agree for c in compare(ours, traced))  # what torch runs is our 1F1B, exactly
+    if "gpipe" in TORCH:
+        assert all(c.agree for c in compare(TORCH["gpipe"][0], to_course("gpipe", P, M, traced_order("gpipe", P, M))))
+    shifted = [Action(a.kind, a.microbatch + (a.kind == "F"), a.chunk) for a in ours.actions[P - 1]]
+    assert all(c.agree for c in cmp[:-1]) and theirs.actions[P - 1] in (ours.actions[P - 1], shifted)
+    if theirs.actions[P - 1] == shifted:
+        print(f"torch's list numbers the last rank's forwards from 1 (F1 to F{M}: there is no micro-batch {M}, "
+              f"and F0 is missing), while the loop its step runs is ours on every rank, and so is its GPipe")
+    else:
+        print("torch's list and the loop its step runs are both ours on every rank, as is its GPipe")
+
+# %% [markdown]
+# So `pipeline_order` of a single-stage schedule is a drawing of the schedule, which torch's
+# chart maker and exports read, while `step` runs a loop written separately; where the two part,
+# the checker of section 12 finds it in one line. For the multi-stage schedules the list is what
+# runs: their `step` walks the lowered list.
+#
+# **The V schedules.** Their lists differ from ours in order but hold the same actions. The
+# simulator of section 9 times both on the same clocks (`CLOCKS`: equal times, then messages that
+# cost time, then a W shorter or longer than F and B). Both pass the checker:
+
+# %%
+print(f"{'':>17} {'peak':>5} {'pairs per rank':>15}  bubble: " + "; ".join(label for label, _ in CLOCKS))
+V_SIDE = {}
+for name in ("zbv", "dualpipev"):
+    if name not in TORCH:
+        continue
+    for who, sched in zip(("ours", "torch's"), TORCH[name][:2]):
+        check_schedule(sched)  # every action once, no deadlock
+        bubbles = [measured_bubble(schedule_events(sched, **times)) for _, times in CLOCKS]
+        V_SIDE[(name, who)] = (max(in_flight(sched, until="W")), [len(sched.pairs(r)) for r in range(P)], bubbles)
+        peak, pairs, _ = V_SIDE[(name, who)]
+        print(f"{name:>9} {who:>7} {peak:>5} {str(pairs):>15}  " + ", ".join(f"{b:.3f}" for b in bubbles))
+        assert abs(bubbles[0] - formula_for(name, P, M)) < 1e-12  # (p-1)/(6m+p-1) at equal times (float64 only)
+
+# %%
+def part_from(cmp):
+    """The first position at which any rank's two lists part."""
+    return min(c.first for c in cmp if c.first is not None)
+
+
+def who_wins(mine, theirs):
+    """Per clock off the ideal one: 'ours', "torch's" or 'tie' (the lower simulated bubble)."""
+    return ["tie" if abs(a - b) < 1e-12 else ("ours" if a < b else "torch's") for a, b in zip(mine[2][1:], theirs[2][1:])]
+
+
+if "zbv" in TORCH:
+    ours, theirs, cmp = TORCH["zbv"]
+    n, first = len(ours.actions[0]), part_from(cmp)
+    zb_ours, zb_torch = V_SIDE[("zbv", "ours")], V_SIDE[("zbv", "torch's")]
+    assert zb_ours[0] == zb_torch[0] == 2 * P  # both at 1F1B's peak of p micro-batches, 2p chunks
+    print(f"ZB-V: the same {n} actions per rank; "
+          + ", ".join(f"rank {c.rank} " + ("identical" if c.agree else f"parts at position {c.first}") for c in cmp)
+          + f", all within the last {n - first} of {n} actions, around the drain where W's fill the gaps. Peak "
+          f"{zb_ours[0]} chunks both; the same bubble at equal times ({zb_ours[2][0]:.3f}); lower off that "
+          "clock: " + ", ".join(f"{label}: {w}" for (label, _), w in zip(CLOCKS[1:], who_wins(zb_ours, zb_torch))))
+
+if "dualpipev" in TORCH:
+    ours, theirs, cmp = TORCH["dualpipev"]
+
+    def whole(sched, r):
+        """How many backwards of rank r are whole (their W right after them) and where the first F&B pair sits."""
+        acts = sched.actions[r]
+        return (sum(a.kind == "B" and i + 1 < len(acts) and acts[i + 1] == Action("W", a.microbatch, a.chunk)
+                    for i, a in enumerate(acts)), min(sched.pairs(r)))
+
+    dp_ours, dp_torch = V_SIDE[("dualpipev", "ours")], V_SIDE[("dualpipev", "torch's")]
+    for r in range(P):
+        (w_o, p_o), (w_t, p_t) = whole(ours, r), whole(theirs, r)
+        print(f"DualPipeV rank {r}: first F&B pair at position {p_o} (ours) / {p_t} (torch's); "
+              f"{dp_ours[1][r]} / {dp_torch[1][r]} pairs; of its {2 * M} backwards {w_o} / {w_t} whole")
+    print(f"DualPipeV peak: ours {dp_ours[0]} chunks whose W has not run, torch's {dp_torch[0]} "
+          f"(ZB-V's {2 * P}); the same bubble at equal times ({dp_ours[2][0]:.3f}); lower off that clock: "
+          + ", ".join(f"{label}: {w}" for (label, _), w in zip(CLOCKS[1:], who_wins(dp_ours, dp_torch))))
+    assert dp_torch[0] < dp_ours[0] <= 2 * P + 2  # torch's holds fewer chunks; ours stays within its cap of 2p + 2
+    assert all(whole(ours, r)[0] < whole(theirs, r)[0] for r in range(P))  # ours splits more backwards, every rank
+
+# %% [markdown]
+# For ZB-V both libraries follow Qi et al.'s layout (Qi et al. 2023, §6; torch writes it out
+# phase by phase, ours comes from the list scheduler of section 9), and they part only where the
+# cool-down's W's are placed; the lines above say where and what that costs on each clock. For
+# DualPipeV the course's list is the simplified one. Torch's `ScheduleDualPipeV` follows the
+# eight phases of DeepSeek's `dualpipev.py` step for step (DeepSeek-AI 2025, DualPipe repository):
+# forwards of chunk 0, forwards of both chunks, a stretch of split backwards (I, then W) with
+# forwards between them, the steady F&B pairs, one more stretch of whole B's each with a pair,
+# and a cool-down whose second half splits I from W again. Ours has one rule instead: whenever
+# an F and a B of another micro-batch can both start, they go as a pair and that B runs whole;
+# outside the pairs its W's wait to fill idle time. So the pairs fall at other places (the lines
+# above give each rank's first pair and their number), ours runs fewer backwards whole (a W right
+# after its B, as torch runs an I followed at once by its W) on every rank, and it lets a rank
+# keep more chunks in flight (its cap is $2p + 2$ chunks, DeepSeek's $PP + 1$ micro-batches),
+# where torch's phases hold fewer at this $p$ and $m$. On the ideal clock the two tie; off it the
+# last line above says which order comes out lower on each clock.
+#
+# **The lowered list.** Torch runs its multi-stage schedules from the lowered list, with every
+# message and FSDP's gathers in place.
+#
+# **Predict.** In torch's lowered ZB-V list at $p = 4$, $m = 8$, how many sends (`SEND_F` plus
+# `SEND_B`) are there over all ranks, and how many in our own plan of the same schedule's messages?
+#
+# <details><summary>Answer</summary>
+#
+# A micro-batch crosses $2p - 1 = 7$ stage boundaries on the way down the V and back, and one of
+# them, the turn from stage $p-1$ to stage $p$, stays on rank $p - 1$: 6 messages forward and 6
+# backward per micro-batch, $2 \cdot 8 \cdot 6 = 96$ sends, as many receives. Ours moves the same
+# 96 tensors (section 6's count, `messages_per_step`); the libraries differ in when each is posted.
+# </details>
+
+# %%
+if "zbv" in TORCH:
+    LOWERED = torch_order("zbv", P, M, with_comms=True)
+    print("rank 1, lowered ZB-V, its first 26 entries:\n ", " ".join(map(str, LOWERED[1][:26])))
+    counts = comm_counts(LOWERED)
+    for r, c in enumerate(counts):
+        print(f"rank {r}: " + ", ".join(f"{c[k]} {k}" for k in ("F", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
+                                                                  "UNSHARD", "RESHARD", "REDUCE_GRAD")))
+    sends = sum(c["SEND_F"] + c["SEND_B"] for c in counts)
+    ours_sends = sum(op == "send" for batches in plan_messages(TORCH["zbv"][0]).batches
+                     for _, batch in batches for op, _, _ in batch)
+    assert sends == sum(c["RECV_F"] + c["RECV_B"] for c in counts) == messages_per_step(P, M, 2, "v") == ours_sends
+    assert all(c["UNSHARD"] == c["RESHARD"] == c["REDUCE_GRAD"] == 2 for c in counts)  # one each per local stage
+    print(f"{sends} sends and as many receives in torch's list; {ours_sends} sends in our plan of the same schedule")
+    for sentence in check_lowered(LOWERED):
+        print(sentence)
+    names = [str(a) for a in LOWERED[1]]
+    ahead = {n: names.index(n.replace("RECV_", "")) - i for i, n in enumerate(names) if "RECV_F" in n}
+    early = max(ahead, key=ahead.get)
+    print(f"rank 1's earliest receive: {early}, {ahead[early]} entries before {early.replace('RECV_', '')}")
+
+# %% [markdown]
+# What the lowering adds, read off that list:
+#
+# * **Messages.** After each compute whose tensor another rank needs comes its send (`1SEND_F0`
+#   after `1F0`). Torch steps all ranks' lists in turn, and when a sender's action is placed it
+#   places the matching receive in the receiver's list at that point: a receive is posted as soon
+#   as the compute that makes its tensor has a place, before the compute that waits for it,
+#   sometimes several entries earlier (the last line above). Our runner
+#   derives the same messages from the same lists and issues them in the batches of
+#   `p2p_plan.py`, in an order both ends agree on, as NCCL requires. The turn of the V, stage 3 to stage 4 on rank 3,
+#   has no message in either.
+# * **FSDP.** `UNSHARD` gathers a stage's sharded parameters before its first compute and
+#   `RESHARD` frees them after its last; torch keeps up to three stages gathered, so with two
+#   stages per rank both are gathered at the start of the step and freed at its end (notebook 08's
+#   ZeRO-3 gathers per layer instead).
+# * **`REDUCE_GRAD`**, once per stage after its last backward or W: where data parallelism's
+#   gradient reduction goes (notebook 03), after the micro-batches have all added their share.
+
+# %% [markdown]
 # ## What to remember
 #
 # * PP cuts the model by depth; stages exchange one activation/gradient per micro-batch,
@@ -762,6 +1008,11 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 #   and ZB-H2 are zero-bubble at equal F, B, W times. DualPipeV (DualPipe cut in half) pairs the
 #   F of one micro-batch with the B of another, which pays off where communication can overlap,
 #   and holds one micro-batch more.
+# * `torch.distributed.pipelining` writes its schedules as per-rank lists too (`pipeline_order`),
+#   and lowers the multi-stage ones with sends, receives, FSDP's unshard/reshard and the gradient
+#   reduction in place. Read without running, its GPipe, 1F1B (the loop it runs) and interleaved
+#   lists are ours; its ZB-V and DualPipeV are other valid orders of the same actions, with the same
+#   bubble at equal times.
 # * PipeDream-2BW drops the flush: bubble once per run, two weight versions per stage,
 #   $W_{t+1} = W_t - \text{lr}\cdot\nabla f_t(W_{t-1})$; its reference is that delayed update.
 #
@@ -779,6 +1030,8 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # 9. Under post-validation a stage updates its weights before the global gradient norm is known.
 #    What must it keep, what happens when the norm turns out above the clip, and why does that
 #    rarely cost anything?
+# 10. Torch's lowered ZB-V list at $p = 4$, $m = 8$ holds 96 sends. How many would its lowered
+#     interleaved 1F1B list ($v = 2$) hold at the same $p$ and $m$, and why more?
 #
 # <details><summary>Answers</summary>
 #
@@ -801,6 +1054,8 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 #    is above the clip (or a gradient is inf or NaN), every stage rolls back and redoes the step
 #    with the clipped gradients, or skips it. In stable training that rarely happens, while the
 #    synchronisation it replaces would idle the stagger on every step.
+# 10. $2 \cdot 8 \cdot 7 = 112$: a micro-batch crosses $pv - 1 = 7$ stage boundaries each way and
+#     in the loop placement every one of them is between two ranks; the V keeps its turn on one rank.
 # </details>
 #
 # ## References
@@ -830,13 +1085,18 @@ print(f"forward of one micro-batch on a {layers // p}-layer stage at 400 TFLOP/s
 # * Dubey et al. (2024), *The Llama 3 Herd of Models*, §3.3.2: 4D parallelism, the [TP, CP, PP, DP]
 #   order, a pipeline schedule with a flexible number of micro-batches, and one layer fewer on
 #   the first and the last stage.
+# * PyTorch, `torch.distributed.pipelining` (documentation, and `schedules.py` and
+#   `_schedule_visualizer.py` in torch 2.13): `pipeline_order`, `get_schedule_ops`, the lowering
+#   passes `_add_unshard_reshard`, `_add_reduce_grad` and `_add_send_recv`; `ScheduleZBVZeroBubble`
+#   after Qi et al. (2023, §6), `ScheduleDualPipeV` after DeepSeek's `dualpipev.py` (pytorch/pytorch
+#   pull request 159591).
+# * DeepSeek-AI (2025), DualPipe repository (github.com/deepseek-ai/DualPipe), `dualpipe/dualpipev.py`:
+#   DualPipeV's eight phases, which torch's schedule follows.
 #
 # Further reading:
 #
-# * The PyTorch documentation of `torch.distributed.pipelining`: stages and schedules, including
-#   the zero-bubble ones.
 # * Qi et al. (2024), as above, §3-4: schedules as a repeated building block, and memory below 1F1B's.
-# * DeepSeek-AI's open-source DualPipe repository: DualPipe and DualPipeV side by side.
+# * DeepSeek-AI's DualPipe repository, as above: DualPipe and DualPipeV side by side.
 #
 # Next: write the 1F1B schedule yourself, and a variant under a memory cap per rank, in
 # `exercises/ex06_pipeline_schedule.ipynb`. Having written it, compare with the library's

@@ -120,13 +120,19 @@ def traced_order(schedule: str, p: int, m: int) -> list[list]:
         raise RuntimeError(reason)
     from torch.distributed.pipelining.schedules import get_schedule_class
 
+    import torch
+
     out = []
     for rank in range(p):
         stage = _RecordingStage(rank, p)
-        sched = get_schedule_class(TORCH_NAMES[schedule])(stage, m)
-        # as if shapes were already inferred (no loss_fn: _has_backward is False, so nothing to set up)
-        sched._stage_forward_initialized, sched._stage_backward_initialized = True, sched._has_backward
-        sched._step_microbatches()
+        try:
+            sched = get_schedule_class(TORCH_NAMES[schedule])(stage, m)
+            # as if shapes were already inferred (no loss_fn: _has_backward is False, so nothing to set up)
+            sched._stage_forward_initialized, sched._stage_backward_initialized = True, sched._has_backward
+            sched._step_microbatches()
+        except (AttributeError, TypeError) as e:  # another torch's loop needs more of a stage
+            raise RuntimeError(f"torch {torch.__version__}'s Schedule{TORCH_NAMES[schedule]} loop does not run on "
+                               f"a recording stage ({e}).") from e
         out.append(stage.ran)
     return out
 
