@@ -1,6 +1,7 @@
-"""One per-parameter ZeRO-3 step measured three ways (course_lib.measure.torch_memtracker, notebook 08):
-the formula, the course's own measurement and torch's MemTracker agree byte for byte on parameters and
-gradients, and differ on optimizer state and activations by exactly the parts the notebook names."""
+"""One per-parameter ZeRO-3 step measured side by side (course_lib.measure.torch_memtracker, notebook 08):
+the formula, the course's own measurement, torch's MemTracker on the course's model and FSDPMemTracker
+on torch's FSDP2 agree byte for byte on parameters and gradients, and differ on optimizer state and
+activations by exactly the parts the notebook names."""
 
 import sys
 
@@ -34,6 +35,12 @@ def check_columns(rows):
         assert m["activations"] == c["activations"] + parts["gathered after forward"] + parts["loss"]
         assert r["other"] > 0  # the batch, registered with track_external
         assert r["peak"] >= sum(m[k] for k in ("params", "activations"))  # the peak is a maximum over the step
+        t = r["fsdp2"]  # torch's FSDP2 under FSDPMemTracker
+        assert t["params"] == f["params"] and t["grads"] == f["grads"]  # padded storages, every rank
+        assert t["optimizer"] == 2 * t["local"] + parts["step counters"]  # m, v of the unpadded rows
+        assert t["activations"] == c["activations"] + parts["loss"]
+        assert t["gathered after forward"] == parts["gathered after forward (formula)"]
+        assert t["inputs"] > 0
 
 
 @needs_api
@@ -42,8 +49,10 @@ def test_three_columns_agree(world_size):
     rows = memory_three_ways(config(), world_size, 8, **RUN)
     assert [r["rank"] for r in rows] == list(range(world_size))
     check_columns(rows)
-    first = {k: v for k, v in rows[0].items() if k != "rank"}
-    assert all({k: v for k, v in r.items() if k != "rank"} == first for r in rows)  # padded shards: same bytes
+    first = {k: v for k, v in rows[0].items() if k not in ("rank", "fsdp2")}
+    assert all({k: v for k, v in r.items() if k not in ("rank", "fsdp2")} == first for r in rows)  # padded: same
+    assert rows[0]["fsdp2"]["local"] == rows[0]["formula"]["params"]  # rank 0's chunks are full: c rows each
+    assert rows[-1]["fsdp2"]["local"] < rows[-1]["formula"]["params"]  # the last rank's are short (unpadded)
     text = format_three_ways(rows[0])
     assert "MemTracker" in text and f"{rows[0]['memtracker']['activations']:,}" in text
 
@@ -54,7 +63,8 @@ def test_a_wrong_column_fails():
     rows = memory_three_ways(config(), 2, 4, **RUN)
     check_columns(rows)
     for col, k in (("formula", "params"), ("course", "grads"), ("memtracker", "optimizer"),
-                   ("memtracker", "activations")):
+                   ("memtracker", "activations"), ("fsdp2", "params"), ("fsdp2", "optimizer"),
+                   ("fsdp2", "gathered after forward")):
         broken = [dict(r, **{col: dict(r[col], **{k: r[col][k] + 4})}) for r in rows]
         with pytest.raises(AssertionError):
             check_columns(broken)
@@ -73,9 +83,13 @@ def test_bad_batch_refused_before_ranks():
 
 def test_missing_api_is_one_sentence(monkeypatch):
     """On a torch without the private module the reason is one sentence, and the functions raise it."""
+    saved = sys.modules.get("torch.distributed._tools.mem_tracker")
     monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)  # import fails
     why = memtracker_missing()
     assert why is not None and "MemTracker" in why and why.endswith(".") and "\n" not in why
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", saved)
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.fsdp2_mem_tracker", None)
+    assert "FSDPMemTracker" in memtracker_missing()
     with pytest.raises(RuntimeError, match="MemTracker"):
         memory_three_ways(config(), 2, 4, **RUN)
 
@@ -91,3 +105,5 @@ def test_reshard_after_forward_false_moves_only_activation():
     assert kept["course"] == freed["course"] and kept["formula"] == freed["formula"]
     blocks = kept["parts"]["gathered after forward"] - freed["parts"]["gathered after forward"]
     assert blocks > 0 and kept["memtracker"]["activations"] - freed["memtracker"]["activations"] == blocks
+    fsdp2 = kept["fsdp2"]["gathered after forward"] - freed["fsdp2"]["gathered after forward"]
+    assert fsdp2 == blocks and kept["fsdp2"]["activations"] == freed["fsdp2"]["activations"]

@@ -398,9 +398,11 @@ print("FSDP2 per step:         ", {op: v["calls"] // TRAIN.steps for op, v in bo
 # zero rows, so the parameter it trains is the very tensor the all-gather sends. **FSDP2's**
 # parameter is an unpadded slice with `torch.chunk(dim=0)` semantics ($c$ rows on the first
 # ranks, whatever is left on the last, possibly none): `p.to_local()` shows only real rows. The
-# all-gather still needs equal pieces, so FSDP2 keeps a second, padded copy-in buffer of $c$
-# rows per rank inside its own code (PyTorch's `fully_shard` documentation: FSDP2 splits every
-# parameter along dim 0 with `torch.chunk`). Below, the same model goes through both.
+# all-gather still needs equal pieces, so FSDP2 allocates $c$ rows on every rank and hands out a
+# view of the real ones: the zero rows sit in the same storage, past the end of the view
+# (PyTorch's `fully_shard` documentation: FSDP2 splits every parameter along dim 0 with
+# `torch.chunk`; the storage is measured at the end of this section). Below, the same model goes
+# through both.
 #
 # `apply_zero(model, 3, torch.optim.AdamW, sharding="per_param", policy=...)` builds it. The
 # policy chooses the units: `"block"` (each block, plus a root unit), `"whole"`, or module
@@ -469,7 +471,7 @@ for r in range(N):  # FSDP2 shards every parameter, unpadded: rank r's rows of t
 # is now per tensor, not per unit: a few more zeros, the price of keeping tensors whole. FSDP2
 # cuts the same rows, but its last rank's parameters hold only real rows: (22, 64) for
 # `tok_emb.weight`, 31 rows of the MLP's 127. The zeros that pad them to 25 and 32 rows for the
-# all-gather sit in FSDP2's internal buffer, not in the parameter. (FSDP2, wrapping whole
+# all-gather sit in the same storage, outside the view the parameter shows. (FSDP2, wrapping whole
 # blocks, also shards the LayerNorms, which the policy here keeps replicated.) Both designs are
 # the same $\texttt{Shard(0)}$ layout; they differ only in whether the padding is part of the
 # parameter the optimizer sees.
@@ -649,75 +651,91 @@ for label, run, kw in (("True", True, {}), ("False", False, {"reshard_after_forw
 # `get_tracker_snapshot()` returns `{device: {category: bytes}}` now, and
 # `get_tracker_snapshot("peak")` the split at the moment the tracked total was largest;
 # `display_snapshot("peak", units="MiB")` prints it (its KiB, MiB and GiB are powers of 2, as the
-# course's).
+# course's). Its sibling `FSDPMemTracker` (`torch.distributed._tools.fsdp2_mem_tracker`) accepts
+# only modules wrapped by torch's own `fully_shard`: it hooks FSDP2's gathers and reductions and
+# files their tensors under FSDP's own names ("Sharded Param", "Unsharded Param", "Sharded
+# Grad", "All Gather", ...).
 #
 # `memory_three_ways` runs one step of this section's per-parameter stage 3 (policy "block",
 # AdamW, fp32, 3 sequences per rank) with MemTracker around it on every rank, and in the same
 # step the course's own measurement (`measure_state_bytes`, and notebook 01's saved-tensor hooks
 # with the model state left out), beside the formulas (`per_param_memory`, notebook 01's
-# `activation_bytes`).
+# `activation_bytes`). Then the same step with torch's FSDP2 (section 7's `fsdp2_model`) under
+# `FSDPMemTracker`, as a fourth column.
 #
-# **Predict:** will MemTracker's parameter and gradient bytes equal the course's exactly? For the
-# optimizer state, and for "Activation" right after forward, does it report more or less than
-# the course counts (AdamW's m and v; the tensors saved for backward), and why?
+# **Predict:** (1) Will MemTracker's parameter and gradient bytes equal the course's exactly? For
+# the optimizer state, and for "Activation" right after forward, will it report more or less
+# than the course counts (AdamW's m and v; the tensors saved for backward), and why? (2) On the
+# last rank, whose FSDP2 parameters have fewer rows (`p.to_local()`, above), will
+# `FSDPMemTracker`'s parameter bytes be below the formula's?
 #
 # <details><summary>Answer</summary>
 #
-# Parameters and gradients: exactly, they are the same tensors (the local shards and their
+# (1) Parameters and gradients: exactly, they are the same tensors (the local shards and their
 # gradients). Optimizer state: a little more. AdamW also keeps a step counter per parameter, a
 # 0-dim fp32 tensor, which MemTracker counts and the course leaves out (it is not per-element
 # state). Activations: more. MemTracker calls "Activation" everything forward made that is still
 # alive, whatever holds it: besides the saved tensors, the root unit's gathered weights (kept
 # until the end of backward, section 6) and the loss itself.
+#
+# (2) No: equal. A tracker counts storages, not tensors, and FSDP2's short parameter is a view
+# into a storage of $c$ padded rows (torch's `FSDPParam` allocates the padded shard and narrows
+# it). Only AdamW's m and v, made with the parameter's shape, are shorter there.
 # </details>
 
 # %%
-why = memtracker_missing()  # None on this torch; one sentence on a torch without the private API
+why = memtracker_missing()  # None on this torch; one sentence on a torch without the private APIs
 if why is not None:
     print(why)
 else:
     three = memory_three_ways(CONFIG, N, TRAIN.batch_size, **RANKS)
-    print(format_three_ways(three[0]))
+    last = three[N - 1]
+    print(format_three_ways(last))
     n_tensors = len(list(GPT(CONFIG).parameters()))
-    f, c, m, parts = three[0]["formula"], three[0]["course"], three[0]["memtracker"], three[0]["parts"]
-    print(f"optimizer state: MemTracker - course = {m['optimizer'] - c['optimizer']:,} bytes: AdamW's step counters, "
-          f"4 bytes for each of the {n_tensors} parameter tensors")
-    print(f"activations: course - formula = {c['activations'] - f['activations']} bytes: the total weight the "
+    f, c, m, t, parts = last["formula"], last["course"], last["memtracker"], last["fsdp2"], last["parts"]
+    print(f"optimizer state: MemTracker - course = {m['optimizer'] - c['optimizer']:,} bytes, AdamW's step counters "
+          f"(4 bytes for each of the {n_tensors} parameter tensors); FSDP2: m and v of its {t['local']:,} bytes of "
+          f"unpadded rows, 2 x {t['local']:,} + {parts['step counters']} = {t['optimizer']:,}")
+    print(f"activations: course - formula = {c['activations'] - f['activations']} bytes, the total weight the "
           f"cross-entropy saves to divide by (0-dim fp32)")
-    print(f"activations: MemTracker - course = {m['activations'] - c['activations']:,} bytes: the root unit's gathered "
-          f"weights {parts['gathered after forward']:,} (formula {parts['gathered after forward (formula)']:,}) "
-          f"+ the loss {parts['loss']}")
-    phase = "in backward (Temp > 0)" if three[0]["peak_split"].get("Temp", 0) else "outside backward"
-    print(f"MemTracker's peak on rank 0: {three[0]['peak']:,} bytes, {phase}: "
-          + ", ".join(f"{k} {v:,}" for k, v in three[0]["peak_split"].items()))
+    print(f"activations: MemTracker - course = {m['activations'] - c['activations']:,} bytes, the root unit's "
+          f"gathered weights {parts['gathered after forward']:,} + the loss {parts['loss']}; "
+          f"FSDPMemTracker - course = {t['activations'] - c['activations']} bytes, the loss")
+    phase = "in backward (Temp > 0)" if last["peak_split"].get("Temp", 0) else "outside backward"
+    print(f"MemTracker's peak on rank {N - 1}: {last['peak']:,} bytes, {phase}: "
+          + ", ".join(f"{k} {v:,}" for k, v in last["peak_split"].items()))
     for r in three:  # every rank, byte for byte
-        f, c, m, parts = r["formula"], r["course"], r["memtracker"], r["parts"]
+        f, c, m, t, parts = r["formula"], r["course"], r["memtracker"], r["fsdp2"], r["parts"]
         assert all(f[k] == c[k] for k in ("params", "grads", "optimizer"))
-        assert m["params"] == c["params"] and m["grads"] == c["grads"]
+        assert m["params"] == c["params"] == t["params"] and m["grads"] == c["grads"] == t["grads"]
         assert m["optimizer"] - c["optimizer"] == parts["step counters"] == 4 * n_tensors
+        assert t["optimizer"] == 2 * t["local"] + parts["step counters"]
         assert c["activations"] - f["activations"] == parts["loss total weight"] == 4
-        assert parts["gathered after forward"] == parts["gathered after forward (formula)"]
+        assert parts["gathered after forward"] == parts["gathered after forward (formula)"] == t["gathered after forward"]
         assert m["activations"] - c["activations"] == parts["gathered after forward"] + parts["loss"]
+        assert t["activations"] - c["activations"] == parts["loss"]
         assert r["peak"] >= m["params"] + m["activations"]  # a maximum over the step includes the end of forward
+    assert three[0]["fsdp2"]["local"] == three[0]["formula"]["params"] > last["fsdp2"]["local"]
 
 # %% [markdown]
-# Parameters and gradients agree in all three columns to the byte, on every rank, and the other
+# Parameters and gradients agree in all four columns to the byte, on every rank, and the other
 # two rows differ by exactly the parts printed under the table, each measured in the same step.
 # The activation row is the lesson: MemTracker files a storage by *when* it was made, not by
 # *why* it is alive, so a weight ZeRO-3 gathers in forward is, for it, an activation. The
 # formula and the course count what autograd needs for backward, which is what recomputation
 # (notebook 04) can trade away; the gathered root is model state that stage 3 chose to keep.
-# torch's `FSDPMemTracker` (`torch.distributed._tools.fsdp2_mem_tracker`) exists for this
-# reason: it accepts only modules wrapped by torch's own `fully_shard`, hooks FSDP2's gather
-# and reduce, and files their tensors as "Unsharded Param", "All Gather" and "Reduce Scatter"
-# instead.
+# `FSDPMemTracker` knows FSDP2's hooks, so its "Activation" is the course's saved tensors plus
+# the loss, and the gathered root appears as "Unsharded Param", the formula's
+# `gathered_after_forward`. And it corrects a reading of section 8: FSDP2's last rank shows
+# fewer rows, but its parameter storages hold the padded $c$ rows, as the course's do; the zeros
+# the all-gather needs sit in the parameter's own storage, past the rows it shows.
 #
-# What MemTracker gives that the course's counters do not: it needs no knowledge of the
-# strategy, it keeps a snapshot per module before and after each forward and backward
-# (`display_modulewise_snapshots(depth=2, units="MiB")`), and a peak over the whole step. Its
-# peak is taken after each operator it sees, so a temporary made and freed inside one C++
-# kernel escapes it (on a GPU, `torch.cuda.max_memory_allocated` sees those). And on a GPU it
-# rounds every storage up to 512 bytes, the caching allocator's smallest block, so its columns
+# What the trackers give that the course's counters do not: they need no knowledge of the
+# strategy, they keep a snapshot per module before and after each forward and backward
+# (`display_modulewise_snapshots(depth=2, units="MiB")`), and a peak over the whole step. The
+# peak is taken after each operator they see, so a temporary made and freed inside one C++
+# kernel escapes it (on a GPU, `torch.cuda.max_memory_allocated` sees those). And on a GPU they
+# round every storage up to 512 bytes, the caching allocator's smallest block, so their columns
 # there exceed numel times element size.
 
 # %% [markdown]
@@ -908,10 +926,13 @@ assert [smallest_dp(s) for s in (1, 2, 3)] == [None, None, 16]
 #   1.5x, in exchange for dividing everything by N; prefetching hides the gathers.
 # * The flat buffer is one design; FSDP2 shards each parameter on dim 0 and keeps its name, so
 #   optimizers, state dicts and tensor parallelism see real tensors. The course pads each
-#   parameter's shard to $\lceil d_0/N \rceil$ rows; FSDP2's shard is unpadded (`torch.chunk`)
-#   and the padding lives in its all-gather buffer. `reshard_after_forward`
+#   parameter's shard to $\lceil d_0/N \rceil$ rows; FSDP2's shard shows only real rows
+#   (`torch.chunk`), a view of a padded storage. `reshard_after_forward`
 #   trades backward all-gathers for memory; HSDP keeps the gathers inside a node and all-reduces
 #   only the reduced shards across nodes.
+# * PyTorch's MemTracker files each storage by when it was made, so on ZeRO-3 its "Activation"
+#   holds the gathered weights too; FSDPMemTracker names them for FSDP2. Both count storages,
+#   byte for byte the formula's shards, padding included.
 # * Offload trades GPU memory for $2S$ bytes each way over PCIe and a host-side Adam; it pays
 #   when the batch per GPU is large enough to hide them. The host and the NVMe drives are shared
 #   by a node's GPUs, so their cost falls with the number of nodes, not of GPUs.
@@ -948,8 +969,8 @@ assert [smallest_dp(s) for s in (1, 2, 3)] == [None, None, 16]
 #    backward, so the full model piles up, as in section 6's trace but without the drops.
 # 6. $c = \lceil 10/4 \rceil = 3$ rows, under the weight's own name: ranks 0-2 hold rows 0-8,
 #    rank 3 holds row 9. In the course's design every rank's shard is (3, 6), rank 3's with two
-#    zero rows of padding; FSDP2's rank 3 shows (1, 6) (`torch.chunk` semantics) and keeps the
-#    padding in its own all-gather buffer.
+#    zero rows of padding; FSDP2's rank 3 shows (1, 6) (`torch.chunk` semantics), a view of a
+#    storage of 3 rows whose last two are the padding.
 # 7. Only the all-reduce of its reduced shard, $P/8$, across the 4 replicas:
 #    $2 \cdot \frac34 \cdot \frac P8 = \frac{3}{16}P$. The all-gathers and the reduce-scatter
 #    stay inside the node.
