@@ -22,6 +22,8 @@
 # * write a layout's step time as compute + fixed overhead + recomputation + exposed
 #   communication + bubble, and name what each parallelism adds;
 # * calibrate that model on the machine at hand and judge how well it predicts, with numbers;
+# * check a layout larger than the machine (64 ranks) for what each rank holds and sends, in
+#   one process, against the planner's numbers;
 # * run the planner, read its explanation (binding constraint, biggest cost term) and its
 #   Pareto front of memory against time;
 # * profile a run into a Chrome/Perfetto trace, read a per-rank timeline from it, and compute MFU.
@@ -385,6 +387,99 @@ print(f"model state: estimated = measured on every rank of all {len(memory_rows)
 # autograd saves (tensor parallelism's vocabulary-parallel loss keeps one more small tensor);
 # the formula is a planning estimate, not a ledger of every temporary.
 #
+# ### A layout too large to run here: 64 ranks in one process
+#
+# Eight processes are as many as the notebooks here run, and the layouts the planner weighs for a
+# cluster span far more ranks: dp 8 x tp 8 of the course GPT already needs 64. Its per-rank
+# shapes and its collectives do not need 64 processes, though. PyTorch's `LocalTensorMode`
+# (`torch.distributed._local_tensor`, still private in torch 2.13: the tool you will meet at
+# work for this) runs a program for N ranks in one process: a tensor holds one local tensor per
+# simulated rank, every operation runs once per rank, and a collective on a fake process group
+# combines the ranks' tensors as the real collective would. It says nothing about time (every
+# operation runs N times, one after the other, in Python); it checks what each rank holds and
+# what it sends.
+#
+# `course_lib.measure.simulated_ranks.simulate_dp_tp` lays the model out on an (8, 8)
+# `DeviceMesh` (dp outer, tp inner, as `course_lib.dims` numbers ranks) with PyTorch's own tensor
+# parallelism: `parallelize_module` with qkv and fc `ColwiseParallel`, both projections
+# `RowwiseParallel`, the embedding split by vocabulary rows, the tied head `ColwiseParallel` and
+# the loss under `loss_parallel`: notebook 05's Megatron split, in DTensor's words. Each dp rank
+# reads its own rows of the batch; after forward and backward the gradients are averaged over dp
+# (two flat all-reduces, one per AdamW parameter group, as the course's runtime does) and clipped
+# to the global norm over all 64 ranks with the course's clip. torch's `CommDebugMode` counts the
+# collectives; a small recorder beside it notes each call's bytes. The planner prices the same
+# `ParallelDims(dp=8, tp=8)`.
+#
+# **Predict:** a model of 2 blocks and 8 heads, the course's 97-character vocabulary, one
+# sequence of 32 tokens per dp rank. How many tensor-parallel all-reduces does rank 0 make in
+# one step? Does every rank hold the same number of parameters?
+
+# %%
+import torch
+
+from course_lib.data import get_batch
+from course_lib.dims import groups
+from course_lib.measure.simulated_ranks import local_tensor_missing, one_process, planned, side_by_side, simulate_dp_tp
+from course_lib.tolerances import FIRST_GRAD_NORM_RTOL
+
+WIDE = GPTConfig(vocab_size=V, block_size=32, n_layer=2, n_head=8, d_model=64)  # tp = 8 needs 8 heads
+missing = local_tensor_missing()
+if missing:
+    print(missing)
+else:
+    batch = get_batch(CharDataset("train", 32), 8, torch.Generator().manual_seed(0))  # one row per dp rank
+    sim = simulate_dp_tp(WIDE, dp=8, tp=8, batch_size=8, data=batch)
+    plan64 = planned(WIDE, sim.dims, 8, 32)
+    assert sim.groups == {k: v for k, v in groups(sim.dims.sizes()).items() if k in ("dp", "tp")}
+    by_tp = {t: sim.params_per_rank[t] for t in range(8)}
+    assert all(sim.params_per_rank[r] == by_tp[r % 8] for r in range(64))  # every dp replica alike
+    print(f"{len(sim.params_per_rank)} simulated ranks; the mesh's dp and tp groups are course_lib.dims' groups")
+    print(f"parameters on tp ranks 0-7 (each dp replica alike): {', '.join(f'{n:,}' for n in by_tp.values())}")
+    print(f"planner, busiest rank: {plan64['params']:,} parameters = {plan64['param_bytes']:,} bytes in fp32 "
+          f"(simulated rank 0: {4 * sim.params_per_rank[0]:,})")
+    for name in ("tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.fc.weight",
+                 "blocks.0.ln1.weight"):
+        print(f"  {name:<26} rank 0 {str(sim.param_shapes[name][0]):<10} rank 7 {sim.param_shapes[name][7]}")
+    print(f"\n{'rank 0, one step':<17}{'calls sim / plan':>18}{'bytes handed in':>22}{'bytes sent (ring)':>24}")
+    rows = side_by_side(sim, plan64)
+    for r in rows:
+        print(f"{r['axis']:<5}{'+'.join(r['ops']):<12}{r['calls'][0]:>8} / {r['calls'][1]:<6}"
+              f"{r['bytes'][0]:>10,} / {r['bytes'][1]:<10,}{r['sent'][0]:>10,.0f} / {r['sent'][1]:,.0f}")
+    print("torch's CommDebugMode:", "; ".join(f"{k} {dict(v)}" for k, v in sim.torch_counts.items()))
+    loss1, norm1 = one_process(WIDE, batch, dp=8)
+    # fp32: the same sums in another order (tp's split matmuls, the all-reduces): the loss (~4.6,
+    # spacing 4.8e-7) within 1e-5; the gradient norm within tolerances.FIRST_GRAD_NORM_RTOL's 1e-4
+    same = abs(sim.loss - loss1) < 1e-5 and abs(sim.grad_norm - norm1) <= FIRST_GRAD_NORM_RTOL["fp32"] * norm1
+    print(f"rank 0's loss and the global gradient norm equal one process's on the same rows: {same}")
+    assert same and sim.params_per_rank[0] == plan64["params"] and 4 * sim.params_per_rank[0] == plan64["param_bytes"]
+    assert all(r["calls"][0] == r["calls"][1] and r["bytes"][0] == r["bytes"][1] and r["sent"][0] == r["sent"][1]
+               for r in rows)
+    assert [sum(v.values()) for v in sim.torch_counts.values()] == [len(sim.calls[k]) for k in sim.torch_counts]
+    # what the answer below says: 13 tp calls; 13 vocabulary rows on ranks 0-6, 6 on rank 7, 7 x 64 fewer parameters
+    assert len(sim.calls["tp"]) == 13 and len(sim.calls["dp"]) == 2 and len(set(by_tp.values())) == 2
+    assert sim.param_shapes["tok_emb.weight"][0] == (13, 64) and sim.param_shapes["tok_emb.weight"][7] == (6, 64)
+    assert by_tp[0] - by_tp[7] == (-(-V // 8) * 8 - V) * WIDE.d_model == 7 * 64
+
+# %% [markdown]
+# <details><summary>Answer</summary>
+#
+# Thirteen, the count the planner makes for one micro-batch: $4L = 8$ for the blocks (the
+# row-parallel projections' outputs in forward, the column-parallel layers' input gradients in
+# backward), 1 after the vocabulary-split embedding, 1 for the head's input gradient, and 3
+# small ones inside the vocabulary-parallel loss (maximum, sum of exponentials, target logit).
+# The data-parallel side makes two all-reduces whose bytes add up to the planner's: the planner
+# books all the bytes on the first and prices the second (norms and biases) at its latency.
+# The global norm is one all-reduce of 8 bytes over all 64 ranks.
+#
+# Not every rank holds the same number of parameters. The vocabulary does not divide by 8, and
+# DTensor splits an uneven dimension as `torch.chunk` does: 13 rows on ranks 0 to 6 and the 6
+# left on rank 7. The course pads the vocabulary to 104 rows, 13 on every rank, so the planner,
+# which prices the busiest rank, agrees with rank 0 to the byte; rank 7 holds 7 rows of 64
+# fewer (the cell computes the difference). Everything else (the column- and row-parallel
+# blocks, the whole biases of the row-parallel layers, the replicated norms and positions) is
+# the same split on both sides.
+# </details>
+#
 # ## 5. The search
 #
 # `plan(config, cluster, global_batch, seq)` enumerates every layout on all devices: $tp$
@@ -604,6 +699,8 @@ assert "memory does not bind" in narrow.explain() and "binding constraint: memor
 #   trusting its ranking; here it took fixed costs, call counts, a measured table and the
 #   shared cores to get the ordering right.
 # * MFU counts model FLOPs only; compare runs with it, not with hardware FLOPs.
+# * A layout too large for the machine can still be checked rank by rank in one process
+#   (`LocalTensorMode`): its shapes and collectives, not its time.
 #
 # ## Self-check
 #
@@ -632,6 +729,9 @@ assert "memory does not bind" in narrow.explain() and "binding constraint: memor
 #
 # ## References
 #
+# * Shoeybi et al. (2019). *Megatron-LM: training multi-billion parameter language models
+#   using model parallelism.* The tensor-parallel split (column- then row-parallel layers, the
+#   vocabulary-parallel embedding) that section 4's simulated 64 ranks lay out with DTensor.
 # * Williams, Waterman and Patterson (2009). *Roofline: an insightful visual performance model
 #   for multicore architectures.* Communications of the ACM. (Section 1.)
 # * Narayanan et al. (2021). *Efficient large-scale language model training on GPU clusters
@@ -648,11 +748,14 @@ assert "memory does not bind" in narrow.explain() and "binding constraint: memor
 # * Chowdhery et al. (2022). *PaLM: scaling language modeling with pathways.* The definition of
 #   MFU that section 8 uses.
 #
-# Further reading: the Megatron-LM README's performance tables and GPT-3 175B example (the
-# layout of section 2); the Hugging Face *Ultra-Scale Playbook* (Tazi et al. 2025), which
-# reports thousands of measured layouts of the same kind; and Isaev et al. (2023), *Calculon: a
-# methodology and tool for high-level codesign of systems and large language models* (SC23),
-# a step-time model like this one, taken further.
+# Further reading: PyTorch's DTensor and tensor-parallel documentation (`parallelize_module`,
+# `ColwiseParallel`, `RowwiseParallel`, `loss_parallel`, `CommDebugMode`) and the docstring of
+# `torch/distributed/_local_tensor` (`LocalTensorMode`, private in torch 2.13); the Megatron-LM
+# README's performance tables and GPT-3 175B example (the layout of section 2); the Hugging
+# Face *Ultra-Scale Playbook* (Tazi et al. 2025), which reports thousands of measured layouts
+# of the same kind; and Isaev et al. (2023), *Calculon: a methodology and tool for high-level
+# codesign of systems and large language models* (SC23), a step-time model like this one,
+# taken further.
 #
 # **Next:** exercise 11 (`exercises/ex11_step_time.ipynb`): write the step-time model of a
 # dp x tp x pp layout yourself, including the two terms that need a derivation: the
