@@ -8,6 +8,7 @@ measurement, PyTorch's MemTracker on the course's model, and FSDPMemTracker on t
     memory_three_ways(config, world_size, batch_size, seed, reshard_after_forward, **run_kwargs)
                                                   parent: both, one run_on_ranks call, every rank
     format_three_ways(row)                        one rank's table as text
+    unit_shapes(model)                            policy "block"'s units, as per_param_memory takes them
 
 The step: GPT(config, seed) under per-parameter stage 3 (the course's apply_zero(..., 3,
 sharding="per_param"), policy "block"; FSDP2: fully_shard on every block, then the root), AdamW in
@@ -54,6 +55,7 @@ them, and the functions raise RuntimeError with that sentence.
 from __future__ import annotations
 
 import gc
+import importlib
 import warnings
 
 import torch
@@ -70,7 +72,6 @@ from course_lib.parallel.zero.training import default_optimizer_kwargs
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import StepHooks, TrainConfig, share_rows, train_step
-from course_lib.units import fmt_bytes
 
 ROWS = ("params", "grads", "optimizer", "activations")  # the table's rows, every column
 LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
@@ -85,8 +86,6 @@ APIS = (("mem_tracker", "MemTracker", ("track_external", "get_tracker_snapshot")
 def memtracker_missing() -> str | None:
     """None when this torch has MemTracker and FSDPMemTracker with the calls used here; else one
     sentence saying why not."""
-    import importlib
-
     for module, name, calls in APIS:
         where = f"torch.distributed._tools.{module}.{name}"
         try:
