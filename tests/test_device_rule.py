@@ -225,3 +225,21 @@ def test_the_environment_variable_turns_the_rule_on_for_every_rank_call():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           cwd=pathlib.Path(__file__).parents[1], env={**os.environ, "COURSE_DEVICE_RULE": "1"})
     assert proc.returncode != 0 and "DeviceRuleError" in proc.stderr and "all_reduce was handed tensor" in proc.stderr
+
+
+def _traced():
+    from course_lib.observe.tracer import CommTracer
+
+    t = torch.ones(4, device=rank_device())
+    with CommTracer() as tracer:
+        dist.all_reduce(t)
+        dist.all_gather_into_tensor(torch.empty(8, device=rank_device()), t)
+    return tracer.summary()
+
+
+def test_the_rule_leaves_the_tracers_counts_alone():
+    """torch hands a collective to the rule's tensor tracker by its patched module-level name; the
+    collective checks' own fingerprint exchange was counted as two all_gather_single calls so."""
+    plain = run_on_ranks(_traced, world_size=2, timeout_s=60)
+    assert run_on_ranks(under_rule(_traced, rank_device), world_size=2, timeout_s=60) == plain
+    assert set(plain[0]) == {"all_reduce", "all_gather_into_tensor"}

@@ -38,6 +38,7 @@ from course_lib.parallel.tp import (
 )
 from course_lib.parallel.tp.costs import layer_communication, step_communication
 from course_lib.parallel.tp.training import run_tensor_parallel, train_tensor_parallel
+from course_lib.runtime.device import rank_device
 from course_lib.train import TrainConfig, flat_grads, flat_params, train_reference
 
 from _tolerances import (FP32_SUM_RTOL, adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw,
@@ -166,8 +167,8 @@ def test_qkv_rows_give_whole_heads_of_q_k_and_v():
 
 def _layers(sp):
     torch.manual_seed(0)  # same full layers and input on every rank
-    fc, proj = nn.Linear(8, 12), nn.Linear(12, 8)
-    x = torch.randn(2, 4, 8, requires_grad=True)
+    fc, proj = nn.Linear(8, 12).to(rank_device()), nn.Linear(12, 8).to(rank_device())
+    x = torch.randn(2, 4, 8, requires_grad=True, device=rank_device())  # the device rule (COURSE_DEVICE_RULE=1)
     ref = proj(torch.relu(fc(x)))
     ref.sum().backward()
     col, row = ColumnParallelLinear.from_linear(fc, None, sp), RowParallelLinear.from_linear(proj, None, sp)

@@ -83,8 +83,14 @@ class _Tracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name in patching.PATCHABLE_OPS and getattr(func, "__module__", "").startswith("torch.distributed"):
+            # torch hands a collective to the mode by its module-level name, which is the patched
+            # one: calling it would run the observers' layers a second time (a tracer would count
+            # the collective checks' own exchange). The call already went through them, or was
+            # made on torch's own function on purpose.
+            return (patching.real(name) or func)(*args, **kwargs)
+        out = func(*args, **kwargs)
         if name in ("__set__", "__setitem__") or not any(True for _ in _tensors(out)):
             return out  # in-place writes: the tensor keeps its own mark
         if name == "__get__":  # t.T, t.data, p.grad: where t is
