@@ -14,6 +14,7 @@ flowing through them by a schedule.
     training.py   train_pipeline / run_pipeline: the reference loop, pipelined
     bubble.py     the bubble formulas and the bubble measured from a run's timeline
     native.py     the same stages under torch.distributed.pipelining
+    torch_order.py  torch's own action lists (pipeline_order, the lowered form) read without running, beside ours
 """
 
 # this axis's per-step collectives: the records notebook 10's bytes and notebook 11's step time read
