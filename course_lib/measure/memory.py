@@ -26,9 +26,9 @@ flat buffer's padding is not a parameter; the engine's gradient shards and maste
                        (stage.last_peak_activation_bytes); else course_lib.observe.memory's
                        SavedActivations around one micro-batch's forward
 
-The estimate of rank r is per_gpu_memory(..., stage=s) for its pipeline stage
-s = r // (dp * ep * tp) (mesh order pp, dp, ep, tp), in fp32. The GPipe schedule keeps all m
-micro-batches of a stage in flight, 1F1B pp - s; the estimate scales per_gpu_memory's 1F1B
+The estimate of rank r is gpu_memory(dims, shape, ..., stage=s) for its pipeline stage
+s = coordinates(r, dims.sizes())["pp"] (the mesh geometry), in fp32. The GPipe schedule keeps all m
+micro-batches of a stage in flight, 1F1B pp - s; the estimate scales gpu_memory's 1F1B
 activations by m / (pp - s) for GPipe.
 
 What matches (tests/test_memory_layouts.py): params, grads and optimizer bytes equal on every
@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import CharDataset, get_batch
-from course_lib.estimate.per_gpu import per_gpu_memory
-from course_lib.dims import ParallelDims
+from course_lib.dims import ParallelDims, coordinates
+from course_lib.estimate.params import model_shape
+from course_lib.estimate.per_gpu import gpu_memory
 from course_lib.estimate.step_time import check_layout
 from course_lib.model import GPT
 from course_lib.observe.memory import SavedActivations
@@ -135,14 +136,13 @@ def layout_memory_bytes(config, dims: ParallelDims, batch_size: int, seq: int | 
 def estimated_per_rank(config, dims: ParallelDims, batch_size: int, seq: int | None = None) -> list[dict]:
     """The estimator's fp32 bytes of every rank, in rank order (module docstring)."""
     seq, micro_batch = check_layout(config, dims, batch_size, seq)
-    L = dims
+    shape, sizes = model_shape(config), dims.sizes()
     out = []
-    for rank in range(L.world_size):
-        s = rank // (L.dp * L.ep * L.tp)
-        mem = per_gpu_memory(config, micro_batch, seq, "fp32", L.zero, L.dp, L.tp, L.pp, L.ep, L.recompute,
-                             sequence_parallel=L.sequence_parallel, stage=s)
-        if L.pp > 1 and L.schedule == "gpipe":
-            mem["activations"] = mem["activations"] * L.microbatches // (L.pp - s)
+    for rank in range(dims.world_size):
+        s = coordinates(rank, sizes)["pp"]
+        mem = gpu_memory(dims, shape, micro_batch, seq, "fp32", stage=s)
+        if dims.pp > 1 and dims.schedule == "gpipe":
+            mem["activations"] = mem["activations"] * dims.microbatches // (dims.pp - s)
         mem["total"] = sum(mem[k] for k in STATE) + mem["activations"]
         out.append({k: mem[k] for k in (*STATE, "activations", "total")} | {"rank": rank, "stage": s})
     return out
