@@ -156,8 +156,24 @@ BROWSER_ARTIFACTS ?= build/browser-artifacts
 test-browser: browser-deps
 	@rm -rf $(BROWSER_ARTIFACTS)
 	COURSE_BROWSER_TEST=1 COURSE_BROWSER_ARTIFACTS=$(BROWSER_ARTIFACTS) timeout -k 30 1800 \
-		$(PY) -m pytest -p no:cacheprovider -q --durations=12 -o timeout=480 tests/browser
+		$(PY) -m pytest -p no:cacheprovider -q --durations=12 -o timeout=480 tests/browser \
+		--ignore=tests/browser/test_site.py
 
-# Standalone HTML of every notebook, readable offline (widgets as their static figures): build/html/.
-html: $(STAMP)
-	$(PY) tools/export_html.py --out build/html
+# The course as a website (tools/site/): every notebook and exercise a page in the map's order, from
+# the committed notebooks (nothing executed), with their figures, a table of contents, search and
+# MathJax shipped in the site, so it reads offline: open build/site/index.html. site-deps installs
+# Sphinx, myst-nb, the theme and MathJax (the `site` extra) into .venv when they are missing.
+# `make html` is the same thing (it used to export each notebook to standalone HTML).
+SITE ?= build/site
+.PHONY: site-deps site test-site
+site-deps: $(STAMP)
+	@$(PY) -c "import sphinx, myst_nb, sphinx_book_theme, mathjax" 2>/dev/null || $(PIP) -e ".[dev,site]"
+site html: site-deps
+	$(PY) tools/site/build.py --out $(SITE)
+
+# The built site in headless Chromium with every network request refused (tests/browser/test_site.py):
+# each page loads without console errors, its formulas typeset by the shipped MathJax, its stored
+# figures there, no widget repr, every internal link resolving; search finds "ring all-reduce".
+test-site: site browser-deps
+	COURSE_BROWSER_TEST=1 COURSE_SITE=$(SITE) COURSE_BROWSER_ARTIFACTS=$(BROWSER_ARTIFACTS) timeout -k 30 600 \
+		$(PY) -m pytest -p no:cacheprovider -q --durations=5 -o timeout=120 tests/browser/test_site.py

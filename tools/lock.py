@@ -9,7 +9,7 @@ runs the suite against the newest releases instead; when it is green, take its v
     python tools/lock.py              # re-resolve for every Python found, write constraints.txt
 
 How: the interpreter running this script (the one the suite ran on) and each other Python found
-(3.10 to 3.13: the pyenv versions, or python3.X on PATH) resolves pyproject.toml's dependencies, its `dev` and `browser` extras and torch's own
+(3.10 to 3.13: the pyenv versions, or python3.X on PATH) resolves pyproject.toml's dependencies, its `dev`, `browser` and `site` extras and torch's own
 dependencies with `pip install --dry-run --report` (nothing is installed); the other Pythons
 keep the tested versions wherever those install there. Versions every
 interpreter agrees on are written plainly; the others get a `python_version` marker per Python.
@@ -49,7 +49,7 @@ def normalise(name: str) -> str:
 def requirements() -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = [r for r in project["dependencies"] if normalise(re.split(r"[<>=!~ ;\[]", r)[0]) != "torch"]
-    for extra in ("dev", "browser"):
+    for extra in ("dev", "browser", "site"):
         reqs += project["optional-dependencies"][extra]
     return reqs + list(TORCH_DEPS)
 
