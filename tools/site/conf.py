@@ -41,6 +41,7 @@ html_context = {"default_mode": "auto"}
 html_static_path = [os.path.join(os.environ["COURSE_SITE_SRC"], "_static")]
 html_css_files = ["course.css"]
 html_show_sourcelink = False
+html_use_index = False  # no general index page: the course defines no index entries
 # Search lists the pages that match; it does not fetch each page for a snippet, which a browser
 # refuses for a site opened from disk (file://) and would log as an error per result.
 html_show_search_summary = False
