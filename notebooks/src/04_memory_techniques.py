@@ -866,7 +866,7 @@ print(format_gpu_table(gpu_measurement()))
 # [4X, 8X): an amax above 6X saturates to 6, and one just above 4X wastes the top of the grid. A
 # power of two cannot put the amax on 6; an e4m3 scale can, up to e4m3's rounding (3 mantissa
 # bits). NVFP4's fp32 tensor scale $g$ maps the largest block scale onto 448, e4m3's max, so
-# that the block scales of a tensor of any size fit e4m3's range. `quantize(x, "mxfp4", "mx32")`
+# that the block scales fit e4m3's range whatever the tensor's magnitude. `quantize(x, "mxfp4", "mx32")`
 # and `quantize(x, "nvfp4", "nv16")` return the e2m1 values (as float32 on this CPU) and the scales.
 
 # %%
@@ -1074,9 +1074,8 @@ assert rht_err["nvfp4"][1] > rht_err["nvfp4"][0]  # NVFP4's e4m3 scales fit each
 # %% [markdown]
 # The transform spreads the spikes, and MXFP4, whose power-of-two scale wastes up to half of the
 # grid on a block with a spike, gains. NVFP4's own scale already fits each 16-element block,
-# and its error *rises*: the mixed block is denser, and fewer of its elements sit near the
-# amax that e4m3 puts exactly on 6. So the element error is not where the transform pays for
-# NVFP4. NVIDIA (2025) applies it to the weight-gradient inputs only and judges each of the
+# and on this tensor its error rises instead: the element error is not where the transform
+# pays for NVFP4. NVIDIA (2025) applies it to the weight-gradient inputs only and judges each of the
 # four additions by training with and without it; one tensor's error is where such a choice
 # starts, not where it ends.
 
@@ -1557,7 +1556,7 @@ assert all(big > small for big, small in zip(values, values[1:]))  # each techni
 #   16 B/param; the speed is the GPU's.
 # * **FP4.** e2m1 has eight magnitudes (0 to 6, one mantissa bit), so every block carries a
 #   scale: MXFP4 a power of two per 32 elements, NVFP4 an e4m3 scale per 16 plus an fp32 scale per
-#   tensor, which puts each block's amax on 6. Ten times FP8's rounding error, and an outlier
+#   tensor, which puts each block's amax on 6. About ten times FP8's rounding error, and an outlier
 #   empties its block; the course GPT still trains for 30 steps. At scale NVIDIA (2025) added
 #   layers kept in bf16, 16×16 weight blocks, stochastic rounding of the gradients (unbiased)
 #   and random Hadamard transforms of the weight-gradient inputs (spreading a block's outliers).
