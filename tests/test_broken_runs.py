@@ -14,6 +14,7 @@ import pytest
 
 from course_lib.debugging import BUG_NAMES, BUGS, catalogue_table, check_bug, run_bug
 from course_lib.debugging import silent
+from course_lib.observe import nccl_rules
 from course_lib.observe.parity import UNIT_ROUNDOFF, loss_parity, parity_rtol
 from course_lib.runtime.pool import live_pools
 from course_lib.train import TrainResult
@@ -67,7 +68,10 @@ def test_the_rank_carrying_the_bug_can_be_chosen(tmp_path):
 
 def test_a_monitored_barrier_before_the_call_names_the_rank_that_skips_it():
     run = run_bug("skip_collective", timeout_s=60, probe_s=1.0)  # gloo's own barrier times out after 1 s
-    assert run.outcome == "error" and "Ranks 1 failed to pass monitoredBarrier" in run.error, str(run)
+    if nccl_rules.enabled_in_env():  # gloo-only: refused, as NCCL has no such call
+        assert run.outcome == "error" and "monitored_barrier is gloo-only" in run.error, str(run)
+    else:
+        assert run.outcome == "error" and "Ranks 1 failed to pass monitoredBarrier" in run.error, str(run)
 
 
 def test_the_collective_checks_turn_a_reordering_into_an_error_naming_both_calls():

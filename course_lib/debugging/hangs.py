@@ -126,6 +126,8 @@ def microbatches_below_stages(fixed: bool, bad_rank=None) -> dict:
             dist.recv(x, r - 1)
         x.requires_grad_(r > 0)
         inputs[j], outputs[j] = x, torch.tanh(layer(x))
+
+    def send_forward(j):
         if r < p - 1:
             sends.append(dist.isend(outputs[j].detach(), r + 1))
 
@@ -145,9 +147,11 @@ def microbatches_below_stages(fixed: bool, bad_rank=None) -> dict:
     drain = warmup if fixed else p - r - 1  # the bug: the drain assumes m >= p (then it equals the warm-up)
     for j in range(warmup):
         forward(j)
+        send_forward(j)
     for j in range(m - warmup):
         forward(warmup + j)
-        loss_sum += backward(j)
+        loss_sum += backward(j)  # its gradient arrives before this forward's output leaves: NCCL
+        send_forward(warmup + j)  # matches a pair's messages in issue order (two sends first: deadlock)
     for j in range(m - warmup, m - warmup + drain):
         loss_sum += backward(j)
     for s in sends:
