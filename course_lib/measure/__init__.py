@@ -6,6 +6,8 @@
                     course's own layouts
     validation.py   predicted against measured step times; train_as trains a layout with one trainer
     profile.py      any course training function on ranks under torch.profiler: one trace per rank
+    simulated_ranks.py  a dp x tp layout on 64 simulated ranks in one process (torch's LocalTensorMode):
+                    parameters and collectives per rank against the planner's
 
 This package sits above estimate/ (the formulas, which start no process) and parallel/ (the
 strategies it runs): it imports both, and neither imports it.

@@ -4,7 +4,7 @@
                     which DTensor's placements follow; the course's formula for one MLP step;
                     the mapping table (Megatron / DeepSpeed / FSDP names)
     hlo.py          the collectives the partitioner inserted, read from XLA's compiled HLO text
-    jax_program.py  the step in JAX (jit with shardings, and shard_map), run as its own process
+    jax_program.py  the step in JAX (jit with shardings, shard_map, and explicit sharding mode), run as its own process
     torch_side.py   the step on gloo ranks: the course's hand-written strategy (CommTracer) and
                     DTensor (CommDebugMode with bytes)
     run.py          run all three and compare: collectives against the formula, numbers against
