@@ -25,6 +25,9 @@
 # * hold your own strategy against the single process with a loss-parity test whose tolerance
 #   comes from the precision, not from trial and error;
 # * analyse a torchrun job's hang from the files its ranks dumped, from the command line;
+# * run PyTorch's own flight recorder and its analyser `fr_trace` on the same hang, and say what
+#   each sees that the other does not; pick the PyTorch, NCCL and Python switches a real hang or
+#   memory problem calls for;
 # * name the bug behind each of twelve symptoms and its fix.
 
 # %%
@@ -46,6 +49,7 @@ from IPython.display import Markdown, display
 
 from course_lib.data import VOCAB_SIZE, CharDataset
 from course_lib.debugging import BUGS, hangs, run_bug, silent
+from course_lib.debugging.torch_recorder import ANALYSER, Verdict, compare_recorders, torch_recorder_missing
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.parity import loss_parity, parity_rtol
 from course_lib.runtime import HangAnalysed, RankError, run_on_ranks, run_recorded, shutdown_pools
@@ -55,6 +59,8 @@ from course_lib.train import StepHooks, TrainConfig, make_optimizer, share_rows,
 torch.manual_seed(0)
 WORLD, BAD = 4, 2  # 4 gloo ranks; the bug sits on rank 2
 TIMEOUT_S = 5  # a hang is given up after 5 s; then each rank still running writes its last calls
+# Start the ranks and import the catalogue there once, so that TIMEOUT_S times the hang alone
+run_on_ranks(hangs.skip_collective, True, BAD, world_size=WORLD, timeout_s=120)
 
 
 def show_source(fn):
@@ -70,7 +76,7 @@ def show_source(fn):
 #
 # | family | what you see | what finds it |
 # |---|---|---|
-# | a rank skips a call, calls another one, or calls it on another group | a hang, then a timeout naming the ranks that *waited* | the flight recorder (each rank's last calls, lined up); `monitored_barrier` (which rank never arrived); collective checks before each call (the course's, or `TORCH_DISTRIBUTED_DEBUG=DETAIL`) |
+# | a rank skips a call, calls another one, or calls it on another group | a hang, then a timeout naming the ranks that *waited* | the flight recorder (each rank's last calls, lined up; the course's, or PyTorch's own, section 9); `monitored_barrier` (which rank never arrived); collective checks before each call (the course's, or `TORCH_DISTRIBUTED_DEBUG=DETAIL`) |
 # | every rank calls the same collectives, on wrong data | a run that finishes: a loss a little off, a gradient norm off by a factor, replicas that drift | the single process (loss parity, step by step); the gradient norm; per-rank checksums of the gradients; the tracer's call counts |
 #
 # Rule one, which makes the rest possible: **nothing may wait forever**. Every run here has a
@@ -542,17 +548,108 @@ short = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\)\)\)", ")", mismatch[0]
 print(textwrap.fill(short, 100))
 
 # %% [markdown]
-# ## 9. At scale: Llama 3's flight recorder
+# ## 9. PyTorch's own flight recorder, beside the course's
 #
-# The course's recorder is a small copy of one PyTorch ships for NCCL (enabled by
-# `TORCH_NCCL_TRACE_BUFFER_SIZE`, dumped on a watchdog timeout with `TORCH_NCCL_DUMP_ON_TIMEOUT`):
-# a ring buffer of each rank's recent collectives, written out when a collective times out, and
-# an analyser that lines the ranks up. Dubey et al. (2024, §3.3.4) describe training Llama 3
+# The course's recorder is a small Python copy of one PyTorch ships in C++, inside the process
+# group itself: every collective goes into a ring buffer of the process (its length:
+# `TORCH_FR_BUFFER_SIZE`, called `TORCH_NCCL_TRACE_BUFFER_SIZE` in older releases; 0 turns it
+# off), whose contents `torch._C._distributed_c10d._dump_fr_trace()` returns as a pickle, one file
+# per rank. Its analyser lines the files up, as the course's does:
+#
+# ```bash
+# python -m torch.distributed.flight_recorder.fr_trace DIR
+# ```
+#
+# It was built for NCCL; the gloo process group records into it too. Below, Case 1 once more
+# (rank 2 skips all-reduce #3 on 4 ranks), in **one run with both recorders on**: every rank runs
+# under the course's recorder, and each dump it writes first writes PyTorch's buffer beside it.
+# The parent's timeout is still the only clock: when it passes, the parent asks for the dumps and
+# waits for them, and both analysers read the same moment of the same run.
+#
+# *Predict first:* both will name rank 2 and all-reduce #3. What can each say that the other
+# cannot? Think of where each one sits: the course's in the rank's Python, around the call;
+# PyTorch's in C++, inside the process group.
+#
+# <details><summary>Answer</summary>
+#
+# The course's recorder notes each call's state as the rank's Python sees it, issued or
+# completed, so its analysis says who is still waiting (ranks 0, 1 and 3) and what the culprit
+# did last (all-reduce #2, completed). PyTorch's keeps the Python stack of every call, so its
+# analysis says where in the program the call was made (the catalogue's `skip_collective`). Under
+# gloo no entry is ever marked started or completed (on NCCL the watchdog marks them, from each
+# collective's CUDA events), so fr_trace's report cannot tell a rank that waits from one that has
+# left.
+# </details>
+
+# %%
+MISSING = torch_recorder_missing()  # None, or one sentence: this torch's gloo does not record, or has no analyser
+print(MISSING or f"torch {torch.__version__}: gloo records into PyTorch's flight recorder; its analyser: {ANALYSER} DIR")
+side = None if MISSING else compare_recorders("skip_collective", rank=BAD, world_size=WORLD, timeout_s=TIMEOUT_S)
+if side is not None:
+    print("\nthe course's analysis:")
+    print(side.course_analysis)
+    print("\nfr_trace, its first finding (up to the call's stack):")
+    print(side.torch_report)
+    print("\nthe course names:", side.course)
+    print("PyTorch's names: ", side.torch)
+    assert side.agree and side.course == Verdict(BAD, "all_reduce", 3, tuple(range(WORLD)))
+
+# %% [markdown]
+# One rank, one call, one sequence number: both count the world group's collectives from the
+# start of the run, because the ranks were started afresh for it (PyTorch numbers a group's calls
+# from the group's creation, the course from its recorder's start; in a long-lived process the two
+# numbers differ by the calls made before). Now what each sees that the other does not, read from
+# the same run:
+
+# %%
+if side is not None:
+    others = tuple(r for r in range(WORLD) if r != BAD)
+    print(f"only the course's: ranks {list(side.waiting)} wait in the call, and the culprit's last call "
+          f"was {side.course_analysis.split('its last call: ')[1].rstrip(')')}")
+    print(f"PyTorch's entries carry the states {list(side.torch_states)}: none started or completed, so "
+          f"fr_trace's report cannot say who waits")
+    print(f"only PyTorch's: the Python stack of the call, down to {side.call_site}")
+    assert side.waiting == others and side.torch_states == ("scheduled",) 
+    assert side.call_site == "skip_collective in hangs.py"
+    if side.filled:
+        print(f"and one catch: on the dumps as gloo wrote them, fr_trace stops with {side.raw_error}: gloo "
+              f"notes its group before torch.distributed names it, so the dumps' group table is empty; "
+              f"it was filled in from torch.distributed's own before the analysis above")
+    assert side.filled == side.raw_error.startswith("KeyError")
+
+# %% [markdown]
+# So at work: the course's way (a recorder around the Python calls: the waiting ranks and the
+# culprit's last call) works the same on any backend; PyTorch's is already inside the process
+# group, cheap enough that large jobs leave it on, and on NCCL adds the states and times the GPU
+# reports. With NCCL, `TORCH_NCCL_DUMP_ON_TIMEOUT=1` has the watchdog write every
+# rank's buffer to `TORCH_FR_DUMP_TEMP_FILE` + rank (for example `/shared/fr/rank_`) when a
+# collective times out, and `fr_trace /shared/fr` is the first command of the post-mortem.
+#
+# **The switches of 2026 practice**, each with what it is for (PyTorch's
+# [NCCL environment variables](https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html),
+# NCCL's [logging](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/troubleshooting/logging.html),
+# PyTorch's [CUDA memory page](https://docs.pytorch.org/docs/stable/torch_cuda_memory.html)):
+#
+# | switch or tool | what it is for | where |
+# |---|---|---|
+# | `TORCH_FR_BUFFER_SIZE=N` (older: `TORCH_NCCL_TRACE_BUFFER_SIZE`) | PyTorch's flight recorder: each process keeps its last N collectives | NCCL; gloo in recent releases |
+# | `TORCH_NCCL_DUMP_ON_TIMEOUT=1`, `TORCH_FR_DUMP_TEMP_FILE=DIR/rank_` | on a collective's timeout, every rank writes its buffer to a file, for `fr_trace DIR` | NCCL |
+# | `TORCH_NCCL_DESYNC_DEBUG=1` | on a timeout, the watchdog reports which rank is out of step with the others (the culprit of a desync) | NCCL |
+# | `TORCH_NCCL_ENABLE_MONITORING=1`, `TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=S` | heartbeat monitoring: a second thread ends the process when the watchdog itself has given no heartbeat for S seconds (stuck in a CUDA or NCCL call), so a hang frees the machines instead of holding them | NCCL |
+# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | each collective's fingerprint checked across ranks before it runs: a mismatch is an error, not a hang (section 8) | any backend |
+# | `NCCL_DEBUG=INFO` (or `WARN`), `NCCL_DEBUG_SUBSYS=INIT,NET` | NCCL's own log: its version, the topology and rings it chose, network errors; SUBSYS keeps the subsystems named | NCCL |
+# | `py-spy dump --pid PID` | every Python thread's stack of a live, hung process, read from outside without stopping it: where each rank is in the code | any Python process |
+# | `torch.cuda.memory._record_memory_history()`, then `torch.cuda.memory._dump_snapshot("snap.pickle")` | a CUDA memory snapshot: every live allocation with the stack that made it, and the history before; drop the file on [pytorch.org/memory_viz](https://pytorch.org/memory_viz) | CUDA |
+# | `dist.monitored_barrier(timeout=...)` | which rank never arrives at a point of the program (section 2) | gloo |
+#
+# ## 10. At scale: Llama 3's flight recorder
+#
+# Dubey et al. (2024, §3.3.4) describe training Llama 3
 # 405B on up to 16,384 H100 GPUs: in a 54-day snapshot of pre-training, 466 job interruptions,
 # 419 of them unexpected, about one every three hours, most from hardware. Among the tools they
-# name for finding the stuck or slow ranks quickly is PyTorch's NCCL flight recorder, used to
-# diagnose hangs and performance problems at scale. At 16,384 ranks, "which rank never entered
-# all-reduce #n" is the only question one can afford to ask first.
+# name for finding the stuck or slow ranks quickly is PyTorch's NCCL flight recorder, the one of
+# section 9, used to diagnose hangs and performance problems at scale. At 16,384 ranks, "which
+# rank never entered all-reduce #n" is the only question one can afford to ask first.
 #
 # ## What to remember
 #
@@ -560,6 +657,8 @@ print(textwrap.fill(short, 100))
 # * Line the ranks up by group and sequence number (the flight recorder): its first line names
 #   the culprit, the rank and the call it never entered (or called differently), and who waits
 #   for it. `monitored_barrier` names a rank that never arrives.
+# * PyTorch's own recorder sits inside the process group (`fr_trace DIR` reads its dumps): it
+#   names the same rank and call, with the call's Python stack; the course's adds who waits.
 # * Every rank calls every collective, in one order, on the group it takes from the mesh.
 # * Silent bugs need a reference: the gradient norm (a factor of N is a sum for a mean),
 #   per-rank checksums (replicas must agree bitwise), loss parity with the single process
@@ -577,6 +676,8 @@ print(textwrap.fill(short, 100))
 #    step 1. Which bugs of the catalogue fit, and which are excluded?
 # 5. Why does a check that every rank calls the same collective (`TORCH_DISTRIBUTED_DEBUG=DETAIL`)
 #    cost more than a flight recorder, and why can it still not replace loss parity?
+# 6. On a gloo job, `fr_trace` names rank 5 missing from all-reduce #40, and the job's ranks are
+#    all still alive. Which of them are waiting in that all-reduce, and how would you find out?
 #
 # <details><summary>Answers</summary>
 #
@@ -592,6 +693,9 @@ print(textwrap.fill(short, 100))
 # 5. It adds a collective (a fingerprint exchange) before every call, doubling the number of
 #    round trips; the recorder only writes to local memory. And it checks the calls, not the
 #    data: a run with every call right and the wrong shards passes it.
+# 6. Its report cannot say: gloo marks no entry started or completed, so fr_trace only knows who
+#    issued call #40 and who did not. The course's recorder (issued or completed, per rank), or
+#    `py-spy dump --pid` on each rank's process, shows who sits inside the all-reduce.
 # </details>
 #
 # ## References
@@ -605,12 +709,21 @@ print(textwrap.fill(short, 100))
 #   Training*, PVLDB 13(12): why every rank must issue the same collectives in the same order.
 # * PyTorch documentation, [*Distributed communication package*](https://pytorch.org/docs/stable/distributed.html):
 #   `monitored_barrier` and `TORCH_DISTRIBUTED_DEBUG`.
+# * PyTorch documentation, [*ProcessGroupNCCL environment variables*](https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html):
+#   `TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_DESYNC_DEBUG`, `TORCH_NCCL_ENABLE_MONITORING`,
+#   `TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`, the trace buffer's size.
+# * PyTorch documentation, [*Understanding CUDA memory usage*](https://docs.pytorch.org/docs/stable/torch_cuda_memory.html):
+#   memory snapshots and pytorch.org/memory_viz.
+# * NVIDIA, [*NCCL user guide: logging*](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/troubleshooting/logging.html):
+#   `NCCL_DEBUG`, `NCCL_DEBUG_SUBSYS`.
+# * B. Frederickson, [*py-spy*](https://github.com/benfred/py-spy): a sampling profiler whose
+#   `dump --pid` prints a live process's Python stacks.
 #
 # Further reading:
 #
 # * C. Pandya and J. Wang (2024), [*Flight Recorder for Debugging Stuck Jobs*](https://docs.pytorch.org/tutorials/prototype/flight_recorder_tutorial.html)
-#   (PyTorch tutorials): the NCCL recorder the course's imitates, its environment variables and
-#   its analyser.
+#   (PyTorch tutorials): the recorder of section 9, its environment variables and its analyser
+#   `fr_trace`.
 # * Jiang, Z. et al. (2024). *MegaScale: Scaling Large Language Model Training to More Than
 #   10,000 GPUs*, NSDI: how a production team detects stragglers and hangs.
 #
