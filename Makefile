@@ -87,13 +87,26 @@ test-under-load: $(STAMP)
 # The point-to-point code under NCCL's rules on the gloo ranks (course_lib/observe/nccl_rules.py,
 # CONTRIBUTING.md "NCCL's rules on CPU ranks"): the rules' own tests, the pipeline schedules,
 # PipeDream-2BW and the send/recv collectives with COURSE_NCCL_RULES=1, which every rank pool of
-# the session inherits.
-NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_pipeline.py tests/test_pp_v_schedules.py tests/test_comm.py \
-	tests/test_grading_ex09.py
-.PHONY: test-nccl-rules
+# the session inherits. The library's own strategy runs (pipeline schedules, the composed layouts'
+# traffic, the broken-run catalogue) also run under the device rule (COURSE_DEVICE_RULE=1: every
+# communicated tensor on the rank's device, observe/device_rule.py); the rules' own tests and the
+# collective tests hand gloo host tensors of their own on purpose, so they run under the first rule only.
+NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_comm.py tests/test_grading_ex09.py
+BOTH_RULES_TESTS ?= tests/test_pipeline.py tests/test_pp_v_schedules.py tests/test_broken_runs.py \
+	"tests/test_hybrid.py::test_traffic_of_each_dimension_measured_against_the_model"
+.PHONY: test-nccl-rules gpu-check
 test-nccl-rules: $(STAMP)
 	@echo "== pytest under NCCL's rules: $(NCCL_RULES_TESTS)"
 	@COURSE_NCCL_RULES=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -p no:cacheprovider -q --durations=10 $(NCCL_RULES_TESTS)
+	@echo "== pytest under NCCL's rules and its device rule: $(BOTH_RULES_TESTS)"
+	@COURSE_NCCL_RULES=1 COURSE_DEVICE_RULE=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -p no:cacheprovider -q \
+		--durations=10 $(BOTH_RULES_TESTS)
+
+# On a machine with CUDA GPUs: every torchrun demo at the largest world size it allows, with its
+# check, then benchmarks/gpu_check.py; one JSON report (build/gpu-check.json) within 8 minutes.
+# Refuses without a GPU (tools/gpu_check.py).
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py --out build/gpu-check.json
 
 # nbval again over every notebook and exercise on the CPU paths a learner may have that differ
 # most from the one that stored the outputs (AVX-512, all cores): PyTorch's scalar kernels

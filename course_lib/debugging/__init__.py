@@ -5,6 +5,7 @@ function with its one-line bug and its mended twin, the symptom, the tool that f
     hangs.py       the entries that hang or crash (collectives out of step, pipelines, experts)
     silent.py      the entries that finish with wrong numbers (or the wrong traffic)
     run.py         run_bug(name, fixed=False, rank=None, ...) -> BugRun, from a notebook or test
+    torch_recorder.py  PyTorch's own flight recorder and its analyser (fr_trace) beside the course's
 
 The torchrun form is course_lib.demos.broken_run; loss parity, the comparison with the single
 process, is course_lib.observe.parity.loss_parity.
