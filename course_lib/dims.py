@@ -36,7 +36,7 @@ Each rule is one ValueError naming the value and the rule, raised before any ran
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from course_lib._validate import check_int, check_one_of
 
@@ -398,3 +398,17 @@ class ParallelDims:
                 raise ValueError(f"{product_text(self.sizes())} must equal world_size={world_size}")
         self.check_model(model_config, batch_size, seq_len)
         return self.check_composable(model_config)
+
+
+def check_runner(dims, runner: str, axes: tuple[str, ...]) -> ParallelDims:
+    """A one-axis runner (parallel/<axis>'s run_<axis>(dims, model_config, train_cfg, ...)) runs
+    the fields in `axes` only: any other field off its default is refused here, in the parent
+    (run_hybrid composes axes). Returns dims."""
+    if not isinstance(dims, ParallelDims):
+        raise ValueError(f"dims={dims!r} must be a course_lib.dims.ParallelDims (e.g. ParallelDims(tp=2))")
+    dims._check_counts()
+    for f in fields(dims):
+        if f.name not in axes and getattr(dims, f.name) != f.default:
+            raise ValueError(f"{f.name}={getattr(dims, f.name)!r}: {runner} runs {', '.join(axes)} only, so {f.name} "
+                             f"must be {f.default!r} (run_hybrid composes the axes)")
+    return dims

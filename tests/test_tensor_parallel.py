@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib import CommTracer, RankError, run_on_ranks
+from course_lib.dims import ParallelDims
 from course_lib.data import CharDataset, get_batch
 from course_lib.estimate import activation_bytes, per_gpu_memory
 from course_lib.model import GPT, GPTConfig
@@ -259,9 +260,10 @@ def test_bad_input_is_rejected_before_any_rank_starts():
              (dict(block_size=30), 4, True, "sequence length 30 must be divisible by tp=4")]
     for overrides, tp, sp, message in cases:
         with pytest.raises(ValueError, match=message):
-            run_tensor_parallel(tp, GPTConfig.tiny(VOCAB, **overrides), train_cfg(), sp)
+            run_tensor_parallel(ParallelDims(tp=tp, sequence_parallel=sp), GPTConfig.tiny(VOCAB, **overrides),
+                                train_cfg())
     with pytest.raises(ValueError, match="impl='megatron' must be one of"):
-        run_tensor_parallel(2, config(), train_cfg(), impl="megatron")
+        run_tensor_parallel(ParallelDims(tp=2), config(), train_cfg(), impl="megatron")
     with pytest.raises(ValueError, match="tp=0 must be a positive int"):
         check_tensor_parallel(config(), 0)
 

@@ -14,6 +14,7 @@ import contextlib
 import torch.distributed as dist
 
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims, check_runner
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.observe.tracer import CommTracer
@@ -25,6 +26,7 @@ from course_lib.runtime.device import rank_device
 from course_lib.train import StepHooks, TrainResult, flat_grads, flat_params, make_optimizer, train_loop
 
 IMPLS = ("course", "dtensor")
+AXES = ("tp", "sequence_parallel")  # the ParallelDims fields run_tensor_parallel runs
 
 
 def _check_run(impl, config, train_cfg, tp, sequence_parallel):
@@ -88,10 +90,12 @@ def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = Fal
     return result
 
 
-def run_tensor_parallel(tp: int, model_config, train_cfg, sequence_parallel: bool = False, impl: str = "course",
-                        backend: str = "auto", timeout_s: float = 120, **kwargs) -> list[TrainResult]:
-    """Parent side: validate (check_tensor_parallel: the rule book's tp rules), then run
-    train_tensor_parallel on tp ranks."""
-    _check_run(impl, model_config, train_cfg, tp, sequence_parallel)
-    return run_on_ranks(train_tensor_parallel, model_config, train_cfg, sequence_parallel, impl, world_size=tp,
-                        backend=backend, timeout_s=timeout_s, **kwargs)
+def run_tensor_parallel(dims: ParallelDims, model_config, train_cfg, impl: str = "course", backend: str = "auto",
+                        timeout_s: float = 120, **kwargs) -> list[TrainResult]:
+    """Parent side: validate (dims runs tp and sequence_parallel only; check_tensor_parallel and
+    the rule book's check_model), then run train_tensor_parallel on dims.tp ranks."""
+    check_runner(dims, "run_tensor_parallel", AXES)
+    _check_run(impl, model_config, train_cfg, dims.tp, dims.sequence_parallel)
+    dims.check_model(model_config, train_cfg.batch_size)
+    return run_on_ranks(train_tensor_parallel, model_config, train_cfg, dims.sequence_parallel, impl,
+                        world_size=dims.tp, backend=backend, timeout_s=timeout_s, **kwargs)
