@@ -19,6 +19,7 @@ import torch
 
 from course_lib import run_on_ranks
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.pp import (
     Action,
@@ -220,7 +221,8 @@ CASES = [  # (world size, schedule, micro-batches, virtual stages, n_layer)
 @pytest.mark.parametrize("world,schedule,m,v,n_layer", CASES, ids=[f"{c[1]}-p{c[0]}-m{c[2]}-v{c[3]}" for c in CASES])
 def test_pipeline_equals_single_process_training(world, schedule, m, v, n_layer):
     config, cfg = small_config(n_layer), train_cfg()
-    results = run_pipeline(world, config, cfg, schedule, m, v, timeout_s=90)
+    dims = ParallelDims(pp=world, schedule=schedule, microbatches=m, virtual_stages=v)
+    results = run_pipeline(dims, config, cfg, timeout_s=90)
     assert_equal_to_reference(results, config, cfg)
 
 
@@ -228,17 +230,20 @@ def test_pipeline_equals_single_process_training(world, schedule, m, v, n_layer)
 def test_pipeline_with_gradient_clipping_and_untied_head(schedule):
     config = small_config(4, tie_weights=False)
     cfg = train_cfg(clip=0.05)  # small enough to clip every step: the global norm must be right
-    assert_equal_to_reference(run_pipeline(2, config, cfg, schedule, 4, timeout_s=90), config, cfg)
+    two = ParallelDims(pp=2, schedule=schedule, microbatches=4)
+    assert_equal_to_reference(run_pipeline(two, config, cfg, timeout_s=90), config, cfg)
     tied = small_config(4)
-    assert_equal_to_reference(run_pipeline(4, tied, cfg, schedule, 4, timeout_s=90), tied, cfg)
+    four = ParallelDims(pp=4, schedule=schedule, microbatches=4)
+    assert_equal_to_reference(run_pipeline(four, tied, cfg, timeout_s=90), tied, cfg)
 
 
 @pytest.mark.parametrize("world,schedule,m,v", [(2, "gpipe", 4, 1), (2, "1f1b", 4, 1), (2, "interleaved_1f1b", 4, 2),
                                                 (4, "1f1b", 4, 1)])
 def test_torch_pipelining_on_the_same_stages_gives_the_same_training(world, schedule, m, v):
     config, cfg = small_config(5), train_cfg()
-    ours = run_pipeline(world, config, cfg, schedule, m, v, timeout_s=90)
-    theirs = run_native(world, config, cfg, schedule, m, v, timeout_s=90)
+    dims = ParallelDims(pp=world, schedule=schedule, microbatches=m, virtual_stages=v)
+    ours = run_pipeline(dims, config, cfg, timeout_s=90)
+    theirs = run_native(dims, config, cfg, timeout_s=90)
     assert_equal_to_reference(theirs, config, cfg)
     for a, b in zip(ours, theirs):  # two implementations' sums, after AdamW steps: as above
         assert a.train_losses == pytest.approx(b.train_losses, abs=adamw_loss_atol(cfg.lr))
@@ -251,15 +256,17 @@ def test_bad_input_is_rejected_in_the_parent_before_any_rank_waits(monkeypatch):
     monkeypatch.setattr(runtime, "run_on_ranks", lambda *a, **k: pytest.fail("ranks were started"))
     cfg = train_cfg()
     with pytest.raises(ValueError, match="n_layer=2 blocks cannot fill 4 stages"):
-        run_pipeline(2, small_config(2), cfg, "interleaved_1f1b", 4, 2)
+        run_pipeline(ParallelDims(pp=2, schedule="interleaved_1f1b", microbatches=4, virtual_stages=2), small_config(2),
+                     cfg)
     with pytest.raises(ValueError, match="batch size 8 must be divisible by n_microbatches=3"):
-        run_pipeline(2, small_config(), cfg, "1f1b", 3)
+        run_pipeline(ParallelDims(pp=2, schedule="1f1b", microbatches=3), small_config(), cfg)
     with pytest.raises(ValueError, match="n_microbatches=2 must be a multiple of the 4 ranks"):
-        run_pipeline(4, small_config(8), cfg, "interleaved_1f1b", 2, 2)
+        run_pipeline(ParallelDims(pp=4, schedule="interleaved_1f1b", microbatches=2, virtual_stages=2), small_config(8),
+                     cfg)
     with pytest.raises(ValueError, match="schedule='zb2' must be one of"):
-        run_pipeline(2, small_config(), cfg, "zb2", 4)
+        run_pipeline(ParallelDims(pp=2, schedule="zb2", microbatches=4), small_config(), cfg)
     with pytest.raises(ValueError, match="for torch.distributed.pipelining"):
-        run_native(2, small_config(), cfg, "zero_bubble", 4)
+        run_native(ParallelDims(pp=2, schedule="zero_bubble", microbatches=4), small_config(), cfg)
 
 
 def _run_one_step(schedules_and_m, micro_batch=2, n_layer=4):

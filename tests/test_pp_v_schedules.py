@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from course_lib import run_on_ranks
 from course_lib.data import CharDataset
-from course_lib.dims import check_pipeline_choice
+from course_lib.dims import ParallelDims, check_pipeline_choice
 from course_lib.model import GPTConfig
 from course_lib.parallel.pp import (
     Action,
@@ -164,18 +164,19 @@ def test_v_schedules_reject_bad_input_naming_the_value_and_rule(monkeypatch):
         monkeypatch.setattr(mod, "run_on_ranks", lambda *a, **k: pytest.fail("ranks were started"), raising=False)
     cfg = train_cfg()
     with pytest.raises(ValueError, match="virtual_stages must be 2, got 1"):
-        run_pipeline(2, config(), cfg, "zbv", 4, 1)
+        run_pipeline(ParallelDims(pp=2, schedule="zbv", microbatches=4, virtual_stages=1), config(), cfg)
     with pytest.raises(ValueError, match="n_layer=6 blocks cannot fill 8 stages"):
-        run_pipeline(4, config(), cfg, "zbv", 4, 2)
+        run_pipeline(ParallelDims(pp=4, schedule="zbv", microbatches=4, virtual_stages=2), config(), cfg)
     with pytest.raises(ValueError, match="needs virtual_stages=2"):
-        run_native(2, config(), cfg, "dualpipev", 4, 1)
+        run_native(ParallelDims(pp=2, schedule="dualpipev", microbatches=4, virtual_stages=1), config(), cfg)
     untied = config(tie_weights=False)
     with pytest.raises(ValueError, match="n_microbatches >= the 4 stages \\(got 2\\)"):
-        run_2bw(4, untied, train_cfg(batch_size=8), 2)
+        run_2bw(ParallelDims(pp=4, schedule="pipedream_2bw", microbatches=2), untied, train_cfg(batch_size=8))
     with pytest.raises(ValueError, match="grad_clip=1.0 needs the global gradient norm"):
-        run_2bw(2, untied, TrainConfig(steps=2, batch_size=8, grad_clip=1.0), 2)
+        run_2bw(ParallelDims(pp=2, schedule="pipedream_2bw", microbatches=2), untied,
+                TrainConfig(steps=2, batch_size=8, grad_clip=1.0))
     with pytest.raises(ValueError, match="needs tie_weights=False"):
-        run_2bw(2, config(), cfg, 2)
+        run_2bw(ParallelDims(pp=2, schedule="pipedream_2bw", microbatches=2), config(), cfg)
 
 
 def test_2bw_reference_is_one_step_stale():
@@ -228,7 +229,7 @@ def test_pipedream_2bw_equals_its_delayed_reference_with_two_versions():
     version max(t-1, 0), and not equal to synchronous training (the price of staleness)."""
     mc, cfg = config(4, tie_weights=False), train_cfg(steps=4, batch_size=8)
     want = reference_2bw(mc, cfg, 2)
-    results = run_2bw(2, mc, cfg, 2, timeout_s=120)
+    results = run_2bw(ParallelDims(pp=2, schedule="pipedream_2bw", microbatches=2), mc, cfg, timeout_s=120)
     for res in results:
         assert res.train_losses == pytest.approx(want.train_losses, abs=adamw_loss_atol(cfg.lr))
         assert max(len(v) for v in res.versions_held) == 2

@@ -21,6 +21,7 @@ with the most warm-up forwards the caps allow without a deadlock. A faster sched
 from __future__ import annotations
 
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims
 from course_lib.grading import CheckFailed, check_close, check_equal
 from course_lib.model import GPTConfig
 from course_lib.parallel.pp import run_pipeline, stage_tensors
@@ -130,7 +131,8 @@ def check_training(lists, m: int, label: str, timeout_s: float = 90) -> None:
     ref = train_reference(config, cfg)
     ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
     ref_grads = {n: p.grad for n, p in ref.model.named_parameters()}
-    results = run_pipeline(4, config, cfg, as_schedule(lists, 4, m, label), m, timeout_s=timeout_s)
+    results = run_pipeline(ParallelDims(pp=4, microbatches=m), config, cfg, as_schedule(lists, 4, m, label),
+                           timeout_s=timeout_s)
     # losses: fp32 sums in another order (the micro-batches), ~1e-7 apart
     check_close(f"{label}: losses of the 3 steps", results[0].train_losses, ref.train_losses, rtol=1e-5, atol=1e-5)
     grads, params = stage_tensors(results, "final_grads"), stage_tensors(results, "final_params")

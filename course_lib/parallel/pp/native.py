@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.data import CharDataset
-from course_lib.dims import V_SCHEDULES
+from course_lib.dims import V_SCHEDULES, ParallelDims, check_runner
 from course_lib.model import GPT
 from course_lib.parallel.pp.stage import build_stage
-from course_lib.parallel.pp.training import PipelineResult, check_pipeline, clip_grad_norm_pipeline, train_pipeline
+from course_lib.parallel.pp.training import AXES, PipelineResult, check_pipeline, clip_grad_norm_pipeline, train_pipeline
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import StepHooks, flat_grads, flat_params, make_optimizer, train_loop
@@ -107,15 +107,23 @@ def train_native(model_config, train_cfg, schedule: str = "1f1b", n_microbatches
     return result
 
 
-def run_native(world_size: int, model_config, train_cfg, schedule: str = "1f1b", n_microbatches: int = 4,
-               virtual_stages: int = 1, backend: str = "auto", timeout_s: float = 120) -> list[PipelineResult]:
-    """Parent side: validate, then train_native on `world_size` ranks. check_collectives is off:
+def _checked(dims: ParallelDims, model_config, train_cfg, runner: str) -> ParallelDims:
+    """Parent side, before any rank starts: dims runs pp, schedule, microbatches and
+    virtual_stages only; torch's schedules, ours, then the rule book's check_model."""
+    check_runner(dims, runner, AXES)
+    check_native(dims.schedule, dims.virtual_stages)
+    check_pipeline(model_config, dims.pp, dims.schedule, dims.microbatches, train_cfg.batch_size, dims.virtual_stages)
+    return dims.check_model(model_config, train_cfg.batch_size)
+
+
+def run_native(dims: ParallelDims, model_config, train_cfg, backend: str = "auto",
+               timeout_s: float = 120) -> list[PipelineResult]:
+    """Parent side: validate, then train_native on dims.pp ranks. check_collectives is off:
     torch's schedules exchange shape metadata and batch their send/recv below the API the
     checker sees, and its pairing of those calls is not ours to verify."""
-    check_native(schedule, virtual_stages)
-    check_pipeline(model_config, world_size, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
-    return run_on_ranks(train_native, model_config, train_cfg, schedule, n_microbatches, virtual_stages,
-                        world_size=world_size, backend=backend, timeout_s=timeout_s, check_collectives=False)
+    _checked(dims, model_config, train_cfg, "run_native")
+    return run_on_ranks(train_native, model_config, train_cfg, dims.schedule, dims.microbatches, dims.virtual_stages,
+                        world_size=dims.pp, backend=backend, timeout_s=timeout_s, check_collectives=False)
 
 
 def _ours_and_torch(model_config, train_cfg, schedule, n_microbatches, virtual_stages):
@@ -124,12 +132,10 @@ def _ours_and_torch(model_config, train_cfg, schedule, n_microbatches, virtual_s
     return ours, train_native(model_config, train_cfg, schedule, n_microbatches, virtual_stages)
 
 
-def run_ours_and_native(world_size: int, model_config, train_cfg, schedule: str, n_microbatches: int = 4,
-                        virtual_stages: int = 1, timeout_s: float = 120):
-    """Our runner and torch's on the same ranks, one after the other, in one launch: returns
-    (ours, torch's), each a list of PipelineResult per rank."""
-    check_native(schedule, virtual_stages)
-    check_pipeline(model_config, world_size, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
-    per_rank = run_on_ranks(_ours_and_torch, model_config, train_cfg, schedule, n_microbatches, virtual_stages,
-                            world_size=world_size, timeout_s=timeout_s, check_collectives=False)
+def run_ours_and_native(dims: ParallelDims, model_config, train_cfg, timeout_s: float = 120):
+    """Our runner and torch's on the same dims.pp ranks, one after the other, in one launch:
+    returns (ours, torch's), each a list of PipelineResult per rank."""
+    _checked(dims, model_config, train_cfg, "run_ours_and_native")
+    per_rank = run_on_ranks(_ours_and_torch, model_config, train_cfg, dims.schedule, dims.microbatches,
+                            dims.virtual_stages, world_size=dims.pp, timeout_s=timeout_s, check_collectives=False)
     return [r[0] for r in per_rank], [r[1] for r in per_rank]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.data import CharDataset, collate, sample_indices
-from course_lib.dims import split_layers
+from course_lib.dims import ParallelDims, check_runner, split_layers
 from course_lib.model import GPT
 from course_lib.parallel.pp.p2p_plan import Mailbox, plan_messages
 from course_lib.parallel.pp.schedules import one_f_one_b
@@ -195,9 +195,15 @@ def train_2bw(model_config, train_cfg, n_microbatches: int, group=None) -> Piped
     return res
 
 
-def run_2bw(world_size: int, model_config, train_cfg, n_microbatches: int = 4, backend: str = "auto",
+def run_2bw(dims: ParallelDims, model_config, train_cfg, backend: str = "auto",
             timeout_s: float = 120) -> list[PipedreamResult]:
-    """Parent side: check the rules, then train_2bw on `world_size` ranks."""
-    check_2bw(model_config, world_size, n_microbatches, train_cfg)
-    return run_on_ranks(train_2bw, model_config, train_cfg, n_microbatches, world_size=world_size,
+    """Parent side: dims runs pp and microbatches with schedule='pipedream_2bw' only; check
+    PipeDream-2BW's rules and the rule book's check_model, then train_2bw on dims.pp ranks."""
+    check_runner(dims, "run_2bw", ("pp", "schedule", "microbatches"))
+    if dims.schedule != "pipedream_2bw":
+        raise ValueError(f"schedule={dims.schedule!r}: run_2bw runs schedule='pipedream_2bw' (flushed schedules "
+                         f"run in run_pipeline)")
+    check_2bw(model_config, dims.pp, dims.microbatches, train_cfg)
+    dims.check_model(model_config, train_cfg.batch_size)
+    return run_on_ranks(train_2bw, model_config, train_cfg, dims.microbatches, world_size=dims.pp,
                         backend=backend, timeout_s=timeout_s)

@@ -19,11 +19,14 @@ from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
 from course_lib.parallel.clip import clip_grad_norm_
 from course_lib.parallel.pp.runner import PipelinePlan, plan_pipeline, run_schedule
-from course_lib.dims import split_layers
+from course_lib.dims import ParallelDims, check_runner, split_layers
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.train import StepHooks, TrainResult, flat_grads, flat_params, make_optimizer, train_loop
+
+
+AXES = ("pp", "schedule", "microbatches", "virtual_stages")  # the ParallelDims fields a pipeline runner runs
 
 
 @dataclass
@@ -94,13 +97,18 @@ def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatch
     return result
 
 
-def run_pipeline(world_size: int, model_config, train_cfg, schedule: str = "1f1b", n_microbatches: int = 4,
-                 virtual_stages: int = 1, backend: str = "auto", timeout_s: float = 120,
-                 **kwargs) -> list[PipelineResult]:
-    """Parent side: validate everything, then run train_pipeline on `world_size` ranks."""
-    check_pipeline(model_config, world_size, schedule, n_microbatches, train_cfg.batch_size, virtual_stages)
-    return run_on_ranks(train_pipeline, model_config, train_cfg, schedule, n_microbatches, virtual_stages,
-                        world_size=world_size, backend=backend, timeout_s=timeout_s, **kwargs)
+def run_pipeline(dims: ParallelDims, model_config, train_cfg, actions=None, backend: str = "auto",
+                 timeout_s: float = 120, **kwargs) -> list[PipelineResult]:
+    """Parent side: validate everything (dims runs pp, schedule, microbatches and virtual_stages
+    only; the schedule's rules, then the rule book's check_model), then run train_pipeline on
+    dims.pp ranks. actions (optional): a built Schedule (per-rank action lists, e.g. a learner's)
+    run in place of the schedule dims names."""
+    check_runner(dims, "run_pipeline", AXES)
+    schedule = dims.schedule if actions is None else actions
+    check_pipeline(model_config, dims.pp, schedule, dims.microbatches, train_cfg.batch_size, dims.virtual_stages)
+    dims.check_model(model_config, train_cfg.batch_size)
+    return run_on_ranks(train_pipeline, model_config, train_cfg, schedule, dims.microbatches, dims.virtual_stages,
+                        world_size=dims.pp, backend=backend, timeout_s=timeout_s, **kwargs)
 
 
 def stage_tensors(results: list[PipelineResult], what: str = "final_params") -> dict[str, torch.Tensor]:
