@@ -9,14 +9,17 @@ trained model writes.
     LiveLossPlot(config)           -> run_capstone(..., on_loss=plot.update): the curve while it trains
     generate_text(config, params, prompt, n)
 
-MFU = model FLOPs per second / (ranks * peak FLOP/s of one device). A peak is a GPU's spec
-sheet figure; a CPU core has no comparable one, so on CPU ranks the report gives the same
-ratio against the calibrated rate of the stored 8-rank cluster (what these ranks reached on
-large matmuls) and says so.
+MFU = model FLOPs per second / (ranks * peak FLOP/s of one device), against the hardware the
+ranks ran on, not the machine the notebook runs on. A peak is a GPU's spec sheet figure, quoted
+only for ranks that computed on that GPU; a CPU core has no comparable one, so on CPU ranks
+(run_capstone's: run_on_ranks' default gloo ranks, even on a machine with a GPU) the report
+gives the same ratio against the calibrated rate of the stored 8-rank cluster (what these ranks
+reached on large matmuls) and says so.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -44,24 +47,33 @@ def estimate_inputs(config):
     return model, RECIPE[config.precision]
 
 
-def gpu_peak_flops(precision: str) -> float | None:
-    """The spec-sheet peak of this machine's GPU (bf16 or the fp32 recipe's TF32), if known."""
+# where run_capstone's ranks compute: run_on_ranks' default backend is gloo, whose ranks use the CPU
+RANKS_DEVICE = "cpu"
+
+
+def gpu_peak_flops(precision: str, device="cuda") -> float | None:
+    """The spec-sheet peak (bf16, or the fp32 recipe's TF32) of the GPU `device` names, if known;
+    None when the ranks computed on anything but a GPU (a GPU's peak says nothing of CPU ranks,
+    even on a machine that has one) or the GPU is not in the calculator's table."""
     import torch
 
-    if not torch.cuda.is_available():
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
 
-    name = torch.cuda.get_device_name()
-    for gpu in GPUS.values():
-        if gpu.name.split()[0] in name:
+    name = torch.cuda.get_device_name(device)
+    for gpu in GPUS.values():  # the model as a whole word: "NVIDIA GB200" is not a B200
+        if re.search(rf"\b{re.escape(gpu.name.split()[0])}\b", name):
             return gpu.peak_bf16 if precision == "bf16" else gpu.peak_tf32
     return None
 
 
-def compare(run, cluster) -> dict:
+def compare(run, cluster, device=RANKS_DEVICE) -> dict:
     """Predicted and measured figures of the first segment's layout (the 8-rank one):
     step seconds (measured: the median over its steps after the first), tokens/s, model FLOP/s,
-    and per rank: model state and activations (estimated vs measured) and the peak RSS."""
+    MFU against the peak of `device`, where the ranks computed (a GPU's spec sheet, else the
+    cluster's calibrated CPU rate), and per rank: model state and activations (estimated vs
+    measured) and the peak RSS."""
     c, dims = run.config, run.config.layout
     model, recipe = estimate_inputs(c)
     batch = c.train.batch_size
@@ -76,7 +88,7 @@ def compare(run, cluster) -> dict:
     per_rank = [{"state": r.memory["total"], "activations": r.memory["activations"], "rss": r.memory["peak_rss"],
                  "state_estimated": e["params"] + e["grads"] + e["optimizer"]}
                 for r, e in zip(run.first_ranks, estimated)]
-    peak = gpu_peak_flops(c.precision)
+    peak = gpu_peak_flops(c.precision, device)
     rate = peak or cluster.achievable_flops
     return {"predicted_s": predicted["total"], "predicted_checks_s": predicted["checks"], "measured_s": measured,
             "measured_steps": len(seconds), "outside_calibration": outside_calibration(dims, cluster), "tokens_per_s": tokens / measured,
@@ -122,8 +134,8 @@ def traffic_formula(config, dims) -> dict:
                                                                           config.train.batch_size).items()}
 
 
-def report_text(run, cluster) -> str:
-    c, k = run.config, compare(run, cluster)
+def report_text(run, cluster, device=RANKS_DEVICE) -> str:
+    c, k = run.config, compare(run, cluster, device)
     mp, mm = k["memory_predicted"], k["memory_measured"]
     traffic = run.traffic[0]
     mfu = (f"MFU {k['mfu']:.1%} of the GPU's peak" if k["mfu_against"] == "gpu peak" else

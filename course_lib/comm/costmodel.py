@@ -37,6 +37,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from course_lib.clock import synchronize  # the course's one device-aware clock (measured.py imports it from here)
+
 ALGORITHMS = ("ring", "tree", "rabenseifner", "ps", "sharded_ps", "reduce_scatter", "all_gather", "all_to_all")
 
 
@@ -157,15 +159,6 @@ def fit_alpha_beta(sizes_bytes, seconds, name: str = "measured") -> LinkModel:
 
 
 # ----------------------------------------------------------------------------- measuring (rank code)
-def synchronize(device) -> None:
-    """Wait for the work queued on a GPU: CUDA calls return at launch, so a clock read without
-    this times the launch, not the work. Nothing to wait for on the CPU (None)."""
-    import torch
-
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), rounds: int = 5,
               iters: int = 3, warmup: int = 1, all_pairs: bool = False, device=None) -> list[float] | None:
     """Inside rank code on >= 2 ranks: ranks 0 and 1 bounce one message of each size back and

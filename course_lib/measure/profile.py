@@ -2,6 +2,8 @@
 
     profile_on_ranks(train_fn, *args, world_size, out_dir)   run train_fn on the ranks under
                                    torch.profiler; rank r writes out_dir/rank{r}.json
+    profiler_activities(device)    what the profiler records on ranks computing on `device`:
+                                   the CPU always, CUDA's kernels too on a GPU
 
 Reading a trace back (its timeline, MFU) is course_lib.observe.profile: pure functions of the
 files written here.
@@ -19,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from course_lib._validate import check_int
 from course_lib.runtime import run_on_ranks
+from course_lib.runtime.device import rank_device
 
 
 @contextlib.contextmanager
@@ -36,9 +39,18 @@ def _quiet_native_stderr():
         os.close(devnull)
 
 
+def profiler_activities(device) -> list:
+    """[CPU] on CPU ranks; [CPU, CUDA] on a GPU rank, so the trace holds the kernels and their
+    device times, not only the CPU ops that launched them (which return before the work runs)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+
 def _profiled(train_fn, out_dir, args, kwargs):
     rank = dist.get_rank()
-    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+    prof = profile(activities=profiler_activities(rank_device()), record_shapes=False)
     with _quiet_native_stderr():
         prof.start()
     try:
@@ -53,8 +65,8 @@ def _profiled(train_fn, out_dir, args, kwargs):
 
 def profile_on_ranks(train_fn, *args, world_size: int, out_dir, timeout_s: float = 120, **kwargs):
     """Run train_fn(*args, **kwargs) on `world_size` ranks, each under torch.profiler (CPU
-    activity: on GPUs the CUDA kernels appear inside the same trace when the profiler is given
-    ProfilerActivity.CUDA). Returns (results in rank order, trace paths in rank order).
+    activity, and on GPU ranks CUDA's too: the kernels appear in the same trace, on the
+    device's rows). Returns (results in rank order, trace paths in rank order).
     run_on_ranks' own options (backend, check_collectives) pass through kwargs."""
     check_int("world_size", world_size)
     if not callable(train_fn):

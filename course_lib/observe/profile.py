@@ -2,15 +2,17 @@
 (notebook 11). The traces come from course_lib.measure.profile.profile_on_ranks (each rank
 under torch.profiler writes out_dir/rank{r}.json).
 
-    trace_timeline(path)           the trace's top-level CPU ops and its collectives as
-                                   Timeline events [(name, start, end, category)], for plot_gantt
+    trace_timeline(path)           the trace's top-level CPU ops, its collectives and (GPU ranks)
+                                   its kernels as Timeline events [(name, start, end, category)]
     mfu(flops, seconds, n_devices, peak_flops)
     step_mfu(result, flops_per_step, n_devices, peak_flops)   per step of a TrainResult
 
 The traces open in https://ui.perfetto.dev or chrome://tracing. trace_timeline keeps, on each
 thread, the ops not nested inside another op (what the thread was doing at each moment) and
 the outermost collectives, labelled "communication" (collectives, send/recv: names holding gloo/c10d/all_reduce/...),
-"backward" (autograd's engine and its ops) or "compute".
+"backward" (autograd's engine and its ops) or "compute". A GPU rank's trace (profiled with
+ProfilerActivity.CUDA) also holds the kernels on each CUDA stream, with their device times:
+they are kept the same way, on rows of their own (NCCL's kernels are "communication").
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022) = model FLOPs per second / peak FLOP/s,
 the model FLOPs counted once (recomputation excluded), so a layout cannot raise its MFU by
@@ -26,6 +28,10 @@ COMM_MARKERS = ("gloo", "c10d", "nccl", "all_reduce", "allreduce", "all_gather",
                 "broadcast", "all_to_all", "alltoall", "send", "recv", "barrier")
 
 
+# Chrome-trace categories kept: CPU ops and annotations, and on GPU ranks the device's kernels and copies
+KEPT_CATEGORIES = ("cpu_op", "user_annotation", None, "kernel", "gpu_memcpy", "gpu_memset")
+
+
 def classify(name: str) -> str:
     low = name.lower()
     if any(m in low for m in COMM_MARKERS):
@@ -37,14 +43,14 @@ def classify(name: str) -> str:
 
 def trace_timeline(path, min_seconds: float = 0.0) -> list[tuple[str, float, float, str]]:
     """Complete events ("ph": "X") of a Chrome trace as (name, start_s, end_s, category), sorted
-    by start: on each thread the top-level ops, plus every collective even when nested inside
-    one (DDP's all-reduce runs inside a backward op), so it is drawn over it. Events shorter
+    by start: on each thread (each CUDA stream) the top-level ops, plus every collective even
+    when nested inside one (DDP's all-reduce runs inside a backward op), so it is drawn over it. Events shorter
     than min_seconds are dropped."""
     data = json.loads(pathlib.Path(path).read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
     by_thread: dict = {}
     for e in events:
-        if e.get("ph") == "X" and "dur" in e and e.get("cat") in ("cpu_op", "user_annotation", None):
+        if e.get("ph") == "X" and "dur" in e and e.get("cat") in KEPT_CATEGORIES:
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     out = []
     for evs in by_thread.values():

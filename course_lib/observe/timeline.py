@@ -11,13 +11,17 @@ Inside rank code:
 
 In the parent: `plot_gantt(results)` where results is the list of per-rank event lists.
 Times come from time.perf_counter(), which on Linux is one system-wide monotonic clock,
-so events from different rank processes on one machine share a time axis.
+so events from different rank processes on one machine share a time axis. On a GPU a span's
+clock is read after the device's queued work is done (course_lib.clock.now), so a span is the
+work, not its launch: pass the rank's device, `Timeline(device=rank_device())`; the default
+waits for this process's GPU if it has started CUDA, and never on CPU ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+
+from course_lib.clock import now
 
 # Colours by category; anything else cycles through the default palette.
 CATEGORY_COLORS = {"compute": "tab:blue", "forward": "tab:blue", "backward": "tab:orange",
@@ -25,10 +29,18 @@ CATEGORY_COLORS = {"compute": "tab:blue", "forward": "tab:blue", "backward": "ta
 
 
 class Timeline:
-    """A list of (name, start, end, category) events for one rank."""
+    """A list of (name, start, end, category) events for one rank. device: where the timed work
+    runs (course_lib.clock: a GPU is waited for at each span's ends; None: this process's GPU if
+    it has started CUDA, else nothing)."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         self.events: list[tuple[str, float, float, str]] = []
+        self.device = device
+
+    def now(self, device=None) -> float:
+        """The clock of this timeline's spans: perf_counter once `device` (default: the
+        timeline's) has finished its queued work."""
+        return now(self.device if device is None else device)
 
     def add(self, name: str, start: float, end: float, category: str = "compute"):
         if end < start:
@@ -36,12 +48,14 @@ class Timeline:
         self.events.append((name, start, end, category))
 
     @contextlib.contextmanager
-    def span(self, name: str, category: str = "compute"):
-        start = time.perf_counter()
+    def span(self, name: str, category: str = "compute", device=None):
+        """Time the block as one event; device overrides the timeline's for this span (a caller
+        that knows where its tensors live, e.g. the pipeline executor's stage)."""
+        start = self.now(device)
         try:
             yield
         finally:
-            self.add(name, start, time.perf_counter(), category)
+            self.add(name, start, self.now(device), category)
 
 
 def merge_timelines(per_rank: list[list[tuple]]) -> list[tuple[int, str, float, float, str]]:

@@ -22,8 +22,12 @@ What the byte counts mean (S = numel * element_size of the tensor named):
     buffer(s), bytes_recv = bytes of its output buffer(s); buffers a rank does not have
     count 0 (e.g. broadcast: the source "sends" S, every other rank "receives" S;
     all_reduce: S and S; all_gather: S and N*S; reduce_scatter: N*S_out and S_out).
-  * duration: wall time of the Python call. For async calls (isend, async_op=True) that
-    is only the launch; wait on the returned work inside a `Timeline.span` to time it.
+  * duration: wall time of the call. A blocking call on a GPU tensor is timed on the course's
+    device-aware clock (course_lib.clock.now, from the device of the call's tensor): the device
+    is waited for before and after, so the time is the transfer, not its launch. For async
+    calls (isend, irecv, batch_isend_irecv, async_op=True) it is only the launch, with no wait
+    (a wait would finish the transfer the caller meant to overlap); wait on the returned work
+    inside a `Timeline.span` to time it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from course_lib.clock import device_of, now
 from course_lib.observe import patching
 
 
@@ -98,6 +103,8 @@ _ACCOUNTING = {
     "irecv": ("tensor", lambda a: (0, _nbytes(a["tensor"]), a["src"])),
 }
 
+ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})  # return work to wait on: timed at launch
+
 _active: list["CommTracer"] = []  # tracers currently recording on this process
 
 
@@ -124,9 +131,16 @@ class _TraceLayer:
     ops = frozenset(_ACCOUNTING) | {"batch_isend_irecv"}
 
     def around(self, name, a, call):
-        start = time.perf_counter()
-        result = call()
-        end = time.perf_counter()
+        if name in ASYNC or a.get("async_op"):  # the launch only, on the host's clock
+            start = time.perf_counter()
+            result = call()
+            end = time.perf_counter()
+        else:  # blocking: the device's queued work before, the transfer itself after
+            tensor_arg = _ACCOUNTING[name][0]
+            device = device_of(a[tensor_arg]) if tensor_arg else None
+            start = now(device)
+            result = call()
+            end = now(device)
         if name == "batch_isend_irecv":
             for p2p in a["p2p_op_list"]:  # one record per point-to-point op in the batch
                 kind = "isend" if getattr(p2p.op, "__name__", "") in ("isend", "send") else "irecv"

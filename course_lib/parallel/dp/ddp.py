@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.clock import now
 from course_lib.comm.compat import all_gather_single
 
 MB = 2**20
@@ -176,10 +177,15 @@ class AllReduceHandle:
     """An async all-reduce in flight. wait() returns the reduced tensor; done_at is when this
     rank first saw it finished (poll() during backward, or wait()). Polled, not a callback on the
     work's future: gloo runs such callbacks on its thread under the GIL, and at interpreter exit
-    Python 3.11 ends that thread inside C++ (SIGABRT or a hang; CONTRIBUTING.md)."""
+    Python 3.11 ends that thread inside C++ (SIGABRT or a hang; CONTRIBUTING.md).
+    On a GPU, NCCL's work.wait() returns once the compute stream is told to wait, not when the
+    transfer is done, so wait() stamps done_at on the device-aware clock (course_lib.clock) of
+    `device` (default: the tensor's); is_completed() already asks the device, so poll() does not
+    wait (a wait there would stall backward until every bucket in flight had arrived)."""
 
-    def __init__(self, work, tensor):
+    def __init__(self, work, tensor, device=None):
         self.work, self.tensor, self.done_at = work, tensor, None
+        self.device = tensor.device if device is None else device
 
     def poll(self) -> None:
         """Stamp done_at if the backend has finished (cheap: a flag read under a lock)."""
@@ -190,7 +196,7 @@ class AllReduceHandle:
         self.poll()
         self.work.wait()
         if self.done_at is None:
-            self.done_at = time.perf_counter()
+            self.done_at = now(self.device)
         return self.tensor
 
 
@@ -216,7 +222,10 @@ class DDP(nn.Module):
     `flat` arrives already divided by N. course_lib.parallel.dp.compression has hooks that
     send fewer bytes. timeline: a course_lib.observe.timeline.Timeline; each bucket becomes a
     "comm" event from launch to completion and each finish a "finish" event (launching the
-    buckets not yet launched, then waiting).
+    buckets not yet launched, then waiting). On a GPU the completions and the finish's end are
+    read on the device-aware clock of the parameters' device (course_lib.clock); the launches
+    and the finish's start are the host's moments, with no wait, since a wait there would hold
+    backward until the buckets in flight arrive: the overlap the timeline is drawn to show.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True, group=None,
@@ -242,6 +251,11 @@ class DDP(nn.Module):
         self._next = 0  # index of the next bucket to launch
         self._queued = False  # finish already queued to run at the end of this backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    @property
+    def clock_device(self) -> torch.device:
+        """Where the gradients live: the device the timeline's clock waits for."""
+        return self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -295,7 +309,7 @@ class DDP(nn.Module):
             self._launch(self.buckets[self._next])
         for b in self.buckets:
             flat = b.handle.wait()
-            done = getattr(b.handle, "done_at", None) or time.perf_counter()
+            done = getattr(b.handle, "done_at", None) or now(self.clock_device)
             if self.timeline is not None:
                 self.timeline.add(f"b{b.index}", b.started, max(done, b.started), "comm")
             offset = 0
@@ -308,5 +322,5 @@ class DDP(nn.Module):
                     p.grad.copy_(g)
             b.handle, b.ready = None, 0
         if self.timeline is not None:
-            self.timeline.add("finish", t0, time.perf_counter(), "idle")
+            self.timeline.add("finish", t0, now(self.clock_device), "idle")
         self._next, self._queued, self._expect = 0, False, False

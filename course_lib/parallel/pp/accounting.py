@@ -7,7 +7,9 @@ The executor runs the actions; before and after each it calls a StepAccounting, 
   backward B keeps the (x, dy) stash its W later consumes. `peak` is the most bytes live after
   any action: run_schedule leaves it in stage.last_peak_activation_bytes.
 * the timeline: a span per F/B/W ("forward", "backward", "weight-grad") and per send or receive
-  that waited ("comm"), when a Timeline is given.
+  that waited ("comm"), when a Timeline is given; on the stage's device (its parameters'), so on
+  a GPU each span's clock is read once the device has finished (course_lib.clock), and the
+  bubble measured from them is idle device time, not idle launching.
 * padding: action_seconds {"F", "B", "W"} slept inside each action's span (a whole micro-batch's
   time, 1/v of it per chunk), so a tiny model behaves like a big one on a crowded CPU. Without
   W actions the W time is part of B.
@@ -43,6 +45,7 @@ class StepAccounting:
 
     def __init__(self, stage, timeline=None, action_seconds: dict | None = None, split_backward: bool = False):
         self.params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        self.device = next((p.device for p in stage.parameters()), None)  # where the spans' work runs
         self.timeline, self.v = timeline, stage.virtual_stages
         self.pad = {k: 0.0 for k in "FBW"} | dict(action_seconds or {})
         if not split_backward:
@@ -51,7 +54,9 @@ class StepAccounting:
         self.live = self.peak = 0
 
     def span(self, label: str, category: str):
-        return self.timeline.span(label, category) if self.timeline is not None else contextlib.nullcontext()
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(label, category, device=self.device)
 
     def comm(self, label: str):
         return self.span(label, "comm")

@@ -107,7 +107,7 @@ def time_schedules(model_config, runs, micro_batch: int = 2, action_seconds: dic
         x, y = idx[:, :-1].to(dev), idx[:, 1:].to(dev)
         timed, plan = [], plan_pipeline(schedule, stage.n_ranks, v, m)  # built once, run every step
         for k in range(repeats + 1):
-            tl = Timeline() if k else None
+            tl = Timeline(device=dev) if k else None  # spans wait for the rank's GPU (course_lib.clock)
             loss = run_schedule(stage, x, y, plan, m, timeline=tl, action_seconds=action_seconds)
             stage.zero_grad(set_to_none=True)
             if k:
