@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import CommTracer, run_on_ranks
+from course_lib.dims import ParallelDims
 from course_lib.estimate import MoEConfig, param_count, per_gpu_memory
 from course_lib.model import GPT, GPTConfig
 from course_lib.model.moe import routing_stats
@@ -53,7 +54,7 @@ def assert_matches_reference(results, ref, cfg):
 def test_expert_parallel_equals_single_process(ep, n_experts, top_k, capacity_factor):
     cfg = moe(n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor)
     ref = train_moe_reference(cfg, TC, shares=ep)
-    results = run_expert_parallel(ep, cfg, TC, timeout_s=120)
+    results = run_expert_parallel(ParallelDims(ep=ep), cfg, TC, timeout_s=120)
     assert_matches_reference(results, ref, cfg)
     if capacity_factor is not None:  # the case really drops tokens
         model = GPT(cfg, seed=0)
@@ -63,14 +64,14 @@ def test_expert_parallel_equals_single_process(ep, n_experts, top_k, capacity_fa
 
 def test_replicated_experts_baseline_equals_single_process_too():
     cfg = moe(capacity_factor=1.0)
-    results = run_expert_parallel(2, cfg, TC, experts="replicated")
+    results = run_expert_parallel(ParallelDims(ep=2), cfg, TC, experts="replicated")
     assert_matches_reference(results, train_moe_reference(cfg, TC, 2), cfg)
 
 
 def test_expert_by_data_parallel_on_a_2d_mesh():
     cfg = moe(top_k=2, capacity_factor=1.25)
     ref = train_moe_reference(cfg, TC, shares=4)
-    results = run_expert_parallel(4, cfg, TC, dp=2, timeout_s=120)
+    results = run_expert_parallel(ParallelDims(ep=2, dp=2), cfg, TC, timeout_s=120)
     assert_matches_reference(results, ref, cfg)
 
 
@@ -131,11 +132,11 @@ def test_full_flat_gathers_the_single_process_order():
 
 
 @pytest.mark.parametrize("call,msg", [
-    (lambda: run_expert_parallel(3, moe(n_experts=4), TC), "ep=3 must divide n_experts=4"),
-    (lambda: run_expert_parallel(2, GPTConfig.tiny(V), TC), "n_experts=0 is a dense model"),
-    (lambda: run_expert_parallel(4, moe(), TC, dp=3), "dp=3 must be a positive int dividing world_size=4"),
-    (lambda: run_expert_parallel(4, moe(), TrainConfig(batch_size=6)), "batch_size=6 must be divisible"),
-    (lambda: run_expert_parallel(2, moe(), TC, experts="all"), "experts='all' must be one of"),
+    (lambda: run_expert_parallel(ParallelDims(ep=3), moe(n_experts=4), TC), "ep=3 must divide n_experts=4"),
+    (lambda: run_expert_parallel(ParallelDims(ep=2), GPTConfig.tiny(V), TC), "n_experts=0 is a dense model"),
+    (lambda: run_expert_parallel(ParallelDims(ep=2, tp=2), moe(), TC), "tp=2: run_expert_parallel runs ep, dp only"),
+    (lambda: run_expert_parallel(ParallelDims(ep=4), moe(), TrainConfig(batch_size=6)), "batch_size=6 must be divisible"),
+    (lambda: run_expert_parallel(ParallelDims(ep=2), moe(), TC, experts="all"), "experts='all' must be one of"),
     (lambda: check_expert_parallel(moe(), 0), "ep=0 must be a positive int"),
     (lambda: moe(n_experts=2, top_k=3), r"top_k=3 must satisfy 1 <= top_k <= n_experts=2"),
     (lambda: moe(capacity_factor=0), "capacity_factor=0 must be > 0"),

@@ -20,7 +20,7 @@ single process the same way:
     torchrun --nproc-per-node=2 -m course_lib.demos.expert_parallel --n-experts 8 --top-k 4 \
         --n-shared-experts 1 --router sigmoid --balance bias --max-ranks-per-token 1 --check
 
-In a notebook: `course_lib.parallel.ep.run_expert_parallel(world_size, config, train_cfg)`.
+In a notebook: `course_lib.parallel.ep.run_expert_parallel(ParallelDims(ep=world_size), config, train_cfg)`.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims, check_runner
 from course_lib.model import GPT
 from course_lib.model.moe import update_expert_bias
 from course_lib.observe.timeline import Timeline
@@ -129,9 +130,12 @@ def train_expert_parallel(model_config, train_cfg, dp: int = 1, experts: str = "
     return result
 
 
-def run_expert_parallel(world_size: int, model_config, train_cfg, dp: int = 1, experts: str = "sharded",
+def run_expert_parallel(dims: ParallelDims, model_config, train_cfg, experts: str = "sharded",
                         timeout_s: float = 120, check_collectives: bool = True, **kwargs) -> list[TrainResult]:
-    """Parent side: validate, then train_expert_parallel on world_size ranks."""
-    check_run(model_config, train_cfg, world_size, dp, experts)
-    return run_on_ranks(train_expert_parallel, model_config, train_cfg, dp, experts, world_size=world_size,
+    """Parent side: validate (dims runs ep and dp only; check_run, then the rule book's
+    check_model), then train_expert_parallel on dims.dp * dims.ep ranks."""
+    check_runner(dims, "run_expert_parallel", ("ep", "dp"))
+    check_run(model_config, train_cfg, dims.world_size, dims.dp, experts)
+    dims.check_model(model_config, train_cfg.batch_size)
+    return run_on_ranks(train_expert_parallel, model_config, train_cfg, dims.dp, experts, world_size=dims.world_size,
                         timeout_s=timeout_s, check_collectives=check_collectives, **kwargs)
