@@ -223,19 +223,21 @@ def test_torch_context_parallel_does_not_run_on_cpu(runs):
 
 
 # ------------------------------------------------------------------ bad input, before any rank starts
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(cp=2, config=GPTConfig.tiny(VOCAB, block_size=30)), r"seq_len=30 must be divisible by 2\*cp = 4"),
-    (dict(cp=4, config=GPTConfig.tiny(VOCAB, block_size=30), load_balance=False), r"seq_len=30 must be divisible by cp = 4"),
-    (dict(cp=3, config=GPTConfig.tiny(VOCAB, block_size=24), method="ulysses"), r"cp=3 must divide n_head=4"),
-    (dict(cp=2, config=CONFIG, method="zigzag"), r"cp_method='zigzag' must be one of"),
-    (dict(cp=2, config=CONFIG, dp=3), r"batch_size=4 must be divisible by 3"),
-    (dict(cp=2, config=GPTConfig.tiny(VOCAB, block_size=24, dropout=0.1)), r"dropout=0.1"),
-    (dict(cp=2, config=GPTConfig.tiny(VOCAB, block_size=24, n_experts=2)), r"n_experts=2"),
+@pytest.mark.parametrize("dims, config, message", [
+    (ParallelDims(cp=2), GPTConfig.tiny(VOCAB, block_size=30), r"seq_len=30 must be divisible by 2\*cp = 4"),
+    (ParallelDims(cp=4, cp_load_balance=False), GPTConfig.tiny(VOCAB, block_size=30),
+     r"seq_len=30 must be divisible by cp = 4"),
+    (ParallelDims(cp=3, cp_method="ulysses"), GPTConfig.tiny(VOCAB, block_size=24), r"cp=3 must divide n_head=4"),
+    (ParallelDims(cp=2, cp_method="zigzag"), CONFIG, r"cp_method='zigzag' must be one of"),
+    (ParallelDims(cp=2, dp=3), CONFIG, r"batch_size=4 must be divisible by 3"),
+    (ParallelDims(cp=2), GPTConfig.tiny(VOCAB, block_size=24, dropout=0.1), r"dropout=0.1"),
+    (ParallelDims(cp=2), GPTConfig.tiny(VOCAB, block_size=24, n_experts=2), r"n_experts=2"),
+    (ParallelDims(cp=2, tp=2), CONFIG, r"tp=2: run_context_parallel runs cp, dp, cp_method, cp_load_balance only"),
 ])
-def test_bad_input_is_rejected_in_the_parent(kwargs, message):
+def test_bad_input_is_rejected_in_the_parent(dims, config, message):
     with mock.patch.object(cp_training, "run_on_ranks", side_effect=AssertionError("ranks started")):
         with pytest.raises(ValueError, match=message):
-            run_context_parallel(kwargs.pop("cp"), kwargs.pop("config"), TRAIN, **kwargs)
+            run_context_parallel(dims, config, TRAIN)
 
 
 def test_shard_batch_keeps_each_ranks_tokens_and_positions():

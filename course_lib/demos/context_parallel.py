@@ -14,7 +14,7 @@ With --check rank 0 also trains the single-process model on the same batches, pr
 losses and exits 1 when they differ beyond what rounding explains after AdamW steps
 (course_lib.tolerances.adamw_loss_atol(lr), or --tolerance).
 
-In a notebook: `run_context_parallel(cp, config, train_cfg, dp, method, load_balance)`.
+In a notebook: `run_context_parallel(ParallelDims(cp=cp, dp=dp, cp_method=method), config, train_cfg)`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from course_lib.data import CharDataset
 from course_lib._validate import check_int
+from course_lib.dims import ParallelDims, check_runner
 from course_lib.model import GPT
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.cp.apply import apply_context_parallel, check_apply, context_parallel_loss
@@ -31,6 +32,8 @@ from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.techniques.accumulation import accumulate_gradients
 from course_lib.train import TrainResult, flat_grads, flat_params, make_optimizer, share_rows, train_loop
+
+AXES = ("cp", "dp", "cp_method", "cp_load_balance")  # the ParallelDims fields run_context_parallel runs
 
 
 def check_run(config, train_cfg, cp: int, dp: int = 1, method: str = "ring", load_balance: bool = True) -> None:
@@ -114,10 +117,14 @@ def torch_context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def run_context_parallel(cp: int, config, train_cfg, dp: int = 1, method: str = "ring", load_balance: bool = True,
-                         backend: str = "auto", timeout_s: float = 120, **kwargs) -> list[TrainResult]:
-    """Parent side: check_run (bad input raises here, before any rank starts), then
-    train_context_parallel on dp * cp ranks."""
-    check_run(config, train_cfg, cp, dp, method, load_balance)
-    return run_on_ranks(train_context_parallel, config, train_cfg, cp, dp, method, load_balance,
-                        world_size=dp * cp, backend=backend, timeout_s=timeout_s, **kwargs)
+def run_context_parallel(dims: ParallelDims, model_config, train_cfg, backend: str = "auto", timeout_s: float = 120,
+                         **kwargs) -> list[TrainResult]:
+    """Parent side: dims runs cp, dp, cp_method and cp_load_balance only; check_run and the
+    rule book's check_model (bad input raises here, before any rank starts), then
+    train_context_parallel on dims.dp * dims.cp ranks."""
+    check_runner(dims, "run_context_parallel", AXES)
+    check_run(model_config, train_cfg, dims.cp, dims.dp, dims.cp_method, dims.cp_load_balance)
+    dims.check_model(model_config, train_cfg.batch_size)
+    return run_on_ranks(train_context_parallel, model_config, train_cfg, dims.cp, dims.dp, dims.cp_method,
+                        dims.cp_load_balance, world_size=dims.world_size, backend=backend, timeout_s=timeout_s,
+                        **kwargs)
