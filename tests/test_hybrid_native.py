@@ -53,10 +53,12 @@ def test_fsdp2_with_dtensor_tp_equals_single_process_and_the_course_composed_run
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(dp=3, tp=2), r"batch_size=8 must be divisible by dp \* microbatches = 3"),
-    (dict(dp=2, tp=3), r"tp=3 must divide n_head=2"),
-    (dict(dp=0, tp=2), r"dp=0 must be an int >= 1"),
+    (dict(dp=3, tp=2, zero=3), r"batch_size=8 must be divisible by dp \* microbatches = 3"),
+    (dict(dp=2, tp=3, zero=3), r"tp=3 must divide n_head=2"),
+    (dict(dp=0, tp=2, zero=3), r"dp=0 must be a positive int"),
+    (dict(dp=2, tp=2), r"zero=0: run_native_fsdp_tp runs FSDP2, which is ZeRO stage 3"),
+    (dict(dp=2, tp=2, zero=3, pp=2), r"pp=2: run_native_fsdp_tp runs dp, tp, microbatches, zero, reshard_after_forward"),
 ])
 def test_a_layout_torch_cannot_train_is_refused_before_any_rank_starts(dense, kw, message):
     with pytest.raises(ValueError, match=message):
-        run_native_fsdp_tp(dense, TRAIN, **kw)
+        run_native_fsdp_tp(ParallelDims(**kw), dense, TRAIN)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims, check_runner
 from course_lib.model import GPT
 from course_lib.parallel.clip import clip_grad_norm_ as weighted_clip_grad_norm_
 from course_lib.parallel.hybrid.training import HybridResult
@@ -163,9 +164,15 @@ def train_native_fsdp_tp(model_config, train_cfg, dp: int, tp: int, microbatches
     return result
 
 
-def run_native_fsdp_tp(model_config, train_cfg, dp: int, tp: int, microbatches: int = 1,
-                       reshard_after_forward: bool = True, timeout_s: float = 300, **kwargs) -> list[HybridResult]:
-    """Parent side: check the layout, then train_native_fsdp_tp on dp * tp ranks (results in rank order)."""
-    _check(model_config, train_cfg, dp, tp, microbatches)
-    return run_on_ranks(train_native_fsdp_tp, model_config, train_cfg, dp, tp, microbatches, reshard_after_forward,
-                        world_size=dp * tp, timeout_s=timeout_s, **kwargs)
+def run_native_fsdp_tp(dims: ParallelDims, model_config, train_cfg, timeout_s: float = 300,
+                       **kwargs) -> list[HybridResult]:
+    """Parent side: dims runs dp, tp, microbatches and reshard_after_forward with zero=3 (FSDP2
+    shards parameters, gradients and optimizer state) only; check the layout and the rule book's
+    check_model, then train_native_fsdp_tp on dims.dp * dims.tp ranks (results in rank order)."""
+    check_runner(dims, "run_native_fsdp_tp", ("dp", "tp", "microbatches", "zero", "reshard_after_forward"))
+    if dims.zero != 3:
+        raise ValueError(f"zero={dims.zero!r}: run_native_fsdp_tp runs FSDP2, which is ZeRO stage 3 (give zero=3)")
+    _check(model_config, train_cfg, dims.dp, dims.tp, dims.microbatches)
+    dims.check_model(model_config, train_cfg.batch_size)
+    return run_on_ranks(train_native_fsdp_tp, model_config, train_cfg, dims.dp, dims.tp, dims.microbatches,
+                        dims.reshard_after_forward, world_size=dims.world_size, timeout_s=timeout_s, **kwargs)
