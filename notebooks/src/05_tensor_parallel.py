@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib import CommTracer, plot_gantt, run_on_ranks
+from course_lib.dims import ParallelDims
 from course_lib.comm.costmodel import CLUSTERS
 from course_lib.data import CharDataset, get_batch
 from course_lib.estimate import GPT3_175B, activation_bytes, per_gpu_memory
@@ -363,9 +364,9 @@ for rank, (shape, dloss, dlogits, ar) in enumerate(run_on_ranks(vocabulary_paral
 
 # %%
 reference = train_reference(CONFIG, TRAIN)
-runs = {"tp=2": run_tensor_parallel(2, CONFIG, TRAIN, **RANKS),
-        "tp=2 + SP": run_tensor_parallel(2, CONFIG, TRAIN, sequence_parallel=True, **RANKS),
-        "tp=2 DTensor": run_tensor_parallel(2, CONFIG, TRAIN, impl="dtensor", **RANKS)}
+runs = {"tp=2": run_tensor_parallel(ParallelDims(tp=2), CONFIG, TRAIN, **RANKS),
+        "tp=2 + SP": run_tensor_parallel(ParallelDims(tp=2, sequence_parallel=True), CONFIG, TRAIN, **RANKS),
+        "tp=2 DTensor": run_tensor_parallel(ParallelDims(tp=2), CONFIG, TRAIN, impl="dtensor", **RANKS)}
 print(f"{'':<14}" + "".join(f"{'step ' + str(s + 1):>9}" for s in range(TRAIN.steps)))
 print(f"{'1 process':<14}" + "".join(f"{v:>9.3f}" for v in reference.train_losses))
 for name, per_rank in runs.items():
@@ -529,8 +530,8 @@ for tp in (2, 4):
 
 # %% tags=["nbval-ignore-output"]
 one_layer = GPTConfig.tiny(DATA.vocab_size, n_layer=1)
-steps = run_tensor_parallel(2, one_layer, TrainConfig(steps=2, batch_size=8, progress=False), record_timeline=True,
-                            **RANKS)
+steps = run_tensor_parallel(ParallelDims(tp=2), one_layer, TrainConfig(steps=2, batch_size=8, progress=False),
+                            record_timeline=True, **RANKS)
 last_step = []
 for out in steps:  # keep the second step (the first one warms up): what starts after step 1's optimizer
     first_step_end = min(e[2] for e in out.timeline_events if e[0] == "optimizer")
@@ -641,10 +642,10 @@ for sp in (False, True):
 # Layouts that cannot work are refused in the notebook process, before any rank starts:
 
 # %%
-for call in (lambda: run_tensor_parallel(3, CONFIG, TRAIN),
-             lambda: run_tensor_parallel(8, GPTConfig.tiny(DATA.vocab_size, n_head=8, d_ff=100), TRAIN),
-             lambda: run_tensor_parallel(4, GPTConfig.tiny(DATA.vocab_size, block_size=30), TRAIN,
-                                         sequence_parallel=True),
+for call in (lambda: run_tensor_parallel(ParallelDims(tp=3), CONFIG, TRAIN),
+             lambda: run_tensor_parallel(ParallelDims(tp=8), GPTConfig.tiny(DATA.vocab_size, n_head=8, d_ff=100), TRAIN),
+             lambda: run_tensor_parallel(ParallelDims(tp=4, sequence_parallel=True),
+                                         GPTConfig.tiny(DATA.vocab_size, block_size=30), TRAIN),
              lambda: check_tensor_parallel(CONFIG, 0)):
     try:
         call()
