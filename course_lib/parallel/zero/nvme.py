@@ -8,7 +8,11 @@ rank under a directory the user names. Around the optimizer step, unit by unit:
     write   m, v back                             host buffer -> file       8 * S_u bytes
 
 so the host holds at most one unit's state at a time (the bounded buffer) and the disk moves
-16 * S_u bytes per unit per step. Adam is element-wise, so stepping unit by unit equals one step
+16 * S_u bytes per unit per step. The parameters and gradients stay on the rank's device; the
+step runs on the host, so each crosses the link explicitly (offload.py's to_host / to_device,
+counted in `link`): the gradient and the fp32 shard device -> host, the updated shard host ->
+device (the device's shard stays the one source of truth: a checkpoint load or another
+optimizer may write it, so the host keeps no copy of it between steps). Adam is element-wise, so stepping unit by unit equals one step
 over all parameters exactly. Counted per step: bytes read and written (the NVMe tier), the
 largest host buffer (the host tier). `disk_bandwidth(dir)` measures what the disk really does.
 On a machine without NVMe any directory works; the page cache may serve reads from memory, which
@@ -23,6 +27,8 @@ import time
 
 import numpy as np
 import torch
+
+from course_lib.parallel.zero.offload import OffloadCounter, to_device, to_host
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's m and v; SGD momentum would be one
 
@@ -55,6 +61,7 @@ class NVMeStore:
         self.directory, self.rank = directory, rank
         self.files, self.steps = [], {}
         self.read_bytes = self.written_bytes = self.peak_host_bytes = 0
+        self.link = OffloadCounter()  # bytes across the host-device link (the step's to_host / to_device)
 
     def attach(self, optimizer, units) -> None:
         """Create one zero-filled file per unit (the state before the first step is zeros)."""
@@ -70,6 +77,7 @@ class NVMeStore:
 
     def reset(self) -> None:
         self.read_bytes = self.written_bytes = self.peak_host_bytes = 0
+        self.link.reset()
 
     @torch.no_grad()
     def step(self, optimizer, units) -> None:
@@ -77,29 +85,35 @@ class NVMeStore:
             params = [e.local for e in unit.entries if e.local.grad is not None]
             if not params:
                 continue
-            host = torch.from_numpy(np.array(mm))  # read: the whole unit's m and v into one host buffer
+            host = torch.as_tensor(np.array(mm))  # read: the whole unit's m and v into one host buffer
             self.read_bytes += host.numel() * 4
             self.peak_host_bytes = max(self.peak_host_bytes, host.numel() * 4)
             off, views = 0, {}
             for e in unit.entries:
                 n = e.local.numel()
-                views[id(e.local)] = [host[off + i * n: off + (i + 1) * n].view_as(e.local)
+                views[id(e.local)] = [host[off + i * n: off + (i + 1) * n].view(e.local.shape)
                                       for i in range(len(STATE_KEYS))]
                 off += len(STATE_KEYS) * n
+            on_host = {}  # the optimizer steps host copies of the device's shards and gradients
             for p in params:
+                h = to_host(p, counter=self.link)
+                h.grad = to_host(p.grad, h.dtype, self.link)
+                on_host[id(p)] = h
                 step = self.steps.setdefault(id(p), torch.tensor(0.0))
-                optimizer.state[p] = {"step": step, **dict(zip(STATE_KEYS, views[id(p)]))}
+                optimizer.state[h] = {"step": step, **dict(zip(STATE_KEYS, views[id(p)]))}
             saved = [(g, g["params"]) for g in optimizer.param_groups]
-            try:  # step this unit's parameters only: the groups narrowed to them
+            try:  # step this unit's parameters only: the groups narrowed to their host copies
                 for g, ps in saved:
-                    g["params"] = [p for p in ps if any(p is q for q in params)]
+                    g["params"] = [on_host[id(p)] for p in ps if id(p) in on_host]
                 optimizer.step()
             finally:
                 for g, ps in saved:
                     g["params"] = ps
             for p in params:  # m and v were updated in place in the host buffer
-                self.steps[id(p)] = optimizer.state[p]["step"]
-                del optimizer.state[p]
+                h = on_host[id(p)]
+                self.steps[id(p)] = optimizer.state[h]["step"]
+                del optimizer.state[h]
+                p.copy_(to_device(h, p.device, p.dtype, self.link))  # the updated shard back to the device
             mm[:] = host.numpy()
             mm.flush()
             self.written_bytes += host.numel() * 4

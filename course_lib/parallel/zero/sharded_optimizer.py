@@ -38,7 +38,7 @@ import torch.distributed as dist
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 from course_lib.parallel.clip import THIS_RANK, clip_grad_norm_
 from course_lib.parallel.zero.flat import FlatUnit
-from course_lib.parallel.zero.offload import OffloadCounter
+from course_lib.parallel.zero.offload import OffloadCounter, to_device, to_host
 
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
 
@@ -136,12 +136,11 @@ class ShardedOptimizer:
         own = u.shard(s.flat_param)
         if own.dtype == torch.float32 and self.offload is None:
             s.master = own  # fp32: the optimizer updates the parameters' own slice in place
-        else:  # mixed precision or offload: an fp32 copy, on the host when offloading
-            s.master = u.shard(fp32).to(device=self._host(own), copy=True)
+        elif self.offload is not None:  # offload: an fp32 copy in host memory (offload.py)
+            s.master = to_host(u.shard(fp32))
+        else:  # mixed precision: an fp32 copy on the device
+            s.master = u.shard(fp32).to(device=own.device, copy=True)
         return s
-
-    def _host(self, t):
-        return torch.device("cpu") if self.offload is not None else t.device
 
     # ------------------------------------------------------------------ the torch.optim surface
     @property
@@ -190,8 +189,8 @@ class ShardedOptimizer:
             return s.master.grad
         if s.grad_shard is None:
             return None
-        if self.offload is not None:
-            self.offload.to_host(s.grad_shard)  # ZeRO-Offload: the gradient shard crosses to the host
+        if self.offload is not None:  # ZeRO-Offload: the gradient shard crosses to the host
+            return to_host(s.grad_shard, torch.float32, self.offload)
         return s.grad_shard.to(device=s.master.device, dtype=torch.float32)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -227,9 +226,10 @@ class ShardedOptimizer:
                 s.master.grad = None  # the fp32 copy of the gradient (grad_shard stays until zero_grad)
                 own = s.unit.shard(s.flat_param)
                 if s.master.data_ptr() != own.data_ptr():  # mixed precision or offload: copy back
-                    if self.offload is not None:
-                        self.offload.to_device(s.master, dtype=own.dtype)
-                    own.copy_(s.master)
+                    if self.offload is not None:  # the updated shard crosses back to the device
+                        own.copy_(to_device(s.master, own.device, own.dtype, self.offload))
+                    else:
+                        own.copy_(s.master)
                 if self.shard_world > 1:  # every rank receives every updated shard
                     all_gather_single(s.flat_param, own.clone(), group=self.group)
         self._reduced = False

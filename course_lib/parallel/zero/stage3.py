@@ -35,6 +35,7 @@ import torch.nn as nn
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 from course_lib.parallel.zero.flat import FlatUnit
 from course_lib.parallel.zero.fp8_gather import FP8Gather
+from course_lib.parallel.zero.offload import to_device, to_host
 
 SHARD_NAME = "flat_shard"  # the parameter every unit module gets
 
@@ -63,8 +64,12 @@ class FullyShardedUnit:
         self.compute_dtype = manager.compute_dtype
         with torch.no_grad():
             flat = self.unit.flatten([p.detach() for p in params], dtype=torch.float32)
-            host = torch.device("cpu") if manager.offload is not None else flat.device
-            self.shard_param = nn.Parameter(self.unit.shard(flat).clone().to(host))
+            own = self.unit.shard(flat)
+            if manager.offload is None:
+                self.shard_param = nn.Parameter(own.clone())
+            else:  # the fp32 shard lives in host memory (offload.py). nn.Parameter is a new tensor
+                # object: .cpu() (no copy: it is there) tells COURSE_DEVICE_RULE's tracking so too
+                self.shard_param = nn.Parameter(to_host(own)).cpu()
         self.device = flat.device  # where compute runs
         self.buffer, self.work = None, None
         # the ShardedOptimizer surface (sharded_optimizer.py treats this object as a shard)
@@ -85,9 +90,10 @@ class FullyShardedUnit:
         else:
             self.buffer.untyped_storage().resize_(n * self.buffer.element_size())
         shard = self.shard_param.detach()
-        if self.offload is not None:
-            self.offload.to_device(shard, dtype=self.compute_dtype)  # the shard crosses to the device
-        if self.manager.gather_dtype == "fp8":  # quantized from the fp32 shard, dequantized on wait()
+        fp8 = self.manager.gather_dtype == "fp8"  # quantized from the fp32 shard, dequantized on wait()
+        if self.offload is not None:  # the shard crosses to the device (fp8: in fp32, quantized there)
+            shard = to_device(shard, self.device, None if fp8 else self.compute_dtype, self.offload)
+        if fp8:
             self.work = FP8Gather(self.buffer.data, shard.to(self.device), self.group)
             self.manager.note(f"gather {self.name}")
             return
@@ -136,8 +142,8 @@ class FullyShardedUnit:
         reduce_scatter_single(out, grad, group=self.group)
         self.manager.span(f"reduce-scatter {self.name}", started)
         self.forget()
-        if self.offload is not None:
-            self.offload.to_host(out)  # the gradient shard crosses to the host
+        if self.offload is not None:  # the gradient shard crosses to the host
+            return to_host(out, self.shard_param.dtype, self.offload)
         return out.to(device=self.shard_param.device, dtype=self.shard_param.dtype)
 
 
