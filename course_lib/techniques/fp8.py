@@ -50,8 +50,8 @@ the kernels do, the saved x and W dequantized, transposed and quantized again (D
 1x128 tiles become 128x1), dY quantized both ways from its high-precision value. One scale per
 tensor, or square 128x128 blocks, are the same groups either way. On CPU the matmuls run in fp32
 on the exact dequantized values: the numerics are the lesson, the speed is the GPU's. On CUDA, per-tensor or row-wise scales go
-through torch._scaled_mm for the forward (the hardware FP8 path); this path is not exercised
-by the course's CPU tests. `all_gather_fp8` gathers FP8 shards and their scales (ZeRO-3/FSDP's
+through torch._scaled_mm for the forward (the hardware FP8 path, fp8_hardware.py) on GPUs of
+compute capability 8.9 or newer; an older GPU falls back to the emulation and warns once. `all_gather_fp8` gathers FP8 shards and their scales (ZeRO-3/FSDP's
 parameter all-gather at half of bf16's bytes) and dequantizes them; ZeRO-3 does the same inside
 its unit gathers with apply_zero(..., stage=3, gather_dtype="fp8") (course_lib.parallel.zero.fp8_gather).
 (A little over 300 lines: the casts, the layer and the gather share one set of scale rules.)
@@ -66,6 +66,7 @@ import torch.nn as nn
 
 from course_lib.comm.compat import all_gather_single
 from course_lib.techniques import fp4
+from course_lib.techniques.fp8_hardware import scaled_mm_forward
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FMT_NAMES = ("e4m3", "e5m2", "mxfp8")
@@ -213,17 +214,6 @@ def _regrouped(q, s, fmt, granularity):
     return dequantize(*quantize(dq.t(), fmt, granularity), granularity).t() if granularity in ALONG_ROWS else dq
 
 
-def _scaled_mm_forward(qx, sx, qw, sw, recipe):
-    """The hardware path: torch._scaled_mm on a GPU, for per-tensor or row-wise scales."""
-    if not (qx.is_cuda and hasattr(torch, "_scaled_mm") and recipe.activation == recipe.weight
-            and recipe.activation in ("tensor", "row") and qx.shape[1] % 16 == 0 and qw.shape[0] % 16 == 0):
-        return None
-    if recipe.activation == "tensor":
-        return torch._scaled_mm(qx, qw.t(), scale_a=sx.reshape(()), scale_b=sw.reshape(()), out_dtype=torch.float32)
-    out = torch._scaled_mm(qx, qw.t(), scale_a=sx.reshape(-1, 1), scale_b=sw.reshape(1, -1), out_dtype=torch.bfloat16)
-    return out.float()  # row-wise _scaled_mm accumulates in fp32 but writes bf16
-
-
 def _flat(scales) -> tuple:
     return tuple(scales) if isinstance(scales, fp4.NVScales) else (scales,)
 
@@ -239,7 +229,7 @@ class _FP8Matmul(torch.autograd.Function):
                                  f"{x2.shape[0]} tokens must divide into groups of {width}")
         qx, sx = _cast(x2, r.forward_fmt, r.activation, module.histories.get("input"))
         qw, sw = _cast(weight, r.forward_fmt, r.weight, module.histories.get("weight"))
-        out = _scaled_mm_forward(qx, sx, qw, sw, r)
+        out = scaled_mm_forward(qx, sx, qw, sw, r)  # fp8_hardware.py: None unless a GPU with FP8 matmuls
         if out is None:  # fp32 matmul on the exact dequantized values
             out = dequantize(qx, sx, r.activation) @ dequantize(qw, sw, r.weight).t()
         if bias is not None:
