@@ -4,5 +4,6 @@
     activation_checkpointing.py  recompute blocks in backward instead of saving their activations
     accumulation.py              k micro-batches, one optimizer step
     fp8.py                       FP8 formats, scaled casts (tensor/row/tile/block/MX), FP8Linear, apply_fp8
-                                 (fp8_figures.py: the notebook's pictures of them)
+                                 (fp8_figures.py: the notebook's pictures of them; fp8_hardware.py: torch._scaled_mm
+                                 on GPUs of compute capability >= 8.9, the emulation elsewhere)
 """

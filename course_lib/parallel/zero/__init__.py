@@ -4,7 +4,7 @@
     sharded_optimizer.py  ShardedOptimizer: stage 1 over any parameter iterable (the engine of all stages)
     stage2.py             gradients reduce-scattered in buckets from hooks during backward
     stage3.py             FSDP: per-block all-gather before forward and backward, free after, prefetch
-    offload.py            ZeRO-Offload: bytes across the host link, the PCIe time model
+    offload.py            ZeRO-Offload: to_host / to_device (every crossing), bytes across the link, PCIe time
     apply.py              apply_zero(model, stage, optimizer_class, group, offload, **kw) -> (model, optimizer)
     per_param.py          per-parameter sharding (FSDP2): one unit's dim-0 shards, gather and reduce
     per_param_model.py    unit policies (block / whole / module classes) and the stage-3 hooks, prefetch
