@@ -25,6 +25,8 @@
 # * compute what bf16 and top-k compression save, and when error feedback helps;
 # * scale the learning rate with the global batch (linear, square root, warm-up) and estimate
 #   the critical batch size from gradient noise (McCandlish et al. 2018).
+# * compile a model per block under PyTorch's DDP and FSDP2, in the order tensor parallelism,
+#   activation checkpointing, compile, sharding, and check one compiled step against eager.
 
 # %%
 %matplotlib inline
@@ -1048,6 +1050,97 @@ for line in run_on_ranks(bad_replicas, world_size=2, **RANKS)[0]:
     print(line)
 
 # %% [markdown]
+# ## 13. The one you will use at work: `torch.compile` with DDP and FSDP2
+#
+# Everything above ran PyTorch eagerly: one Python call, one kernel, per operation.
+# `torch.compile` (Ansel et al. 2024) captures a region of the model as a graph (TorchDynamo),
+# derives its backward ahead of time (AOTAutograd) and generates fused kernels for it
+# (TorchInductor: C++ loops built with the system's C++ compiler on a CPU, Triton kernels on a
+# GPU). Large training runs compile, and they compile **per block**: torchtitan (Liang et al.
+# 2025) calls `compile` on each transformer block, not on the whole model. The blocks are the
+# same code with the same shapes, so one block's forward and backward are compiled once and
+# reused by every block, and the compiled regions end exactly where the data-parallel
+# machinery starts. `course_lib.techniques.compiled.apply_compile(model)` does that
+# (`block.compile()` for every block; the embeddings, the head and the loss stay eager).
+#
+# **The order rule.** A run that combines them applies, in this order: tensor parallelism
+# (notebook 05), activation checkpointing (notebook 04), `compile`, then FSDP or DDP. Each step
+# needs the one before it done:
+#
+# * **TP before compile**: TP swaps a block's weights for shards and adds its collectives to the
+#   block's forward. Compilation is lazy (the first forward traces the block), but what it traces
+#   must be the split block; compiling first would capture the unsplit one.
+# * **Activation checkpointing before compile**: the checkpoint then sits *inside* the compiled
+#   region, where the compiler sees which activations are recomputed and plans its saved tensors
+#   around them; compiled first, the checkpoint would only re-run an opaque compiled call.
+# * **Compile before FSDP**: `fully_shard(block)` adds an all-gather before the block's forward
+#   and a reduce-scatter after its backward as hooks, and FSDP2 marks those hooks so that
+#   TorchDynamo does not trace them. Wrapping the compiled block keeps one FSDP unit per compiled
+#   block: the collectives run outside the compiled graph, overlapping with it as in eager.
+#   DDP is the same: its reducer is fed by autograd hooks on the parameters, outside the graph.
+#   (Compiling the whole `DDP(model)` instead also works: TorchDynamo's *DDPOptimizer* then
+#   splits the captured graph at DDP's bucket boundaries, so that each bucket's all-reduce can
+#   start when its piece of backward ends, at the price of one graph per bucket.)
+#
+# torchtitan's `parallelize` functions apply them in exactly this order ("turn on per-TransformerBlock
+# compile after AC wrapping and before FSDP"). Here both wrappers run on 2 CPU ranks, each
+# rank stepping an eager and a compiled copy of the course GPT from the same weights, on the same
+# rows of one global batch, with one SGD step (plain gradients, so that the comparison is not
+# blurred by Adam; see section 3). The compile starts from an empty cache folder, as on a
+# learner's first run: every kernel is generated and built by the C++ compiler. (These runs ask
+# Inductor for plain scalar C++ loops, which g++ builds in about half the time of vectorised
+# ones: the same arithmetic, up to rounding, built faster.)
+#
+# **Predict first.** Will the compiled step give the same parameters as the eager step, bit for
+# bit? And how does the first compiled step's time compare with an eager step?
+#
+# <details><summary>Answer</summary>
+#
+# Not bit for bit: Inductor fuses element-wise operations into loops of its own and may add
+# the same fp32 terms in another order (a LayerNorm's mean and variance, a bias gradient's sum),
+# so the gradients differ in their last bits, far below what any real difference (a missing
+# gradient average) moves. The first compiled step costs seconds to minutes instead of
+# milliseconds: tracing, generating and building C++ kernels for a block's forward and backward.
+# Later steps reuse them, and a second run reads them from the cache folder.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+from course_lib.techniques.compiled import compile_unavailable, run_compiled_vs_eager
+
+reason = compile_unavailable()
+if reason is not None:  # no C++ compiler: say what fails, and keep the eager runs above
+    print("torch.compile cannot build CPU kernels here:", reason)
+else:
+    t0 = time.perf_counter()
+    compiled_steps = run_compiled_vs_eager(CONFIG, world_size=2, **RANKS)
+    print(f"2 ranks, cold Inductor cache: {time.perf_counter() - t0:.1f} s for both comparisons\n")
+    for i, (mine, other) in enumerate(zip(*compiled_steps)):
+        for s in (mine, other):
+            # Within the rounding bound (GRAD_RTOL = 1e-4 of the largest gradient: the same fp32 sums
+            # in another order), and far from what a gradient left unaveraged moves: a real difference
+            # would show. The replicas are bitwise equal: each one averages or gathers the same numbers.
+            assert s.max_grad_diff <= s.grad_atol and s.max_param_diff <= s.param_atol, s
+            assert s.param_atol < s.max_param_diff_unaveraged / 100, s
+        assert torch.equal(mine.params, other.params) and mine.graphs >= 1
+        print(f"{mine.kind:>5}: loss eager {mine.loss_eager:.6f}, compiled {mine.loss_compiled:.6f}; "
+              f"max|Δgrad| {mine.max_grad_diff:.1e} (bound {mine.grad_atol:.1e}); max|Δθ| after one SGD step "
+              f"{mine.max_param_diff:.1e} (bound {mine.param_atol:.1e}; an unaveraged gradient moves "
+              f"{mine.max_param_diff_unaveraged:.1e})")
+        print(f"       {mine.graphs} graph compiled (one block's, reused by the other); first compiled step "
+              f"{mine.compiled_step_s:.1f} s, eager step {mine.eager_step_s:.2f} s; replicas identical")
+
+# %% [markdown]
+# The compiled and the eager step agree within fp32 rounding, under DDP and under FSDP2, and
+# both replicas hold the same parameters bit for bit. Only one graph was compiled per wrapper:
+# the second block reused the first one's. The DDP comparison ran first and paid for building
+# every kernel; FSDP2's compiled block is the same computation: it is traced again (its
+# parameters now come from FSDP's all-gather), and its kernels, already built, are read from the
+# cache folder. On a GPU
+# the trade is the same in kind: a compile that costs seconds to minutes once, against faster
+# steps for the rest of a run that lasts days. (On this CPU, and a model this small, a compiled
+# step is not meant to be faster; the lesson is the order and the equality.)
+
+# %% [markdown]
 # ## What to remember
 #
 # * DP = `N` replicas, `N` shards, one gradient average per step; with equal shards and a
@@ -1064,6 +1157,9 @@ for line in run_on_ranks(bad_replicas, world_size=2, **RANKS)[0]:
 # * More ranks mean a bigger global batch and fewer steps per token. Scale the learning rate
 #   (linear for SGD, square root for Adam) with a warm-up, and keep the batch below the
 #   critical batch size, estimated by the gradient-noise scale $B_\text{simple}$.
+# * At work, compile per block, in the order tensor parallelism, activation checkpointing,
+#   `torch.compile`, then FSDP or DDP; a compiled step equals the eager one within fp32
+#   rounding, not bit for bit.
 #
 # ## Self-check
 #
@@ -1078,6 +1174,9 @@ for line in run_on_ranks(bad_replicas, world_size=2, **RANKS)[0]:
 # 5. You go from 8 to 64 data-parallel ranks at a fixed per-rank batch and a fixed token budget,
 #    with AdamW. What do you change in the learning-rate schedule, and what would tell you that
 #    the new global batch is too large?
+#
+# 6. A colleague compiles each block first and applies activation checkpointing afterwards, then
+#    `fully_shard`. Does it train correctly? What does the compiler miss?
 #
 # <details><summary>Answers</summary>
 #
@@ -1095,6 +1194,10 @@ for line in run_on_ranks(bad_replicas, world_size=2, **RANKS)[0]:
 # 5. Multiply the learning rate by about $\sqrt{8} \approx 2.8$ (square root for Adam) and add
 #    or lengthen the warm-up. The global batch is too large when it exceeds the measured
 #    noise scale $B_\text{simple}$: then the loss per token gets worse, whatever the schedule.
+# 6. It trains correctly (checkpointing an opaque compiled call still recomputes the same
+#    numbers), but the checkpoint lies outside the compiled region: the compiler cannot see
+#    which activations will be recomputed, so it cannot plan its saved tensors around them.
+#    Checkpoint first, then compile, then shard.
 # </details>
 
 # %% [markdown]
@@ -1125,6 +1228,12 @@ for line in run_on_ranks(bad_replicas, world_size=2, **RANKS)[0]:
 #   NeurIPS 2022: why the square-root rule is the one that fits Adam.
 # * McCandlish et al. (2018). *An Empirical Model of Large-Batch Training*, arXiv:1812.06162:
 #   the gradient-noise scale and the critical batch size (section 11.1).
+# * Ansel et al. (2024). *PyTorch 2: Faster Machine Learning Through Dynamic Python Bytecode
+#   Transformation and Graph Compilation*, ASPLOS 2024: TorchDynamo, AOTAutograd and
+#   TorchInductor, the three parts of `torch.compile` (section 13).
+# * Liang et al. (2025). *TorchTitan: One-stop PyTorch native solution for production ready LLM
+#   pre-training*, ICLR 2025: per-block compilation and the order in which it composes tensor
+#   parallelism, activation checkpointing and FSDP2 (section 13).
 #
 # Further reading:
 #
