@@ -18,6 +18,7 @@ from torch.utils.data import DistributedSampler
 
 from course_lib import run_on_ranks
 from course_lib.data import CharDataset, get_batch
+from course_lib.dims import ParallelDims
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import DDP, assign_buckets, check_replicas, naive_all_reduce_gradients, run_data_parallel
 from course_lib.parallel.dp.ddp import AllReduceHandle
@@ -260,11 +261,11 @@ def test_bad_input_raises_before_ranks(config):
             DDP(nn.Linear(2, 2), bucket_cap_mb=cap)
     cfg = TrainConfig(steps=1, batch_size=8)
     with pytest.raises(ValueError, match="accum_steps=0"):
-        run_data_parallel(2, config, cfg, "ddp", accum_steps=0)
+        run_data_parallel(ParallelDims(dp=2), config, cfg, "ddp", accum_steps=0)
     with pytest.raises(ValueError, match="divisible"):
-        run_data_parallel(4, config, cfg, "ddp", accum_steps=4)
+        run_data_parallel(ParallelDims(dp=4), config, cfg, "ddp", accum_steps=4)
     with pytest.raises(ValueError, match="strategy"):
-        run_data_parallel(2, config, cfg, "fsdp")
+        run_data_parallel(ParallelDims(dp=2), config, cfg, "fsdp")
     with pytest.raises(ValueError, match="bucket_cap_bytes"):
         assign_buckets([4, 4], 0)
 

@@ -13,6 +13,7 @@ import torch
 
 from course_lib import RankError, run_on_ranks
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims
 from course_lib.demos.zero import zero_demo
 from course_lib.estimate import model_state_bytes
 from course_lib.model import GPT, GPTConfig
@@ -147,23 +148,23 @@ def test_traffic_per_step_stage_1_2_as_ddp_stage_3_one_and_a_half(config):
 def test_bad_input_is_rejected_in_the_parent_before_any_rank_starts(config):
     cfg = TrainConfig(steps=1, batch_size=12, progress=False)
     with pytest.raises(ValueError, match=r"stage=4 must be one of \(0, 1, 2, 3\)"):
-        run_zero(2, config, cfg, 4)
+        run_zero(ParallelDims(dp=2, zero=4), config, cfg)
     with pytest.raises(ValueError, match="stage=True must be one of"):
-        run_zero(2, config, cfg, True)
+        run_zero(ParallelDims(dp=2, zero=True), config, cfg)
     with pytest.raises(ValueError, match="optimizer_class=LBFGS is not supported.*element-wise.*SGD and the Adam"):
-        run_zero(2, config, cfg, 1, torch.optim.LBFGS)
+        run_zero(ParallelDims(dp=2, zero=1), config, cfg, torch.optim.LBFGS)
 
     class Shampoo(torch.optim.Optimizer):
         pass
 
     with pytest.raises(ValueError, match="optimizer_class=Shampoo is not supported.*Shampoo"):
-        run_zero(2, config, cfg, 2, Shampoo)
+        run_zero(ParallelDims(dp=2, zero=2), config, cfg, Shampoo)
     with pytest.raises(ValueError, match="offload=True needs stage >= 1"):
-        run_zero(2, config, cfg, 0, offload=True)
+        run_zero(ParallelDims(dp=2), config, cfg, offload=True)
     with pytest.raises(ValueError, match="batch_size=12 must be divisible by world_size=5"):
-        run_zero(5, config, cfg, 1)
+        run_zero(ParallelDims(dp=5, zero=1), config, cfg)
     with pytest.raises(ValueError, match="bucket_cap_mb=0 must be a positive number"):
-        run_zero(2, config, cfg, 2, bucket_cap_mb=0)
+        run_zero(ParallelDims(dp=2, zero=2), config, cfg, bucket_cap_mb=0)
 
 
 def test_bad_input_inside_ranks_fails_before_any_collective(config):

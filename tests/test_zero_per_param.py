@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from course_lib import RankError, run_on_ranks
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims
 from course_lib.model import GPT
 from course_lib.parallel.zero import apply_zero, run_zero, train_zero, train_zero_reference
 from course_lib.parallel.zero.native import _full, fsdp2_model
@@ -282,9 +283,11 @@ def test_bad_input_is_refused_before_any_rank_waits(config, tmp_path):
     with pytest.raises(ValueError, match=r"offload='nvme' .* is built for sharding='per_param'"):
         apply_zero(GPT(config), 3, torch.optim.AdamW, offload="nvme", lr=1.0)
     with pytest.raises(ValueError, match=r"reshard_after_forward=3 must be"):  # run_zero: in the parent
-        run_zero(4, config, train_cfg(), 3, sharding="per_param", reshard_after_forward=3)
+        run_zero(ParallelDims(dp=4, zero=3), config, train_cfg(), sharding="per_param", reshard_after_forward=3)
     with pytest.raises(ValueError, match=r"sharding='per_param' is stage 3"):
         apply_zero(GPT(config), 2, torch.optim.AdamW, sharding="per_param", lr=1.0)
+    with pytest.raises(ValueError, match=r"zero=2: sharding='per_param' is stage 3"):  # run_zero: in the parent
+        run_zero(ParallelDims(dp=4, zero=2), config, train_cfg(), sharding="per_param")
 
     def bad_reshard():
         apply_zero(GPT(config), 3, torch.optim.AdamW, sharding="per_param", reshard_after_forward=3, lr=1.0)

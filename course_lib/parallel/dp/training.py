@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims, check_runner
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.model import GPT
@@ -65,11 +66,14 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
     return result
 
 
-def run_data_parallel(world_size: int, model_config, train_cfg, strategy: str = "ddp", accum_steps: int = 1,
+def run_data_parallel(dims: ParallelDims, model_config, train_cfg, strategy: str = "ddp", accum_steps: int = 1,
                       backend: str = "auto", timeout_s: float = 120, check_collectives: bool = True,
                       **kwargs) -> list[TrainResult]:
-    """Parent side: validate, then run train_data_parallel on `world_size` ranks (run_on_ranks'
+    """Parent side: validate (dims runs dp only; the strategy and accum_steps, then the rule
+    book's check_model), then run train_data_parallel on dims.dp ranks (run_on_ranks'
     backend/timeout_s/check_collectives; other kwargs go to train_data_parallel)."""
-    _check_run(strategy, accum_steps, train_cfg.batch_size, world_size)
-    return run_on_ranks(train_data_parallel, model_config, train_cfg, strategy, accum_steps, world_size=world_size,
+    check_runner(dims, "run_data_parallel", ("dp",))
+    _check_run(strategy, accum_steps, train_cfg.batch_size, dims.dp)
+    dims.check_model(model_config, train_cfg.batch_size)
+    return run_on_ranks(train_data_parallel, model_config, train_cfg, strategy, accum_steps, world_size=dims.dp,
                         backend=backend, timeout_s=timeout_s, check_collectives=check_collectives, **kwargs)

@@ -1,7 +1,7 @@
 """ZeRO training on ranks, the single-process run it must equal, and what one step holds and sends.
 
     train_zero(config, train_cfg, stage, ...)   rank code: course_lib.loop.train_loop on a ZeRO model
-    run_zero(world_size, config, train_cfg, stage, ...)   parent side: validate, then run it on ranks
+    run_zero(dims, config, train_cfg, ...)              parent side: validate, then run it on dims.dp ranks
     train_zero_reference(config, train_cfg, ...)        one process, the same optimizer (fp32 masters for bf16)
     measure_zero_step(config, train_cfg, stage, ...)   rank code: bytes held after backward / after
                                                 the step, stage 3's gathered-bytes trace, offload bytes
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims, check_runner
 from course_lib.model import GPT
 from course_lib.model.gpt import token_cross_entropy
 from course_lib.observe.timeline import Timeline
@@ -94,16 +95,23 @@ def train_zero(model_config, train_cfg, stage: int, optimizer_class=torch.optim.
     return result
 
 
-def run_zero(world_size: int, model_config, train_cfg, stage: int, optimizer_class=torch.optim.AdamW,
+def run_zero(dims: ParallelDims, model_config, train_cfg, optimizer_class=torch.optim.AdamW,
              offload: bool = False, compute_dtype=None, timeout_s: float = 120, backend: str = "auto",
              **kwargs) -> list[TrainResult]:
-    """Parent side: reject bad input here, then train_zero on `world_size` ranks."""
+    """Parent side: dims runs dp and zero (the stage) only; reject bad input here (the stage's
+    arguments, then the rule book's check_model), then train_zero on dims.dp ranks.
+    reshard_after_forward stays a keyword (sharding="per_param" takes FSDP2's int k too)."""
+    check_runner(dims, "run_zero", ("dp", "zero"))
+    world_size, stage = dims.dp, dims.zero
     if kwargs.get("sharding") == "per_param":
+        if stage != 3:
+            raise ValueError(f"zero={stage!r}: sharding='per_param' is stage 3 (give zero=3)")
         keys = ("policy", "reshard_after_forward", "hsdp", "param_dtype", "reduce_dtype", "offload_dir", "prefetch")
         check_per_param_args(world_size, offload=offload, **{k: kwargs[k] for k in keys if k in kwargs})
     else:
         check_zero_args(stage, optimizer_class, offload, compute_dtype, kwargs.get("bucket_cap_mb", 25))
     _check_batch(train_cfg, world_size)
+    dims.check_model(model_config, train_cfg.batch_size)
     return run_on_ranks(train_zero, model_config, train_cfg, stage, optimizer_class, world_size=world_size,
                         timeout_s=timeout_s, backend=backend, offload=offload, compute_dtype=compute_dtype, **kwargs)
 
