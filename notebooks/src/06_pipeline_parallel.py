@@ -38,6 +38,7 @@ import torch
 from course_lib import plot_gantt
 from course_lib.comm.costmodel import CLUSTERS
 from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims
 from course_lib.model import GPT, GPTConfig
 from dataclasses import replace
 
@@ -171,7 +172,8 @@ ref = train_reference(CONFIG, TC)
 ref_params = dict(ref.model.named_parameters())
 OURS = {}  # kept for section 8
 for schedule, m, v in (("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 4, 2), ("zero_bubble", 4, 1)):
-    results = OURS[schedule] = run_pipeline(4, CONFIG, TC, schedule, m, v)
+    dims = ParallelDims(pp=4, schedule=schedule, microbatches=m, virtual_stages=v)
+    results = OURS[schedule] = run_pipeline(dims, CONFIG, TC)
     params = stage_tensors(results)
     diff = torch.cat([(params[k] - ref_params[k].detach()).flatten() for k in ref_params])
     loss_gap = max(abs(a - b) for a, b in zip(results[0].train_losses, ref.train_losses))
@@ -432,7 +434,7 @@ print(f"measured bubble: ZB-H1 {zb_run['bubble']:.2f} (formula {zb_run['formula'
 
 # %%
 for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
-    theirs = run_native(4, CONFIG, TC, schedule, 4, v)
+    theirs = run_native(ParallelDims(pp=4, schedule=schedule, microbatches=4, virtual_stages=v), CONFIG, TC)
     gap = max(abs(a - b) for a, b in zip(OURS[schedule][0].train_losses, theirs[0].train_losses))
     assert gap < 1e-5  # the same sums in another order: fp32 rounding (~1e-7 on a loss of ~4)
     print(f"{schedule:>17}: torch.distributed.pipelining's losses within 1e-5 of ours over {TC.steps} steps")
@@ -617,7 +619,8 @@ print(f"measured on this run: DualPipeV {d_run:.2f} is {'below' if d_run < z_run
 
 # %%
 for schedule, m_v in (("zbv", 4), ("dualpipev", 8)):
-    ours, theirs = run_ours_and_native(4, CONFIG, TC, schedule, m_v, 2)  # both on the same 4 ranks, in turn
+    dims = ParallelDims(pp=4, schedule=schedule, microbatches=m_v, virtual_stages=2)
+    ours, theirs = run_ours_and_native(dims, CONFIG, TC)  # both on the same 4 ranks, in turn
     for who, results in (("ours", ours), ("torch", theirs)):
         params = stage_tensors(results)
         diff = torch.cat([(params[k] - ref_params[k].detach()).flatten() for k in ref_params])
@@ -658,7 +661,7 @@ for schedule, m_v in (("zbv", 4), ("dualpipev", 8)):
 # %% tags=["nbval-ignore-output"]
 UNTIED = replace(CONFIG, tie_weights=False)  # 2BW's rules: no tied head across stages, no global clip
 TC6 = replace(TC, steps=6, grad_clip=0.0)
-two_bw = run_2bw(4, UNTIED, TC6, 4)
+two_bw = run_2bw(ParallelDims(pp=4, schedule="pipedream_2bw", microbatches=4), UNTIED, TC6)
 delayed, sync = reference_2bw(UNTIED, TC6, 4), train_reference(UNTIED, TC6)
 for t in range(TC6.steps):
     print(f"step {t + 1}: 2BW {two_bw[0].train_losses[t]:.4f} (weights W_{two_bw[0].version_used[t]})   "
