@@ -27,11 +27,11 @@ TopKHook(ratio, error_feedback=True)  keep the k = ceil(ratio * n) largest |entr
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
+from course_lib.clock import now
 from course_lib.comm.compat import all_gather_single
 from course_lib.parallel.dp.ddp import AllReduceHandle
 
@@ -70,7 +70,7 @@ class _SparseSum:
     def wait(self) -> torch.Tensor:
         for w in self.works:
             w.wait()
-        self.done_at = time.perf_counter()
+        self.done_at = now(self.values.device)  # after the device finished the gathers (course_lib.clock)
         dense = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
         # index_add_ sums duplicates: two ranks choosing the same entry both count.
         return dense.index_add_(0, self.indices.long(), self.values)
