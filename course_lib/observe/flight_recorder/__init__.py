@@ -1,7 +1,7 @@
 """A flight recorder: each rank's last calls of torch.distributed, written to a file when one
 hangs, and the analysis that lines the ranks up and names where they diverge. Llama 3's team
-found stuck ranks this way, with NCCL's own recorder (Dubey et al. 2024, §3.3.4). (A little
-over 300 lines: the recorder and the analysis read the same entries, and belong together.)
+found stuck ranks this way, with NCCL's own recorder (Dubey et al. 2024, §3.3.4). The recorder
+is here; the analysis, which reads its dumps, in analysis.py.
 
     with FlightRecorder(dump_dir, stuck_after_s=5):    rank code: record; dump when a call hangs
         ...
@@ -43,9 +43,22 @@ sequence number, not by clock: clocks of different hosts disagree), then a culpr
 in another call (a wrong group, a reordering) before one that has left; the order is the same
 on every run.
 
-Limits: asynchronous calls (isend, irecv, batch_isend_irecv, async_op=True) count as completed
-when they are launched, so a hang in their wait() shows as the rank's last call, not as a stuck
-one; two process groups over the same ranks share their sequence numbers.
+On NCCL a call returns at once: it only queues the communication on the GPU's stream, so the
+Python call returning says nothing about the communication ending, and a recorder that marked
+"completed" there would show a rank stuck in a collective as having completed it (the hang then
+surfaces later, at the next `.item()` or synchronize, with every call "completed"). So on a group
+whose backend is NCCL an entry stays "issued" until its communication has ended: the recorder
+keeps the call's Work object (async_op=True, isend, irecv, batch_isend_irecv) or, for a blocking
+call, a CUDA event recorded on the current stream right after it (the call made that stream wait
+for NCCL's, so the event completes when the communication does), and polls `is_completed()` /
+`query()` from its own thread every poll_s, and before each dump (never a callback on the
+backend's thread: CONTRIBUTING, "No backend thread runs Python"). "completed_at" is then when a
+poll saw it, within poll_s of the end. On gloo nothing changes: its blocking calls return when
+their communication has ended.
+
+Limits: on gloo, asynchronous calls (isend, irecv, batch_isend_irecv, async_op=True) count as
+completed when they are launched, so a hang in their wait() shows as the rank's last call, not
+as a stuck one; two process groups over the same ranks share their sequence numbers.
 """
 
 from __future__ import annotations
@@ -53,7 +66,6 @@ from __future__ import annotations
 import collections
 import json
 import pathlib
-import sys
 import threading
 import time
 
@@ -62,6 +74,7 @@ import torch.distributed as dist
 
 from course_lib._validate import check_int
 from course_lib.observe import patching
+from course_lib.observe.flight_recorder.analysis import analyse, load_dumps, main  # noqa: F401 (the package's API)
 
 DUMP_REQUEST = "dump_now"  # dump_dir/dump_now: a request for a dump (its text: the request's id)
 
@@ -79,6 +92,28 @@ _RANKS: dict = {}  # group (None: the world) -> (its global ranks, its key in th
 _TENSOR_ARGS = ("tensor", "input_tensor", "input", "tensor_list", "input_tensor_list", "output")
 _TENSOR_ARG: dict = {}  # op -> the first of _TENSOR_ARGS among its arguments (None: it has none), found once
 _DTYPE_NAMES: dict = {}  # torch.float32 -> "float32"
+_EARLY: dict = {}  # group -> whether its calls return before their communication ends, looked up once
+
+
+def _returns_early(group) -> bool:
+    """Whether a call on `group` returns before its communication ends: NCCL queues it on the GPU."""
+    if group not in _EARLY:
+        try:
+            _EARLY[group] = dist.get_backend(group) == "nccl"
+        except (RuntimeError, ValueError):  # not a group torch knows (a test's stand-in): gloo's rule
+            _EARLY[group] = False
+    return _EARLY[group]
+
+
+def _stream_marker():
+    """A CUDA event on the current stream, recorded after a blocking NCCL call (module docstring)."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _ended(handles) -> bool:
+    return all(h.is_completed() if hasattr(h, "is_completed") else h.query() for h in handles)
 
 
 def _group_ranks(group) -> tuple[list[int], tuple]:
@@ -112,6 +147,8 @@ class FlightRecorder:
         self.entries: collections.deque = collections.deque(maxlen=self.capacity)
         self._counts: collections.Counter = collections.Counter()
         self._lock = threading.Lock()  # one dump at a time (the watchdog, or a caller's)
+        self._pending: list = []  # NCCL: (entries, handles) whose communication may not have ended
+        self._pending_lock = threading.Lock()  # the rank's thread appends, the watchdog polls
         self._stop = threading.Event()
         self.ops = frozenset(_GROUP_OPS) | frozenset(P2P) | {"batch_isend_irecv"}
 
@@ -150,10 +187,31 @@ class FlightRecorder:
             tensor = _first_tensor(a[name]) if name is not None else None
             entries = [self._issue(op, key, {"group": ranks}, tensor)]
         result = call()
+        group = a["p2p_op_list"][0].group if op == "batch_isend_irecv" and a["p2p_op_list"] else a.get("group")
+        if _returns_early(group):  # NCCL: "issued" until the work or the stream says it ended
+            handles = result if isinstance(result, list) else [result if result is not None else _stream_marker()]
+            with self._pending_lock:
+                self._pending.append((entries, handles))
+            return result
         done = time.time()
         for e in entries:
             e["state"], e["completed_at"] = "completed", done
         return result
+
+    def poll(self) -> None:
+        """Mark "completed" every pending NCCL call whose communication has ended (module docstring)."""
+        if not self._pending:
+            return
+        with self._pending_lock:
+            still = []
+            for entries, handles in self._pending:
+                if _ended(handles):
+                    done = time.time()
+                    for e in entries:
+                        e["state"], e["completed_at"] = "completed", done
+                else:
+                    still.append((entries, handles))
+            self._pending = still
 
     # ------------------------------------------------------------ the watchdog and the dump
     def _request(self) -> str | None:
@@ -171,6 +229,7 @@ class FlightRecorder:
         dumped_for = None  # the stuck call the last dump was written for
         served = None
         while not self._stop.wait(self.poll_s):
+            self.poll()
             request = self._request()
             if request is not None and request != served:
                 self.dump(request=request)
@@ -193,6 +252,7 @@ class FlightRecorder:
         rank = dist.get_rank() if dist.is_initialized() else 0
         path = pathlib.Path(path) if path is not None else self.dump_dir / f"rank_{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.poll()
         with self._lock:
             data = {"rank": rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                     "entries": [dict(e) for e in list(self.entries)], "request": request}
@@ -240,127 +300,3 @@ def request_dumps(dump_dir, ranks, wait_s: float = 30.0, poll_s: float = 0.05) -
         if waiting:
             time.sleep(poll_s)
     return sorted(waiting)
-
-
-# ------------------------------------------------------------------ the analysis
-def load_dumps(directory) -> dict[int, list[dict]]:
-    """{rank: entries} from the rank_<r>.json files in `directory`."""
-    files = sorted(pathlib.Path(directory).glob("rank_*.json"))
-    if not files:
-        raise ValueError(f"{directory} holds no rank_<r>.json dump")
-    dumps = {}
-    for f in files:
-        data = json.loads(f.read_text())
-        dumps[data["rank"]] = data["entries"]
-    return dumps
-
-
-def _where(e) -> str:
-    if "group" in e:
-        return f"{e['op']} #{e['seq']} on group {e['group']}"
-    peer = e["dst"] if e["op"] == "send" else e["src"]
-    return f"{e['op']} #{e['seq']} {'to' if e['op'] == 'send' else 'from'} rank {peer}"
-
-
-def _other_end(e) -> dict:
-    """The call a point-to-point entry's peer must make: the send for a recv, the recv for a send."""
-    return {**e, "op": "recv" if e["op"] == "send" else "send"}
-
-
-def _partner(e, entries: list[dict]):
-    """The entry among a member's `entries` that must match e (same group and number, or the other
-    end of a message); None when the member has not issued it."""
-    for f in entries:
-        if "group" in e and f.get("group") == e["group"] and f["seq"] == e["seq"]:
-            return f
-        if "group" not in e and "group" not in f and f["seq"] == e["seq"] and (f["src"], f["dst"]) == (e["src"], e["dst"]) \
-                and f["op"] != e["op"]:
-            return f
-    return None
-
-
-def _describe(member: int, entries: list[dict]) -> str:
-    stuck = [e for e in entries if e["state"] == "issued"]
-    if stuck:
-        return f"it is in {_where(stuck[0])}"
-    if entries:
-        return f"its last call: {_where(entries[-1])}, completed"
-    return "it made no call"
-
-
-def _ranks(ranks) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _wait(ranks) -> str:
-    return f"{_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
-
-
-def analyse(dumps: dict[int, list[dict]], world_size: int | None = None) -> str:
-    """Lines naming the culprits: for each stuck call, the members that never entered it or
-    called something else there, with the ranks left waiting; the most likely culprit first
-    (module docstring). Ranks missing from `dumps` (no file) are named."""
-    world = world_size or max(dumps) + 1
-    # Each stuck call asks its members for their call with its number. Earliest in its group's
-    # order first (sequence number, then rank), not by clock: clocks of different hosts disagree.
-    stuck = sorted(((e["seq"], r, e) for r, entries in dumps.items() for e in entries
-                    if e["state"] == "issued"), key=lambda t: (t[0], t[1]))
-    found: dict = {}  # (culprit, what it did wrong, the call) -> [the waiting ranks, the call's number, order]
-    for seq, rank, e in stuck:
-        members = e["group"] if "group" in e else [e["dst"] if e["op"] == "send" else e["src"]]
-        for m in members:
-            if m == rank:
-                continue
-            if m not in dumps:
-                key = (m, "no dump", _where(e))
-            else:
-                f = _partner(e, dumps[m])
-                if f is None:
-                    key = (m, "never", _where(e) + " that" if "group" in e else _where(_other_end(e)) + ", the message")
-                elif "group" in e and (f["op"], f["shape"], f["dtype"]) != (e["op"], e["shape"], e["dtype"]):
-                    key = (m, f"called {f['op']} {f['shape']} {f['dtype']} #{f['seq']} on group {f['group']}",
-                           f"{e['op']} {e['shape']} {e['dtype']}")
-                else:
-                    continue
-            found.setdefault(key, [[], seq, len(found)])[0].append(rank)
-    stuck_ranks = {r for _, r, _ in stuck}
-
-    def order(item):
-        # The likeliest culprit first: the one most ranks wait for; then the earliest call; then one
-        # itself stuck elsewhere (it went to another call: a wrong group, a reordering) before one
-        # that finished (it may only have left, its own calls all matched); then discovery order.
-        (culprit, _, _), (waiters, seq, n) = item
-        return (-len(waiters), seq, culprit not in stuck_ranks, n)
-
-    lines = []
-    for (culprit, what, call), (waiters, _, _) in sorted(found.items(), key=order):
-        if what == "no dump":
-            lines.append(f"rank {culprit} wrote no dump (it finished, died, or never recorded); "
-                         f"{_wait(waiters)} for it in {call}")
-        elif what == "never":
-            verb = "in" if call.endswith(" that") else "for"  # a collective is waited in, a message for
-            lines.append(f"rank {culprit} never entered {call} {_wait(waiters)} {verb} "
-                         f"({_describe(culprit, dumps[culprit])})")
-        else:
-            lines.append(f"rank {culprit} {what} where {_wait(waiters)} in {call}")
-    missing = sorted(set(range(world)) - set(dumps))
-    if not lines:
-        lines.append("no divergence found: every stuck call's partners are in the same call "
-                     "(a rank may be stuck outside torch.distributed)" if stuck else "no rank is stuck in a call")
-    if missing:
-        lines.append(f"no dump from rank(s) {', '.join(map(str, missing))}")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m course_lib.observe.flight_recorder DIR", file=sys.stderr)
-        return 2
-    try:
-        dumps = load_dumps(args[0])
-    except (ValueError, OSError) as e:  # a wrong directory: one line, not a traceback
-        print(f"flight_recorder: {e}", file=sys.stderr)
-        return 2
-    print(analyse(dumps))
-    return 0
