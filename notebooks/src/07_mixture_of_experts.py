@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from course_lib import CommTracer, plot_gantt, run_on_ranks
 from course_lib.data import CharDataset, collate, get_batch, sample_indices
+from course_lib.dims import ParallelDims
 from course_lib.estimate import LlamaLikeConfig, MoEConfig, flops_per_token, param_count, per_gpu_memory
 from course_lib.model import GPT, GPTConfig
 from course_lib.model.moe import moe_layers, route, routing_stats
@@ -442,9 +443,10 @@ def compare(per_rank, ref, label):
     return f"{label:<34} max|Δloss| {d_loss:.1e}  max|Δgrad| {d_grad:.1e}  max|Δθ| {d_param:.1e}"
 
 ref4 = train_moe_reference(EP_CFG, TC, shares=WORLD)
-print(compare(run_expert_parallel(WORLD, EP_CFG, TC), ref4, "EP, ep=4, top-2, factor 1.25"))
+print(compare(run_expert_parallel(ParallelDims(ep=WORLD), EP_CFG, TC), ref4, "EP, ep=4, top-2, factor 1.25"))
 top1 = GPTConfig.tiny(DATA.vocab_size, n_experts=8, top_k=1)
-print(compare(run_expert_parallel(WORLD, top1, TC), train_moe_reference(top1, TC, WORLD), "EP, ep=4, top-1, no capacity"))
+print(compare(run_expert_parallel(ParallelDims(ep=WORLD), top1, TC), train_moe_reference(top1, TC, WORLD),
+              "EP, ep=4, top-1, no capacity"))
 
 # %% [markdown]
 # Equal up to float rounding (the parameters in RMS: with lr = 1e-2, AdamW's magnified rounding
@@ -495,7 +497,7 @@ assert abs(ratio - WORLD) < 1e-3 and torch.allclose(after, ref_grad, rtol=1e-5, 
 # data parallelism over the dp group. On 4 ranks, `dp = 2, ep = 2`:
 
 # %% tags=["nbval-ignore-output"]
-print(compare(run_expert_parallel(WORLD, EP_CFG, TC, dp=2), ref4, "EP x DP, ep=2 x dp=2"))
+print(compare(run_expert_parallel(ParallelDims(ep=2, dp=2), EP_CFG, TC), ref4, "EP x DP, ep=2 x dp=2"))
 
 # %% [markdown]
 # Memory is the reason for EP. Per rank, the expert weights (and their gradients and Adam
@@ -578,8 +580,8 @@ show_interactive(load_view, load_widget)
 # %%
 for call in (lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=2, top_k=3),
              lambda: GPTConfig.tiny(DATA.vocab_size, n_experts=8, capacity_factor=0),
-             lambda: run_expert_parallel(3, EP_CFG, TC),
-             lambda: run_expert_parallel(WORLD, DENSE, TC)):
+             lambda: run_expert_parallel(ParallelDims(ep=3), EP_CFG, TC),
+             lambda: run_expert_parallel(ParallelDims(ep=WORLD), DENSE, TC)):
     try:
         call()
     except ValueError as err:
@@ -810,7 +812,8 @@ for i, M in enumerate(limits):
 # %%
 for call in (lambda: MoEGPTConfig.from_config(EP_CFG, expert_groups=WORLD, max_groups_per_token=5),
              lambda: MoEGPTConfig.from_config(EP_CFG, top_k=4, expert_groups=WORLD, max_groups_per_token=1),
-             lambda: run_expert_parallel(2, MoEGPTConfig.from_config(EP_CFG, expert_groups=WORLD, max_groups_per_token=1), TC)):
+             lambda: run_expert_parallel(ParallelDims(ep=2), MoEGPTConfig.from_config(EP_CFG, expert_groups=WORLD,
+                                                                              max_groups_per_token=1), TC)):
     try:
         call()
     except ValueError as err:
