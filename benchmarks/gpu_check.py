@@ -3,9 +3,9 @@ memory against the estimator, and a GPT training step's MFU against the GPU's sp
 
     python benchmarks/gpu_check.py [--out results.json]
 
-1. NCCL at world size 1: run_hybrid(ParallelDims(), ...) picks backend "auto" -> NCCL and the
-   rank's own GPU (course_lib.runtime.device); its losses must equal the single process's on
-   the CPU within course_lib.tolerances.adamw_loss_atol (fp32 on both: only the order of sums
+1. NCCL at world size 1: run_hybrid(ParallelDims(), ..., backend="nccl") (run_on_ranks' default
+   is gloo) puts the rank on its own GPU (course_lib.runtime.device); its losses must equal the
+   single process's on the CPU within course_lib.tolerances.adamw_loss_atol (fp32 on both: only the order of sums
    and the kernels differ), in fp32 and with recomputation.
 2. CUDA memory: one AdamW step of a GPT on the GPU; torch.cuda.memory_allocated() after the step,
    less what was allocated before the model (cuBLAS's workspace: it comes from the same
@@ -50,7 +50,7 @@ def nccl_world_one() -> dict:
     train = TrainConfig(steps=4, batch_size=8, lr=1e-2, progress=False)
     out = {}
     for recompute in ("none", "full"):
-        ranks = run_hybrid(ParallelDims(recompute=recompute), cfg, train, timeout_s=300)
+        ranks = run_hybrid(ParallelDims(recompute=recompute), cfg, train, timeout_s=300, backend="nccl")
         single = train_single(cfg, train, recompute=recompute).train_losses
         gpu = ranks[0].train_losses
         worst = max(abs(a - b) for a, b in zip(gpu, single))

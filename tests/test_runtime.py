@@ -220,9 +220,10 @@ def test_nccl_without_gpus_is_a_clear_error():
         run_on_ranks(rank_and_size, world_size=2, backend="nccl")
 
 
-def test_auto_backend_is_gloo_on_cpu():
+def test_the_default_backend_is_gloo_and_auto_is_gloo_on_cpu():
+    assert run_on_ranks(lambda: dist.get_backend(), world_size=2) == ["gloo"] * 2  # even with GPUs
     expected = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
-    assert run_on_ranks(lambda: dist.get_backend(), world_size=2) == [expected] * 2
+    assert run_on_ranks(lambda: dist.get_backend(), world_size=2, backend="auto") == [expected] * 2
 
 
 def test_interrupting_the_caller_stops_the_ranks_and_the_next_call_works():

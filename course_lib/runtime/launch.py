@@ -5,15 +5,19 @@
              --nproc-per-node=8 -m course_lib.demos.allreduce          # two machines
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process.
-`init_from_env()` reads them, picks NCCL when this process has a GPU of its own and
-gloo otherwise, and pins the GPU. The demo functions are the same ones the notebooks
-run through `run_on_ranks`, so both paths execute the same code.
+`init_from_env()` reads them, picks NCCL whenever this process sees a CUDA GPU and gloo
+otherwise, pins the GPU (`course_lib.runtime.device.launch_backend`: cuda:0 when the process sees
+one GPU, as under Slurm's --gpus-per-task=1; cuda:LOCAL_RANK when it sees several), and rank 0
+prints one line per rank, in rank order: "rank 1/4: backend nccl, device cuda:1". The demo
+functions are the same ones the notebooks run through `run_on_ranks`, so both paths execute the
+same code.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import socket
 import sys
 from datetime import timedelta
 
@@ -22,7 +26,7 @@ import torch.distributed as dist
 
 from course_lib.observe.nccl_rules import install_from_env as install_nccl_rules
 from course_lib.observe.device_rule import install_from_env as install_device_rule
-from course_lib.runtime.device import rank_device, resolve_backend, threads_per_rank
+from course_lib.runtime.device import launch_backend, rank_device, threads_per_rank
 
 
 def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
@@ -39,9 +43,11 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend = resolve_backend(backend, local_world)
+    backend, device = launch_backend(backend, local_rank, local_world)
+    kwargs = {}
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device  # binds NCCL's communicator to this GPU and sets it up now
     else:
         torch.set_num_threads(threads_per_rank(local_world))
     timeout = timedelta(seconds=timeout_s)
@@ -49,11 +55,22 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=(rank == 0 and not agent_store), timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"course/attempt_{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    store = dist.PrefixStore(f"course/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    where = f" (host {socket.gethostname()})" if local_world != world else ""  # several nodes: say which
+    announce(store, rank, world, f"rank {rank}/{world}: backend {backend}, device {device}{where}")
     install_nccl_rules()  # COURSE_NCCL_RULES=1: NCCL's point-to-point rules on gloo (observe/nccl_rules.py)
     install_device_rule(rank_device())  # COURSE_DEVICE_RULE=1: communicated tensors on the rank's device
     return backend
+
+
+def announce(store, rank: int, world: int, line: str) -> None:
+    """Rank 0 prints every rank's line, in rank order, one print: lines from several processes
+    never interleave. Through the store, not a collective, so nothing is added to what a flight
+    recorder or NCCL's communicator sees."""
+    store.set(f"backend_line/{rank}", line)
+    if rank == 0:
+        print("\n".join(store.get(f"backend_line/{r}").decode() for r in range(world)), flush=True)
 
 
 def leave_process_group() -> None:

@@ -1,7 +1,8 @@
 r"""Run a Python function on N real ranks: `run_on_ranks(fn, world_size=4)`.
 
 Each rank is its own operating-system process with the default `torch.distributed`
-process group initialised (gloo on CPU, NCCL on GPUs), exactly as under `torchrun`.
+process group initialised (gloo on CPU by default; NCCL on this machine's GPUs with
+backend="nccl"), exactly as under `torchrun`.
 The parent (your notebook) sends the function to every rank, the ranks run it, and
 the return values come back as a list in rank order.
 
@@ -290,7 +291,7 @@ def _print_rank_output(replies: dict[int, tuple]):
     sys.stdout.flush()
 
 
-def run_on_ranks(fn, *args, world_size: int = 4, backend: str = "auto", timeout_s: float = 60,
+def run_on_ranks(fn, *args, world_size: int = 4, backend: str = "gloo", timeout_s: float = 60,
                  check_collectives: bool = True, on_timeout=None, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` ranks and return the results in rank order.
 
@@ -301,6 +302,10 @@ def run_on_ranks(fn, *args, world_size: int = 4, backend: str = "auto", timeout_
     `[rank r]`, grouped in rank order.
 
     fn may be a lambda or a closure defined in a notebook (it travels by cloudpickle).
+    backend="gloo" (the default) runs emulated CPU ranks even on a GPU machine: the notebooks'
+    stored outputs come from them. backend="nccl" puts rank r on GPU r of this machine (one GPU
+    per rank, else ValueError); "auto" is NCCL when there are enough GPUs, else gloo
+    (course_lib.runtime.device.resolve_backend).
     check_collectives=True verifies before each collective that all ranks of its group call
     the same op with the same dtype and shape (course_lib/observe/checks.py; one extra tiny
     all-gather per collective, so benchmarks turn it off).

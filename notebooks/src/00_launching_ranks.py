@@ -17,8 +17,9 @@
 # * train the reference model that every later notebook parallelises.
 #
 # Everything here runs for real: separate operating-system processes talking over the
-# loopback network with PyTorch's **gloo** backend. On a multi-GPU machine the same code
-# runs over **NCCL**.
+# loopback network with PyTorch's **gloo** backend. The notebooks use these CPU ranks even on a
+# machine with GPUs, so that every machine prints the same numbers; on GPUs the same code runs
+# over **NCCL** (section 5 says how).
 
 # %%
 import os
@@ -47,7 +48,9 @@ torch.manual_seed(0)
 #
 # `course_lib.run_on_ranks(fn, world_size=N)` starts `N` processes, joins them into the
 # default process group, runs `fn` on each and returns the `N` results **in rank order**.
-# The function can be defined right here in the notebook.
+# The function can be defined right here in the notebook. The ranks are CPU processes talking
+# gloo unless you ask for GPUs: `run_on_ranks(fn, world_size=N, backend="nccl")` puts rank `r` on
+# GPU `r` of this machine (it needs one GPU per rank).
 
 # %%
 def whoami():
@@ -313,21 +316,32 @@ except ValueError as err:
 #
 # On a machine with GPUs, instructors launch the course's demos with PyTorch's launcher,
 # which starts one process per GPU and tells each its rank through environment variables.
-# `course_lib.runtime.launch.init_from_env()` reads them and picks NCCL when the process has a GPU:
+# `course_lib.runtime.launch.init_from_env()` reads them and picks NCCL whenever the process
+# sees a GPU: local rank `i` (its number on its machine) takes GPU `i`, and a process that sees a
+# single GPU (a cluster that gives each process its own) takes that one. A rank left without a GPU
+# of its own stops with an error rather than training on the CPU, and rank 0 prints one line per
+# rank with its backend and device:
 #
 # ```bash
 # torchrun --nproc-per-node=8 -m course_lib.demos.allreduce --sizes-mb 1 64 256
 # # two machines: add --nnodes=2 --node-rank=0|1 --rdzv-endpoint=HOST:29500
 # ```
 #
+# So there are two ways to run a strategy on GPUs: from a notebook with `backend="nccl"` (in
+# `run_on_ranks`, or in a strategy's `run_...` function, which passes it on; one machine, one GPU
+# per rank), or its `torchrun` demo (one or several machines). A notebook's printed numbers come from CPU ranks; on GPUs the same
+# computation can differ in its last digits (other kernels, other orders of summation).
+#
 # The demo's functions are the ones a notebook runs with `run_on_ranks`. Here is the
-# same demo under `torchrun` on this machine's CPU (gloo, 2 ranks), then from the notebook:
+# same demo under `torchrun` on this machine's CPU (gloo, 2 ranks: `CUDA_VISIBLE_DEVICES=""` hides
+# any GPU), then from the notebook:
 
 # %% tags=["nbval-ignore-output"]
 import subprocess, sys
 proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        "-m", "course_lib.demos.allreduce", "--sizes-mb", "1", "16", "--iters", "3"],
-                      capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                      capture_output=True, text=True, timeout=120,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
 print(proc.stdout)
 assert proc.returncode == 0, proc.stderr[-2000:]
 
