@@ -171,6 +171,7 @@ def compiled_vs_eager(config, kinds=KINDS, batch_size: int = 8, lr: float = 0.1,
                 loss_e, grads_e, params_e, t_e = _one_step(eager, _wrap(eager, kind), x, y, lr)
                 alone = GPT(config, seed=seed).to(dev)  # no average: this rank's own gradient
                 _, _, params_alone, _ = _one_step(alone, alone, x, y, lr)
+                torch._dynamo.reset()  # each wrapper traces its own graphs, whatever this torch would reuse
                 compiled = apply_compile(GPT(config, seed=seed).to(dev))
                 before = _graph_count()
                 loss_c, grads_c, params_c, t_c = _one_step(compiled, _wrap(compiled, kind), x, y, lr)
