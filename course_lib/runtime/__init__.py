@@ -4,7 +4,7 @@
     worker.py   the loop each rank process runs (joins the process group, serves calls)
     modules.py  share_with_ranks: a module loaded from a file (student.py) runs on the ranks from its source
     launch.py   the torchrun path: init_from_env()
-    device.py   the one backend/device rule shared by both paths
+    device.py   the backend/device rules: run_on_ranks' resolve_backend, torchrun's launch_backend, local_device
     recorded.py run_recorded: run_on_ranks with a flight recorder; a hang comes back analysed
 """
 
