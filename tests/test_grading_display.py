@@ -89,7 +89,7 @@ def test_a_stub_on_ranks_names_its_place_in_student_py(monkeypatch):
     assert where and where[0].startswith("  raised in exercises/ex00_all_reduce/student.py, line "), lines
     # The line it names is the line that raised in the file on disk.
     line_no = int(re.search(r"line (\d+)", where[0]).group(1))
-    source = (grading.EXERCISES_DIR / "ex00_all_reduce" / "student.py").read_text().splitlines()
+    source = (grading.exercises_dir("ex00_all_reduce") / "ex00_all_reduce" / "student.py").read_text().splitlines()
     assert "raise" in source[line_no - 1]
 
 

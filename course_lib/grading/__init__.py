@@ -10,15 +10,20 @@ Layout of an exercise `exNN_name`:
     course_lib/grading/exNN_name.py       the exercise's checkers, where they need more than
                                           check_equal / check_close (one module per exercise)
 
-The notebook calls `load_student("exNN_name")`, which imports the learner's `student.py`, or
-the reference solution when COURSE_GRADE_WITH=solutions (how CI proves the graders pass on
-correct code). nbval then compares every check cell's output with the stored one: a wrong
+The notebook calls `load_student("exNN_name")`, which imports the `student.py` beside the
+notebook that runs it (found from the notebook's folder, not from where course_lib is installed:
+two clones sharing one environment each grade their own), or the reference solution in its
+place when COURSE_GRADE_WITH=solutions (how CI proves the graders pass on correct code). The
+first line of every check cell's output names the file graded, relative to the course root
+(`grading exercises/ex03_ddp/student.py`). nbval then compares every check cell's output with the stored one: a wrong
 answer raises in the cell (or prints something else), and the notebook fails.
 
 An exercise whose answer the library already holds (the planner, the mesh bookkeeping, the
-step-time model ...) names those modules or functions in `load_student(..., refuse=...)`: a
-student module that imports or reaches for one of them is refused with `CheckFailed` before any
-check runs, so a check can only pass on the learner's own code.
+step-time model ...) names where it lives, once, in its checker module, and passes it to
+`load_student(..., refuse=...)`: a student module that imports one of them, or reaches one by a
+re-export, a sibling module or a helper that wraps it (course_lib/grading/refusal.py derives
+those), is refused with `CheckFailed` before any check runs, so a check can only pass on the
+learner's own code. A cohort is graded by `python -m course_lib.grading.grade` (grade.py).
 """
 
 from __future__ import annotations
@@ -32,40 +37,130 @@ import sys
 
 import torch
 
+from course_lib.grading import refusal
 from course_lib.runtime.modules import share_with_ranks
 from course_lib.runtime.pool import RankError, RankTimeout
 
-EXERCISES_DIR = pathlib.Path(os.environ.get("COURSE_EXERCISES_DIR", pathlib.Path(__file__).resolve().parents[2] / "exercises"))
+# The folder that holds exNN_name/student.py: COURSE_EXERCISES_DIR when set, else found from the
+# notebook that runs the check (see exercises_dir). Never the imported course_lib's own location:
+# two clones sharing one virtual environment import the same course_lib, and each must grade its
+# own student.py.
+EXERCISES_DIR = pathlib.Path(os.environ["COURSE_EXERCISES_DIR"]) if os.environ.get("COURSE_EXERCISES_DIR") else None
 GRADE_WITH_ENV = "COURSE_GRADE_WITH"
+_GRADED = {"path": None, "shown_in": None, "root": None}  # the file the last load_student graded, as printed
+
+
+def _notebook_dir() -> pathlib.Path:
+    """The running notebook's folder: Jupyter's server names the notebook a kernel serves in
+    JPY_SESSION_NAME (an absolute path in recent versions); otherwise (nbval, an older server,
+    a script) the working directory, which Jupyter and nbval set to the notebook's folder."""
+    session = os.environ.get("JPY_SESSION_NAME", "")
+    if session.endswith(".ipynb") and os.path.isabs(session) and os.path.exists(session):
+        return pathlib.Path(session).resolve().parent
+    return pathlib.Path.cwd().resolve()
+
+
+def exercises_dir(exercise: str) -> pathlib.Path:
+    """The folder holding `exercise`/student.py (or solutions/`exercise`.py when grading the
+    solutions): EXERCISES_DIR if set, else the notebook's folder, its exercises/ subfolder (a
+    script run from the course root), or the nearest folder above with one."""
+    if EXERCISES_DIR is not None:
+        return pathlib.Path(EXERCISES_DIR)
+    start = _notebook_dir()
+    for folder in (start, start / "exercises", *(p / "exercises" for p in start.parents)):
+        if (folder / exercise / "student.py").exists() or (folder / "solutions" / f"{exercise}.py").exists():
+            return folder
+    raise FileNotFoundError(f"no module for exercise {exercise!r}: no {exercise}/student.py in {start} "
+                            f"or an exercises/ folder above it (open the exercise notebook from the course's "
+                            f"exercises/ folder)")
+
+
+def _shown(path: pathlib.Path, root: pathlib.Path) -> str:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def load_student(exercise: str, refuse: tuple[str, ...] = ()):
-    """Import the module the learner writes for `exercise` (see module docstring).
+    """Import the module the learner writes for `exercise` (see module docstring), found from the
+    notebook's own folder (exercises_dir); every check after it first prints
+    `grading exercises/exNN_name/student.py` (relative to the course root).
 
-    `refuse`: dotted names (`"course_lib.estimate.planner"`, `"course_lib.parallel.topology.groups"`)
-    that hold this exercise's answer; a module that imports any of them, or anything below one,
-    raises `CheckFailed` naming the line (see `refused_uses`).
+    `refuse`: where this exercise's answer lives, dotted names of library modules and functions
+    (`"course_lib.estimate.planner"`, `"course_lib.dims.groups"`). A module that imports one of
+    them is refused with `CheckFailed` before it runs (`refused_uses`, naming the line); one that
+    reaches one by another route (a re-export, a sibling module, a helper that wraps it) is
+    refused after loading, before any check runs (`refusal.reached_answers`).
     """
+    folder = exercises_dir(exercise)
+    student_path = folder / exercise / "student.py"
     if os.environ.get(GRADE_WITH_ENV) == "solutions":
-        path = EXERCISES_DIR / "solutions" / f"{exercise}.py"
+        # the reference solution graded in student.py's place: the line printed is the learner's
+        path = folder / "solutions" / f"{exercise}.py"
     else:
-        path = EXERCISES_DIR / exercise / "student.py"
+        path = student_path
     if not path.exists():
         raise FileNotFoundError(f"no module for exercise {exercise!r} at {path}")
+    _GRADED.update(path=_shown(student_path, folder.parent), shown_in=None, root=folder.parent)
     show_failures_briefly()
-    uses = refused_uses(path.read_text(), refuse)
+    source = path.read_text()
+    uses = refused_uses(source, refuse)
     if uses:
         line, name = uses[0]
-        raise CheckFailed(f"{path.name}, line {line} uses {name}, which already holds this exercise's "
-                          f"answer: write it yourself, then compare with the library's")
+        raise CheckFailed(_refusal(path, line, name))
     spec = importlib.util.spec_from_file_location(f"course_exercise_{exercise}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # re-loading replaces the learner's previous version
     spec.loader.exec_module(module)
+    reached = refusal.reached_answers(module, source, refuse)
+    if reached:
+        del sys.modules[spec.name]
+        raise CheckFailed(_refusal(path, *reached[0]))
     # Ranks cannot import a module loaded from a file path: they get its source and run it under
     # its real file name, so a rank's traceback still names student.py and the line.
     share_with_ranks(module)
     return module
+
+
+def _refusal(path: pathlib.Path, line: int, name: str) -> str:
+    where = f"{path.name}, line {line}" if line else path.name
+    return (f"{where} uses {name}, which already holds this exercise's answer: write it yourself, "
+            f"then compare with the library's")
+
+
+_CELLS = [0]  # cells IPython started since load_student registered _new_cell
+
+
+def _new_cell(*_):
+    _CELLS[0] += 1
+
+
+def _cell() -> object:
+    """Which cell is running (counted by IPython's pre_run_cell event: the execution count does
+    not move when a front end runs cells without history), or "script" outside IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover
+        return "script"
+    return "script" if get_ipython() is None else _CELLS[0]
+
+
+def announce() -> None:
+    """Print `grading <file>` unless this cell (or this script) already printed it: the first line
+    of every check says which file it graded."""
+    if _GRADED["path"] is None:
+        return
+    cell = _cell()
+    if _GRADED["shown_in"] != cell:
+        _GRADED["shown_in"] = cell
+        print(f"grading {_GRADED['path']}")
+
+
+def passed(label: str) -> None:
+    """A check passed: `PASS  label`, after the line naming the graded file."""
+    announce()
+    print(f"PASS  {label}")
 
 
 def _dotted(node) -> str | None:
@@ -153,8 +248,8 @@ def _where(frames: list[tuple[str, int, str]]) -> str | None:
         return None
     path, line, fn = frames[-1]
     try:
-        path = str(pathlib.Path(path).resolve().relative_to(EXERCISES_DIR.resolve().parent))
-    except ValueError:
+        path = str(pathlib.Path(path).resolve().relative_to(pathlib.Path(_GRADED["root"]).resolve()))
+    except (ValueError, TypeError):
         pass
     return f"{path}, line {line}, in {fn}"
 
@@ -163,7 +258,7 @@ def failure_lines(error: BaseException, tb=None) -> list[str]:
     """The short report of a failed check (see above): a headline and where it happened."""
     if isinstance(error, CheckFailed):
         return [f"{RED}{BOLD}✗ check failed{RESET}{RED}: {error}{RESET}",
-                "Compare got with expected, fix student.py, then restart the kernel and run all."]
+                f"Compare got with expected, fix {_GRADED['path'] or 'student.py'}, then restart the kernel and run all."]
     if isinstance(error, RankTimeout):
         return [f"{RED}{BOLD}✗ RankTimeout{RESET}{RED}: {error}{RESET}",
                 "A rank waited for a message nobody sent (or sent to the wrong peer): check who sends and "
@@ -185,13 +280,15 @@ def failure_lines(error: BaseException, tb=None) -> list[str]:
     if where:
         lines.append(f"  raised in {where}")
     if "NotImplementedError" in lines[0]:
-        lines.append("This function is still a stub: write it, then restart the kernel and run all.")
+        lines.append(f"This function in {_GRADED['path'] or 'student.py'} is still a stub: write it, then restart "
+                     f"the kernel and run all.")
     lines.append("(%tb prints the full traceback)")
     return lines
 
 
 def _ipython_handler(shell, etype, value, tb, tb_offset=None):
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # for %tb
+    announce()  # a cell that failed before any check printed still names the file it graded
     stb = failure_lines(value, tb)
     shell._showtraceback(etype, value, stb)
     return stb
@@ -208,6 +305,8 @@ def show_failures_briefly() -> bool:
         return False
 
     shell.set_custom_exc((CheckFailed, NotImplementedError, RankError, RankTimeout), _ipython_handler)
+    if _new_cell not in shell.events.callbacks["pre_run_cell"]:
+        shell.events.register("pre_run_cell", _new_cell)
     return True
 
 
@@ -222,17 +321,19 @@ def _as_tensor(x):
 def check_close(label: str, got, expected, *, rtol: float, atol: float):
     """Pass when |got - expected| <= atol + rtol·|expected| elementwise (tensors, numbers or nested
     lists). No default tolerance: each check states the one its numerics justify, beside it."""
+    announce()
     g, e = _as_tensor(got), _as_tensor(expected)
     if g.shape != e.shape:
         raise CheckFailed(f"{label}: got shape {tuple(g.shape)}, expected {tuple(e.shape)}")
     if not torch.allclose(g.to(torch.float64), e.to(torch.float64), rtol=rtol, atol=atol):
         worst = (g.to(torch.float64) - e.to(torch.float64)).abs().max().item()
         raise CheckFailed(f"{label}: values differ (largest difference {worst:.3g})\n got:      {got}\n expected: {expected}")
-    print(f"PASS  {label}")
+    passed(label)
 
 
 def check_equal(label: str, got, expected):
     """Pass when `got == expected` exactly (plain Python values)."""
+    announce()
     if got != expected:
         raise CheckFailed(f"{label}:\n got:      {got!r}\n expected: {expected!r}")
-    print(f"PASS  {label}")
+    passed(label)

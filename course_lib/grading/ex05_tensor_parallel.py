@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.data import CharDataset, get_batch
-from course_lib.grading import CheckFailed, check_close, check_equal
+from course_lib.grading import CheckFailed, check_close, check_equal, passed
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.tracer import CommTracer
 from course_lib.runtime.pool import run_on_ranks
@@ -142,7 +142,7 @@ def check_qkv_rows(student):
         problem = _qkv_problems(rows, d_model, n_head, tp)
         if problem:
             raise CheckFailed(f"d_model={d_model}, {n_head} heads, tp={tp}: {problem}")
-        print(f"PASS  d_model={d_model}, {n_head} heads, tp={tp}: every rank keeps whole heads of Q, K and V")
+        passed(f"d_model={d_model}, {n_head} heads, tp={tp}: every rank keeps whole heads of Q, K and V")
 
 
 # ------------------------------------------------------------------------- column -> row MLP
@@ -203,7 +203,7 @@ def check_mlp(student, world_sizes=(2, 4)):
             for what, ok in res["shards"].items():
                 if not ok:
                     raise CheckFailed(f"{where}: {what} (compare the shard with the full layer)")
-            print(f"PASS  {where}: each shard holds its slice of the full layer")
+            passed(f"{where}: each shard holds its slice of the full layer")
             for name, (got, want) in res["compare"].items():
                 if got is None:
                     raise CheckFailed(f"{where}: {name} is None: the shard did not take part in backward")

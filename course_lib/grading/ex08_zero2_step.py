@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import VOCAB_SIZE, CharDataset, collate, sample_indices
-from course_lib.grading import CheckFailed, check_close, check_equal
+from course_lib.grading import CheckFailed, check_close, check_equal, passed
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.tracer import CommTracer
 from course_lib.runtime.pool import run_on_ranks
@@ -262,7 +262,7 @@ def check_peak_gradient_bytes(out: list[dict]) -> None:
                 f"(per step: {o['peak']}), more than its shards plus one full gradient, 4(S + max P_i) = "
                 f"{f['stage2_bound']:,}. Stage 1 holds them all ({f['stage1']:,}): each gradient must be "
                 f"reduce-scattered and dropped as backward hands it over, not after backward ends.")
-        print(f"PASS  {len(out)} ranks, rank {rank}: gradient bytes during backward <= 4(S + max P_i) = "
+        passed(f"{len(out)} ranks, rank {rank}: gradient bytes during backward <= 4(S + max P_i) = "
               f"{f['stage2_bound']:,} (stage 1 holds 4P = {f['stage1']:,})")
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.grading import CheckFailed, check_equal
+from course_lib.grading import CheckFailed, check_equal, passed
 from course_lib.parallel.cp.blocks import block_attention  # infrastructure: one block's (out, lse)
 from course_lib.runtime.pool import run_on_ranks
 
@@ -79,7 +79,7 @@ def _compare(label: str, got: torch.Tensor, want: torch.Tensor, rtol: float, ato
     diff = torch.where(same_inf, torch.zeros_like(got), (got - want).abs())
     bad = nan | ~(same_inf | (diff <= atol + rtol * want.abs()))
     if not bad.any():
-        print(f"PASS  {label}")
+        passed(f"{label}")
         return
     index = tuple(int(i) for i in (nan.nonzero() if nan.any() else bad.nonzero())[0])
     worst = "NaN" if nan.any() else f"{diff.masked_fill(same_inf, 0).max().item():.3g}"
@@ -124,7 +124,7 @@ def check_merge_by_hand(student):
     if torch.isnan(out).any() or torch.isnan(lse).any() or out.item() != 0.0 or lse.item() != NEG_INF:
         raise CheckFailed(f"no visible key in either part (lse_a = lse_b = -inf, out_a = out_b = 0): expected "
                           f"out = 0 and lse = -inf (still nothing seen), got out = {out.item()}, lse = {lse.item()}")
-    print("PASS  no visible key in either part: out = 0, lse = -inf, no NaN")
+    passed("no visible key in either part: out = 0, lse = -inf, no NaN")
     # Large scores: lse 100 and 101 (exp overflows fp32 above 88.7). lse = 101 + log(1 + e^-1)
     # = 101.31326168751822; weights e^-1/(1 + e^-1) = 0.2689414213699951 on a, the rest on b.
     out, lse = _merged(student, _row(1.0), _row(100.0)[..., 0], _row(0.0), _row(101.0)[..., 0], "large scores")
@@ -228,7 +228,7 @@ def check_zigzag(student, cps=range(1, 9), chunk_len: int = 3):
         problem = _partition_problem(cp, chunks)
         if problem:
             raise CheckFailed(f"cp={cp}: {problem}; got {chunks}")
-    print(f"PASS  cp = {min(cps)} ... {max(cps)}: each rank holds two of the 2cp chunks, every chunk exactly once")
+    passed(f"cp = {min(cps)} ... {max(cps)}: each rank holds two of the 2cp chunks, every chunk exactly once")
     for cp, chunks in assignments.items():
         t = 2 * cp * chunk_len
         work = [_causal_pairs(_positions(ids, chunk_len), list(range(t))) for ids in chunks]
@@ -236,13 +236,13 @@ def check_zigzag(student, cps=range(1, 9), chunk_len: int = 3):
             raise CheckFailed(f"cp={cp}, chunks of {chunk_len} tokens, chunks {chunks}: causal (query, key) pairs per "
                               f"rank {work}, the busiest rank {max(work) / min(work):.2f}x the least busy; under a "
                               f"causal mask every rank must score the same number of pairs")
-    print(f"PASS  cp = {min(cps)} ... {max(cps)}: every rank scores the same number of causal (query, key) pairs")
+    passed(f"cp = {min(cps)} ... {max(cps)}: every rank scores the same number of causal (query, key) pairs")
     for cp, chunks in assignments.items():
         firsts = [ids[0] for ids in chunks]
         if firsts != list(range(cp)):
             raise CheckFailed(f"cp={cp}: the first chunk of each rank, in rank order, must be {list(range(cp))} "
                               f"(rank r starts at chunk r: the ranks in sequence order); got {firsts}")
-    print(f"PASS  cp = {min(cps)} ... {max(cps)}: rank r's first chunk is chunk r")
+    passed(f"cp = {min(cps)} ... {max(cps)}: rank r's first chunk is chunk r")
 
 
 # ----------------------------------------------------------------------- the ring on real ranks

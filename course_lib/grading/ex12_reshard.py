@@ -28,21 +28,19 @@ import torch
 
 from course_lib.checkpoint.flat import STATE, read_flat_shards, train_zero3_flat
 from course_lib.data import CharDataset
-from course_lib.grading import CheckFailed, check_close, check_equal
+from course_lib.grading import CheckFailed, check_close, check_equal, passed
 from course_lib.model import GPTConfig
 from course_lib.runtime.pool import run_on_ranks
 from course_lib.train import TrainConfig
 
 # The library's shard rule and everything that reshards by it (boxes, layouts, readers).
 REFUSE = (
-    "course_lib.parallel.zero.flat", "course_lib.parallel.zero.shard_bounds", "course_lib.parallel.zero.FlatUnit",
+    "course_lib.parallel.zero.flat",  # shard_bounds, FlatUnit (re-exported by course_lib.parallel.zero)
     "course_lib.checkpoint.reshard", "course_lib.checkpoint.layouts", "course_lib.checkpoint.slots",
     "course_lib.parallel.placement",  # Placement.of_flat_unit: a parameter's range of the ZeRO shards
     "course_lib.checkpoint.reader", "course_lib.checkpoint.hybrid", "course_lib.checkpoint.dcp",
     "course_lib.checkpoint.viz",
-    "course_lib.checkpoint.Box", "course_lib.checkpoint.flat_range_boxes", "course_lib.checkpoint.CheckpointReader",
-    "course_lib.checkpoint.LAYOUTS", "course_lib.checkpoint.RankSlots", "course_lib.checkpoint.describe_layout",
-)
+)  # their re-exports (course_lib.checkpoint.Box, ...) and the helpers wrapping them are refused by refusal.py
 
 # (numel, old_world, new_world, old shard size S, new shard size S'), S = ceil(numel / world) worked
 # out by hand: 10/4 -> 3 (4*3 = 12 >= 10 > 4*2), 10/3 -> 4, 7/2 -> 4, 7/5 -> 2, 3/4 -> 1, 3/2 -> 2,
@@ -103,14 +101,14 @@ def check_shard_range(student) -> None:
             if any(b - a != size for a, b in ranges):
                 raise CheckFailed(f"shard_range({numel}, {n}, r): {ranges}: every shard must have "
                                   f"{size} elements, the fewest such that {n} of them hold {numel}")
-    print(f"PASS  shard_range: equal shards, back to back, the fewest that hold the unit ({len(CASES)} cases)")
+    passed(f"shard_range: equal shards, back to back, the fewest that hold the unit ({len(CASES)} cases)")
     for numel, n, bad in ((10, 4, 4), (10, 4, -1), (5, 2, 7)):
         try:
             student.shard_range(numel, n, bad)
         except ValueError:
             continue
         raise CheckFailed(f"shard_range({numel}, {n}, rank={bad}) must raise ValueError (rank outside [0, {n}))")
-    print("PASS  shard_range refuses a rank outside [0, world_size) with ValueError")
+    passed("shard_range refuses a rank outside [0, world_size) with ValueError")
 
 
 def _plan(student, numel, old, new, r):
@@ -164,7 +162,7 @@ def check_read_plan(student) -> None:
             raise CheckFailed(f"read_plan({numel}, {old}, {new}, r): the new ranks together do not read "
                               f"every element of [0, {numel}) exactly once")
         covered += new
-    print(f"PASS  read_plan on {covered} new ranks of {len(CASES)} layouts: every real element read once, "
+    passed(f"read_plan on {covered} new ranks of {len(CASES)} layouts: every real element read once, "
           f"from the old shard that holds it, to its new rank's slot; no padding read")
     got = {key: [_plan(student, *key, r)[1] for r in range(key[2])] for key in EXPECTED_PLANS}
     check_equal(f"read_plan on {len(got)} layouts worked out by hand", got, EXPECTED_PLANS)
@@ -198,7 +196,7 @@ def check_reshard_flat(student) -> None:
                                       f"(element i is i + 1; {PAD} marks the old padding, new padding is 0)")
             if not all(torch.equal(a, b) for a, b in zip(shards, before)):
                 raise CheckFailed(f"{label}: the old shards were modified")
-    print(f"PASS  reshard_flat on {2 * len(CASES)} layouts: every element at its global offset, zero padding, "
+    passed(f"reshard_flat on {2 * len(CASES)} layouts: every element at its global offset, zero padding, "
           f"old shards untouched")
 
 

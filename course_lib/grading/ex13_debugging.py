@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import VOCAB_SIZE, CharDataset, collate, sample_indices
-from course_lib.grading import CheckFailed, check_close, check_equal
+from course_lib.grading import CheckFailed, check_close, check_equal, passed
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.tracer import CommTracer
 from course_lib.runtime.pool import run_on_ranks
@@ -197,7 +197,7 @@ def check_names(student):
             raise CheckFailed(f"{run}: {names[run]!r} is not a name from the catalogue: one of {', '.join(BUG_NAMES)}")
         if _digest(names[run]) != ANSWERS[run]:
             raise CheckFailed(f"{run}: {names[run]!r} does not explain this run's evidence: read it again")
-        print(f"PASS  {run}: the bug is named")
+        passed(f"{run}: the bug is named")
 
 
 def _sync_on_rank(name: str, cfg: TrainConfig):
@@ -259,7 +259,7 @@ def check_accumulate(student, world_size: int = 2):
             raise CheckFailed(f"rank {r}'s parameters differ from rank 0's after {NO_CLIP.steps} steps (checksums "
                               f"{[round(c, 6) for c in got['checksums']]} against {[round(c, 6) for c in res[0]['checksums']]}):"
                               f" the replicas must apply the same averaged gradient")
-    print(f"PASS  {world_size} ranks: the replicas' parameters stay bitwise equal")
+    passed(f"{world_size} ranks: the replicas' parameters stay bitwise equal")
     check_close(f"{world_size} ranks, 2 micro-batches each: losses of {NO_CLIP.steps} steps equal the single process's",
                 rank_mean(res), ref["losses"], rtol=0, atol=adamw_loss_atol(NO_CLIP.lr))  # tolerances.py: why
     check_equal(f"bytes each rank all-reduces per step (one gradient: 4 bytes x {n_params:,} parameters)",

@@ -42,18 +42,17 @@ from course_lib.estimate import planner, planner_figures
 from course_lib.dims import ParallelDims
 from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.step_time import memory_per_rank, step_time
-from course_lib.grading import CheckFailed, check_close
+from course_lib.grading import CheckFailed, check_close, passed
 from course_lib.measure.validation import load_validation
 from course_lib.model import GPTConfig
 from course_lib.parallel.hybrid import run_hybrid, train_single
 from course_lib.tolerances import adamw_loss_atol
 from course_lib.train import TrainConfig
 
-# The planner and everything that wraps it (the widget of notebook 11), under every name a
-# module could reach it by; course_lib.estimate.plan / search guard a future re-export.
+# The planner and the widget of notebook 11: where they live; their re-exports and any helper
+# that wraps them are refused by derivation (course_lib/grading/refusal.py).
 # This module is refused too: facts() computes the answers the checks compare with.
-REFUSE = ("course_lib.estimate.planner", "course_lib.estimate.planner_figures", "course_lib.estimate.plan",
-          "course_lib.estimate.search", "course_lib.grading.ex14_capstone")
+REFUSE = ("course_lib.estimate.planner", "course_lib.estimate.planner_figures", "course_lib.grading.ex14_capstone")
 
 # Step-time terms (course_lib.estimate.step_time.TERMS) grouped by what a layout can trade
 GROUPS = {"compute": ("compute", "recompute"), "overhead": ("overhead",),
@@ -188,7 +187,7 @@ def ask(function, p: Problem):
 def _fail_unless(ok: bool, label: str, message: str):
     if not ok:
         raise CheckFailed(f"{label}: {message}")
-    print(f"PASS  {label}")
+    passed(f"{label}")
 
 
 def check_runnable(layout, p: Problem):
