@@ -588,7 +588,8 @@ TRAIN = TrainConfig(steps=6, batch_size=4, eval_every=10**9, eval_batches=1, pro
 reference = train_reference(TRAIN_CONFIG, TRAIN)
 reference.final_params, reference.final_grads = flat_params(reference.model), flat_grads(reference.model)
 RUNS = (("ring", True), ("ring", False), ("allgather", True), ("ulysses", True))
-cp_runs = {(m, lb): run_context_parallel(CP, TRAIN_CONFIG, TRAIN, method=m, load_balance=lb, **RANKS)[0]
+cp_runs = {(m, lb): run_context_parallel(ParallelDims(cp=CP, cp_method=m, cp_load_balance=lb), TRAIN_CONFIG, TRAIN,
+                                         **RANKS)[0]
            for m, lb in RUNS}
 
 
