@@ -33,7 +33,7 @@
 
 # %%
 from course_lib import estimate, units
-from course_lib.grading import CheckFailed, check_close, check_equal, load_student
+from course_lib.grading import CheckFailed, check_close, check_equal, load_student, passed
 
 student = load_student("ex01_memory_math")
 H100 = units.from_spec_gb(80)          # the spec sheet's 80 GB = 80e9 bytes = 74.5 GiB
@@ -105,7 +105,7 @@ def check_plan(label, plan, n_gpus, allow_offload):
     offloaded = m["cpu_offload"] * n_gpus
     if offloaded > HOST_MEMORY * (n_gpus // 8):
         raise CheckFailed(f"{label}: {units.fmt_bytes(offloaded)} offloaded is more than the nodes' CPU memory")
-    print(f"PASS  {label}: fits")
+    passed(f"{label}: fits")
 
 
 check_plan("one node, 8 GPUs", student.plan_70b_on_8_gpus(), 8, allow_offload=True)
