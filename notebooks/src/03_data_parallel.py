@@ -42,6 +42,7 @@ from torch.utils.data import DistributedSampler
 
 from course_lib import CommTracer, format_summary, merge_summaries, plot_gantt, run_on_ranks
 from course_lib.data import CharDataset, sample_indices
+from course_lib.dims import ParallelDims
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import (DDP, LowPrecisionHook, TopKHook, assign_buckets, check_replicas,
                                  naive_all_reduce_gradients, run_data_parallel)
@@ -212,7 +213,7 @@ def compare(per_rank, label):
     return (f"{label:<40} max|Δloss| {d_loss:.1e}   max|Δθ| {diff.abs().max().item():.1e}   "
             f"RMS Δθ {rms(diff) / TRAIN.lr:.0e} lr   replicas identical: {same}")
 
-naive = run_data_parallel(2, CONFIG, TRAIN, "naive", **RANKS)
+naive = run_data_parallel(ParallelDims(dp=2), CONFIG, TRAIN, "naive", **RANKS)
 print("reference losses:", [f"{x:.4f}" for x in ref.train_losses])
 print("naive DP losses: ", [f"{(a + b) / 2:.4f}" for a, b in zip(naive[0].train_losses, naive[1].train_losses)])
 
@@ -486,7 +487,7 @@ def lanes(per_rank_events):
     return rows, labels
 
 def timeline_run(overlap):
-    return run_data_parallel(2, TIMING, TIMING_TRAIN, "ddp", bucket_cap_mb=1.0, overlap=overlap,
+    return run_data_parallel(ParallelDims(dp=2), TIMING, TIMING_TRAIN, "ddp", bucket_cap_mb=1.0, overlap=overlap,
                              record_timeline=True, **RANKS)
 
 timelines = {overlap: [r.timeline_events for r in timeline_run(overlap)] for overlap in (True, False)}
@@ -1011,8 +1012,8 @@ assert 8 < trained.b_simple < 32
 
 # %%
 for call in (lambda: DDP(torch.nn.Linear(2, 2), bucket_cap_mb=0),
-             lambda: run_data_parallel(2, CONFIG, TRAIN, "ddp", accum_steps=0),
-             lambda: run_data_parallel(4, CONFIG, TRAIN, "ddp", accum_steps=4),
+             lambda: run_data_parallel(ParallelDims(dp=2), CONFIG, TRAIN, "ddp", accum_steps=0),
+             lambda: run_data_parallel(ParallelDims(dp=4), CONFIG, TRAIN, "ddp", accum_steps=4),
              lambda: TopKHook(ratio=1.5)):
     try:
         call()
