@@ -460,7 +460,7 @@ cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes"
        "--max-restarts", "1", "-m", "course_lib.demos.elastic", "--steps", "12", "--checkpoint-every", "3",
        "--checkpoint-dir", str(ELASTIC), "--kill-rank", "1", "--kill-at-step", "8", "--check"]
 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # gloo CPU ranks, as every cell
 keep = ("attempt", "killed", "resumed", "check:")
 print("\n".join(line for line in proc.stdout.splitlines() if line.startswith(keep) or "killed" in line))
 assert proc.returncode == 0, proc.stderr[-2000:]

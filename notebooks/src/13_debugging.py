@@ -521,7 +521,7 @@ print(f"all {len(BUGS)} mended twins match the single process")
 
 # %%
 fr_dir = tempfile.mkdtemp(prefix="flight-")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo CPU ranks, also on a GPU machine
 job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                       "-m", "course_lib.demos.broken_run", "--bug", "skip_collective", "--timeout", "4",
                       "--flight-recorder", fr_dir], capture_output=True, text=True, timeout=180, env=ENV)
