@@ -24,6 +24,13 @@ def check_int(name: str, value, minimum: int | None = 1, allow_integral_float: b
     return value
 
 
+def check_bool(name: str, value) -> bool:
+    """True or False itself (not 0, 1 or a string), else a ValueError naming the value."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+    return value
+
+
 def check_one_of(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} must be one of {tuple(choices)}")

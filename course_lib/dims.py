@@ -26,19 +26,19 @@ What each degree splits (B = global batch, L = layers, E = experts, T = sequence
          SAME rows, so replicas stay dp * ep; they hold whole weights, so the gradients are
          reduced (and ZeRO shards the state) over dp * ep * cp ranks
 
-The rules come in two kinds, kept apart: `check_model` is what any run of this layout needs
-(the estimator costs exactly what it accepts); `check_composable` is what the course's runtime
-(course_lib.parallel.hybrid) cannot compose yet. ParallelDims.check is both, plus the world size.
-Each rule is one ValueError naming the value and the rule, raised before any rank starts.
-(Over 300 lines on purpose: the rule book, vocabulary and geometry in one file both sides read.)
+The rules come in two kinds, kept apart: `check_model` is what any run of this layout needs (the
+estimator costs exactly what it accepts); `check_composable` is what the course's runtime
+(course_lib.parallel.hybrid) cannot compose yet. ParallelDims.check is both, plus the world size. Each
+rule is one ValueError naming the value and the rule, raised before any rank starts. (Over 300 lines on
+purpose: the rule book, vocabulary and geometry in one file both sides read.)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
-from course_lib._validate import check_int, check_one_of
+from course_lib._validate import check_bool, check_int, check_one_of
 
 MESH_ORDER = ("pp", "dp", "ep", "cp", "tp")  # outermost -> innermost, context parallelism included
 MESH_DIMS = ("pp", "dp", "ep", "tp")  # the four axes notebooks 00 and 10 name (cp one rank)
@@ -78,8 +78,7 @@ def check_context_parallel(cp: int, seq: int | None, n_head: int, method: str = 
     n_kv_head). None for seq: not known yet, checked later."""
     check_int("cp", cp)
     check_one_of("cp_method", method, CP_METHODS)
-    if not isinstance(load_balance, bool):
-        raise ValueError(f"load_balance={load_balance!r} must be True or False")
+    check_bool("load_balance", load_balance)
     if cp == 1:
         return
     if seq is not None:
@@ -98,13 +97,11 @@ def check_context_parallel(cp: int, seq: int | None, n_head: int, method: str = 
 def check_sequence_parallel(sequence_parallel: bool, tp: int, seq: int | None = None) -> None:
     """Sequence parallelism splits the WHOLE sequence of T = seq tokens over the tp ranks
     (None: the sequence is not known yet, checked later)."""
-    if not isinstance(sequence_parallel, bool):
-        raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False")
-    if sequence_parallel:
-        if tp == 1:
-            raise ValueError("sequence_parallel=True needs tp > 1: it splits the sequence over the tp ranks")
-        if seq is not None and seq % tp:
-            raise ValueError(f"sequence length {seq} must be divisible by tp={tp} under sequence parallelism")
+    check_bool("sequence_parallel", sequence_parallel)
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=True needs tp > 1: it splits the sequence over the tp ranks")
+    if sequence_parallel and seq is not None and seq % tp:
+        raise ValueError(f"sequence length {seq} must be divisible by tp={tp} under sequence parallelism")
 
 
 def check_pipeline_choice(schedule: str, pp: int, m: int, v: int = 1) -> None:
@@ -132,11 +129,8 @@ def split_layers(n_layer: int, n_stages: int) -> list[range]:
         raise ValueError(f"n_layer={n_layer} blocks cannot fill {n_stages} stages (pp x virtual_stages): "
                          f"every stage needs at least one block")
     base, extra = divmod(n_layer, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        out.append(range(start, start + base + (s < extra)))
-        start = out[-1].stop
-    return out
+    bounds = [s * base + min(s, extra) for s in range(n_stages + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def layers_per_rank(n_layer: int, pp: int, v: int = 1) -> list[int]:
@@ -172,8 +166,7 @@ def check_order(order) -> tuple[str, ...]:
     """A permutation of MESH_ORDER, or of MESH_DIMS (without cp: one rank wherever it sits)."""
     order = tuple(order)
     if sorted(order) not in (sorted(MESH_ORDER), sorted(MESH_DIMS)):
-        raise ValueError(f"order={order!r} must be a permutation of {MESH_ORDER} (cp may be left out: "
-                         f"one rank)")
+        raise ValueError(f"order={order!r} must be a permutation of {MESH_ORDER} (cp may be left out: one rank)")
     return order
 
 
@@ -284,12 +277,8 @@ class ParallelDims:
         """{axis: degree} in MESH_ORDER, every axis (size 1 included): the mesh make_mesh builds."""
         return {d: getattr(self, d) for d in MESH_ORDER}
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
     def label(self) -> str:
-        """'dp2·tp2·pp2' (cp and ep only when > 1: 'dp8·tp8·pp16·cp16'): how a resume names the
-        layout it saved and loads."""
+        """'dp2·tp2·pp2' (cp, ep only when > 1: 'dp8·tp8·pp16·cp16'): how a resume names its layout."""
         return "·".join(f"{d}{getattr(self, d)}" for d in ("dp", "tp", "pp", "cp", "ep")
                         if d not in ("cp", "ep") or getattr(self, d) > 1)
 
@@ -358,8 +347,7 @@ class ParallelDims:
                                      f"(its all-to-all gives each cp rank whole heads of the whole sequence)")
         if self.zero not in COMPOSED_ZERO_STAGES:
             raise ValueError(f"zero={self.zero} must be one of {COMPOSED_ZERO_STAGES}")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be True or False")
+        check_bool("reshard_after_forward", self.reshard_after_forward)
         if not self.reshard_after_forward and self.zero != 3:
             raise ValueError(f"reshard_after_forward=False with zero={self.zero}: it is a ZeRO-3 policy (keep the "
                              f"gathered parameters for the whole step); below stage 3 they are never freed")
@@ -368,14 +356,12 @@ class ParallelDims:
             raise ValueError(f"schedule={self.schedule!r} with pp={self.pp}: the composed runtime builds looped stages "
                              f"(stage s on rank s mod pp) and runs a flushed schedule each step, one of {looped}; "
                              f"the V and PipeDream-2BW schedules run in course_lib.parallel.pp alone")
-        if self.zero >= 2:  # parallel/hybrid/zero_pp.py: each gradient reduced once, when final
-            for name in ("ep", "cp"):
-                if getattr(self, name) > 1:
-                    raise ValueError(f"zero={self.zero} with {name}={getattr(self, name)}: stages 2 and 3 reduce each "
-                                     f"gradient over dp as soon as its last micro-batch's backward ends, "
-                                     + ("before expert parallelism's average over ep; use zero=0 or 1"
-                                        if name == "ep" else "and are composed over the dp group only, not over "
-                                        "the dp*cp ranks that context parallelism reduces over; use zero=0 or 1"))
+        why = {"ep": "before expert parallelism's average over ep", "cp": "and are composed over the dp group "
+               "only, not over the dp*cp ranks that context parallelism reduces over"}
+        for name in why if self.zero >= 2 else ():  # parallel/hybrid/zero_pp.py: each gradient reduced once
+            if getattr(self, name) > 1:
+                raise ValueError(f"zero={self.zero} with {name}={getattr(self, name)}: stages 2 and 3 reduce each gradient "
+                                 f"over dp as soon as its last micro-batch's backward ends, {why[name]}; use zero=0 or 1")
         if self.recompute == "selective":
             raise ValueError("recompute='selective' is costed by the estimator, not run here: the runtime "
                              "recomputes whole blocks (recompute='full') or nothing ('none')")
@@ -401,9 +387,8 @@ class ParallelDims:
 
 
 def check_runner(dims, runner: str, axes: tuple[str, ...]) -> ParallelDims:
-    """A one-axis runner (parallel/<axis>'s run_<axis>(dims, model_config, train_cfg, ...)) runs
-    the fields in `axes` only: any other field off its default is refused here, in the parent
-    (run_hybrid composes axes). Returns dims."""
+    """run_<axis>(dims, model_config, train_cfg, ...) runs the fields in `axes` only: any other field
+    off its default is refused here, in the parent (run_hybrid composes axes). Returns dims."""
     if not isinstance(dims, ParallelDims):
         raise ValueError(f"dims={dims!r} must be a course_lib.dims.ParallelDims (e.g. ParallelDims(tp=2))")
     dims._check_counts()

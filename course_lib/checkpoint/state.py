@@ -24,7 +24,7 @@ that never had them.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -102,7 +102,7 @@ def save_training_state(path, step: int, model, optimizer, layout: str = "replic
     _, pieces = training_state_pieces(model, optimizer, layout)
     meta = {"step": int(step), "layout": layout, "world_size": _world(group)[1]}
     if dims is not None:
-        meta["dims"] = dims.as_dict()
+        meta["dims"] = asdict(dims)
     args = (path, pieces, _objects(step, data_generator, extra), {"rng": capture_rng()}, group, meta)
     if saver is not None:
         return saver.save(*args)
