@@ -117,7 +117,7 @@ def torch_context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def run_context_parallel(dims: ParallelDims, model_config, train_cfg, backend: str = "auto", timeout_s: float = 120,
+def run_context_parallel(dims: ParallelDims, model_config, train_cfg, backend: str = "gloo", timeout_s: float = 120,
                          **kwargs) -> list[TrainResult]:
     """Parent side: dims runs cp, dp, cp_method and cp_load_balance only; check_run and the
     rule book's check_model (bad input raises here, before any rank starts), then

@@ -67,7 +67,7 @@ def train_data_parallel(model_config, train_cfg, strategy: str = "ddp", accum_st
 
 
 def run_data_parallel(dims: ParallelDims, model_config, train_cfg, strategy: str = "ddp", accum_steps: int = 1,
-                      backend: str = "auto", timeout_s: float = 120, check_collectives: bool = True,
+                      backend: str = "gloo", timeout_s: float = 120, check_collectives: bool = True,
                       **kwargs) -> list[TrainResult]:
     """Parent side: validate (dims runs dp only; the strategy and accum_steps, then the rule
     book's check_model), then run train_data_parallel on dims.dp ranks (run_on_ranks'

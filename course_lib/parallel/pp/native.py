@@ -116,7 +116,7 @@ def _checked(dims: ParallelDims, model_config, train_cfg, runner: str) -> Parall
     return dims.check_model(model_config, train_cfg.batch_size)
 
 
-def run_native(dims: ParallelDims, model_config, train_cfg, backend: str = "auto",
+def run_native(dims: ParallelDims, model_config, train_cfg, backend: str = "gloo",
                timeout_s: float = 120) -> list[PipelineResult]:
     """Parent side: validate, then train_native on dims.pp ranks. check_collectives is off:
     torch's schedules exchange shape metadata and batch their send/recv below the API the

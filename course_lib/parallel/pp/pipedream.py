@@ -195,7 +195,7 @@ def train_2bw(model_config, train_cfg, n_microbatches: int, group=None) -> Piped
     return res
 
 
-def run_2bw(dims: ParallelDims, model_config, train_cfg, backend: str = "auto",
+def run_2bw(dims: ParallelDims, model_config, train_cfg, backend: str = "gloo",
             timeout_s: float = 120) -> list[PipedreamResult]:
     """Parent side: dims runs pp and microbatches with schedule='pipedream_2bw' only; check
     PipeDream-2BW's rules and the rule book's check_model, then train_2bw on dims.pp ranks."""

@@ -97,7 +97,7 @@ def train_pipeline(model_config, train_cfg, schedule: str = "1f1b", n_microbatch
     return result
 
 
-def run_pipeline(dims: ParallelDims, model_config, train_cfg, actions=None, backend: str = "auto",
+def run_pipeline(dims: ParallelDims, model_config, train_cfg, actions=None, backend: str = "gloo",
                  timeout_s: float = 120, **kwargs) -> list[PipelineResult]:
     """Parent side: validate everything (dims runs pp, schedule, microbatches and virtual_stages
     only; the schedule's rules, then the rule book's check_model), then run train_pipeline on

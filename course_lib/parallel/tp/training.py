@@ -90,7 +90,7 @@ def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = Fal
     return result
 
 
-def run_tensor_parallel(dims: ParallelDims, model_config, train_cfg, impl: str = "course", backend: str = "auto",
+def run_tensor_parallel(dims: ParallelDims, model_config, train_cfg, impl: str = "course", backend: str = "gloo",
                         timeout_s: float = 120, **kwargs) -> list[TrainResult]:
     """Parent side: validate (dims runs tp and sequence_parallel only; check_tensor_parallel and
     the rule book's check_model), then run train_tensor_parallel on dims.tp ranks."""

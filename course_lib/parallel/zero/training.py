@@ -96,7 +96,7 @@ def train_zero(model_config, train_cfg, stage: int, optimizer_class=torch.optim.
 
 
 def run_zero(dims: ParallelDims, model_config, train_cfg, optimizer_class=torch.optim.AdamW,
-             offload: bool = False, compute_dtype=None, timeout_s: float = 120, backend: str = "auto",
+             offload: bool = False, compute_dtype=None, timeout_s: float = 120, backend: str = "gloo",
              **kwargs) -> list[TrainResult]:
     """Parent side: dims runs dp and zero (the stage) only; reject bad input here (the stage's
     arguments, then the rule book's check_model), then train_zero on dims.dp ranks.
