@@ -181,7 +181,7 @@ class TreeSampler(threading.Thread):
 # ---------------------------------------------------------------- measuring
 
 
-def measure_notebook(path: pathlib.Path) -> dict:
+def measure_notebook(path: pathlib.Path, cwd: pathlib.Path | None = None) -> dict:
     import nbformat
     from nbclient import NotebookClient
     sys.path.insert(0, str(ROOT / "tools"))
@@ -196,10 +196,12 @@ def measure_notebook(path: pathlib.Path) -> dict:
     start = time.perf_counter()
     try:
         NotebookClient(nb, timeout=3 * CELL_TIMEOUT_S, kernel_name="python3", store_widget_state=False,
-                       resources={"metadata": {"path": str(path.parent.resolve())}}).execute()
+                       resources={"metadata": {"path": str((cwd or path.parent).resolve())}}).execute()
     finally:
         result = sampler.stop()
     result["seconds"] = round(time.perf_counter() - start, 1)
+    # What the sampler achieved: on a loaded machine, nice'd, far more than SAMPLE_S apart.
+    result["mean_sample_interval_s"] = round(result["seconds"] / max(result["samples"], 1), 3)
     return result
 
 
@@ -318,6 +320,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="execute notebooks one at a time, merge their peaks into the JSON")
     m.add_argument("notebooks", nargs="+", type=pathlib.Path)
+    m.add_argument("--cwd", type=pathlib.Path, help="the kernel's working directory (default: each "
+                   "notebook's folder); for a copy of a notebook kept elsewhere")
     sub.add_parser("server", help="measure the Jupyter server once, into the JSON")
     sub.add_parser("table", help="print the README's table from the JSON")
     args = parser.parse_args(argv)
@@ -334,9 +338,9 @@ def main(argv=None) -> int:
     failed = []
     for path in args.notebooks:
         try:
-            result = measure_notebook(path)
+            result = measure_notebook(path, args.cwd)
         except Exception as error:  # noqa: BLE001 - one notebook's failure must not stop the others
-            print(f"{path.name}: not measured, {type(error).__name__}: {str(error)[:300]}", flush=True)
+            print(f"{path.name}: not measured, {type(error).__name__}: {str(error)[-3000:]}", flush=True)
             failed.append(path.name)
             continue
         _merge(args.json, notebook=(path.name, result))  # after each notebook: a rerun can resume
