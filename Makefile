@@ -102,6 +102,21 @@ test-nccl-rules: $(STAMP)
 	@COURSE_NCCL_RULES=1 COURSE_DEVICE_RULE=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -p no:cacheprovider -q \
 		--durations=10 $(BOTH_RULES_TESTS)
 
+# A learner's copy: the tracked files without exercises/solutions/ and exercises/hidden/ (tools/release.py)
+.PHONY: release
+release:
+	@test -n "$(DEST)" || { echo "usage: make release DEST=dir"; exit 1; }
+	$(PY) tools/release.py $(DEST)
+
+# Each notebook's peak memory, kernel and every rank together (PSS), and the machines it fits
+# (tools/notebook_memory.py): writes tools/notebook_memory.json and prints README's table.
+# About 25 min on 2 busy cores, nice'd: memory does not depend on load, time does.
+.PHONY: notebook-memory
+notebook-memory: $(STAMP)
+	nice -n 10 $(PY) tools/notebook_memory.py server
+	nice -n 10 $(PY) tools/notebook_memory.py measure notebooks/*.ipynb
+	$(PY) tools/notebook_memory.py table
+
 # On a machine with CUDA GPUs: every torchrun demo at the largest world size it allows, with its
 # check, then benchmarks/gpu_check.py; one JSON report (build/gpu-check.json) within 8 minutes.
 # Refuses without a GPU (tools/gpu_check.py).

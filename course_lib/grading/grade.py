@@ -46,6 +46,8 @@ import subprocess
 import sys
 import tempfile
 
+from course_lib import grading
+
 EXERCISES = pathlib.Path(__file__).resolve().parents[2] / "exercises"  # the instructor's checks
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -80,8 +82,6 @@ def hidden_cells(text: str) -> dict[str, list[str]]:
 def run_one(exercise: str, learner_dir: pathlib.Path, out: pathlib.Path, hidden: list[str], seed: int) -> None:
     """In this process: grade `learner_dir`/`exercise`/student.py, writing the checks to `out`
     after every cell (so that a timeout keeps the checks finished before it)."""
-    from course_lib import grading
-
     os.environ.pop(grading.GRADE_WITH_ENV, None)
     grading.EXERCISES_DIR = learner_dir
     os.chdir(EXERCISES)
