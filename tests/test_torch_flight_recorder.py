@@ -79,3 +79,21 @@ def test_bad_input_is_refused_before_any_rank_starts():
         compare_recorders("skip_collective", timeout_s=0)
     with pytest.raises(ValueError, match="must be one of"):
         compare_recorders("no_such_bug")
+
+
+def test_without_tabulate_the_analyser_writes_nothing_to_stderr(tmp_path):
+    """fr_trace's first import warns on stderr when the optional `tabulate` is missing (a learner's
+    install: only the website's extra brings it): in a notebook that is an output of its own, which
+    differed from the stored one in CI. A fresh process, where the import is first."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['tabulate'] = None  # import tabulate -> ModuleNotFoundError\n"
+            "from course_lib.debugging.torch_recorder import run_fr_trace\n"
+            f"print(repr(run_fr_trace({str(tmp_path)!r})))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=pathlib.Path(__file__).parents[1], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr

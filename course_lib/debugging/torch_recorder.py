@@ -34,7 +34,9 @@ world group's count begins with the run.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import logging
 import pathlib
 import pickle
@@ -191,7 +193,10 @@ def run_fr_trace(directory) -> str:
     log.handlers, log.propagate = [capture], False
     log.setLevel(logging.INFO)
     try:
-        from torch.distributed.flight_recorder.fr_trace import main  # its first import adds a stderr handler
+        # Its first import adds a stderr handler to this logger and, without the optional `tabulate`
+        # package, warns through it: both bound to a throwaway stream, not the notebook's stderr.
+        with contextlib.redirect_stderr(io.StringIO()):
+            from torch.distributed.flight_recorder.fr_trace import main
 
         saved += [h for h in log.handlers if h is not capture]  # kept for later, not used for this report
         log.handlers = [capture]
