@@ -88,11 +88,11 @@ test-under-load: $(STAMP)
 # CONTRIBUTING.md "NCCL's rules on CPU ranks"): the rules' own tests, the pipeline schedules,
 # PipeDream-2BW and the send/recv collectives with COURSE_NCCL_RULES=1, which every rank pool of
 # the session inherits. The library's own strategy runs (pipeline schedules, the composed layouts'
-# traffic, the broken-run catalogue) also run under the device rule (COURSE_DEVICE_RULE=1: every
+# traffic) also run under the device rule (COURSE_DEVICE_RULE=1: every
 # communicated tensor on the rank's device, observe/device_rule.py); the rules' own tests and the
 # collective tests hand gloo host tensors of their own on purpose, so they run under the first rule only.
 NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_comm.py tests/test_grading_ex09.py
-BOTH_RULES_TESTS ?= tests/test_pipeline.py tests/test_pp_v_schedules.py tests/test_broken_runs.py \
+BOTH_RULES_TESTS ?= tests/test_pipeline.py tests/test_pp_v_schedules.py \
 	"tests/test_hybrid.py::test_traffic_of_each_dimension_measured_against_the_model"
 .PHONY: test-nccl-rules gpu-check
 test-nccl-rules: $(STAMP)
@@ -161,8 +161,9 @@ bench: $(STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 	@$(PY) benchmarks/summary.py
 
-# Every benchmark at its smallest size (seconds each, no targets, nothing recorded): CI runs it
-# so that a broken import or API change in a benchmark fails the build instead of rotting.
+# Every benchmark at its smallest size (seconds each, no targets, nothing recorded): run it before
+# a change to a benchmark or the APIs it calls lands (CI only imports each one, for time:
+# tests/test_benchmarks_import.py).
 bench-quick: $(STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b --quick"; $(PY) $$b --quick || exit 1; done
 
