@@ -30,6 +30,8 @@ dump as gloo wrote it in DIR/torch_raw/ (`side.raw_error`: what fr_trace says of
 Sequence numbers: PyTorch's count a group's collectives since the group was made, the course's
 since its recorder started. The pool's ranks are started afresh (shutdown_pools) so that the
 world group's count begins with the run.
+(A few lines over 300: the rank side, the analyser's run and the two analyses' parsing read as
+one comparison.)
 """
 
 from __future__ import annotations

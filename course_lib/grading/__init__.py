@@ -24,6 +24,8 @@ step-time model ...) names where it lives, once, in its checker module, and pass
 re-export, a sibling module or a helper that wraps it (course_lib/grading/refusal.py derives
 those), is refused with `CheckFailed` before any check runs, so a check can only pass on the
 learner's own code. A cohort is graded by `python -m course_lib.grading.grade` (grade.py).
+(Over 300 lines: the loader, the checks and their display are what every exercise notebook
+imports; refusal.py and grade.py hold the rest.)
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ their communication has ended.
 Limits: on gloo, asynchronous calls (isend, irecv, batch_isend_irecv, async_op=True) count as
 completed when they are launched, so a hang in their wait() shows as the rank's last call, not
 as a stuck one; two process groups over the same ranks share their sequence numbers.
+(A few lines over 300: the recorder, its watchdog and its dump are one object; the analysis is
+analysis.py.)
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ Bytes: each rank's gradient is S = 4 * P bytes (fp32). CommTracer counts S per r
 either version (logical payload); a ring all-reduce puts 2 (N-1)/N * S bytes per rank on
 the wire. Frozen parameters (requires_grad=False) are not communicated; a tied weight is
 one Parameter, so it is reduced once.
+(Over 300 lines: the naive and the bucketed, overlapped versions side by side, as notebook 03
+reads them.)
 """
 
 from __future__ import annotations
