@@ -9,6 +9,7 @@
                      collective_time, which costs a call on either kind of link
     ringviz.py       the ring all-reduce step by step (pictures, widget)
     compat.py        collective names that moved between torch versions
+    process_groups.py  new_groups / own_group: where every group outside hsdp.py is created
     autograd.py      collectives as autograd Functions (tensor, sequence and expert parallelism)
 
 `course_lib.comm.ring_all_reduce` and the other functions of collectives.py stay importable

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 from course_lib.comm.costmodel import LinkModel, predict_time, synchronize
+from course_lib.comm.process_groups import own_group
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 # the alpha-beta formula (costmodel.cost_terms) of each op on a LinkModel
@@ -144,12 +145,8 @@ def measure_table(sizes, group_sizes, ops=OPS, iters: int = 6, rounds: int = 2, 
     for g in group_sizes:
         if world % g or g < 2:
             raise ValueError(f"group size {g} must be >= 2 and divide the world size {world}")
-    groups = {}
-    for g in group_sizes:  # new_group is collective: every rank creates every group
-        for start in range(0, world, g):
-            pg = dist.new_group(list(range(start, start + g)))
-            if start <= rank < start + g:
-                groups[g] = pg
+    # collective: every rank creates every group, one size after another
+    groups = {g: own_group([range(start, start + g) for start in range(0, world, g)], rank) for g in group_sizes}
     entries = {op: {str(g): [list(sizes), [float("inf")] * len(sizes)] for g in group_sizes} for op in ops}
     for _ in range(rounds):
         for op in ops:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.comm.process_groups import new_groups
 from course_lib.dims import split_layers
 from course_lib.observe.memory import SavedActivations
 from course_lib.parallel.ep.dispatch import combine, dispatch, exchange_counts
@@ -74,8 +75,8 @@ def wrong_group(fixed: bool, bad_rank: int) -> dict:
     """A 2-wide tensor-parallel by data-parallel mesh: tp groups [0, 1], [2, 3], ...; dp groups
     [0, 2, ...], [1, 3, ...]. The activations are gathered over tp; bad_rank picks its dp group."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group
-    dp = [dist.new_group(list(range(j, world, 2))) for j in range(2)]
+    tp = new_groups([[2 * i, 2 * i + 1] for i in range(world // 2)])  # every rank creates every group
+    dp = new_groups([range(j, world, 2) for j in range(2)])
     x = torch.full((D,), float(rank), device=rank_device())
     out = [torch.empty(D, device=x.device) for _ in range(2)]
     group = tp[rank // 2]

@@ -24,6 +24,7 @@ import threading
 
 import torch.distributed as dist
 
+from course_lib.comm.process_groups import new_groups
 from course_lib.debugging.catalogue import BUG_NAMES, check_bug
 from course_lib.observe.flight_recorder import FlightRecorder
 from course_lib.runtime.launch import init_from_env, leave_process_group
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     # The process group's own timeout is far above --timeout: this demo's watchdog decides.
     init_from_env(timeout_s=max(300.0, 10 * args.timeout))
     rank = dist.get_rank()
-    results_group = dist.new_group(list(range(world)))  # its own channel: never crosses a stuck call
+    (results_group,) = new_groups([range(world)])  # its own channel: never crosses a stuck call
     recorder = FlightRecorder(args.flight_recorder, stuck_after_s=args.timeout / 2) if args.flight_recorder else None
     watchdog = threading.Timer(args.timeout, _give_up, (rank, args.timeout, recorder))
     watchdog.daemon = True

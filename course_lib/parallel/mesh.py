@@ -14,7 +14,8 @@ DeviceMesh of shape (pp, dp, ep, cp, tp), `mesh["tp"]` its tensor-parallel sub-m
 groups spanning several axes that course_lib.dims.DERIVED_GROUPS names (dp_cp, replica,
 loss). Every group's rank lists come from one pure function, course_lib.dims.groups; a
 derived group whose ranks are one axis's (the other axes of size 1) IS that axis's
-communicator, and only the others are created (dist.new_group, here and nowhere else).
+communicator, and only the others are created (course_lib.comm.process_groups.own_group, where
+every group outside parallel/zero/hsdp.py is made).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 import torch
 
 from course_lib._validate import check_int
+from course_lib.comm.process_groups import own_group
 from course_lib.dims import DERIVED_GROUPS, GROUPS, MESH_ORDER, ParallelDims, coordinates, groups, product_text
 from course_lib.loop import share_rows
 from course_lib.runtime.device import rank_device
@@ -79,10 +81,7 @@ class RankMesh:
             if same:  # one axis's ranks (or an earlier derived group's): its communicator
                 self.groups[name] = same[0]
                 continue
-            for ranks in self.layout[name]:  # collective: every rank creates every group, in order
-                g = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self.groups[name] = g
+            self.groups[name] = own_group(self.layout[name], self.rank)  # collective: every rank, every group
 
     def group(self, name: str):
         """The process group of `name` (an axis of MESH_ORDER or a name of DERIVED_GROUPS)."""
