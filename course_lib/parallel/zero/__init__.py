@@ -2,6 +2,7 @@
 
     flat.py               the flat padded buffer a unit's parameters live in; shard_bounds
     sharded_optimizer.py  ShardedOptimizer: stage 1 over any parameter iterable (the engine of all stages)
+    muon.py               ShardedMuon: Muon with row-sharded momentum (gather / owner / balanced Newton-Schulz)
     stage2.py             gradients reduce-scattered in buckets from hooks during backward
     stage3.py             FSDP: per-block all-gather before forward and backward, free after, prefetch
     offload.py            ZeRO-Offload: to_host / to_device (every crossing), bytes across the link, PCIe time
