@@ -229,7 +229,7 @@ def composed_zero_memory(config, dims, recipe: str = "bf16_mixed", rank: int = 0
     params and optimizer are between_steps'; the peak adds grads and gathered to them."""
     if fsdp_unit not in FSDP_UNITS:
         raise ValueError(f"fsdp_unit={fsdp_unit!r} must be one of {FSDP_UNITS}")
-    n = dims.dp * dims.ep * getattr(dims, "cp", 1)
+    n = dims.dp * dims.ep * dims.cp
     r, units = RECIPES[recipe], zero_units(config, dims, rank)
     between = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
     for p in units:

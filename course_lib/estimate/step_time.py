@@ -94,7 +94,7 @@ def check_layout(config, dims: ParallelDims, batch_size: int, seq: int | None = 
 def composed(dims) -> bool:
     """Whether the runtime composes data parallelism with another dimension (course_lib.parallel.
     hybrid): ZeRO-2 and 3 then reduce once per step (course_lib.parallel.hybrid.zero_pp)."""
-    return dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or getattr(dims, "cp", 1) > 1
+    return dims.world_size > dims.dp  # an axis other than dp above 1
 
 
 def memory_per_rank(config, dims: ParallelDims, batch_size: int, seq: int | None = None,
@@ -229,7 +229,7 @@ def _step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, se
     if recipe == "fp8":  # the blocks' linears at the FP8 rate, the rest at bf16's
         f8 = fp8_flops_per_token(config) * tokens
         compute = (flops - f8) / (n_gpus * rate) + f8 / (n_gpus * fp8_rate(C))
-    if L.cp > 1 and causal:  # the busiest cp rank's causal attention: imbalance x an even share
+    if causal:  # the busiest cp rank's causal attention: imbalance x an even share (cp = 1: x 1, nothing added)
         attn = 3 * 4 * base.n_layer * seq * base.d_model * 0.5 * tokens  # flops_per_token's causal term
         compute += attn * (attention_imbalance(seq, L.cp, L.cp_load_balance) - 1) / (n_gpus * rate)
     layers = max(layers_per_rank(base.n_layer, L.pp, v))  # the busiest rank's, over its v chunks
@@ -277,7 +277,7 @@ def _step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, se
             checks += check_seconds(records, link)
     tp, pp, ep = term["tp"], term["pp"], term["ep"]
     cp_total = cp = term.get("cp", 0.0)
-    if L.cp > 1 and L.cp_method == "ring":  # the hops' sends priced where compute does not cover them
+    if L.cp_method == "ring":  # the hops' sends priced where compute does not cover them (cp = 1: none)
         ring = ring_exposed(config, L, micro_batch, seq, C.link_of("cp", L), rate, e, causal)
         repeats = 2 if L.recompute == "full" else 1  # full recomputation runs the forward ring again
         cp = layers * m * (repeats * ring["forward"] + ring["backward"]) + sum(

@@ -24,10 +24,10 @@ def cp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
 
     Full recomputation runs every block's forward again, its calls included. The gradients'
     average over the cp replicas (whole weights on every cp rank) is data parallelism's."""
-    cp = getattr(dims, "cp", 1)
+    cp = dims.cp
     if cp == 1:
         return []
-    method = getattr(dims, "cp_method", "ring")
+    method = dims.cp_method
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
     L, m, n, R = base.n_layer, dims.microbatches, dims.tp, dims.replicas
     C, Q = mb * (s // cp) * kv_dim(base) * act_bytes // n, mb * (s // cp) * base.d_model * act_bytes // n

@@ -15,7 +15,7 @@ def dp_traffic(config, dims, batch_size: int, seq: int | None = None, local_para
     really over dp alone); world_bytes counts every rank's flat shards exactly
     (replica_group_params), over dp. With dp = 1 and ep > 1 nothing crosses a dp group: the
     records are the model's price of EP's dense average (calls 0)."""
-    cp = getattr(dims, "cp", 1)  # cp ranks hold whole weights: the gradients are reduced over dp * ep * cp
+    cp = dims.cp  # cp ranks hold whole weights: the gradients are reduced over dp * ep * cp
     replicas = dims.replicas * cp
     if replicas == 1:
         return []
@@ -23,7 +23,7 @@ def dp_traffic(config, dims, batch_size: int, seq: int | None = None, local_para
     m, dp, pb = dims.microbatches, dims.dp * cp, grad_bytes if param_bytes is None else param_bytes
     grads, params, world = local_params * grad_bytes, local_params * pb, dims.world_size
     psi = replica_group_params(config, dims)  # the parameters of one data-parallel copy
-    composed = dims.tp > 1 or dims.pp > 1 or dims.ep > 1 or cp > 1
+    composed = dims.world_size > dims.dp  # an axis other than dp above 1: the hybrid runtime
     if dims.zero >= 2 and composed:  # reduced once per step (course_lib.parallel.hybrid.zero_pp)
         out = _composed_zero(config, dims, local_params, grad_bytes, pb)
     # the ZeRO engine (one all-reduce per parameter group) wherever the runtime composes
@@ -69,7 +69,7 @@ def zero_pp_ops(config, dims, rank: int = 0, param_bytes: int = 4, grad_bytes: i
                         micro-batch's forward and again before its backward: 2 m U calls,
                         2 m sum_u S_u param_bytes; False: once, kept for the step: U, sum_u S_u
                         param_bytes. The ratio of the two policies is 2m, calls and bytes."""
-    n = dims.dp * dims.ep * getattr(dims, "cp", 1)
+    n = dims.dp * dims.ep * dims.cp
     shards = [-(-p // n) for p in zero_units(config, dims, rank)]
     reshard = getattr(dims, "reshard_after_forward", True)
     gathers = 2 * dims.microbatches if dims.zero == 3 and reshard else 1
@@ -81,7 +81,7 @@ def _composed_zero(config, dims, local_params, grad_bytes, param_bytes) -> list[
     """dp_traffic's records for ZeRO-2/3 composed with pp / tp: rank 0's calls (zero_pp_ops),
     every rank's bytes (tp copies of each pipeline rank's, over its N dp ranks), priced as the
     busiest rank's average unit (local_params / U elements; rank 0's own when local_params is 0)."""
-    n = dims.dp * dims.ep * getattr(dims, "cp", 1)
+    n = dims.dp * dims.ep * dims.cp
     ranks = [zero_pp_ops(config, dims, r, param_bytes, grad_bytes) for r in range(dims.pp)]
     units = ranks[0]["reduce_scatter"]["calls"]
     local = local_params or ranks[0]["reduce_scatter"]["bytes_sent"] / grad_bytes  # N sum_u S_u

@@ -12,10 +12,10 @@ def ep_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     if dims.ep == 1:
         return []
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
-    s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
+    s //= dims.cp  # context parallelism: a rank's tokens of each sequence
     shape = model_shape(config)
     n_experts, top_k = shape.n_experts, shape.top_k
-    L, m, n, R = base.n_layer, dims.microbatches, dims.ep, dims.replicas * getattr(dims, "cp", 1)
+    L, m, n, R = base.n_layer, dims.microbatches, dims.ep, dims.replicas * dims.cp
     rows = mb * s * top_k * base.d_model * act_bytes  # one micro-batch's routed rows, every rank sends all
     dense = (dense_params(config) + (padded_vocab(config, dims.tp) * base.d_model
                                      if dims.pp > 1 and getattr(base, "tie_weights", False) else 0))

@@ -11,8 +11,8 @@ def pp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     if dims.pp == 1:
         return []
     base, s, mb, _ = _shape(config, dims, batch_size, seq)
-    s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
-    m, v, n, R = dims.microbatches, dims.virtual_stages, dims.tp, dims.replicas * getattr(dims, "cp", 1)
+    s //= dims.cp  # context parallelism: a rank's tokens of each sequence
+    m, v, n, R = dims.microbatches, dims.virtual_stages, dims.tp, dims.replicas * dims.cp
     # sequence parallelism sends each tp rank's shard of the sequence (Megatron; the runtime's stage.sequence_shards)
     M = mb * s * base.d_model * act_bytes // (n if dims.sequence_parallel else 1)
     # rank 0: v activations sent and v gradients received per micro-batch, and 2 (v - 1) more

@@ -22,8 +22,8 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     if rank is not None:  # that rank's blocks and ends, priced as the runtime calls them
         held = layers_per_rank(base.n_layer, dims.pp, dims.virtual_stages)[_pipeline_rank(rank, dims.pp)]
         own = (held, int(rank == 0), int(rank == dims.pp - 1))
-    s //= getattr(dims, "cp", 1)  # context parallelism: a rank's tokens of each sequence
-    R = dims.replicas * getattr(dims, "cp", 1)  # every cp rank of a replica does this on its tokens
+    s //= dims.cp  # context parallelism: a rank's tokens of each sequence
+    R = dims.replicas * dims.cp  # every cp rank of a replica does this on its tokens
     L, m, n, full = base.n_layer, dims.microbatches, dims.tp, int(dims.recompute == "full")
     M = mb * s * base.d_model * act_bytes
     Mb = mb * s * base.d_model * 2 if dims.precision == "bf16" else M
