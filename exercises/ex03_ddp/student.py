@@ -1,13 +1,19 @@
-"""Exercise 03: data parallelism with buckets and overlap. Fill in the parts marked TODO,
-then run the check cells of ex03_ddp.ipynb. Each check prints PASS when your code is right.
+"""Exercise 03: data parallelism with buckets, overlap and buckets that learn the backward order.
+Write the three parts below, then run the check cells of ex03_ddp.ipynb. Each check prints PASS
+when your code is right.
 
-Rules of the game (the notebook explains why):
-  * every rank starts from rank 0's parameters;
-  * gradients are averaged: after finish_gradient_synchronization(), every p.grad holds
-    (1/N) * sum over ranks of that rank's p.grad;
-  * parameters are grouped into buckets, walking from the LAST parameter to the first;
-  * a bucket's all-reduce starts (async_op=True) from a gradient hook as soon as all of its
-    gradients are ready, i.e. during backward, not after it.
+The contract (the notebook says why each rule exists):
+  * after SimpleDDP(...), every rank holds rank 0's parameter values;
+  * after finish_gradient_synchronization(), every p.grad holds (1/N) * sum over ranks of that
+    rank's p.grad;
+  * gradients travel in buckets, one dist.all_reduce per bucket per step, started with
+    async_op=True from a gradient hook as soon as the bucket can leave: during backward, never
+    waited for before backward has returned;
+  * the first step's buckets follow the reverse of the registration order; from the second step
+    on they follow the order the gradients really arrived in during the first step;
+  * self.buckets is the current layout: a list of buckets, each a list of Parameters.
+You may assume every trainable parameter gets a gradient in every step (no unused parameters)
+and no gradient accumulation.
 """
 
 import torch
@@ -15,15 +21,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-def build_buckets(sizes_bytes: list[int], bucket_cap_bytes: int) -> list[list[int]]:
+def build_buckets(order: list[int], sizes_bytes: list[int], bucket_cap_bytes: float) -> list[list[int]]:
     """Group parameter indices into buckets.
 
-    Walk the indices from len(sizes_bytes) - 1 down to 0. Add each index to the current
-    bucket; as soon as the current bucket holds at least bucket_cap_bytes, close it and start
-    a new one (PyTorch's rule: a bucket overshoots the cap by at most its last parameter). A
-    last, unfilled bucket is kept.
-    Examples: sizes [4, 4, 4, 4] with cap 8 -> [[3, 2], [1, 0]];
-              sizes [4, 100, 4, 4] with cap 10 -> [[3, 2, 1], [0]].
+    order: the parameter indices in the order their gradients are expected to be ready;
+    sizes_bytes[i]: parameter i's gradient size in bytes. Returns the buckets, each a list of
+    indices, in the order of `order`. A bucket is closed as soon as it holds at least
+    bucket_cap_bytes (PyTorch's rule); a last, unfilled bucket is kept.
+    Raises ValueError unless `order` names every index of sizes_bytes exactly once.
+    Example: build_buckets([3, 2, 1, 0], [4, 4, 4, 4], 8) -> [[3, 2], [1, 0]].
     """
     raise NotImplementedError("exercise 03: write build_buckets")
 
@@ -35,27 +41,12 @@ class SimpleDDP(nn.Module):
         super().__init__()
         self.module, self.group = module, group
         self.world_size = dist.get_world_size(group)
-        # TODO 1: copy rank 0's parameters to every rank (dist.broadcast each parameter,
-        #         inside torch.no_grad()).
-        # TODO 2: self.buckets = list of lists of Parameters, from build_buckets over the
-        #         parameters with requires_grad (sizes in bytes; cap = bucket_cap_mb * 2**20).
-        # TODO 3: bookkeeping: which bucket each parameter is in, how many gradients of each
-        #         bucket are ready, the index of the next bucket to launch (buckets are
-        #         launched in index order on every rank), and the all-reduces in flight.
-        # TODO 4: p.register_post_accumulate_grad_hook(self._on_grad_ready) for each parameter.
         raise NotImplementedError("exercise 03: write SimpleDDP.__init__")
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        """Called by autograd once param.grad is complete. Count it; then launch every full
-        bucket whose predecessors have all been launched, in index order: flatten the bucket's
-        gradients into one tensor, divide by the world size and start
-        dist.all_reduce(flat, group=self.group, async_op=True). Keep (work, flat)."""
-        raise NotImplementedError("exercise 03: write SimpleDDP._on_grad_ready")
-
     def finish_gradient_synchronization(self) -> None:
-        """Called after backward: start any bucket not started yet, wait for every all-reduce,
-        copy each averaged slice back into its p.grad, and reset the bookkeeping."""
+        """Called once per step, after backward and before the optimizer step. When it returns,
+        every p.grad holds the average over the ranks, and the next step can begin."""
         raise NotImplementedError("exercise 03: write SimpleDDP.finish_gradient_synchronization")

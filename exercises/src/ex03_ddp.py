@@ -1,59 +1,54 @@
 # %% [markdown]
-# # Exercise 03: bucketed, overlapped data parallelism
+# # Exercise 03: bucketed, overlapped data parallelism whose buckets learn the backward order
 #
 # **Goal.** Write a reduced `DistributedDataParallel` in `exercises/ex03_ddp/student.py`
-# (notebook `03_data_parallel` explains every idea used here):
+# (notebook `03_data_parallel` explains the ideas: re-read §1 for why the average of the
+# shards' gradients is the right one, and §5 for buckets, hooks, in-order launches and
+# `finish`). Its contract is at the top of `student.py`:
 #
-# 1. `build_buckets(sizes_bytes, bucket_cap_bytes)`: group parameter indices into buckets,
-#    walking from the **last** parameter to the first (backward produces gradients roughly in
-#    that order), closing a bucket as soon as it holds at least the cap (PyTorch's rule).
-# 2. `SimpleDDP(module, bucket_cap_mb, group)`:
-#    * `__init__` copies rank 0's parameters to every rank, builds the buckets and registers a
-#      `register_post_accumulate_grad_hook` on every trainable parameter;
-#    * `_on_grad_ready(p)` counts ready gradients and, when a bucket is full, starts its
-#      all-reduce **asynchronously** (`async_op=True`) on the flattened bucket, divided by `N`;
-#    * `finish_gradient_synchronization()` (called after `backward()`, before the optimizer
-#      step) waits for every bucket and writes the averaged gradients back into `p.grad`.
+# 1. `build_buckets(order, sizes_bytes, bucket_cap_bytes)`: group parameter indices into
+#    buckets, walking them in a given `order` (PyTorch's rule for closing a bucket).
+# 2. `SimpleDDP(module, bucket_cap_mb, group)`: replicas that start equal, one asynchronous
+#    all-reduce per bucket launched from gradient hooks while backward runs, and
+#    `finish_gradient_synchronization()` after backward, leaving the average in every `p.grad`.
+# 3. **The step notebook 03 does not take.** Its DDP buckets the parameters in the reverse of
+#    their registration order, a guess at the order backward produces their gradients. The
+#    guess can be wrong: a module registered first may run last (a shared embedding, layers
+#    reordered in `forward`, branches). Then the bucket with the last-registered parameters is
+#    complete only at the very end of backward, and since buckets leave in index order, every
+#    bucket waits for it: no overlap at all. Your `SimpleDDP` measures instead of guessing:
+#    during the first step it notes the order in which the gradients actually arrive, and from
+#    the second step on its buckets follow that order.
 #
 # You may assume every trainable parameter gets a gradient in every step (no unused
-# parameters) and no gradient accumulation; notebook 03 §5 shows how a full DDP handles
-# both. Re-read §5 (buckets, hooks, in-order launches, `finish`) before you start, and §1 for
-# why the average of the shards' gradients is the right one.
+# parameters) and no gradient accumulation.
 #
-# **Think first.** Your hook fires once per parameter, in the order autograd finishes them.
-# Can two ranks see their buckets become full in different orders? What would happen if each
-# rank launched its buckets in the order they became full?
-#
-# <details><summary>Answer</summary>
-#
-# For identical graphs autograd finishes the gradients in the same order on every rank, but
-# as soon as the ranks' graphs differ (a parameter unused on one rank, data-dependent control
-# flow), buckets fill in different orders, or not at all. Async collectives are matched by the
-# order in which they are issued, so rank 0's bucket 3 would be added to rank 1's bucket 2:
-# wrong sums, or a hang when the sizes differ. Launch buckets strictly in index order: a full
-# bucket waits until all earlier ones have been launched.
-# </details>
+# **Think first.** The ranks run the same model, but not necessarily the same graph: a model
+# whose control flow depends on the data (or on the rank) produces its gradients in a different
+# order on different ranks. What goes wrong if every rank rebuilds its buckets from what *it*
+# observed? What must the ranks agree on after the first step, and how can they come to agree?
+# And with one agreed layout, what keeps a rank whose gradients arrive in another order from
+# launching its buckets in another order?
 #
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
-# `CheckFailed` (or your own error) when it is not. Your model is trained for a few steps on 2
-# and 4 ranks and compared with `torch.nn.parallel.DistributedDataParallel` on the same data.
-# Edit `student.py`, then *Kernel → Restart and run all*.
+# `CheckFailed` (or your own error) when it is not. Your DDP is trained on 2 and 4 ranks and
+# compared with `torch.nn.parallel.DistributedDataParallel` on the same data, then run for a
+# few steps on a small model whose layers run in a rank-dependent order, with every all-reduce
+# watched: when it starts, when it is waited for, what it carries. Edit `student.py`, then
+# *Kernel → Restart and run all*.
 
 # %%
-import time
-
 import torch
-import torch.distributed as dist
 
-from course_lib import CommTracer, run_on_ranks
-from course_lib.data import CharDataset, get_batch
+from course_lib import run_on_ranks
+from course_lib.data import CharDataset
 from course_lib.grading import check_close, check_equal, load_student
-from course_lib.model import GPT, GPTConfig
-from course_lib.parallel import assign_buckets
+from course_lib.grading import ex03_ddp as grade
+from course_lib.model import GPTConfig
 from course_lib.parallel.dp.training import train_data_parallel
 from course_lib.train import TrainConfig
 
-student = load_student("ex03_ddp")
+student = load_student("ex03_ddp", refuse=grade.REFUSE)
 CONFIG = GPTConfig.tiny(CharDataset("train").vocab_size)
 # No clipping: AdamW and clipping both ignore the gradient's scale, so a DDP that forgets to
 # divide by N would still produce the right parameters. Comparing raw gradients catches it.
@@ -62,22 +57,18 @@ CAP_MB = 0.05  # MiB: small buckets, so the tiny GPT's 0.42 MiB of gradients mak
 
 # %% [markdown]
 # ## Check 1: `build_buckets`
-# Sizes are in bytes. A parameter larger than the cap gets a bucket of its own.
+# Sizes are in bytes; orders that are not the reverse of the registration order, a bucket
+# that meets the cap exactly, a parameter larger than the cap, and an order that is not a
+# permutation of the parameters.
 
 # %%
-check_equal("4 equal sizes, cap 8", student.build_buckets([4, 4, 4, 4], 8), [[3, 2], [1, 0]])
-check_equal("a bucket closes once it holds the cap", student.build_buckets([4, 100, 4, 4], 10), [[3, 2, 1], [0]])
-check_equal("exactly at the cap", student.build_buckets([2, 8, 2, 8], 10), [[3, 2], [1, 0]])
-check_equal("everything fits", student.build_buckets([1, 2, 3], 10**9), [[2, 1, 0]])
-sizes = [p.numel() * 4 for p in GPT(CONFIG).parameters()]
-check_equal("the course GPT, cap 0.05 MiB", student.build_buckets(sizes, CAP_MB * 2**20),
-            assign_buckets(sizes, CAP_MB * 2**20))
+grade.check_build_buckets(student)
 
 # %% [markdown]
 # ## Check 2: same training as torch's DDP, on 2 and 4 ranks
 # Both runs start from the same model and see the same data; after 4 AdamW steps the
 # parameters and the last averaged gradients must agree (up to float rounding), and every rank
-# must hold the same replica.
+# must hold the same replica. (Torch's DDP also rebuilds its buckets after the first step.)
 
 # %%
 def wrap_student(model, group):
@@ -106,33 +97,24 @@ for world_size in (2, 4):
                 all(torch.equal(r[0].final_params, mine.final_params) for r in res), True)
 
 # %% [markdown]
-# ## Check 3: one all-reduce per bucket, launched during backward
-# The tracer counts the collective calls of one step; each call's start time is compared with
-# the moment `backward()` returned. A DDP that reduces after backward (or per parameter) fails.
+# ## Check 3: every all-reduce watched, on ranks whose gradients arrive in different orders
+# A small model of four square layers: on even ranks they run last-registered first, on odd
+# ranks in registration order. Its replicas start from different values. For 3 steps on 2 and
+# on 3 ranks the check records each all-reduce (when it starts, when it is waited for, how many
+# elements it carries) and compares every `p.grad` with the average computed one parameter at
+# a time.
 
 # %%
-def one_step(config):
-    model = GPT(config)
-    ddp = student.SimpleDDP(model, bucket_cap_mb=CAP_MB)
-    x, y = get_batch(CharDataset("train"), 4, torch.Generator().manual_seed(dist.get_rank()))
-    with CommTracer() as tracer:
-        _, loss = ddp(x, y)
-        loss.backward()
-        backward_done = time.perf_counter()
-        ddp.finish_gradient_synchronization()
-    calls = [r for r in tracer.records if r.op == "all_reduce"]
-    return {"buckets": len(ddp.buckets), "calls": len(calls), "bytes": sum(r.bytes_sent for r in calls),
-            "during_backward": sum(r.start < backward_done for r in calls)}
-
-
-n_buckets = len(assign_buckets(sizes, CAP_MB * 2**20))
-for r in run_on_ranks(one_step, CONFIG, world_size=2, backend="gloo", timeout_s=60)[:1]:
-    check_equal("number of buckets", r["buckets"], n_buckets)
-    check_equal("one all-reduce per bucket", r["calls"], n_buckets)
-    check_equal("bytes all-reduced = the whole gradient (4 bytes per parameter)", r["bytes"], sum(sizes))
-    check_equal("every bucket launched while backward was running", r["during_backward"], n_buckets)
+grade.check_steps_on_ranks(student)
 
 # %% [markdown]
-# All checks passed? Then you have written the heart of PyTorch's DDP. Two questions to take
-# back to notebook 03: what must a DDP do for a parameter that gets no gradient on one rank in
-# some step (§5, step 5), and why does PyTorch give its *first* bucket a smaller cap (§8)?
+# All checks passed? Then you have written the heart of PyTorch's DDP, and one of its
+# refinements: its reducer also rebuilds its buckets once, after the first iteration, from the
+# order the gradients arrived, and broadcasts rank 0's order so that every rank holds the same
+# layout (a rank's observation is its own; layouts that differ add unrelated tensors, or hang
+# when their sizes differ). Launching strictly in index order is what lets a rank whose
+# gradients arrive in another order still issue the same collectives in the same order. Having
+# written it, compare with `course_lib/parallel/dp/ddp.py` (which keeps the reverse-order
+# guess), and take two questions back to notebook 03: what must a DDP do for a parameter that
+# gets no gradient on one rank in some step (§5, step 5), and why does PyTorch give its *first*
+# bucket a smaller cap (§8)?
