@@ -13,15 +13,19 @@ learner's code:
 
 The checks hold the learner's fixes to the single process (never to a library version):
 
-    check_names       each run's bug named with the catalogue's name (stored answers below)
+    check_names       each run's bug named with the catalogue's name (the three names stored as
+                      one digest: reading this module gives no run's answer)
     check_sync        one backward then sync on 2 and 4 ranks: every rank's gradients equal the
-                      whole batch's gradient; 3 AdamW steps: losses equal the single process's
+                      whole batch's gradient, the sync is ONE all-reduce of the whole gradient
+                      per step; 3 AdamW steps: losses equal the single process's
     check_stop        should_stop on ranks holding different losses: every rank returns the same
                       decision, the global batch's (mean < target); then the early-stopped run
                       stops on every rank at the single process's step (a hang is a timeout)
-    check_accumulate  3 steps of 2 micro-batches on 2 ranks: losses equal the single process's,
-                      the replicas stay bitwise equal, and each step all-reduces one gradient's
-                      worth of bytes (4 bytes a parameter), not one per micro-batch
+    check_accumulate  3 steps of 2 and of 4 micro-batches on 2 ranks: the replicas stay bitwise
+                      equal, step 1's gradient equals the whole batch's (AdamW would hide a
+                      gradient n times too large in the losses), the losses equal the single
+                      process's, and each step all-reduces one gradient's worth of bytes (4 bytes
+                      a parameter), not one per micro-batch
 
 `REFUSE` names what holds the answers: the catalogue of broken runs with their mended twins,
 its torchrun demo, the course's data parallelism (its averaging) and this module.
@@ -29,14 +33,14 @@ its torchrun demo, the course's data parallelism (its averaging) and this module
 
 from __future__ import annotations
 
-import hashlib
 import sys
 
 import torch
 import torch.distributed as dist
 
 from course_lib.data import VOCAB_SIZE, CharDataset, collate, sample_indices
-from course_lib.grading import CheckFailed, check_close, check_equal, passed
+from course_lib.grading import CheckFailed, announce, check_close, check_equal, passed
+from course_lib.grading.stored import check_digest
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.tracer import CommTracer
 from course_lib.runtime.pool import run_on_ranks
@@ -54,13 +58,10 @@ REFUSE = ("course_lib.debugging",  # the catalogue: each entry's bug and its men
 BUG_NAMES = ("skip_collective", "reorder_collectives", "wrong_group", "microbatches_below_stages", "zero_token_expert",
              "sync_every_microbatch", "never_sync", "sum_not_avg", "unsynced_dropout", "overlapping_shards",
              "nan_on_one_rank", "uneven_oom")
-# The answers, each the catalogue name that explains its run's evidence (the solution file says
-# why), stored as the first 16 hex digits of the name's SHA-256: reading this module gives no answer.
-ANSWERS = {"run 1": "af52fbd42871a05e", "run 2": "7426109f6d507686", "run 3": "0d5dc4546f025bef"}
-
-
-def _digest(name: str) -> str:
-    return hashlib.sha256(name.encode()).hexdigest()[:16]
+RUNS = ("run 1", "run 2", "run 3")
+# The answer: stored.digest of the reference solution's name_the_bugs() dict, all three names in one
+# digest (a digest per run would decode by hashing the catalogue's twelve names).
+ANSWER = "eda3c23d408c6809d1444013e0ec78315e8d03b3c0a335f6696952a2a58bfbb9"
 
 CONFIG = GPTConfig.tiny(VOCAB_SIZE, n_layer=1, block_size=32)
 TRAIN = TrainConfig(steps=3, batch_size=8, lr=3e-3, grad_clip=1.0, progress=False)
@@ -97,14 +98,18 @@ def train_with_sync(sync, cfg: TrainConfig = TRAIN) -> dict:
 
     def sync_and_keep():
         if sync is not None:
-            sync(model)
+            with CommTracer() as tracer:
+                sync(model)
+            calls.append({op: s["calls"] for op, s in tracer.summary().items()})
         first.setdefault("grad", flat_grads(model))
+
+    calls = []
 
     hooks = StepHooks(sync_gradients=sync_and_keep)
     result = train_loop(model, make_optimizer(model, cfg), _dataset(), cfg, hooks,
                         rows=share_rows(rank, world, cfg.batch_size), record_grad_norms=True)
     return {"losses": result.train_losses, "grad_norms": result.grad_norms, "checksum": _checksum(model),
-            "first_grad": first["grad"]}
+            "first_grad": first["grad"], "sync_calls": calls}
 
 
 def average_over_ranks(model):
@@ -142,6 +147,7 @@ def train_accumulating(step_fn, accum: int = 2, cfg: TrainConfig = NO_CLIP, trac
     model, dataset = GPT(CONFIG, seed=cfg.seed), _dataset()
     optimizer, gen = make_optimizer(model, cfg), torch.Generator().manual_seed(cfg.seed)
     rows, losses, checksums, reduced = share_rows(rank, world, cfg.batch_size), [], [], []
+    first_grad = None
     for _ in range(cfg.steps):
         x, y = collate(dataset, sample_indices(len(dataset), cfg.batch_size, gen)[rows])
         if step_fn is None:
@@ -151,8 +157,10 @@ def train_accumulating(step_fn, accum: int = 2, cfg: TrainConfig = NO_CLIP, trac
                 losses.append(float(step_fn(model, optimizer, list(zip(x.chunk(accum), y.chunk(accum))))))
             reduced.append(tracer.summary().get("all_reduce", {}).get("bytes_sent", 0))
         checksums.append(_checksum(model))
+        if first_grad is None and traced:
+            first_grad = flat_grads(model)  # the gradient step 1 applied (zeroed only at the next step)
     return {"losses": losses, "checksums": checksums, "all_reduce_bytes": reduced,
-            "params": flat_params(model) if traced else None}
+            "params": flat_params(model) if traced else None, "first_grad": first_grad}
 
 
 def rank_mean(results: list[dict], key: str = "losses") -> list[float]:
@@ -190,14 +198,29 @@ def run_3_step(model, optimizer, micro_batches):
 # ------------------------------------------------------------------------------------ the checks
 def check_names(student):
     names = student.name_the_bugs()
-    if not isinstance(names, dict) or sorted(names) != sorted(ANSWERS):
-        raise CheckFailed(f"name_the_bugs() must return a dict with the keys {sorted(ANSWERS)}, got {names!r}")
-    for run in sorted(ANSWERS):
+    if not isinstance(names, dict) or sorted(names) != list(RUNS):
+        raise CheckFailed(f"name_the_bugs() in student.py must return a dict with the keys {list(RUNS)}, got {names!r}")
+    for run in RUNS:
         if names[run] not in BUG_NAMES:
             raise CheckFailed(f"{run}: {names[run]!r} is not a name from the catalogue: one of {', '.join(BUG_NAMES)}")
-        if _digest(names[run]) != ANSWERS[run]:
-            raise CheckFailed(f"{run}: {names[run]!r} does not explain this run's evidence: read it again")
-        passed(f"{run}: the bug is named")
+    check_digest("the three runs' bugs, named", names, ANSWER,
+                 hint="At least one name does not explain its run's evidence. For each run ask what the evidence "
+                      "rules out: does it hang or finish, do the replicas agree, by what factor is the gradient "
+                      "norm off, which calls did the flight recorder see on each rank?")
+
+
+def _check_gradient(label: str, got: torch.Tensor, want: torch.Tensor, hint: str) -> None:
+    """got equals want (flat gradients) to fp32 rounding; a failure shows the ratio of the norms and
+    the worst element's gap, never the expected values."""
+    announce()
+    # one backward each: the same per-token gradients summed in another order (fp32 ~1e-7); the
+    # mistakes are off by a factor (n, 1/n, 2) or by the other ranks' shards, far outside
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+        ratio = got.double().norm().item() / want.double().norm().item()
+        worst = (got.double() - want.double()).abs().max().item()
+        raise CheckFailed(f"{label}: your gradients differ (norm {ratio:.4g} x the whole batch's, largest gap "
+                          f"{worst:.3g}).\n {hint}")
+    passed(label)
 
 
 def _sync_on_rank(name: str, cfg: TrainConfig):
@@ -210,10 +233,13 @@ def check_sync(student, world_sizes=(2, 4)):
     for n in world_sizes:
         res = run_on_ranks(_sync_on_rank, student.__name__, TRAIN, world_size=n, **RANKS)
         for r, got in enumerate(res):
-            # one backward: the same per-token gradients summed in another order (fp32 ~1e-7); a sum
-            # instead of a mean is n times too large, a missing sync off by the other shards
-            check_close(f"{n} ranks, rank {r}: gradients after sync equal the whole batch's", got["first_grad"],
-                        ref["first_grad"], rtol=1e-4, atol=1e-6)
+            _check_gradient(f"{n} ranks, rank {r}: gradients after average_gradients equal the whole batch's",
+                            got["first_grad"], ref["first_grad"],
+                            hint="A norm n times the whole batch's is a sum, not a mean; 1 x with a gap: the "
+                                 "averaged values never reached p.grad, or reached the wrong parameters.")
+        calls = res[0]["sync_calls"]
+        check_equal(f"{n} ranks: collective calls average_gradients makes in each of {TRAIN.steps} steps "
+                    "(one all_reduce of the whole gradient)", calls, [{"all_reduce": 1}] * TRAIN.steps)
         check_close(f"{n} ranks: losses of {TRAIN.steps} steps (mean over the ranks) equal the single process's",
                     rank_mean(res), ref["losses"], rtol=0, atol=adamw_loss_atol(TRAIN.lr))  # tolerances.py: why
 
@@ -245,22 +271,32 @@ def _train_until_on_rank(name: str):
     return train_until(_student(name).should_stop)
 
 
-def _accumulate_on_rank(name: str):
-    return train_accumulating(_student(name).accumulation_step, traced=True)
+def _accumulate_on_rank(name: str, accum: int = 2):
+    return train_accumulating(_student(name).accumulation_step, accum, traced=True)
 
 
-def check_accumulate(student, world_size: int = 2):
-    """Run 3's fix: accumulation_step with one sync after the last micro-batch."""
-    ref = train_accumulating(None)
-    res = run_on_ranks(_accumulate_on_rank, student.__name__, world_size=world_size, **RANKS)
+def check_accumulate(student, world_size: int = 2, accums=(2, 4)):
+    """Run 3's fix: accumulation_step with one sync after the last micro-batch, for 2 and 4
+    micro-batches (a rank's share of 4 rows cut into rows of 2, then of 1)."""
+    ref = train_accumulating(None, traced=True)
     n_params = sum(p.numel() for p in GPT(CONFIG).parameters())
-    for r, got in enumerate(res):
-        if not torch.equal(got["params"], res[0]["params"]):
-            raise CheckFailed(f"rank {r}'s parameters differ from rank 0's after {NO_CLIP.steps} steps (checksums "
-                              f"{[round(c, 6) for c in got['checksums']]} against {[round(c, 6) for c in res[0]['checksums']]}):"
-                              f" the replicas must apply the same averaged gradient")
-    passed(f"{world_size} ranks: the replicas' parameters stay bitwise equal")
-    check_close(f"{world_size} ranks, 2 micro-batches each: losses of {NO_CLIP.steps} steps equal the single process's",
-                rank_mean(res), ref["losses"], rtol=0, atol=adamw_loss_atol(NO_CLIP.lr))  # tolerances.py: why
-    check_equal(f"bytes each rank all-reduces per step (one gradient: 4 bytes x {n_params:,} parameters)",
-                res[0]["all_reduce_bytes"], [4 * n_params] * NO_CLIP.steps)
+    for accum in accums:
+        res = run_on_ranks(_accumulate_on_rank, student.__name__, accum, world_size=world_size, **RANKS)
+        for r, got in enumerate(res):
+            if not torch.equal(got["params"], res[0]["params"]):
+                raise CheckFailed(f"{accum} micro-batches: rank {r}'s parameters differ from rank 0's after "
+                                  f"{NO_CLIP.steps} steps (checksums {[round(c, 6) for c in got['checksums']]} "
+                                  f"against {[round(c, 6) for c in res[0]['checksums']]}): the replicas must apply "
+                                  "the same averaged gradient")
+        passed(f"{world_size} ranks, {accum} micro-batches: the replicas' parameters stay bitwise equal")
+        _check_gradient(f"{world_size} ranks, {accum} micro-batches: the gradient step 1 applies equals the whole "
+                        "batch's", res[0]["first_grad"], ref["first_grad"],
+                        hint=f"A norm {accum} x the whole batch's: each micro-batch's loss went into backward "
+                             f"undivided (AdamW hides it in the losses); 1/{accum} x: divided twice.")
+        check_close(f"{world_size} ranks, {accum} micro-batches: losses of {NO_CLIP.steps} steps (what accumulation_"
+                    "step returns, mean over the ranks) equal the single process's", rank_mean(res), ref["losses"],
+                    rtol=0, atol=adamw_loss_atol(NO_CLIP.lr))  # tolerances.py: why
+        check_equal(f"{accum} micro-batches: bytes each rank all-reduces per step (one gradient's worth: 4 bytes "
+                    "a parameter, whatever the number of micro-batches)",
+                    [b // (4 * n_params) if b % (4 * n_params) == 0 else b / (4 * n_params)
+                     for b in res[0]["all_reduce_bytes"]], [1] * NO_CLIP.steps)

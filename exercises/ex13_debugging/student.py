@@ -18,8 +18,9 @@ def name_the_bugs() -> dict[str, str]:
 
 
 def average_gradients(model) -> None:
-    """Run 1 mended: after backward, leave on every rank, in each p.grad, the mean over the ranks
-    of their gradients. gloo has no ReduceOp.AVG."""
+    """Run 1 mended, and cheaper: after backward, leave on every rank, in each p.grad, the mean over
+    the ranks of their gradients, with ONE collective call per step for the whole model, however
+    many parameters it has (each call pays a fixed latency). gloo has no ReduceOp.AVG."""
     # TODO
     raise NotImplementedError("exercise 13: write average_gradients")
 
@@ -33,8 +34,9 @@ def should_stop(local_loss: float, target: float) -> bool:
 
 
 def accumulation_step(model, optimizer, micro_batches) -> float:
-    """Run 3 mended: one optimizer step over this rank's micro_batches, a list of (x, y): zero the
-    gradients, backward each micro-batch's loss divided by their number, synchronise the gradients
-    across the ranks as the run needs, step. Return the rank's loss (the sum of the divided losses)."""
+    """Run 3 mended: one optimizer step over this rank's micro_batches, a list of (x, y) of equal
+    sizes (2 or more of them), that equals one step on the rank's whole share with the ranks'
+    gradients averaged, communicating one gradient's worth of bytes per step. Return the rank's
+    loss over its whole share (a float)."""
     # TODO
     raise NotImplementedError("exercise 13: write accumulation_step")

@@ -10,7 +10,9 @@
 # 1. `name_the_bugs()`: name each run's bug, with one of the catalogue's names (below);
 # 2. write the fix of each run as the small function the run needs:
 #    `average_gradients(model)` (run 1), `should_stop(local_loss, target)` (run 2) and
-#    `accumulation_step(model, optimizer, micro_batches)` (run 3).
+#    `accumulation_step(model, optimizer, micro_batches)` (run 3). One fix goes further than
+#    mending: run 1's code makes one collective call per parameter, and yours must make **one
+#    call per step** for the whole model, however many parameters it has.
 #
 # Re-read notebook 13: §1 (how a run fails, and which tool finds what), §2 (reading the flight
 # recorder's analysis of a hang), §4 and §5 (what a wrong gradient norm and diverging checksums
@@ -39,9 +41,10 @@
 #
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
 # `CheckFailed` (or your own error) when it is not. Your fixes run on real ranks, 2 and 4, and
-# are compared with the single process on the same data: the gradients after one backward, the
-# losses after a few AdamW steps, the decision to stop and the step each rank stops at, the
-# replicas' parameters and the bytes each step sends. Edit `student.py`, then
+# are compared with the single process on the same data: the gradients after one backward (and
+# the gradient each accumulated step applies), the losses after a few AdamW steps, the decision
+# to stop and the step each rank stops at, the replicas' parameters, and the calls and bytes
+# each step sends. Edit `student.py`, then
 # *Kernel → Restart and run all*.
 
 # %%
@@ -192,8 +195,8 @@ checks.check_names(student)
 # ## Check 2: run 1 mended
 #
 # `average_gradients(model)` runs after backward on 2 and 4 ranks: every rank's gradients must
-# equal the gradient of the whole batch computed by one process (to fp32 rounding), and 3 AdamW
-# steps must give the single process's losses.
+# equal the gradient of the whole batch computed by one process (to fp32 rounding), each step
+# must make one collective call, and 3 AdamW steps must give the single process's losses.
 
 # %%
 checks.check_sync(student)
@@ -211,10 +214,11 @@ checks.check_stop(student)
 # %% [markdown]
 # ## Check 4: run 3 mended
 #
-# `accumulation_step(model, optimizer, micro_batches)` for 3 steps of 2 micro-batches on 2
-# ranks: the losses must equal the single process's, the replicas must stay bitwise equal, and
-# each step must all-reduce one gradient's worth of bytes: a fix that synchronises after every
-# micro-batch gives the right numbers at twice the traffic, and fails here.
+# `accumulation_step(model, optimizer, micro_batches)` for 3 steps of 2, then of 4,
+# micro-batches on 2 ranks: the replicas must stay bitwise equal, the gradient of step 1 must be
+# the whole batch's, the losses must equal the single process's, and each step must all-reduce
+# one gradient's worth of bytes: a fix that synchronises after every micro-batch gives the right
+# numbers at several times the traffic, and fails here.
 
 # %%
 checks.check_accumulate(student)
