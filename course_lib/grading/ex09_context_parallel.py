@@ -1,24 +1,25 @@
-"""Checkers of exercise 09: the log-sum-exp merge of partial attention results, and the zig-zag
-assignment of sequence chunks to context-parallel ranks.
+"""Checkers of exercise 09: merging a partial attention result that holds only some of the query
+rows into a running result, and the zig-zag layout of a sequence that 2cp does not divide.
 
-Nothing here calls the library's merge or its chunk assignment. Each check holds the learner's
-code to what the exercise states:
+Nothing here calls the library's merge or its chunk assignment, and no expected layout is stored:
+each check holds the learner's code to what the exercise states.
 
-    check_merge_by_hand   merge_partials on single rows worked out by hand: the notebook's
-                          example, a part with no visible key (lse = -inf) on one side and on
-                          both, scores large enough that exp() overflows fp32
-    check_merge_blocks    one process: attention split into disjoint key sets (partials from
-                          block_attention, the course's causal attention by absolute position),
-                          merged, against attention over all keys at once (PyTorch's SDPA)
-    check_zigzag          for cp = 1 ... 8: every rank holds two of the 2cp chunks, together
-                          each chunk once, in position order; the causal (query, key) pairs are
-                          counted pair by pair and must be equal on every rank; rank r's first
-                          chunk is chunk r
-    check_ring            cp = 2 and 3 real gloo ranks: each rank takes its queries by the
-                          learner's chunks, K||V blocks travel round the ring (isend/irecv), each
-                          block's partial is merged by the learner's merge in ring order; the rows
-                          and their lse against single-process causal attention, and the pairs
-                          each rank scored, counted on the ranks
+    check_merge_by_hand   merge_rows on rows worked out by hand: the notebook's example, a partial
+                          holding rows 1, 2 and 3 of four (one of them with no visible key), no
+                          visible key on either side, scores large enough that exp() overflows fp32
+    check_merge_blocks    one process: attention split into disjoint key sets, each set's partial
+                          computed only for the query rows that see one of its keys (the course's
+                          causal attention by absolute position), merged in turn from an empty
+                          start, against attention over all keys at once (PyTorch's SDPA)
+    check_layout          for cp = 1 ... 8 and T = 6cp, 6cp+1, 7cp+1, 8cp-1: every position held
+                          once, at most two contiguous runs per rank, ranks in sequence order, token
+                          counts within one, and causal (query, key) pairs, counted pair by pair,
+                          within fewer than T of each other
+    check_ring            cp = 2 and 3 real gloo ranks, T = 23 and 33: each rank takes its queries by
+                          the learner's layout, K||V blocks (of different lengths) travel round the
+                          ring, each block is attended by the rows that see one of its keys and
+                          merged by the learner's merge_rows; the rows and their lse against
+                          single-process causal attention, and the pairs each rank scored
 
 `REFUSE` names what already holds the answer (and this module, which holds the checks): the
 exercise notebook passes it to `load_student`, which refuses a student module that imports them.
@@ -58,17 +59,20 @@ def _module(name: str):
     return sys.modules[name]
 
 
-def _merged(student, out_a, lse_a, out_b, lse_b, where: str):
-    """The learner's merge, its result checked for form: a pair (out, lse) of the inputs' shapes."""
-    res = student.merge_partials(out_a, lse_a, out_b, lse_b)
+def _merged(student, out, lse, part_out, part_lse, rows, where: str):
+    """The learner's merge_rows, its result checked for form: a pair (out, lse) of the running
+    result's shapes (every row, not only the partial's)."""
+    rows = torch.as_tensor(rows, dtype=torch.long)
+    res = student.merge_rows(out, lse, part_out, part_lse, rows)
     if not (isinstance(res, (tuple, list)) and len(res) == 2 and all(isinstance(t, torch.Tensor) for t in res)):
-        raise CheckFailed(f"{where}: merge_partials must return a pair of tensors (out, lse); got {type(res).__name__}")
-    out, lse = res
-    if tuple(out.shape) != tuple(out_a.shape) or tuple(lse.shape) != tuple(lse_a.shape):
-        raise CheckFailed(f"{where}: merge_partials returned out of shape {tuple(out.shape)} and lse of shape "
-                          f"{tuple(lse.shape)}; expected {tuple(out_a.shape)} (B, H, s, hd) and {tuple(lse_a.shape)} "
-                          f"(B, H, s)")
-    return out, lse
+        raise CheckFailed(f"{where}: merge_rows must return a pair of tensors (out, lse); got {type(res).__name__}")
+    new_out, new_lse = res
+    if tuple(new_out.shape) != tuple(out.shape) or tuple(new_lse.shape) != tuple(lse.shape):
+        raise CheckFailed(f"{where}: merge_rows returned out of shape {tuple(new_out.shape)} and lse of shape "
+                          f"{tuple(new_lse.shape)}; the running result has shapes {tuple(out.shape)} and "
+                          f"{tuple(lse.shape)}: return every row of it, the partial's {len(rows)} rows merged in "
+                          f"and the others as they were")
+    return new_out, new_lse
 
 
 def _compare(label: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, rows=None):
@@ -96,42 +100,44 @@ def _row(*values) -> torch.Tensor:
 
 
 def check_merge_by_hand(student):
-    """Single rows whose answer follows by hand (hd = 1, fp32; a few roundings, 1e-6)."""
+    """Rows whose answer follows by hand (hd = 1, fp32; a few roundings, 1e-6)."""
     # The notebook's example: block a has keys with scores 0, 0 and values 1, 3 -> out_a = 2,
     # lse_a = log 2; block b one key, score log 6, value 8 -> out_b = 8, lse_b = log 6. Over all
     # three keys the softmax weights are 1/8, 1/8, 6/8: out = (1 + 3 + 48)/8 = 6.5, lse = log 8.
-    out, lse = _merged(student, _row(2.0), _row(math.log(2))[..., 0], _row(8.0), _row(math.log(6))[..., 0],
+    out, lse = _merged(student, _row(2.0), _row(math.log(2))[..., 0], _row(8.0), _row(math.log(6))[..., 0], [0],
                        "the worked example")
     _compare("the worked example: out over all three keys", out, _row(6.5), rtol=1e-6, atol=1e-6)
     _compare("the worked example: lse over all three keys", lse, _row(math.log(8))[..., 0], rtol=1e-6, atol=1e-6)
-    out2, lse2 = _merged(student, _row(8.0), _row(math.log(6))[..., 0], _row(2.0), _row(math.log(2))[..., 0],
+    out2, lse2 = _merged(student, _row(8.0), _row(math.log(6))[..., 0], _row(2.0), _row(math.log(2))[..., 0], [0],
                          "the worked example, parts swapped")
     _compare("the order of the two parts does not matter", torch.cat([out2.flatten(), lse2.flatten()]),
              torch.cat([out.flatten(), lse.flatten()]), rtol=1e-6, atol=1e-6)
-    # Three rows: part b sees no key in row 0 (lse_b = -inf, out_b = 0: nothing to add), part a
-    # none in row 1; row 2 sees keys in both. Rows 0 and 1 come back as the other part, unchanged.
-    lse_a, lse_b = _row(0.5, NEG_INF, 1.0)[..., 0], _row(NEG_INF, -0.25, 1.0)[..., 0]
-    out, lse = _merged(student, _row(3.0, 0.0, 1.0), lse_a, _row(0.0, -2.0, 3.0), lse_b,
-                       "a part with no visible key")
-    # row 2: equal lse, so equal weights 1/2: out = 2, lse = 1 + log 2
-    _compare("a part with no visible key (lse = -inf) leaves the other part's row unchanged (out)", out,
-             _row(3.0, -2.0, 2.0), rtol=1e-6, atol=1e-6)
-    _compare("a part with no visible key (lse = -inf) leaves the other part's row unchanged (lse)", lse,
-             _row(0.5, -0.25, 1.0 + math.log(2))[..., 0], rtol=1e-6, atol=1e-6)
-    # No visible key in either part (a query before every key seen so far): still nothing seen.
-    out, lse = _merged(student, _row(0.0), _row(NEG_INF)[..., 0], _row(0.0), _row(NEG_INF)[..., 0],
-                       "no visible key in either part")
+    # A running result of four rows; the partial holds rows 1, 2, 3. Row 0: not in the partial,
+    # unchanged. Row 1: nothing seen so far (lse = -inf), so the partial's row. Row 2: equal lse
+    # on both sides, weights 1/2: out = (1 + 3)/2 = 2, lse = 1 + log 2. Row 3: the partial saw
+    # no key there (lse = -inf), unchanged.
+    run_out, run_lse = _row(3.0, 0.0, 1.0, 5.0), _row(0.5, NEG_INF, 1.0, 2.0)[..., 0]
+    out, lse = _merged(student, run_out, run_lse, _row(-2.0, 3.0, 0.0), _row(-0.25, 1.0, NEG_INF)[..., 0],
+                       [1, 2, 3], "a partial holding rows 1, 2, 3 of four")
+    _compare("a partial holding rows 1, 2, 3 of four (row 0 not held, row 3 with no visible key): out", out,
+             _row(3.0, -2.0, 2.0, 5.0), rtol=1e-6, atol=1e-6)
+    _compare("a partial holding rows 1, 2, 3 of four (row 0 not held, row 3 with no visible key): lse", lse,
+             _row(0.5, -0.25, 1.0 + math.log(2), 2.0)[..., 0], rtol=1e-6, atol=1e-6)
+    # No visible key on either side (a query before every key seen so far): still nothing seen.
+    out, lse = _merged(student, _row(0.0), _row(NEG_INF)[..., 0], _row(0.0), _row(NEG_INF)[..., 0], [0],
+                       "no visible key on either side")
     if torch.isnan(out).any() or torch.isnan(lse).any() or out.item() != 0.0 or lse.item() != NEG_INF:
-        raise CheckFailed(f"no visible key in either part (lse_a = lse_b = -inf, out_a = out_b = 0): expected "
-                          f"out = 0 and lse = -inf (still nothing seen), got out = {out.item()}, lse = {lse.item()}")
-    passed("no visible key in either part: out = 0, lse = -inf, no NaN")
-    # Large scores: lse 100 and 101 (exp overflows fp32 above 88.7). lse = 101 + log(1 + e^-1)
-    # = 101.31326168751822; weights e^-1/(1 + e^-1) = 0.2689414213699951 on a, the rest on b.
-    out, lse = _merged(student, _row(1.0), _row(100.0)[..., 0], _row(0.0), _row(101.0)[..., 0], "large scores")
-    _compare("large scores (lse 100 and 101: exp of them overflows fp32): out", out, _row(0.2689414213699951),
-             rtol=1e-6, atol=1e-6)
-    _compare("large scores (lse 100 and 101: exp of them overflows fp32): lse", lse, _row(101.31326168751822)[..., 0],
-             rtol=1e-6, atol=1e-6)
+        raise CheckFailed(f"no visible key on either side (both lse = -inf, both out = 0): a row that has seen no "
+                          f"key must stay out = 0 and lse = -inf, never NaN; got out = {out.item()}, "
+                          f"lse = {lse.item()}")
+    passed("no visible key on either side: out = 0, lse = -inf, no NaN")
+    # Large scores: lse 100 and 101 (exp overflows fp32 above 88.7). lse = 101 + log(1 + e^-1);
+    # weights e^-1/(1 + e^-1) on the running row, the rest on the partial's.
+    out, lse = _merged(student, _row(1.0), _row(100.0)[..., 0], _row(0.0), _row(101.0)[..., 0], [0], "large scores")
+    share = math.exp(-1) / (1 + math.exp(-1))
+    _compare("large scores (lse 100 and 101: exp of them overflows fp32): out", out, _row(share), rtol=1e-6, atol=1e-6)
+    _compare("large scores (lse 100 and 101: exp of them overflows fp32): lse", lse,
+             _row(101 + math.log1p(math.exp(-1)))[..., 0], rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------- merge against full attention
@@ -151,68 +157,52 @@ def _reference(q, k, v):
     return out, torch.logsumexp(s, dim=-1)
 
 
+def _seeing_rows(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Indices of the query rows that see at least one of the keys (causal, by absolute position)."""
+    return (k_pos[None, :] <= q_pos[:, None]).any(dim=1).nonzero().flatten()
+
+
 def check_merge_blocks(student):
-    """Causal attention of T = 11 queries, the keys split into disjoint sets (not contiguous):
-    the partials of each set merged by the learner equal attention over all keys. Early queries
-    see no key of the later sets (lse = -inf on one side)."""
+    """Causal attention of T = 11 queries, the keys split into disjoint sets (not contiguous); each
+    set's partial holds only the query rows that see one of its keys; merged in turn by the
+    learner from an empty start, they equal attention over all keys."""
     t = 11
     q, k, v = _qkv(2, 3, t, 8)
     want_out, want_lse = _reference(q, k, v)
     pos = torch.arange(t)
-    sets = [torch.tensor([0, 1, 5, 8]), torch.tensor([2, 3, 4, 6, 7, 9, 10])]
-    parts = [block_attention(q, k[:, :, s], v[:, :, s], pos, pos[s]) for s in sets]
-    out, lse = _merged(student, *parts[0], *parts[1], "two key sets")
-    _compare("two key sets, merged: out equals attention over all keys", out, want_out, RTOL, ATOL, rows=pos)
-    _compare("two key sets, merged: lse equals the log-sum-exp over all keys", lse, want_lse, RTOL, ATOL, rows=pos)
-    # Three sets, merged one after the other as a ring does; the first merge starts from an
-    # empty accumulator (out = 0, lse = -inf: no key seen yet)
-    sets = [torch.tensor([6, 7, 8, 9, 10]), torch.tensor([3, 4, 5]), torch.tensor([0, 1, 2])]
-    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], NEG_INF)
-    for s in sets:
-        out, lse = _merged(student, out, lse, *block_attention(q, k[:, :, s], v[:, :, s], pos, pos[s]),
-                           "three key sets")
-    _compare("three key sets (latest first), merged in turn from an empty start: out", out, want_out, RTOL, ATOL,
-             rows=pos)
-    _compare("three key sets (latest first), merged in turn from an empty start: lse", lse, want_lse, RTOL, ATOL,
-             rows=pos)
+    for label, sets in (("two key sets", [[2, 3, 4, 6, 7, 9, 10], [0, 1, 5, 8]]),
+                        ("three key sets (latest first)", [[6, 7, 8, 9, 10], [3, 4, 5], [0, 1, 2]])):
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], NEG_INF)  # no key seen yet
+        for s in map(torch.tensor, sets):
+            rows = _seeing_rows(pos, pos[s])
+            part = block_attention(q[:, :, rows], k[:, :, s], v[:, :, s], pos[rows], pos[s])
+            out, lse = _merged(student, out, lse, *part, rows, label)
+        _compare(f"{label}, each partial on the rows that see its keys, merged in turn: out equals attention over "
+                 f"all keys", out, want_out, RTOL, ATOL, rows=pos)
+        _compare(f"{label}, merged in turn: lse equals the log-sum-exp over all keys", lse, want_lse, RTOL, ATOL,
+                 rows=pos)
 
 
-# ---------------------------------------------------------------------------- zig-zag chunks
+# ------------------------------------------------------------------------ the zig-zag layout
 
-def _assignment(student, cp: int) -> list[list[int]]:
-    """Every rank's chunks, checked for form: a list of ints per rank."""
+LAYOUTS = [(t, cp) for cp in range(1, 9) for t in sorted({6 * cp, 6 * cp + 1, 7 * cp + 1, 8 * cp - 1})]
+
+
+def _layout(student, t: int, cp: int) -> list[list[int]]:
+    """Every rank's positions, checked for form: a list of ints per rank."""
     out = []
     for r in range(cp):
-        chunks = student.zigzag_chunks(cp, r)
-        if isinstance(chunks, torch.Tensor):
-            chunks = chunks.tolist()
-        if not isinstance(chunks, (list, tuple)) or not all(isinstance(i, int) for i in chunks):
-            raise CheckFailed(f"zigzag_chunks({cp}, {r}) must return a list of ints; got {chunks!r}")
-        out.append(list(chunks))
+        got = student.zigzag_positions(t, cp, r)
+        if isinstance(got, torch.Tensor):
+            got = got.tolist()
+        if not isinstance(got, (list, tuple)) or not all(isinstance(i, int) for i in got):
+            raise CheckFailed(f"zigzag_positions({t}, {cp}, {r}) must return a list of ints; got {got!r}")
+        out.append(list(got))
     return out
 
 
-def _partition_problem(cp: int, chunks: list[list[int]]) -> str | None:
-    """Why these chunk lists are not two of the 2cp chunks per rank, each chunk once, in order."""
-    n = 2 * cp
-    for r, ids in enumerate(chunks):
-        if any(not 0 <= i < n for i in ids):
-            return f"rank {r} got chunks {ids}: the sequence has 2cp = {n} chunks, numbered 0 ... {n - 1}"
-        if len(ids) != 2:
-            return (f"rank {r} got {len(ids)} chunk(s) {ids}: every rank holds T/cp tokens, two of the 2cp = {n} "
-                    f"chunks")
-        if ids != sorted(ids) or len(set(ids)) != len(ids):
-            return f"rank {r} got {ids}: list its chunks in position order (increasing), each once"
-    holders = {i: [r for r, ids in enumerate(chunks) if i in ids] for i in range(n)}
-    wrong = {i: rs for i, rs in holders.items() if len(rs) != 1}
-    if wrong:
-        return "each chunk must be held by exactly one rank; " + ", ".join(
-            f"chunk {i} is held by {'no rank' if not rs else 'ranks ' + str(rs)}" for i, rs in wrong.items())
-    return None
-
-
-def _positions(chunks: list[int], c: int) -> list[int]:
-    return [i * c + j for i in chunks for j in range(c)]
+def _runs(ids: list[int]) -> int:
+    return sum(1 for i, p in enumerate(ids) if i == 0 or p != ids[i - 1] + 1)
 
 
 def _causal_pairs(q_pos: list[int], k_pos: list[int]) -> int:
@@ -220,29 +210,55 @@ def _causal_pairs(q_pos: list[int], k_pos: list[int]) -> int:
     return sum(1 for qp in q_pos for kp in k_pos if kp <= qp)
 
 
-def check_zigzag(student, cps=range(1, 9), chunk_len: int = 3):
-    """Properties of the assignment, exact: a partition, two chunks per rank in position order;
-    equal causal work per rank (pairs counted over the whole sequence's keys); rank r starts at r."""
-    assignments = {cp: _assignment(student, cp) for cp in cps}
-    for cp, chunks in assignments.items():
-        problem = _partition_problem(cp, chunks)
+def _layout_problem(t: int, cp: int, layout: list[list[int]]) -> str | None:
+    """Why this layout is not a partition of the T positions into at most two runs per rank, in order."""
+    for r, ids in enumerate(layout):
+        outside = [p for p in ids if not 0 <= p < t]
+        if outside:
+            return f"rank {r} got position(s) {outside[:3]}: the sequence has positions 0 ... {t - 1}"
+        if ids != sorted(set(ids)):
+            return f"rank {r} got {ids}: list its positions in increasing order, each once"
+    holders = {p: [r for r, ids in enumerate(layout) if p in ids] for p in range(t)}
+    wrong = {p: rs for p, rs in holders.items() if len(rs) != 1}
+    if wrong:
+        return "every position must be held by exactly one rank; " + ", ".join(
+            f"position {p} is held by {'no rank' if not rs else 'ranks ' + str(rs)}" for p, rs in list(wrong.items())[:4])
+    for r, ids in enumerate(layout):
+        if ids and _runs(ids) > 2:
+            return (f"rank {r} holds {_runs(ids)} separate runs of positions {ids}: at most two (the ring passes a "
+                    f"rank's keys as one block cut from two chunks)")
+    firsts = [ids[0] if ids else t for ids in layout]
+    if firsts != sorted(firsts):
+        return (f"the ranks' first positions, in rank order, are {firsts}: rank r's first run must come before rank "
+                f"r+1's (the ranks in sequence order)")
+    return None
+
+
+def check_layout(student, layouts=LAYOUTS):
+    """Properties of the layout, exact, on sequences 2cp divides and ones it does not."""
+    got = {(t, cp): _layout(student, t, cp) for t, cp in layouts}
+    for (t, cp), layout in got.items():
+        problem = _layout_problem(t, cp, layout)
         if problem:
-            raise CheckFailed(f"cp={cp}: {problem}; got {chunks}")
-    passed(f"cp = {min(cps)} ... {max(cps)}: each rank holds two of the 2cp chunks, every chunk exactly once")
-    for cp, chunks in assignments.items():
-        t = 2 * cp * chunk_len
-        work = [_causal_pairs(_positions(ids, chunk_len), list(range(t))) for ids in chunks]
-        if len(set(work)) != 1:
-            raise CheckFailed(f"cp={cp}, chunks of {chunk_len} tokens, chunks {chunks}: causal (query, key) pairs per "
-                              f"rank {work}, the busiest rank {max(work) / min(work):.2f}x the least busy; under a "
-                              f"causal mask every rank must score the same number of pairs")
-    passed(f"cp = {min(cps)} ... {max(cps)}: every rank scores the same number of causal (query, key) pairs")
-    for cp, chunks in assignments.items():
-        firsts = [ids[0] for ids in chunks]
-        if firsts != list(range(cp)):
-            raise CheckFailed(f"cp={cp}: the first chunk of each rank, in rank order, must be {list(range(cp))} "
-                              f"(rank r starts at chunk r: the ranks in sequence order); got {firsts}")
-    passed(f"cp = {min(cps)} ... {max(cps)}: rank r's first chunk is chunk r")
+            raise CheckFailed(f"T={t}, cp={cp}: {problem}; got {layout}")
+    passed(f"{len(layouts)} layouts (cp = 1 ... 8, T a multiple of 2cp or not): every position held once, at most "
+           f"two runs per rank, ranks in sequence order")
+    for (t, cp), layout in got.items():
+        tokens = [len(ids) for ids in layout]
+        if max(tokens) - min(tokens) > 1:
+            raise CheckFailed(f"T={t}, cp={cp}: the ranks hold {tokens} tokens; each must hold T//cp = {t // cp} or "
+                              f"one more (a rank's activations and its ring block grow with its tokens): where did "
+                              f"the T mod 2cp tokens that do not fill a whole chunk go? Layout {layout}")
+    passed("every rank holds T//cp tokens or one more")
+    for (t, cp), layout in got.items():
+        work = [_causal_pairs(ids, list(range(t))) for ids in layout]
+        if max(work) - min(work) >= t:
+            raise CheckFailed(f"T={t}, cp={cp}: causal (query, key) pairs per rank {work}: the busiest rank scores "
+                              f"{max(work) - min(work)} more than the least busy; it must be fewer than T = {t} "
+                              f"(what one token at the end of the sequence costs). Every ring step waits for the "
+                              f"busiest rank: pair each rank's early positions with late ones, and spread the "
+                              f"leftover tokens so that no rank collects the late ones. Layout {layout}")
+    passed("the busiest rank scores fewer than T more causal (query, key) pairs than the least busy")
 
 
 # ----------------------------------------------------------------------- the ring on real ranks
@@ -250,7 +266,8 @@ def check_zigzag(student, cps=range(1, 9), chunk_len: int = 3):
 def _ring_on_rank(name: str, positions: list[list[int]], shape: tuple):
     """Ring attention forward with the learner's merge. Every rank draws the same full q, k, v
     (same seed) and keeps its rows; K||V blocks travel to rank r+1 while the rank attends to the
-    block it holds: at step t it holds rank (r - t) mod cp's block."""
+    block it holds: at step t it holds rank (r - t) mod cp's block. Only the query rows that see
+    one of the block's keys attend to it."""
     student, r, cp = _module(name), dist.get_rank(), dist.get_world_size()
     q, k, v = _qkv(*shape)
     q_pos = torch.tensor(positions[r])
@@ -260,15 +277,18 @@ def _ring_on_rank(name: str, positions: list[list[int]], shape: tuple):
     pairs = 0
     for step in range(cp):
         if step < cp - 1:  # post the exchange first: the block travels while this one is computed
-            nxt = torch.empty_like(kv)
+            src = (r - step - 1) % cp  # whose block arrives: its length is that rank's token count
+            nxt = kv.new_empty(kv.shape[:3] + (len(positions[src]), kv.shape[-1]))
             # one batch: with cp = 2 both ranks send to and receive from the same peer, which
             # NCCL (it runs a pair's calls in issue order) only progresses as one group
             reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (r + 1) % cp),
                                            dist.P2POp(dist.irecv, nxt, (r - 1) % cp)])
         k_pos = torch.tensor(positions[(r - step) % cp])
-        part_out, part_lse = block_attention(q, kv[0], kv[1], q_pos, k_pos)
-        pairs += int((k_pos[None, :] <= q_pos[:, None]).sum())
-        out, lse = _merged(student, out, lse, part_out, part_lse, f"rank {r}, ring step {step}")
+        rows = _seeing_rows(q_pos, k_pos)
+        if len(rows):
+            part = block_attention(q[:, :, rows], kv[0], kv[1], q_pos[rows], k_pos)
+            pairs += int((k_pos[None, :] <= q_pos[:, None]).sum())
+            out, lse = _merged(student, out, lse, *part, rows, f"rank {r}, ring step {step}")
         if step < cp - 1:
             for req in reqs:
                 req.wait()
@@ -276,16 +296,14 @@ def _ring_on_rank(name: str, positions: list[list[int]], shape: tuple):
     return out, lse, pairs
 
 
-def check_ring(student, cps=(2, 3), chunk_len: int = 5):
-    """Ring attention on cp real ranks (T = 2cp·5 = 20 and 30 tokens, not powers of two), the
-    learner's chunks and merge, against single-process causal attention on the rank's rows."""
-    for cp in cps:
-        chunks = _assignment(student, cp)
-        problem = _partition_problem(cp, chunks)
+def check_ring(student, cases=((23, 2), (33, 3))):
+    """Ring attention on cp real ranks (T = 23 and 33: 2cp divides neither), the learner's layout
+    and merge, against single-process causal attention on the rank's rows."""
+    for t, cp in cases:
+        positions = _layout(student, t, cp)
+        problem = _layout_problem(t, cp, positions)
         if problem:  # before any rank starts
-            raise CheckFailed(f"cp={cp}: fix zigzag_chunks first (check 3): {problem}")
-        positions = [_positions(ids, chunk_len) for ids in chunks]
-        t = 2 * cp * chunk_len
+            raise CheckFailed(f"T={t}, cp={cp}: fix zigzag_positions first (check 3): {problem}")
         shape = (2, 2, t, 8)
         results = run_on_ranks(_ring_on_rank, student.__name__, positions, shape, world_size=cp, **RANKS)
         want_out, want_lse = _reference(*_qkv(*shape))
@@ -295,6 +313,10 @@ def check_ring(student, cps=(2, 3), chunk_len: int = 5):
                  want_out[:, :, rows], RTOL, ATOL, rows=rows)
         _compare(f"cp={cp}, T={t}: every rank's lse equals the single process's", got_lse, want_lse[:, :, rows],
                  RTOL, ATOL, rows=rows)
-        # T(T+1)/2 pairs in the causal triangle, shared equally: c(T+1) per rank (T = 2cp·c)
-        check_equal(f"cp={cp}, T={t}: causal (query, key) pairs each rank scored in the ring (equal work)",
-                    [res[2] for res in results], [chunk_len * (t + 1)] * cp)
+        work = [res[2] for res in results]
+        check_equal(f"cp={cp}, T={t}: the ranks together scored the whole causal triangle, T(T+1)/2 pairs",
+                    sum(work), t * (t + 1) // 2)
+        if max(work) - min(work) >= t:
+            raise CheckFailed(f"cp={cp}, T={t}: pairs each rank scored in the ring {work}: the spread must be fewer "
+                              f"than T = {t}")
+        passed(f"cp={cp}, T={t}: the pairs each rank scored in the ring differ by fewer than T")

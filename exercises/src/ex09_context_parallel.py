@@ -5,17 +5,19 @@
 # `exercises/ex09_context_parallel/student.py` (notebook `09_context_parallelism` explains the
 # ideas; re-read its sections on the online-softmax merge and on the causal imbalance):
 #
-# 1. `merge_partials(out_a, lse_a, out_b, lse_b)`: in ring attention a rank's queries meet the
-#    keys one block at a time, as the blocks arrive round the ring. Each block gives a
+# 1. `merge_rows(out, lse, part_out, part_lse, rows)`: in ring attention a rank's queries meet
+#    the keys one block at a time, as the blocks arrive round the ring. Each block gives a
 #    *partial* result: the attention output over that block's keys and the log-sum-exp `lse`
-#    of their scores. You combine two partials into the result over both blocks' keys, so
-#    that after the last block the rank holds exact attention over the whole sequence,
-#    without ever holding all the keys.
-# 2. `zigzag_chunks(cp, rank)`: which of the 2cp equal chunks of the sequence a rank holds.
-#    Under a causal mask a query late in the sequence scores more keys than an early one, so
-#    cutting the sequence into cp contiguous pieces gives the last rank far more work than
-#    the first, and every ring step waits for the slowest rank. Your assignment must give
-#    every rank the same work.
+#    of their scores. Under a causal mask some of the rank's queries see none of a block's keys,
+#    so a ring that wastes no work attends the block with the other queries only: the partial
+#    holds only some of the rank's rows. You merge it into the rank's running result, so that
+#    after the last block the rank holds exact attention over the whole sequence, without ever
+#    holding all the keys.
+# 2. `zigzag_positions(T, cp, rank)`: which positions of a sequence of T tokens a rank holds,
+#    for any T, also one that does not split into 2cp equal chunks (a 1000-token document on
+#    cp = 6). Under a causal mask a query late in the sequence scores more keys than an early
+#    one, so cutting the sequence into cp contiguous pieces gives the last rank far more work
+#    than the first, and every ring step waits for the slowest rank.
 #
 # The stubs' docstrings state the requirements; how you meet them is up to you.
 
@@ -87,31 +89,32 @@ assert pairs == [16 * r + 10 for r in range(CP)]  # the formula of the answer ab
 # %% [markdown]
 # ## The tasks
 #
-# **Task 1: `merge_partials`.** Shapes as in attention: `out_a`, `out_b` are (B, H, s, hd),
-# `lse_a`, `lse_b` are (B, H, s), one row per query. Three traps: scores are often large (an
-# lse of 100 is ordinary, but `exp(100)` overflows fp32); a block can hold no key visible to
-# some query (under a causal mask, every key of a later block), which gives that row
-# `lse = -inf` and `out = 0`; and when both parts have `lse = -inf` the answer is still
-# "nothing seen yet" (`out = 0`, `lse = -inf`), never NaN.
+# **Task 1: `merge_rows`.** The running result `out` (B, H, s, hd), `lse` (B, H, s) holds one
+# row per query of the rank; the partial `part_out` (B, H, k, hd), `part_lse` (B, H, k) holds
+# the k rows whose indices `rows` lists. Return the whole running result with the partial
+# merged in. The docstring in `student.py` states what must hold; think about what a row the
+# partial does not hold, or a row in which one side has seen no key yet, should give.
 #
-# **Task 2: `zigzag_chunks`.** The sequence is cut into 2cp equal chunks, numbered in position
-# order; each rank holds two, every chunk is held once, rank r's first chunk is chunk r, and
-# every rank scores the same number of causal (query, key) pairs. The second worked example
-# tells you how much work each chunk costs.
+# **Task 2: `zigzag_positions`.** Every position held once, at most two contiguous runs per
+# rank, the ranks in sequence order, token counts within one of each other, and causal work
+# within less than one late token's worth (T pairs) of each other. When 2cp divides T the
+# answer is notebook 09's; when it does not, you decide where the leftover tokens go. The
+# second worked example tells you how much work each position costs.
 #
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
 # `CheckFailed` (or your own error) when it is not. Your merge is checked on rows worked out by
 # hand, then on attention split into key sets and compared with attention over all keys in one
-# go; your chunks are checked for every cp from 1 to 8 by counting each rank's work; finally
-# both run together on 2 and 3 real ranks, which pass their key and value blocks round a ring
-# and merge with your function, against single-process causal attention. Edit `student.py`,
-# then *Kernel → Restart and run all*.
+# go; your layout is checked for every cp from 1 to 8 on several lengths by counting each rank's
+# work; finally both run together on 2 and 3 real ranks, which pass their key and value blocks
+# round a ring and merge with your function, against single-process causal attention. Edit
+# `student.py`, then *Kernel → Restart and run all*.
 
 # %% [markdown]
 # ## Check 1: the merge, by hand
-# The worked example (and the same two parts in the other order); three rows in which one
-# part sees no key, then the other, then both see keys with equal lse (predict that row's
-# answer); a row where neither part sees a key; and lse values of 100 and 101.
+# The worked example (and the same two parts in the other order); a running result of four
+# rows and a partial that holds rows 1, 2 and 3, where row 1 has seen no key yet, row 2 has
+# equal lse on both sides (predict its answer) and the partial saw no key for row 3; a row where
+# neither side has seen a key; and lse values of 100 and 101.
 
 # %%
 checks.check_merge_by_hand(student)
@@ -119,30 +122,30 @@ checks.check_merge_by_hand(student)
 # %% [markdown]
 # ## Check 2: merged blocks equal attention over all keys
 # Causal attention of 11 queries (2 sequences, 3 heads), the keys split into two sets that are
-# not contiguous, then into three sets merged one after another from an empty start
-# (`out = 0`, `lse = -inf`), latest keys first: the early queries see nothing in the first
-# set. Both must equal attention over all keys computed in one go.
+# not contiguous, then into three sets, each merged in turn from an empty start (`out = 0`,
+# `lse = -inf`), latest keys first. Each set's partial holds only the queries that see one of
+# its keys. Both must equal attention over all keys computed in one go.
 
 # %%
 checks.check_merge_blocks(student)
 
 # %% [markdown]
-# ## Check 3: the zig-zag chunks
-# For cp = 1 ... 8: every rank holds two chunks and every chunk is held once; each rank's
-# causal (query, key) pairs, counted one by one, are equal on every rank; rank r starts at
-# chunk r.
+# ## Check 3: the layout
+# For cp = 1 ... 8 and T = 6cp, 6cp + 1, 7cp + 1 and 8cp - 1: every position held once, at
+# most two runs per rank, in rank order; the tokens per rank; each rank's causal
+# (query, key) pairs, counted one by one.
 
 # %%
-checks.check_zigzag(student)
+checks.check_layout(student)
 
 # %% [markdown]
 # ## Check 4: ring attention on real ranks
-# cp = 2 and cp = 3 ranks, sequences of 20 and 30 tokens (2 sequences, 2 heads). Each rank
-# keeps the queries, keys and values of your chunks. At each of cp steps it sends the key and
-# value block it holds to the next rank while it attends its queries to that block, and merges
-# the partial into its running result with your `merge_partials`. Compared: every rank's
-# output rows and lse against single-process causal attention, and the pairs each rank
-# scored, counted on the ranks.
+# cp = 2 and cp = 3 ranks, sequences of 23 and 33 tokens (2 sequences, 2 heads). Each rank
+# keeps the queries, keys and values of your positions. At each of cp steps it sends the key
+# and value block it holds to the next rank while the queries that see one of that block's
+# keys attend to it, and merges the partial into its running result with your `merge_rows`.
+# Compared: every rank's output rows and lse against single-process causal attention, and the
+# pairs each rank scored, counted on the ranks.
 
 # %%
 checks.check_ring(student)
@@ -153,14 +156,14 @@ checks.check_ring(student)
 # Having written it, compare with the library's version in `course_lib/parallel/cp/`:
 # `merge_partials` and `block_attention` in `blocks.py`, `chunk_ids` and `attention_work` (the
 # work per rank in closed form) in `layout.py`, and `ring.py`, whose forward is the loop of
-# check 4 with the masked blocks skipped and whose backward is a second ring. Notebook 09 times
-# that ring and sets it beside all-gather and Ulysses.
+# check 4 and whose backward is a second ring. The library asks for sequences that 2cp divides;
+# yours need not. Notebook 09 times that ring and sets it beside all-gather and Ulysses.
 #
 # Two questions to take back to notebook 09:
 #
-# * With your zig-zag chunks every rank scores the same number of pairs over the whole ring. Does
-#   each ring *step* also cost the same on every rank, counting only the visible pairs of the
-#   block it holds? Try rank 0 and rank 1 at step 1 of cp = 2.
+# * When 2cp divides T, zig-zag chunks give every rank the same number of pairs over the whole
+#   ring. Does each ring *step* also cost the same on every rank, counting only the visible
+#   pairs of the block it holds? Try rank 0 and rank 1 at step 1 of cp = 2.
 # * Your merge is exact in any order. Why does the ring still merge its own block first?
 #
 # <details><summary>Answers</summary>
