@@ -34,9 +34,11 @@
 #
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
 # `CheckFailed` naming the term that differs (and a question to ask yourself) when it is not.
-# Your terms are compared with stored values for layouts of two published models on published
-# clusters, and with properties any correct model has; then, fed the calibration of notebook
-# 10, your model must order four measured runs as they really ran. Edit `student.py`, then
+# Your terms are compared, term by term, with the course's for layouts of two published models on
+# published clusters (some on just two nodes, where which ranks form a group decides which link
+# it crosses, and some with a fixed cost per layer), and with properties any correct model has;
+# then, fed the calibration of notebook 10, your model must order four measured runs as they
+# really ran. Edit `student.py`, then
 # *Kernel → Restart and run all*.
 
 # %%
@@ -46,16 +48,18 @@ student = load_student("ex11_step_time", refuse=ex11.REFUSED)
 
 # %% [markdown]
 # ## Check 1: compute, tensor and data parallelism, no pipeline
-# GPT-3 175B on 1024 A100s and Llama-3 70B on 512 H100s, in bf16, for four dp x tp layouts:
-# every term.
+# GPT-3 175B on 1024 A100s and Llama-3 70B on 512 H100s, in bf16, for four dp x tp layouts,
+# then Llama-3 70B on two nodes of 8 H100s with a fixed cost of 20 µs per layer and
+# micro-batch: every term.
 
 # %%
 ex11.check_no_pipeline(student.step_time_dp_tp)
 
 # %% [markdown]
 # ## Check 2: the bubble
-# The GPT-3 layout with dp = 16, tp = 8, pp = 8: 1F1B with 8, 16 and 64 micro-batches, and
-# interleaved 1F1B with v = 2 chunks per rank at 16.
+# The GPT-3 layout with dp = 16, tp = 8, pp = 8 and a fixed cost of 20 µs per layer and
+# micro-batch: 1F1B with 8, 16 and 64 micro-batches, and interleaved 1F1B with v = 2 chunks per
+# rank at 16.
 
 # %%
 ex11.check_pipeline(student.step_time_dp_tp)
