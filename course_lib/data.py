@@ -32,6 +32,8 @@ from functools import lru_cache
 import torch
 from torch.utils.data import Dataset
 
+from course_lib._validate import check_int
+
 SPLITS = ("train", "val")
 TEXT_PATH = pathlib.Path(__file__).resolve().parent / "assets" / "python_doc_topics.txt"
 OOV = "\ufffd"
@@ -91,8 +93,7 @@ class CharDataset(Dataset):
     def __init__(self, split: str = "train", block_size: int = 64, val_fraction: float = 0.1):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} must be one of {SPLITS}")
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size={block_size!r} must be a positive int")
+        check_int("block_size", block_size)
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction!r} must satisfy 0 < val_fraction < 1")
         self.tokenizer, tokens = encoded_text()

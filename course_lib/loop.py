@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from course_lib._validate import check_int
 from course_lib.data import collate, sample_indices
 from course_lib.estimate.compute import flops_per_token  # estimate: pure formulas
 from course_lib.techniques.accumulation import accumulate_gradients, model_loss  # the micro-batch loop
@@ -74,9 +75,8 @@ class TrainResult:
         return self
 
     def _step_time(self, skip: int) -> float:
-        if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < len(self.step_seconds):
-            raise ValueError(f"skip={skip!r} must be an int in [0, {len(self.step_seconds)}): the run has "
-                             f"{len(self.step_seconds)} timed steps")
+        n = len(self.step_seconds)
+        check_int("skip", skip, minimum=0, maximum=n - 1, rule=f"an int in [0, {n}): the run has {n} timed steps")
         return sum(self.step_seconds[skip:]) / len(self.step_seconds[skip:])
 
     def tokens_per_second(self, skip: int = 0) -> float:
@@ -91,14 +91,8 @@ class TrainResult:
             raise ValueError("flops_per_step=0: the run did not record its work (set_step_work)")
         if not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
             raise ValueError(f"peak_flops={peak_flops!r} must be > 0")
-        if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
-            raise ValueError(f"n_devices={n_devices!r} must be a positive int")
+        check_int("n_devices", n_devices)
         return self.flops_per_step / self._step_time(skip) / (n_devices * peak_flops)
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
 _CALLABLES = ("loss_fn", "backward", "no_sync", "forward_backward", "sync_gradients", "clip_grad_norm")
@@ -119,7 +113,7 @@ class StepHooks:
     timeline: object = None  # a Timeline: the step's phases recorded as spans
 
     def __post_init__(self):
-        _check_int("accum_steps", self.accum_steps, 1)
+        check_int("accum_steps", self.accum_steps, rule="an int >= 1")
         for name in _CALLABLES:
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -173,9 +167,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
 
 def share_rows(index: int, n: int, batch_size: int) -> slice:
     """Rows [index * B/n, (index + 1) * B/n) of a global batch of B rows: replica `index`'s share."""
-    _check_int("n", n, 1)
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
-        raise ValueError(f"index={index!r} must be an int in [0, n={n})")
+    check_int("n", n, rule="an int >= 1")
+    check_int("index", index, minimum=0, maximum=n - 1, rule=f"an int in [0, n={n})")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size % n:
         raise ValueError(f"batch_size={batch_size!r} must be divisible by {n}: every replica takes an equal share")
     share = batch_size // n
@@ -192,11 +185,10 @@ def _recording(clip, model, norms: list):
 
 
 def _check_loop(train_cfg, hooks, rows, first, last, callbacks) -> None:
-    _check_int("steps", train_cfg.steps, 1)
-    _check_int("batch_size", train_cfg.batch_size, 1)
-    _check_int("first", first, 1)
-    if isinstance(last, bool) or not isinstance(last, int) or not first - 1 <= last <= train_cfg.steps:
-        raise ValueError(f"last={last!r} must be an int in [first - 1 = {first - 1}, steps = {train_cfg.steps}]")
+    for name, value in (("steps", train_cfg.steps), ("batch_size", train_cfg.batch_size), ("first", first)):
+        check_int(name, value, rule="an int >= 1")
+    check_int("last", last, minimum=first - 1, maximum=train_cfg.steps,
+              rule=f"an int in [first - 1 = {first - 1}, steps = {train_cfg.steps}]")
     if not (isinstance(hooks, StepHooks) or callable(hooks)):
         raise ValueError(f"hooks={hooks!r} must be a StepHooks or a function step -> StepHooks")
     ok_rows = rows is None or (isinstance(rows, slice) and rows.step is None and isinstance(rows.start, int)

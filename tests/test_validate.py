@@ -24,3 +24,16 @@ def test_check_one_of_and_divides():
     check_divides("tp", 2, "n_head", 8)
     with pytest.raises(ValueError, match="tp=3 must divide n_head=8"):
         check_divides("tp", 3, "n_head", 8)
+
+
+def test_check_int_maximum_and_rule():
+    assert check_int("i", 3, minimum=0, maximum=3) == 3
+    for bad in (-1, 4, True, 2.0):
+        with pytest.raises(ValueError, match=rf"i={bad!r} must be an int in \[0, 3\]$"):
+            check_int("i", bad, minimum=0, maximum=3)
+    # rule: the caller's words, for a type and a range failure alike
+    for bad in (0, "1"):
+        with pytest.raises(ValueError, match=rf"^k={bad!r} must be an int >= 1 \(steps of history\)$"):
+            check_int("k", bad, rule="an int >= 1 (steps of history)")
+    with pytest.raises(ValueError, match=r"^r=4 must be an int in \[0, 4\) \(the world has 4 ranks\)$"):
+        check_int("r", 4, minimum=0, maximum=3, rule="an int in [0, 4) (the world has 4 ranks)")

@@ -37,6 +37,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from course_lib._validate import check_int
 from course_lib.clock import synchronize  # the course's one device-aware clock (measured.py imports it from here)
 
 ALGORITHMS = ("ring", "tree", "rabenseifner", "ps", "sharded_ps", "reduce_scatter", "all_gather", "all_to_all")
@@ -84,8 +85,7 @@ CLUSTERS = {
 def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
     """(a, b) such that time = a * alpha + b * S / beta for `algorithm` on N ranks."""
     n = world_size
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"world_size={n!r} must be an int >= 1")
+    check_int("world_size", n, rule="an int >= 1")
     if n == 1:
         return 0.0, 0.0
     p = 1 << (n.bit_length() - 1)
@@ -185,10 +185,8 @@ def ping_pong(sizes_bytes=(8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22), roun
     rank, n = dist.get_rank(), dist.get_world_size()
     if n < 2:
         raise ValueError("ping_pong needs at least 2 ranks")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds={rounds!r} must be a positive int")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters={iters!r} must be a positive int")
+    check_int("rounds", rounds)
+    check_int("iters", iters)
     me, peer = rank % 2, rank ^ 1  # me == 0: the pinger of the pair (rank, rank ^ 1)
     active = rank <= 1 or (all_pairs and peer < n)
     best = [float("inf")] * len(sizes_bytes)

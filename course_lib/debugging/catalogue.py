@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from course_lib._validate import check_int
 from course_lib.debugging import hangs, silent
 from course_lib.observe.parity import loss_parity
 
@@ -217,16 +218,14 @@ def check_bug(name: str, rank: int | None = None, world_size: int | None = None)
         raise ValueError(f"bug={name!r} must be one of {BUG_NAMES}")
     bug = BUGS[name]
     world = bug.world_size if world_size is None else world_size
-    if isinstance(world, bool) or not isinstance(world, int) or world < bug.min_world:
-        raise ValueError(f"world_size={world!r} must be an int >= {bug.min_world} for {name}")
+    check_int("world_size", world, minimum=bug.min_world, rule=f"an int >= {bug.min_world} for {name}")
     if bug.even_world and world % 2:
         raise ValueError(f"world_size={world} must be even for {name} (a 2-wide tensor-parallel dimension)")
     if rank is None:
         return bug, world, bug.bad_rank
     if bug.bad_rank is None:
         raise ValueError(f"rank={rank!r}: {name} has no rank to choose (every rank runs the same wrong line)")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank={rank!r} must be an int in [0, {world}) (the world has {world} ranks)")
+    check_int("rank", rank, minimum=0, maximum=world - 1, rule=f"an int in [0, {world}) (the world has {world} ranks)")
     return bug, world, rank
 
 

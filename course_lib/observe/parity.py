@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from course_lib._validate import check_int
+
 UNIT_ROUNDOFF = {"fp64": 2.0 ** -53, "fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 
@@ -37,8 +39,7 @@ def parity_rtol(precision: str, terms: int) -> float:
     move when `terms` terms are summed in another order at `precision` (module docstring)."""
     if precision not in UNIT_ROUNDOFF:
         raise ValueError(f"precision={precision!r} must be one of {tuple(UNIT_ROUNDOFF)}")
-    if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
-        raise ValueError(f"terms={terms!r} must be an int >= 1 (the number of terms summed, e.g. tokens in the batch)")
+    check_int("terms", terms, rule="an int >= 1 (the number of terms summed, e.g. tokens in the batch)")
     return 2 * max(terms - 1, 1) * UNIT_ROUNDOFF[precision]
 
 

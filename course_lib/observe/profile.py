@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+from course_lib._validate import check_int
+
 COMM_MARKERS = ("gloo", "c10d", "nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                 "broadcast", "all_to_all", "alltoall", "send", "recv", "barrier")
 
@@ -75,8 +77,7 @@ def mfu(flops: float, seconds: float, n_devices: int, peak_flops: float) -> floa
     for name, value in (("flops", flops), ("seconds", seconds), ("peak_flops", peak_flops)):
         if not value > 0:
             raise ValueError(f"{name}={value!r} must be > 0")
-    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
-        raise ValueError(f"n_devices={n_devices!r} must be a positive int")
+    check_int("n_devices", n_devices)
     return flops / seconds / (n_devices * peak_flops)
 
 
