@@ -54,6 +54,7 @@ OUTSIDE = {
     "run_data_parallel": (ParallelDims(dp=2, microbatches=2), "microbatches=2: run_data_parallel runs dp only"),
     "run_zero": (ParallelDims(dp=2, zero=1, tp=2), "tp=2: run_zero runs dp, zero only"),
     "run_native_fsdp_tp": (ParallelDims(dp=2, tp=2, zero=3, ep=2), "ep=2: run_native_fsdp_tp runs dp, tp"),
+    "run_diloco": (ParallelDims(dp=2, tp=2), "tp=2: run_diloco runs dp only"),
     # run_hybrid composes every axis: what it refuses is what the composed runtime cannot compose
     "run_hybrid": (ParallelDims(pp=2, schedule="zbv", virtual_stages=2), "schedule='zbv' with pp=2"),
 }

@@ -1,0 +1,184 @@
+"""LocalSGD and DiLoCo on ranks: R replicas of W / R ranks each, meeting every H steps.
+
+    rank = replica * S + j           S = W / R ranks per replica (neighbours: one node, say)
+    replica group  {replica * S + j, j < S}     DDP's gradients every step (when S > 1)
+    across group   {i * S + j, i < R}           the outer sync, every H steps (outer.py)
+
+Every rank draws the reference's global batch indices (course_lib.loop.train_loop) and keeps
+its share share_rows(rank, W, B): replica r reads rows [r B / R, (r + 1) B / R), split among
+its S ranks. Each replica trains its own copy with AdamW (make_optimizer, the reference's), its
+S ranks kept equal by DDP; after step t the due fragments are synced across replicas. The
+result equals simulate.simulate_diloco, which computes the replicas in turn in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from course_lib.comm.compat import all_gather_single
+from course_lib.comm.process_groups import own_group
+from course_lib.data import CharDataset
+from course_lib.dims import ParallelDims, check_runner
+from course_lib.loop import StepHooks
+from course_lib.model import GPT
+from course_lib.observe.tracer import CommTracer
+from course_lib.parallel.diloco.outer import NesterovOuter, check_diloco, due, fragment_params
+from course_lib.parallel.dp.apply import apply_data_parallel
+from course_lib.runtime import run_on_ranks
+from course_lib.runtime.device import rank_device
+from course_lib.train import TrainResult, flat_params, make_optimizer, share_rows, train_loop
+
+
+@dataclass
+class DilocoResult(TrainResult):
+    """A rank's TrainResult, plus its replica and, when traced, the bytes it sent across
+    replicas after each step (CommTracer's bytes_sent of the calls on the across group)."""
+
+    replica: int = 0
+    sync_bytes: list[int] = field(default_factory=list)
+
+
+def replica_lists(world_size: int, replicas: int) -> dict[str, list[list[int]]]:
+    """{"replica": each replica's ranks, "across": the ranks with the same place in every replica}."""
+    s = world_size // replicas
+    return {"replica": [[i * s + j for j in range(s)] for i in range(replicas)],
+            "across": [[i * s + j for i in range(replicas)] for j in range(s)]}
+
+
+def average(tensors, group, replicas: int, outer_dtype=torch.float32) -> list[torch.Tensor]:
+    """(1/R) sum over the replicas of each tensor, in one collective on a flat buffer: an
+    all-reduce in fp32; in a lower precision an all-gather of the cast values, summed in fp32 in
+    replica order (the low precision is the wire's only: Douillard et al. 2025 accumulate in fp32)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if outer_dtype == torch.float32:
+        dist.all_reduce(flat, group=group)
+        total = flat
+    else:
+        low = flat.to(outer_dtype)
+        out = torch.empty(replicas * low.numel(), dtype=outer_dtype, device=low.device)
+        all_gather_single(out, low, group=group)
+        total = torch.zeros_like(flat)
+        for part in out.view(replicas, -1):
+            total += part.float()
+    total /= replicas
+    return list(torch.split(total, [t.numel() for t in tensors]))
+
+
+class LocalSGDSync:
+    """After every H-th step: theta_r <- (1/R) sum_r theta_r (outer.py)."""
+
+    def __init__(self, model, group, replicas: int, inner_steps: int):
+        self.params = list(model.parameters())
+        self.group, self.replicas, self.inner_steps = group, replicas, inner_steps
+
+    @torch.no_grad()
+    def after(self, step: int) -> None:
+        if step % self.inner_steps:
+            return
+        for p, mean in zip(self.params, average([p.detach() for p in self.params], self.group, self.replicas)):
+            p.copy_(mean.view_as(p))
+
+
+class DilocoSync:
+    """After step t, for each due fragment: Delta averaged over the replicas, then the outer
+    Nesterov step of that fragment (outer.NesterovOuter)."""
+
+    def __init__(self, model, group, replicas: int, inner_steps: int, outer_lr: float, outer_momentum: float,
+                 fragments: int = 1, outer_dtype=torch.float32):
+        self.outer = [NesterovOuter(ps, outer_lr, outer_momentum) for ps in fragment_params(model, fragments)]
+        self.group, self.replicas, self.inner_steps, self.dtype = group, replicas, inner_steps, outer_dtype
+
+    def after(self, step: int) -> None:
+        for f in due(step, self.inner_steps, len(self.outer)):
+            outer = self.outer[f]
+            mean = average(outer.deltas(), self.group, self.replicas, self.dtype)
+            outer.step([m.view_as(p) for m, p in zip(mean, outer.params)])
+
+
+def _train(model_config, train_cfg, replicas: int, make_sync, trace: bool) -> DilocoResult:
+    """The rank loop both trainers share: groups, DDP inside a replica, the sync after each step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    s = world // replicas
+    lists = replica_lists(world, replicas)
+    replica_group = own_group(lists["replica"], rank) if s > 1 else None
+    across = own_group(lists["across"], rank) if s > 1 else dist.group.WORLD
+    across_ranks = tuple(next(r for r in lists["across"] if rank in r))
+    dev = rank_device()
+    model = GPT(model_config, seed=train_cfg.seed).to(dev)
+    module, hooks = model, StepHooks()
+    if s > 1:  # the replica's S ranks: data parallel every step
+        dp = apply_data_parallel(model, replica_group, "ddp")
+        module, hooks = dp.module, dp.hooks()
+    optimizer = make_optimizer(model, train_cfg)
+    sync = make_sync(model, across)
+    result = DilocoResult(replica=rank // s).set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
+    tracer = CommTracer() if trace else None
+    seen = [0]
+
+    def on_step(step, loss):
+        sync.after(step)
+        if tracer is not None:
+            new, seen[0] = tracer.records[seen[0]:], len(tracer.records)
+            result.sync_bytes.append(sum(r.bytes_sent for r in new if r.group_ranks == across_ranks))
+
+    train_loop(module, optimizer, CharDataset("train", block_size=model_config.block_size), train_cfg, hooks,
+               rows=share_rows(rank, world, train_cfg.batch_size), device=dev, result=result, tracer=tracer,
+               on_step=on_step)
+    result.final_params = flat_params(model)
+    return result
+
+
+def train_local_sgd(model_config, train_cfg, replicas: int, inner_steps: int, trace: bool = False) -> DilocoResult:
+    """Rank code (the default group): LocalSGD with R replicas averaging their parameters every
+    H = inner_steps steps. train_losses are this rank's share's; final_params its copy's."""
+    check_diloco(dist.get_world_size(), replicas, inner_steps, model_config.n_layer, algorithm="local_sgd")
+    return _train(model_config, train_cfg, replicas,
+                  lambda model, group: LocalSGDSync(model, group, replicas, inner_steps), trace)
+
+
+def train_diloco(model_config, train_cfg, replicas: int, inner_steps: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, fragments: int = 1, outer_dtype=torch.float32,
+                 trace: bool = False) -> DilocoResult:
+    """Rank code (the default group): DiLoCo, H = inner_steps AdamW steps per replica between
+    outer Nesterov steps on the averaged delta (outer.py; the paper's lr 0.7, momentum 0.9 by
+    default); fragments = F > 1 is Streaming DiLoCo, outer_dtype the delta's wire precision."""
+    check_diloco(dist.get_world_size(), replicas, inner_steps, model_config.n_layer, fragments, outer_lr,
+                 outer_momentum, outer_dtype)
+    return _train(model_config, train_cfg, replicas,
+                  lambda model, group: DilocoSync(model, group, replicas, inner_steps, outer_lr, outer_momentum,
+                                                  fragments, outer_dtype), trace)
+
+
+def check_run(dims, model_config, train_cfg, replicas, inner_steps, algorithm="diloco", outer_lr=0.7,
+              outer_momentum=0.9, fragments=1, outer_dtype=torch.float32) -> int:
+    """The parent's checks of run_diloco (and the demo's): returns the replica count."""
+    check_runner(dims, "run_diloco", ("dp",))
+    replicas = dims.dp if replicas is None else replicas
+    check_diloco(dims.dp, replicas, inner_steps, model_config.n_layer, fragments, outer_lr, outer_momentum,
+                 outer_dtype, algorithm)
+    if train_cfg.batch_size % dims.dp:
+        raise ValueError(f"batch_size={train_cfg.batch_size} must be divisible by dp={dims.dp}: every rank "
+                         f"takes an equal share of its replica's rows")
+    dims.check_model(model_config, train_cfg.batch_size)
+    return replicas
+
+
+def run_diloco(dims: ParallelDims, model_config, train_cfg, replicas: int | None = None, inner_steps: int = 4,
+               algorithm: str = "diloco", outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1,
+               outer_dtype=torch.float32, trace: bool = False, backend: str = "gloo", timeout_s: float = 120,
+               check_collectives: bool = True) -> list[DilocoResult]:
+    """Parent side: dims.dp ranks as `replicas` replicas (default dims.dp: one rank each) running
+    algorithm "diloco" (train_diloco) or "local_sgd" (train_local_sgd; the outer options must
+    stay at their defaults). Every rule is checked here, before any rank starts."""
+    replicas = check_run(dims, model_config, train_cfg, replicas, inner_steps, algorithm, outer_lr,
+                         outer_momentum, fragments, outer_dtype)
+    common = dict(world_size=dims.dp, backend=backend, timeout_s=timeout_s, check_collectives=check_collectives)
+    if algorithm == "local_sgd":
+        if (outer_lr, outer_momentum) != (0.7, 0.9):
+            raise ValueError("algorithm='local_sgd' has no outer optimizer: leave outer_lr and outer_momentum")
+        return run_on_ranks(train_local_sgd, model_config, train_cfg, replicas, inner_steps, trace=trace, **common)
+    return run_on_ranks(train_diloco, model_config, train_cfg, replicas, inner_steps, outer_lr, outer_momentum,
+                        fragments, outer_dtype, trace=trace, **common)

@@ -1,0 +1,196 @@
+"""LocalSGD, DiLoCo and Streaming DiLoCo (course_lib.parallel.diloco) on gloo ranks: equal to the
+single-process simulation over several outer steps at 2 and 4 replicas, their traffic equal to
+the formula (course_lib.estimate.traffic.diloco), and bad input refused before any rank starts."""
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from course_lib.data import VOCAB_SIZE
+from course_lib.dims import ParallelDims
+from course_lib.model import GPT, GPTConfig
+from course_lib.parallel import diloco
+from course_lib.parallel.diloco import (NesterovOuter, ddp_bytes_per_step, diloco_sync_bytes, fragment_param_counts,
+                                        fragment_params, run_diloco, simulate_diloco)
+from course_lib.parallel.diloco import training
+from course_lib.train import TrainConfig
+from tests._tolerances import ADAMW_RMS_FRACTION_OF_LR, adamw_loss_atol, rms
+
+CONFIG = GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=2, n_head=2, d_model=32)
+H = 2
+TRAIN = TrainConfig(steps=8, batch_size=8, progress=False)  # 8 steps, H = 2: 4 outer steps (per fragment)
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the paper's (Douillard et al. 2023)
+
+# fp32: the ranks and the simulation compute the same steps; they differ by the order of fp32
+# sums (the all-reduce's sum of the replicas' deltas against the simulation's in replica order,
+# DDP's mean of S ranks' gradients against one process's), which AdamW magnifies to a parameter
+# difference of ~1e-4 lr in RMS (tests/_tolerances.py: ADAMW_RMS_FRACTION_OF_LR, measured). The
+# outer Nesterov step scales a difference in the replicas' mean by at most
+# lr_out (1 + mu + mu^2 + ...) = lr_out / (1 - mu) = 7 (momentum sums past deltas with weights
+# mu^k), so the rounding stays below 1e-2 lr in RMS; a sign error moved the parameters by 13 lr
+# in RMS, plain momentum in place of Nesterov's by ~lr. Losses: adamw_loss_atol (its reason there).
+FP32_RMS = ADAMW_RMS_FRACTION_OF_LR * TRAIN.lr
+# bf16 on the wire: the same fp32 differences can put a delta on the other side of a bf16
+# rounding boundary, which changes it by one bf16 spacing (2^-8 of |Delta| <= 2^-8 H lr, Delta
+# the move of H AdamW steps of at most ~lr each), times lr_out / (1 - mu) = 7 after the outer
+# steps: 7 * 2^-8 * 2 lr = 0.055 lr for an element that flips. Only elements within the fp32
+# difference of a boundary flip (measured: RMS 7.7e-4 lr at most, 2 and 4 replicas); the bound
+# if one element in 16 flipped (RMS 0.055 lr / 4 = 0.014 lr) is taken: 2.5e-2 lr. A sign error
+# moved them by 12 lr in RMS.
+BF16_RMS = 2.5e-2 * TRAIN.lr
+
+RUNS = {  # name: (world size, replicas, options)
+    "local_sgd-2": (2, 2, dict(algorithm="local_sgd")),
+    "local_sgd-4": (4, 4, dict(algorithm="local_sgd")),
+    "diloco-2": (2, 2, dict()),
+    "diloco-4": (4, 4, dict()),
+    "diloco-2x2ddp": (4, 2, dict()),  # two replicas of two ranks each (DDP inside a replica)
+    "streaming2-2": (2, 2, dict(fragments=2)),
+    "streaming2-4": (4, 4, dict(fragments=2)),
+    "streaming2-bf16-2": (2, 2, dict(fragments=2, outer_dtype=torch.bfloat16)),
+    "streaming2-bf16-4": (4, 4, dict(fragments=2, outer_dtype=torch.bfloat16)),
+}
+
+
+@lru_cache(maxsize=None)
+def _run(name):
+    world, replicas, options = RUNS[name]
+    ranks = run_diloco(ParallelDims(dp=world), CONFIG, TRAIN, replicas=replicas, inner_steps=H, trace=True,
+                       timeout_s=300, **options)
+    return ranks, simulate_diloco(CONFIG, TRAIN, replicas, H, **options)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_equals_the_single_process_simulation(name):
+    world, replicas, options = RUNS[name]
+    ranks, sim = _run(name)
+    s = world // replicas
+    assert [r.replica for r in ranks] == [i // s for i in range(world)]
+    tol = BF16_RMS if options.get("outer_dtype") == torch.bfloat16 else FP32_RMS
+    for rank, r in enumerate(ranks):
+        ref = sim[r.replica]
+        assert r.final_params.shape == ref.final_params.shape
+        diff = rms(r.final_params - ref.final_params)
+        assert diff <= tol, f"rank {rank}: RMS difference {diff:.3g} > {tol:.3g}"
+    for i, ref in enumerate(sim):  # a replica's loss is the mean of its S ranks' shares
+        mine = [sum(ranks[i * s + j].train_losses[k] for j in range(s)) / s for k in range(TRAIN.steps)]
+        worst = max(abs(a - b) for a, b in zip(mine, ref.train_losses))
+        assert worst <= adamw_loss_atol(TRAIN.lr), (i, worst)
+    if replicas > 1:  # the replicas really trained apart: their last losses differ
+        assert len({sim[i].train_losses[-1] for i in range(replicas)}) == replicas
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_bytes_per_step_equal_the_formula(name):
+    """The tracer's bytes across replicas after every step, on every rank, exactly."""
+    _, replicas, options = RUNS[name]
+    ranks, _ = _run(name)
+    e = 2 if options.get("outer_dtype") == torch.bfloat16 else 4
+    want = diloco_sync_bytes(CONFIG, replicas, H, TRAIN.steps, options.get("fragments", 1), e)
+    for r in ranks:
+        assert r.sync_bytes == want
+
+
+def test_the_whole_model_every_h_steps_against_ddp_every_step():
+    """F = 1 fp32: P * 4 bytes once per H steps, i.e. DDP's bytes of one step per H steps."""
+    for h in (1, 2, 5):
+        per_step = diloco_sync_bytes(CONFIG, 4, h, 10 * h)
+        assert per_step == ([0] * (h - 1) + [ddp_bytes_per_step(CONFIG)]) * 10
+        assert sum(per_step) * h == ddp_bytes_per_step(CONFIG) * len(per_step)
+    assert diloco_sync_bytes(CONFIG, 1, 2, 4) == [0, 0, 0, 0]  # one replica meets no one
+
+
+@pytest.mark.parametrize("n_layer, fragments", [(2, 2), (4, 2), (4, 4), (8, 4)])
+def test_streaming_peak_is_about_one_fragment(n_layer, fragments):
+    """The same bytes over H steps as the all-at-once sync, one fragment at a time: the peak is
+    max_f P_f e, 1/F of the whole plus the embeddings' share (fragment 0 carries them)."""
+    config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=n_layer, n_head=2, d_model=32)
+    h = 2 * fragments
+    whole = diloco_sync_bytes(config, 2, h, 4 * h)
+    streamed = diloco_sync_bytes(config, 2, h, 4 * h, fragments)
+    assert sum(streamed) == sum(whole)
+    counts = fragment_param_counts(config, fragments)
+    assert max(streamed) == max(counts) * 4 and sum(counts) * 4 == max(whole)
+    embeddings = (VOCAB_SIZE + 16) * 32
+    assert max(streamed) <= max(whole) / fragments + embeddings * 4
+    assert sum(1 for b in streamed if b) == 4 * fragments  # each step of a round moves one fragment
+
+
+@pytest.mark.parametrize("fragments", [1, 2, 4])
+@pytest.mark.parametrize("tie, bias", [(True, True), (False, False)])
+def test_fragment_counts_match_the_model(fragments, tie, bias):
+    config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=4, n_head=2, d_model=32, tie_weights=tie,
+                       bias=bias)
+    model = GPT(config)
+    parts = fragment_params(model, fragments)
+    assert [sum(p.numel() for p in ps) for ps in parts] == fragment_param_counts(config, fragments)
+    assert sum(len(ps) for ps in parts) == len(list(model.parameters()))  # every parameter once
+
+
+def test_outer_step_is_torch_nesterov_sgd():
+    """NesterovOuter by hand equals torch.optim.SGD(momentum, nesterov=True) with the averaged
+    delta as the gradient, over three outer steps: the same fp32 operations up to the order of
+    lr * (g + mu b) (a few ulps of each element)."""
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, 3, generator=gen))]
+    ref = [torch.nn.Parameter(ours[0].detach().clone())]
+    outer = NesterovOuter(ours, OUTER_LR, OUTER_MOMENTUM)
+    sgd = torch.optim.SGD(ref, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    for _ in range(3):
+        local = ours[0].detach() + 0.1 * torch.randn(5, 3, generator=gen)  # a replica's inner steps
+        with torch.no_grad():
+            ours[0].copy_(local)
+        delta = outer.deltas()
+        ref[0].grad = delta[0].clone()
+        sgd.step()
+        outer.step(delta)
+        torch.testing.assert_close(ours[0].detach(), ref[0].detach(), rtol=0, atol=8 * 2.0**-23 * 4)
+
+
+def test_local_sgd_is_diloco_with_lr_one_and_no_momentum():
+    """theta_0 - 1 * (theta_0 - mean theta_r) = mean theta_r: the two simulations agree up to the
+    fp32 rounding of that subtraction (one ulp of theta per outer step), magnified by AdamW as in
+    FP32_RMS."""
+    cfg = TrainConfig(steps=4, batch_size=8, progress=False)
+    local = simulate_diloco(CONFIG, cfg, 2, 2, algorithm="local_sgd")
+    outer = simulate_diloco(CONFIG, cfg, 2, 2, outer_lr=1.0, outer_momentum=0.0)
+    for a, b in zip(local, outer):
+        assert rms(a.final_params - b.final_params) <= FP32_RMS
+
+
+BAD = [
+    (dict(inner_steps=0), "inner_steps=0 must be an int >= 1"),
+    (dict(fragments=0), "fragments=0 must be an int >= 1"),
+    (dict(fragments=4, inner_steps=4), "fragments=4 must divide n_layer=2"),
+    (dict(fragments=2, inner_steps=3), "fragments=2 must divide inner_steps=3"),
+    (dict(outer_momentum=1.0), "outer_momentum=1.0 must be in [0, 1)"),
+    (dict(outer_momentum=-0.1), "outer_momentum=-0.1 must be in [0, 1)"),
+    (dict(outer_lr=0), "outer_lr=0 must be > 0"),
+    (dict(replicas=3), "world size 4 must be divisible by replicas=3"),
+    (dict(algorithm="fedavg"), "algorithm='fedavg' must be one of"),
+    (dict(algorithm="local_sgd", fragments=2), "algorithm='local_sgd' averages the whole model"),
+    (dict(outer_dtype=torch.float16), "outer_dtype=torch.float16 must be one of"),
+]
+
+
+@pytest.mark.parametrize("options, words", BAD, ids=[w.split(" ")[0] for _, w in BAD])
+def test_bad_input_refused_before_any_rank_starts(options, words, monkeypatch):
+    monkeypatch.setattr(training, "run_on_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(ValueError) as err:
+        run_diloco(ParallelDims(dp=4), CONFIG, TRAIN, **options)
+    assert words in str(err.value), str(err.value)
+
+
+def test_bad_layout_and_batch_refused(monkeypatch):
+    monkeypatch.setattr(training, "run_on_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(ValueError, match=r"tp=2: run_diloco runs dp only"):
+        run_diloco(ParallelDims(dp=2, tp=2), CONFIG, TRAIN)
+    with pytest.raises(ValueError, match=r"batch_size=6 must be divisible by dp=4"):
+        run_diloco(ParallelDims(dp=4), CONFIG, TrainConfig(steps=2, batch_size=6, progress=False))
+    with pytest.raises(ValueError, match=r"inner_steps=0"):  # the simulation keeps the same rules
+        simulate_diloco(CONFIG, TRAIN, 2, 0)
+
+
+def test_package_exports():
+    assert set(diloco.__all__) <= set(dir(diloco))
