@@ -17,13 +17,21 @@ fp32 logits in both runs), or when the first step's gradient norm differs by mor
 FIRST_GRAD_NORM_RTOL of it: the reasons are there. In bf16 the loss alone cannot catch a wrong
 reduction; the first gradient norm, taken before AdamW amplifies any rounding, does.
 
-In a notebook: `run_on_ranks(zero_demo, stage=3, world_size=4)`.
+--optimizer muon (with --muon-method gather|owner|balanced) trains with Muon on the hidden matrices and
+AdamW on the rest (techniques.muon.MuonAdamW): the matrices' momentum row-sharded
+(parallel.zero.muon.ShardedMuon), the rest ZeRO-1 (ShardedOptimizer); it prints the losses beside
+the single process's and each rank's Muon bytes per step, traced, beside estimate.muon's formula.
+--check there: MUON_LOSS_ATOL (below, the reason) and bytes equal to the formula. (A little over 300
+lines: the Muon run, its table and its check sit beside the AdamW ones so one command offers both.)
+
+In a notebook: `run_on_ranks(zero_demo, stage=3, world_size=4)`, `run_on_ranks(muon_demo, "owner", world_size=4)`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -40,6 +48,21 @@ from course_lib.tolerances import BF16_LOSS_ATOL, adamw_loss_atol, first_grad_no
 from course_lib.train import StepHooks, TrainConfig, share_rows, train_loop
 from course_lib.units import fmt_bytes
 from course_lib.runtime.device import rank_device
+from course_lib.estimate.muon import METHODS, muon_traffic
+from course_lib.observe import CommTracer
+from course_lib.parallel.zero.muon import ShardedMuon
+from course_lib.parallel.zero.sharded_optimizer import ShardedOptimizer
+from course_lib.techniques.muon import MuonAdamW, muon_split
+
+MUON_LR = 0.02  # Jordan et al. 2024's Muon learning rate for the hidden matrices; AdamW keeps TrainConfig's lr
+# |loss difference| of a correct sharded Muon run and the single process: the ranks' mean gradient
+# is a sum in another order (fp32 rounding), and Newton-Schulz rounds its input to bf16, where a
+# last-bit difference flips an element's rounding (2^-8 relative) and the 5 iterations spread it over
+# the matrix; Muon's update has singular values < 1.5 whatever its input, so a flip moves the
+# parameters by ~lr * 2^-8 at most; the AdamW parameters add adamw_loss_atol's share (7e-5 at its lr).
+# Measured on the demo's GPT (5 steps, 2 and 4 ranks, each method): at most 3.4e-5. Each rank
+# orthogonalising only its own rows of each matrix (the flat design's mistake) moved it by 9.5e-3.
+MUON_LOSS_ATOL = 1e-3
 
 
 def _per_param_bytes(config, cfg, bf16, hsdp, offload, offload_dir) -> tuple[dict, dict]:
@@ -105,6 +128,73 @@ def zero_demo(stage: int, steps: int = 5, bf16: bool = False, offload=False, bat
     return run | {"measured": measured, "formula": formula, "tier": "host"}
 
 
+def _muon_run(config, cfg, method, rows, tracer):
+    """The GPT trained with MuonAdamW: sharded (method set) or the single process (method None)."""
+    model = GPT(config, seed=cfg.seed)
+    if method is None:
+        opt = MuonAdamW(model, lr=MUON_LR, adamw_lr=cfg.lr)
+    else:
+        opt = MuonAdamW(model, lr=MUON_LR, adamw_lr=cfg.lr, muon_class=partial(ShardedMuon, method=method),
+                        adamw_class=partial(ShardedOptimizer, optimizer_class=torch.optim.AdamW))
+        muon_step = opt.muon.step
+
+        def traced_step():
+            with tracer:
+                muon_step()
+        opt.muon.step = traced_step
+    res = train_loop(model, opt, CharDataset("train", block_size=config.block_size), cfg, StepHooks(), rows=rows)
+    return model, res
+
+
+def muon_demo(method: str, steps: int = 5, batch_size: int = 8) -> dict:
+    """Rank code: {"losses" (mean over ranks), "reference" (rank 0), "bytes": this rank's Muon
+    bytes per step, traced, "formula": estimate.muon's, "shapes"}."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if batch_size % n:
+        raise ValueError(f"batch_size={batch_size} must be divisible by the {n} ranks")
+    config = GPTConfig.tiny(CharDataset("train").vocab_size)
+    cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_clip=0.0, progress=False)
+    tracer = CommTracer()
+    model, res = _muon_run(config, cfg, method, share_rows(rank, n, batch_size), tracer)
+    losses = torch.tensor(res.train_losses, dtype=torch.float64, device=rank_device())
+    dist.all_reduce(losses)
+    ref = _muon_run(config, cfg, None, None, None)[1].train_losses if rank == 0 else None
+    shapes = [tuple(p.shape) for p in muon_split(model)[0]]
+    per_step = {op: {k: v // steps for k, v in rec.items()} for op, rec in tracer.summary().items()}
+    return {"losses": (losses / n).tolist(), "reference": ref, "bytes": per_step,
+            "formula": muon_traffic(shapes, n, method)[rank], "shapes": shapes}
+
+
+def format_muon(per_rank: list[dict], method: str) -> str:
+    first = per_rank[0]
+    lines = [f"Muon ({method}) + AdamW on {len(per_rank)} ranks vs one process (same data)",
+             f"{'step':>4} {'sharded (mean of ranks)':>24} {'single process':>15}"]
+    for i, (a, b) in enumerate(zip(first["losses"], first["reference"]), start=1):
+        lines.append(f"{i:>4} {a:>24.5f} {b:>15.5f}")
+    lines.append(f"Muon bytes per step ({len(first['shapes'])} matrices), traced / formula (estimate.muon):")
+    for r, out in enumerate(per_rank):
+        sent = sum(v["bytes_sent"] for v in out["bytes"].values())
+        recv = sum(v["bytes_recv"] for v in out["bytes"].values())
+        f_sent = sum(v["bytes_sent"] for v in out["formula"].values())
+        f_recv = sum(v["bytes_recv"] for v in out["formula"].values())
+        lines.append(f"rank {r}: sent {fmt_bytes(sent)} / {fmt_bytes(f_sent)}, received {fmt_bytes(recv)} / "
+                     f"{fmt_bytes(f_recv)}")
+    return "\n".join(lines)
+
+
+def check_muon(per_rank: list[dict]) -> tuple[bool, str]:
+    """(passed, verdict): every step's loss within MUON_LOSS_ATOL, every rank's bytes = the formula."""
+    first = per_rank[0]
+    diffs = [abs(a - b) for a, b in zip(first["losses"], first["reference"])]
+    diff = max(diffs) if all(d == d for d in diffs) else float("nan")
+    loss_ok = diff <= MUON_LOSS_ATOL
+    bytes_ok = all(out["bytes"] == out["formula"] for out in per_rank)
+    ok = loss_ok and bytes_ok
+    return ok, (f"check {'passed' if ok else 'FAILED'}: largest loss difference {diff:.2e} "
+                f"{'<=' if loss_ok else '>'} tolerance {MUON_LOSS_ATOL:.0e}; Muon bytes "
+                f"{'equal' if bytes_ok else 'DIFFER from'} the formula on every rank")
+
+
 def format_demo(per_rank: list[dict], stage: int) -> str:
     first = per_rank[0]
     lines = [f"ZeRO stage {stage} on {len(per_rank)} ranks vs one process (same data, same AdamW)",
@@ -150,7 +240,17 @@ def main(argv=None):
                         help="stage 3: one flat buffer per unit, or each parameter on dim 0 (FSDP2)")
     parser.add_argument("--hsdp", type=int, default=1, help="per_param: R replicas of an N/R-rank shard group")
     parser.add_argument("--check", action="store_true", help="exit non-zero beyond the loss tolerance")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                        help="muon: Muon on the hidden matrices (momentum row-sharded), AdamW (ZeRO-1) on the rest")
+    parser.add_argument("--muon-method", default="gather", choices=METHODS,
+                        help="--optimizer muon: who runs Newton-Schulz on each matrix")
     args = parser.parse_args(argv)
+    if args.optimizer == "muon":
+        if args.stage != 1 or args.bf16 or args.offload or args.sharding != "flat":
+            parser.error("--optimizer muon runs ZeRO-1 in fp32: --stage 1, without --bf16, --offload, --sharding")
+        if args.steps < 1:
+            parser.error(f"--steps={args.steps} must be >= 1")
+        return _main_muon(args)
     if args.stage not in (0, 1, 2, 3):
         parser.error(f"--stage={args.stage} must be 0, 1, 2 or 3")
     if args.steps < 1:
@@ -185,6 +285,26 @@ def main(argv=None):
             print(format_demo(gathered, args.stage), flush=True)
             if args.check:
                 ok, verdict = check_run(gathered[0], args.bf16, TrainConfig().lr)
+                print(verdict, flush=True)
+                failed = not ok
+    finally:
+        leave_process_group()
+    if failed:
+        raise SystemExit(1)
+
+
+def _main_muon(args):
+    init_from_env()
+    failed = False
+    try:
+        n = dist.get_world_size()
+        out = muon_demo(args.muon_method, args.steps, batch_size=8 * n)
+        gathered = [None] * n
+        dist.all_gather_object(gathered, out)
+        if dist.get_rank() == 0:
+            print(format_muon(gathered, args.muon_method), flush=True)
+            if args.check:
+                ok, verdict = check_muon(gathered)
                 print(verdict, flush=True)
                 failed = not ok
     finally:

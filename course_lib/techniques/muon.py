@@ -158,14 +158,15 @@ class MuonAdamW:
         opt = MuonAdamW(model, lr=0.02, adamw_lr=3e-3)
         loss.backward(); opt.step(); opt.zero_grad()
 
-    muon_class: Muon (the default) or anything with its arguments (torch.optim.Muon, a sharded one)."""
+    muon_class: Muon (the default) or anything with its arguments (torch.optim.Muon, a sharded one);
+    adamw_class: torch.optim.AdamW or anything called like it (a sharded one)."""
 
     def __init__(self, model: nn.Module, lr: float = 0.02, adamw_lr: float = 1e-3, weight_decay: float = 0.0,
-                 momentum: float = 0.95, adamw_kwargs: dict | None = None, muon_class=Muon, **muon_kwargs):
+                 momentum: float = 0.95, adamw_kwargs: dict | None = None, muon_class=Muon,
+                 adamw_class=torch.optim.AdamW, **muon_kwargs):
         muon_params, adamw_params = muon_split(model)
         self.muon = muon_class(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum, **muon_kwargs)
-        self.adamw = torch.optim.AdamW(adamw_params, lr=adamw_lr, weight_decay=weight_decay,
-                                       **(adamw_kwargs or {}))
+        self.adamw = adamw_class(adamw_params, lr=adamw_lr, weight_decay=weight_decay, **(adamw_kwargs or {}))
         self.optimizers = (self.muon, self.adamw)
 
     @property
