@@ -145,21 +145,64 @@ def test_no_notebook_prints_or_imports_the_answer():
     assert lesson.index("course_lib/parallel/pp") > lesson.index("## References")
 
 
-def test_v_placement_stub_fails_solution_passes_and_wrong_placements_fail(capsys):
-    with pytest.raises(NotImplementedError, match="exercise 06: write v_placement"):
-        ex06.check_v_placement(STUB.v_placement)
-    ex06.check_v_placement(SOLUTION.v_placement)
-    assert capsys.readouterr().out.count("PASS  ") == 2
-    loop = lambda p: [[r, r + p] for r in range(p)]  # noqa: E731  Megatron's interleaving: the loss on rank p-1
-    with pytest.raises(CheckFailed, match="stage 3 on rank 1"):
-        ex06.check_v_placement(loop)
-    def swapped(p):  # rank 0 holds stages 0 and 2p-1, but ranks 1 and 2 trade their first stages
-        v = SOLUTION.v_placement(p)
-        if p > 2:
-            v[1][0], v[2][0] = v[2][0], v[1][0]
-        return v
+def test_snake_placement_stub_fails_and_solution_passes(capsys):
+    with pytest.raises(NotImplementedError, match="exercise 06: write snake_placement"):
+        ex06.check_snake_placement(STUB.snake_placement)
+    ex06.check_snake_placement(SOLUTION.snake_placement)
+    assert capsys.readouterr().out.count("PASS  ") == 1
 
-    with pytest.raises(CheckFailed, match="stage 0 -> 1 jumps from rank 0 to 2"):
-        ex06.check_v_placement(swapped)
-    with pytest.raises(CheckFailed, match="2 stage numbers"):
-        ex06.check_v_placement(lambda p: [[r] for r in range(p)])
+
+def test_the_checker_holds_no_placement():
+    source = (ROOT / "course_lib" / "grading" / "ex06_pipeline_schedule.py").read_text()
+    assert "p - 1 - i" not in source and "2 * p - 1 - r" not in source
+
+
+# Plausible mistakes, each made in the reference solution's source: old fragment -> new fragment,
+# the check that must reject it and a phrase of its message (the learner's terms).
+SOLUTION_SOURCE = (ROOT / "exercises" / "solutions" / "ex06_pipeline_schedule.py").read_text()
+WRONG = {
+    # GPipe's order: every forward first, then every backward
+    "all forwards first": ("return _pattern(m, [min(p - r - 1, m) for r in range(p)])",
+                           "return _pattern(m, [m] * p)", "one_f_one_b", "more than p - r micro-batches in flight"),
+    # one warm-up forward too many on every rank
+    "warm-up one too long": ("return _pattern(m, [min(p - r - 1, m) for r in range(p)])",
+                             "return _pattern(m, [min(p - r, m) for r in range(p)])", "one_f_one_b",
+                             "more than p - r micro-batches in flight"),
+    # no warm-up at all: one in flight, valid, a long step
+    "no warm-up": ("return _pattern(m, [min(p - r - 1, m) for r in range(p)])", "return _pattern(m, [0] * p)",
+                   "one_f_one_b", r"steps longer than \(m \+ p - 1\)"),
+    # each rank's own cap, forgetting that rank r+1 cannot hold more than rank r: deadlock
+    "own cap only": ("limit = min(limit, caps[r])", "limit = min(m, caps[r])", "capped", "deadlock"),
+    # the caps ignored: plain 1F1B
+    "caps ignored": ("warmups.append(min(limit - 1, p - r - 1, m))", "warmups.append(min(p - r - 1, m))", "capped",
+                     "more micro-batches in flight than their cap"),
+    # the cap as the warm-up (one forward more in flight than the cap)
+    "cap as warm-up": ("warmups.append(min(limit - 1, p - r - 1, m))", "warmups.append(min(limit, p - r - 1, m))",
+                       "capped", "more micro-batches in flight than their cap"),
+    # a cap of 0 (or a float) accepted
+    "bad caps accepted": ("c < 1:", "c < 0:", "capped", "must raise ValueError: an entry below 1"),
+    # Megatron's interleaving: every pass goes down the ranks, the turn jumps from rank p-1 to 0
+    "every pass downward": ("placement[i if k % 2 == 0 else p - 1 - i].append(k * p + i)",
+                            "placement[i].append(k * p + i)", "snake", "jumps from rank"),
+    # each rank's v stages consecutive: no interleaving, the passes stay on one rank
+    "stages in blocks": ("placement[i if k % 2 == 0 else p - 1 - i].append(k * p + i)",
+                         "placement[(k * p + i) // v].append(k * p + i)", "snake",
+                         "must go through every rank once"),
+    # the V, whatever v is
+    "always two chunks": ("for k in range(v):", "for k in range(2):", "snake", "must be on exactly one rank"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_a_plausible_wrong_answer_fails_with_its_message(name, tmp_path):
+    old, new, check, match = WRONG[name]
+    assert old in SOLUTION_SOURCE  # the mutant really changes the solution
+    path = tmp_path / "wrong" / "ex06_pipeline_schedule.py"
+    path.parent.mkdir()
+    path.write_text(SOLUTION_SOURCE.replace(old, new))
+    wrong = _module(path)
+    run = {"one_f_one_b": lambda: ex06.check_one_f_one_b(wrong.one_f_one_b),
+           "capped": lambda: ex06.check_capped(wrong.capped_1f1b),
+           "snake": lambda: ex06.check_snake_placement(wrong.snake_placement)}[check]
+    with pytest.raises(CheckFailed, match=match):
+        run()

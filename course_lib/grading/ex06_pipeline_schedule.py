@@ -10,8 +10,9 @@ Graded by properties, never against the library's own schedules:
                 time of the 1F1B pattern under the same caps (STEP_UNDER_CAPS);
   * training    the lists drive a real pipelined training on 4 ranks whose losses, gradients and
                 parameters equal the single-process training;
-  * V placement the follow-up: two chunks per rank, the first and the last stage on rank 0, every
-                activation sent at most one rank away (check_v_placement; only the V meets all three).
+  * placement   the follow-up: v chunks per rank, stage 0 on rank 0, every pass of the forward
+                over all p ranks, every activation sent at most one rank away
+                (check_snake_placement; only the snake meets all of them).
 
 STEP_UNDER_CAPS holds measured numbers of the simulator, not schedules: each is the step time of
 the 1F1B pattern (warm-up forwards, then one forward and one backward in turn, then the drain)
@@ -146,30 +147,45 @@ def check_training(lists, m: int, label: str, timeout_s: float = 90) -> None:
                 rtol=0, atol=cfg.lr / 100)
 
 
-def check_v_placement(v_placement) -> None:
-    """The follow-up: v_placement(p) -> per rank [stage of chunk 0, stage of chunk 1], for p = 1..8.
-    Checked as properties: 2 stages per rank, each of the 2p stages exactly once, stages 0 and
-    2p-1 on rank 0, and stages s and s+1 on the same or neighbouring ranks."""
-    problems = {}
-    for p in range(1, 9):
-        got = v_placement(p)
-        if not isinstance(got, (list, tuple)) or len(got) != p or not all(
-                isinstance(c, (list, tuple)) and len(c) == 2 and all(isinstance(s, int) for s in c) for c in got):
-            raise CheckFailed(f"v_placement({p}) must return {p} lists of 2 stage numbers (one per rank), "
-                              f"got {got!r:.200}")
-        if sorted(s for c in got for s in c) != list(range(2 * p)):
-            problems[f"p={p}"] = f"{got}: every stage 0..{2 * p - 1} exactly once"
-            continue
-        rank = {s: r for r, c in enumerate(got) for s in c}
-        if rank[0] != 0 or rank[2 * p - 1] != 0:
-            problems[f"p={p}"] = f"{got}: stage 0 on rank {rank[0]}, stage {2 * p - 1} on rank {rank[2 * p - 1]}"
-        far = [s for s in range(2 * p - 1) if abs(rank[s] - rank[s + 1]) > 1]
-        if far:
-            problems[f"p={p}"] = f"{got}: stage {far[0]} -> {far[0] + 1} jumps from rank {rank[far[0]]} to " \
-                                 f"{rank[far[0] + 1]}"
-    check_equal("v_placement, p = 1..8: placements breaking a rule of the V", problems, {})
-    turns = []
-    for p in range(1, 9):
-        rank = {s: r for r, c in enumerate(v_placement(p)) for s in c}
-        turns.append(sum(rank[s] == rank[s + 1] for s in range(2 * p - 1)))
-    check_equal("v_placement: stage boundaries that stay on one rank (the turn), p = 1..8", turns, [1] * 8)
+PLACEMENTS = [(p, v) for p in range(1, 7) for v in range(1, 5)]
+
+
+def _placement_problem(p: int, v: int, got) -> str | None:
+    """Which rule of the snake the placement breaks, in the learner's terms (None: all hold)."""
+    if not isinstance(got, (list, tuple)) or len(got) != p or not all(
+            isinstance(c, (list, tuple)) and all(isinstance(s, int) for s in c) for c in got):
+        return f"must return {p} lists of stage numbers (one per rank)"
+    n = v * p
+    if sorted(s for c in got for s in c) != list(range(n)):
+        return f"every stage 0 ... {n - 1} must be on exactly one rank"
+    counts = [len(c) for c in got]
+    if set(counts) != {v}:
+        return f"each rank must hold v = {v} stages; the ranks hold {counts}"
+    rank = {s: r for r, c in enumerate(got) for s in c}
+    if rank[0] != 0:
+        return f"stage 0 (the embedding) is on rank {rank[0]}, not rank 0"
+    for k in range(v):
+        ranks = [rank[k * p + i] for i in range(p)]
+        if len(set(ranks)) != p:
+            return (f"pass {k} (stages {k * p} ... {k * p + p - 1}) runs on ranks {ranks}: each pass of the forward "
+                    f"must go through every rank once, or the ranks idle in turn")
+    far = [s for s in range(n - 1) if abs(rank[s] - rank[s + 1]) > 1]
+    if far:
+        s = far[0]
+        return f"stage {s} -> {s + 1} jumps from rank {rank[s]} to rank {rank[s + 1]}: an activation may travel one rank"
+    return None
+
+
+def check_snake_placement(snake_placement) -> None:
+    """The follow-up: snake_placement(p, v) -> per rank its stages, for p = 1..6 and v = 1..4,
+    checked as properties (no placement is stored): v stages per rank, each stage once, stage 0
+    on rank 0, each pass over all ranks, and stages s and s+1 on the same or neighbouring ranks."""
+    for p, v in PLACEMENTS:
+        got = snake_placement(p, v)
+        problem = _placement_problem(p, v, got)
+        if problem:
+            raise CheckFailed(f"snake_placement({p}, {v}): {problem}; got {got!r:.200}")
+        if any(list(c) != sorted(c) for c in got):
+            raise CheckFailed(f"snake_placement({p}, {v}): list each rank's stages in increasing order; got {got}")
+    passed(f"snake_placement, p = 1..6, v = 1..4: v stages per rank, stage 0 on rank 0, every pass over every rank, "
+           f"each activation one rank at most")

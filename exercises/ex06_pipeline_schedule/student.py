@@ -1,5 +1,5 @@
 """Exercise 06: pipeline schedules as data. Fill in `one_f_one_b`, then `capped_1f1b` (and, as a
-follow-up, `v_placement`), and run
+follow-up, `snake_placement`), and run
 the check cells of ex06_pipeline_schedule.ipynb. Each check prints PASS when your code is right.
 
 A schedule is, for each rank, the ordered list of actions it runs:
@@ -43,13 +43,14 @@ def capped_1f1b(p: int, m: int, caps: list[int]) -> list[list[Action]]:
     raise NotImplementedError("exercise 06: write capped_1f1b")
 
 
-def v_placement(p: int) -> list[list[int]]:
-    """Follow-up: two chunks per rank in a V. Number the 2p stages 0..2p-1 in the order a
-    micro-batch's forward runs them; return, for each rank r, [the stage of its first chunk,
-    the stage of its second chunk].
+def snake_placement(p: int, v: int) -> list[list[int]]:
+    """Follow-up: v chunks per rank (v >= 1). Number the vp stages 0 ... vp-1 in the order a
+    micro-batch's forward runs them; return, for each rank r, the stages it holds in increasing
+    order.
 
-    Rules: every rank holds exactly two stages; the first and the last stage (the embedding and
-    the loss) are both on rank 0; and each activation travels at most one rank: stages s and
-    s + 1 sit on the same rank or on neighbouring ranks.
+    Rules: every stage on exactly one rank, v stages per rank; stage 0 (the embedding) on rank 0;
+    every pass of the forward goes through every rank once (stages kp ... kp + p - 1, for each
+    k < v, sit on p different ranks); and each activation travels at most one rank (stages s and
+    s + 1 on the same rank or on neighbouring ranks).
     """
-    raise NotImplementedError("exercise 06: write v_placement")
+    raise NotImplementedError("exercise 06: write snake_placement")

@@ -1,5 +1,5 @@
 """Exercise 06, reference solution: the 1F1B schedule, 1F1B under a memory cap per rank, and the
-V placement of two chunks per rank."""
+snake placement of v chunks per rank."""
 
 from course_lib.parallel.pp import Action
 
@@ -42,9 +42,13 @@ def capped_1f1b(p: int, m: int, caps: list[int]) -> list[list[Action]]:
     return _pattern(m, warmups)
 
 
-def v_placement(p: int) -> list[list[int]]:
-    """Rank 0 must hold stage 0 and stage 2p-1, and each step of the forward moves at most one
-    rank: going down from rank 0 to rank p-1 takes the stages 0..p-1, one per rank, and coming
-    back up takes p..2p-1, so rank r holds stage r and stage 2p-1-r (the turn, p-1 -> p, stays
-    on rank p-1)."""
-    return [[r, 2 * p - 1 - r] for r in range(p)]
+def snake_placement(p: int, v: int) -> list[list[int]]:
+    """Pass k of the micro-batch's forward runs stages kp ... kp + p - 1 over all p ranks, one
+    stage per rank, and must start beside the rank where pass k - 1 ended: so the passes snake,
+    down the ranks on even k (stage kp + r on rank r) and back up on odd k (stage kp + r on
+    rank p-1-r). Each turn stays on one rank; for v = 2 this is the V."""
+    placement = [[] for _ in range(p)]
+    for k in range(v):
+        for i in range(p):
+            placement[i if k % 2 == 0 else p - 1 - i].append(k * p + i)
+    return placement

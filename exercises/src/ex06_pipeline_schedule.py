@@ -12,8 +12,8 @@
 #    ranks: rank r may hold at most `caps[r]` micro-batches in flight. The caps need not fall
 #    with r, and some are tighter than 1F1B's own counts; the step must still be as short as
 #    the pattern allows under them.
-# 3. Follow-up, `v_placement(p)`: place 2p stages on p ranks, two per rank, so that the
-#    embedding and the loss share a rank and no activation travels more than one rank.
+# 3. Follow-up, `snake_placement(p, v)`: place vp stages on p ranks, v per rank, so that every
+#    pass of the forward runs over all the ranks and no activation travels more than one rank.
 #
 # **The rules** (notebook 06, sections 2, 5 and 12). Rank r holds stage r. It can run F(j)
 # only after rank r-1 ran F(j), and B(j) only after its own F(j) and rank r+1's B(j); every
@@ -37,8 +37,8 @@
 
 # %%
 from course_lib.grading import load_student
-from course_lib.grading.ex06_pipeline_schedule import (REFUSE, check_capped, check_one_f_one_b, check_training,
-                                                      check_v_placement)
+from course_lib.grading.ex06_pipeline_schedule import (REFUSE, check_capped, check_one_f_one_b,
+                                                      check_snake_placement, check_training)
 
 # REFUSE: the library's schedule generators and every module that builds a schedule from a name
 student = load_student("ex06_pipeline_schedule", refuse=REFUSE)
@@ -76,14 +76,16 @@ check_training(student.one_f_one_b(4, 2), 2, "1F1B, m=2")
 check_training(student.capped_1f1b(4, 8, [2, 3, 1, 2]), 8, "capped, m=8")
 
 # %% [markdown]
-# ## Check 4 (follow-up): two chunks per rank, in a V
-# Notebook 06 section 9 ran schedules with two chunks per rank. For p = 1 to 8 ranks, place the
-# 2p stages: each rank holds two, stage 0 and stage 2p-1 are both on rank 0, and stages s and
-# s + 1 are on the same rank or on neighbouring ranks. On paper first: for p = 3, where must
-# stage 1 go, and where is the one boundary that needs no message at all?
+# ## Check 4 (follow-up): v chunks per rank
+# Notebook 06 section 9 ran schedules with two chunks per rank. Now take v chunks per rank, any
+# v >= 1. For p = 1 to 6 ranks and v = 1 to 4, place the vp stages: each rank holds v, stage 0
+# is on rank 0, pass k of the forward (stages kp ... kp + p - 1) visits every rank once, and
+# stages s and s + 1 are on the same rank or on neighbouring ranks. On paper first: for p = 3
+# and v = 3, where does stage 3 go, where does the loss (stage 8) end up, and how many of the
+# 8 stage boundaries need no message?
 
 # %%
-check_v_placement(student.v_placement)
+check_snake_placement(student.snake_placement)
 
 # %% [markdown]
 # ## Going further
@@ -94,7 +96,8 @@ check_v_placement(student.v_placement)
 #   sets the pace? Work it out on the time grid, then compare with `step_time` from
 #   `course_lib.grading.ex06_pipeline_schedule`.
 # * Megatron's interleaving puts stage s on rank s mod p. For v = 2, how many of the 2p - 1
-#   stage boundaries cross a rank there, and how many in your V?
+#   stage boundaries cross a rank there, and how many in your placement with v = 2? Where does
+#   the loss sit for odd v, and what does that cost a model with tied embeddings?
 # * Notebook 06's ZB-H1 splits each B into B and W. Where would you put the W's in your 1F1B
 #   lists to fill the drain without holding more than p micro-batches on any rank?
 #
