@@ -32,18 +32,18 @@ from course_lib.parallel.hybrid import (HybridResult, build_hybrid, clip_grad_no
                                         train_single, trained_module)
 from course_lib.parallel.hybrid.training import mean_over_replicas, replica_rows
 from course_lib.parallel.hybrid.zero_pp import measure_stage_bytes
+from course_lib.platform import peak_rss_bytes
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 from course_lib.runtime.pool import shutdown_pools
 from course_lib.train import StepHooks, train_loop
 
 
-def _rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports KiB). The rank processes
-    are reused between calls, so it is the peak over every run of this pool: a raw figure."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _rss_bytes() -> int | None:
+    """Peak resident memory of this process so far, in bytes (course_lib.platform.peak_rss_bytes:
+    ru_maxrss in its platform's unit; None on Windows). The rank processes are reused between
+    calls, so it is the peak over every run of this pool: a raw figure."""
+    return peak_rss_bytes()
 
 
 def train_segment(dims, model_config, train_cfg, checkpoint_dir, first: int, last: int, trace: bool = False,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
 import time
 
 import torch
@@ -41,6 +40,7 @@ from course_lib.model import GPT
 from course_lib.parallel.dp import naive_all_reduce_gradients
 from course_lib.parallel.zero.apply import apply_zero
 from course_lib.parallel.zero.sharded_optimizer import ShardedOptimizer
+from course_lib.platform import kill_self_hard
 from course_lib.runtime.device import rank_device
 from course_lib.train import StepHooks, TrainResult, flat_params, make_optimizer, share_rows, train_loop
 
@@ -137,7 +137,7 @@ def train_with_checkpoints(model_config, train_cfg, checkpoint_dir, checkpoint_e
             marker.touch()
             log_event(root, event="kill", step=step, rank=rank)
             print(f"rank {rank}: killed at the start of step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self_hard()
 
     def global_loss(loss):  # the mean over ranks, the same at any world size
         mean = torch.tensor([loss / n], dtype=torch.float64, device=dev)

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 from course_lib.capstone import load_config, train_segment
 from course_lib.dims import product_text
 from course_lib.parallel.hybrid import train_single
+from course_lib.platform import kill_self_hard
 from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.tolerances import first_grad_norm_check
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                                trace=not args.resume, progress=True)
         if rank == args.kill_rank:  # like a GPU falling off the bus: no clean-up, peers left waiting
             print(f"rank {rank}: killed at the start of step {last + 1}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self_hard()
     finally:
         leave_process_group()
     if rank != 0:

@@ -45,6 +45,7 @@ from course_lib.comm.measured import CollectiveTable, link_from_dict, measure_ta
 from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.step_time import Cluster
 from course_lib.model import GPT
+from course_lib.platform import usable_cores
 from course_lib.runtime import rank_device, run_on_ranks
 
 TABLE_SIZES = (4, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
@@ -221,9 +222,7 @@ def median_of_rounds(rounds: list[dict]) -> dict:
 
 
 def cores_available() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return usable_cores()
 
 
 def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from course_lib.platform import usable_cores
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -100,8 +102,7 @@ def launch_backend(backend: str, local_rank: int, local_world_size: int) -> tupl
 
 def threads_per_rank(local_world_size: int) -> int:
     """A fair share of the cores for each rank, so that N ranks on few cores don't thrash."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_world_size)
+    return max(1, usable_cores() // local_world_size)
 
 
 def rank_device() -> torch.device:

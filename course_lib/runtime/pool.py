@@ -46,6 +46,7 @@ from multiprocessing.connection import wait as wait_for_ready
 import cloudpickle
 
 from course_lib._validate import check_int
+from course_lib.platform import LOOPBACK, start_method
 from course_lib.runtime import worker as _worker
 from course_lib.runtime.device import resolve_backend, threads_per_rank
 from course_lib.runtime.modules import shared_modules
@@ -91,7 +92,7 @@ ADDRESS_IN_USE = "address already in use"  # how torch's TCPStore reports EADDRI
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
@@ -111,15 +112,15 @@ def _validate(fn, world_size, timeout_s):
 
 
 def _mp_context():
-    # forkserver: fork from a server that has already imported torch (fast, and safe because
-    # the server itself never runs torch ops or threads). Fall back to spawn where unavailable.
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
+    # The start method is the platform's choice (course_lib.platform.start_method: forkserver,
+    # which forks every rank from a server that has already imported torch; spawn where the
+    # platform has no forkserver).
+    ctx = mp.get_context(start_method())
+    if ctx.get_start_method() == "forkserver":
         # torch.optim pulls in torch._dynamo (hundreds of modules) on first optimizer use:
         # importing it once in the server saves every new rank that cost.
         ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        return ctx
-    return mp.get_context("spawn")
+    return ctx
 
 
 @contextlib.contextmanager
