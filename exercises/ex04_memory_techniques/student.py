@@ -1,11 +1,11 @@
-"""Exercise 04: one mixed-precision optimizer step with fp32 master weights.
-Fill in the function, then run the check cells of ex04_memory_techniques.ipynb.
+"""Exercise 04: one mixed-precision optimizer step with fp32 master weights and gradient
+clipping. Write the function, then run the check cells of ex04_memory_techniques.ipynb.
 Each check prints PASS when your code is right."""
 
 import torch
 
 
-def master_weights_step(params, masters, optimizer, loss_scale):
+def master_weights_step(params, masters, optimizer, loss_scale, max_norm=None):
     """One optimizer step of mixed-precision training with fp32 master weights.
 
     params      the model's 16-bit (fp16 or bf16) parameters. Their .grad hold the gradients
@@ -14,15 +14,17 @@ def master_weights_step(params, masters, optimizer, loss_scale):
     masters     fp32 tensors, one per parameter, same shapes and order: the master weights.
     optimizer   a torch optimizer built over `masters` (it never sees `params`).
     loss_scale  the factor the loss was multiplied by before backward (1.0 when not scaling).
+    max_norm    None, or the largest global gradient norm allowed, in the units of the true
+                (unscaled) gradient: the step must equal what an fp32 model would do with
+                torch.nn.utils.clip_grad_norm_(its parameters, max_norm) before its step.
 
-    Do:
-    1. give every master an fp32 gradient: its parameter's gradient in fp32, divided by
-       loss_scale (None stays None);
-    2. if any of those gradients holds an inf or a nan, skip the step: no optimizer step,
-       masters and params keep their values;
-    3. otherwise take the optimizer step on the masters, then copy each master into its
-       16-bit parameter (the copy rounds it);
-    4. in both cases clear the gradients: .grad = None on params and masters.
+    Afterwards:
+    * if every gradient is finite: the masters have taken one optimizer step on the true
+      gradient of the loss (clipped as above when max_norm is given), and each parameter holds
+      its master rounded to the parameter's dtype;
+    * otherwise (an inf or a nan anywhere: the loss scale was too large): masters, parameters
+      and the optimizer's state are exactly as before;
+    * in both cases every .grad of params and masters is None.
 
     Return True if the step was taken, False if it was skipped.
     """
