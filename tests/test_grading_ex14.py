@@ -4,6 +4,8 @@ syntax tree, and at call time by a route the tree does not show), and plausible 
 fail without the message giving the answer. (The real 8-rank run of check 6 is graded by the
 exercise notebook under the solutions.)"""
 
+import importlib.util
+import pathlib
 from dataclasses import replace
 
 import pytest
@@ -47,9 +49,13 @@ def test_the_solution_passes(monkeypatch, capsys, problem):
     grade.check_fast(layout, problem)
     grade.check_binding(grade.ask(solution.binding_constraint, problem), problem)
     grade.check_rejected(grade.ask(solution.rejected_layout, problem), layout, problem)
+    grade.check_choices(solution.choose_layout, problem)
+    grade.check_bindings(solution.binding_constraint, problem)
+    grade.check_rejections(solution.rejected_layout, solution.choose_layout, problem)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "grading exercises/ex14_capstone/student.py"  # the file graded, then the checks
-    assert len(out) == 8 and all(line.startswith("PASS  ") for line in out[1:])
+    assert len(out) == 1 + 7 + 3 * 6 and all(line.startswith("PASS  ") for line in out[1:])
+    assert not any("bytes" in line or "seconds" in line for line in out if "binding" in line)  # no unit, no answer
 
 
 def test_the_stated_problem_is_bound_by_memory(problem, facts):
@@ -166,3 +172,67 @@ def test_a_wrong_rejection_fails(monkeypatch, problem):
     for answer, message in cases:
         with pytest.raises(CheckFailed, match=message):
             grade.check_rejected(answer, chosen, problem)
+
+
+SOLUTION = (pathlib.Path(__file__).resolve().parents[1] / "exercises" / "solutions" / "ex14_capstone.py").read_text()
+CHOSEN = "    return next(layout for layout, _, memory in rows if memory <= cluster.memory_bytes)"
+FASTEST = """    fastest, _, memory = candidates(config, cluster, global_batch, seq, recipe)[0]
+    if memory > cluster.memory_bytes:
+        return "memory", memory"""
+# Plausible wrong answers, each one change to the reference solution's source:
+# name -> (old fragment, new fragment, which check, a phrase its message holds)
+WRONG = {
+    # the stated problem's answer read off facts(problem) or a stored output and typed in
+    "binding typed in": (FASTEST, '    return "memory", {threshold}', "bindings",
+                         "a global batch of 32 on 160 KiB devices: the number at which it would stop binding"),
+    "the device's memory as the threshold": ('return "memory", memory', 'return "memory", cluster.memory_bytes',
+                                             "bindings", "the stated problem: the number .* below the estimator's"),
+    "memory always binds": ("    if memory > cluster.memory_bytes:\n        return", "    if True:\n        return",
+                            "bindings", "devices of 1 GiB: the binding constraint: 'memory' is not what stops"),
+    "memory ignored": ("    if memory > cluster.memory_bytes:\n        return", "    if False:\n        return",
+                       "bindings", "the stated problem: the binding constraint: 'communication' is not what stops"),
+    "layout typed in": (CHOSEN, '    return ParallelDims(dp=4, pp=2, microbatches=2, zero=1, recompute="full")',
+                        "choices", "devices of 1 GiB: it reaches at least 75%.*a faster layout fits"),
+    "fastest, memory ignored": (CHOSEN, "    return rows[0][0]", "choices", "it fits: .*bytes per rank"),
+    "smallest memory": (CHOSEN, "    return min(rows, key=lambda row: row[2])[0]", "choices",
+                        "it reaches at least 75%.*a faster layout fits"),
+    "memory excess negated": ('return layout, "memory", memory - cluster.memory_bytes',
+                              'return layout, "memory", cluster.memory_bytes - memory', "rejections",
+                              "the stated problem: by how many bytes per rank it exceeds it: .* below"),
+    "throughput share inverted": ('return layout, "throughput", best / seconds',
+                                  'return layout, "throughput", seconds / best', "rejections",
+                                  "devices of 1 GiB: the share of the best throughput it reaches: .* above"),
+    "a slow layout rejected for memory": ('return layout, "throughput", best / seconds', 'return layout, "memory", 0',
+                                          "rejections", "devices of 1 GiB: the rejected layout exceeds the device's "
+                                                        "memory: by the estimator it fits"),
+}
+
+
+def _module(tmp_path, source, name):
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", WRONG)
+def test_a_plausible_wrong_answer_fails(tmp_path, problem, facts, name):
+    import re
+
+    old, new, check, phrase = WRONG[name]
+    assert old in SOLUTION  # the mutant really changes the solution
+    wrong = _module(tmp_path, SOLUTION.replace(old, new.format(threshold=facts["binding"][1])), "wrong_ex14")
+    run = {"choices": lambda: grade.check_choices(wrong.choose_layout, problem),
+           "bindings": lambda: grade.check_bindings(wrong.binding_constraint, problem),
+           "rejections": lambda: grade.check_rejections(wrong.rejected_layout, wrong.choose_layout, problem)}[check]
+    with pytest.raises(CheckFailed, match=re.compile(phrase, re.DOTALL)):
+        run()
+
+
+def test_the_variants_have_different_answers(problem):
+    """Each variant changes what a typed-in answer would get wrong: the threshold, the binding group,
+    the layouts within the budget."""
+    answers = [grade.facts(q)["binding"] for _, q in grade.variants(problem)]
+    assert len({a for a in answers}) == 3 and answers[2][0] in grade.GROUPS

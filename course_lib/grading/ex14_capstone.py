@@ -9,6 +9,11 @@ ranks with tight memory, a global batch, a precision recipe and a throughput bud
     rejected_layout(...)     (ParallelDims, reason, number): a layout of the problem that fails, why
                              ("memory" or "throughput") and by how much
 
+The three functions are called on the stated problem and on VARIANTS of it (a larger batch on
+more memory; devices with ample memory, where a group of step-time terms binds instead of
+memory), so an answer read off this module's `facts` for the stated problem, or off a stored
+output, and typed into student.py fails on the others.
+
 Everything is graded against the course's estimator (course_lib.estimate.step_time:
 memory_per_rank and step_time, notebook 11's formulas), over the layouts the 3D trainer
 composes (`runnable_layouts`, enumerated here, never with the planner), and the chosen layout
@@ -85,6 +90,15 @@ class Problem:
                 f"{k.memory_bytes / 1024:g} KiB each\n"
                 f"budget: a global batch of {self.global_batch} sequences of {self.seq} tokens, recipe "
                 f"{self.recipe!r}; at least {self.fraction:.0%} of the best fitting layout's predicted throughput")
+
+
+def variants(p: Problem) -> list[tuple[str, Problem]]:
+    """The problems every function is asked: the stated one first, then two of the same family
+    whose answers differ from it (another layout, threshold or binding group)."""
+    return [("the stated problem", p),
+            (f"a global batch of {2 * p.global_batch} on 160 KiB devices",
+             replace(p, global_batch=2 * p.global_batch, cluster=replace(p.cluster, memory_bytes=160 * 1024))),
+            ("devices of 1 GiB", replace(p, cluster=replace(p.cluster, memory_bytes=1 << 30)))]
 
 
 def stated_problem() -> Problem:
@@ -190,22 +204,37 @@ def _fail_unless(ok: bool, label: str, message: str):
     passed(f"{label}")
 
 
-def check_runnable(layout, p: Problem):
+def _at(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def check_runnable(layout, p: Problem, where: str = ""):
     reason = why_not_runnable(layout, p)
-    _fail_unless(reason is None, "the 3D trainer runs your layout on all devices with the global batch", reason or "")
+    _fail_unless(reason is None, f"{_at(where)}the 3D trainer runs your layout on all devices with the global batch",
+                 f"choose_layout in student.py returned {layout!r}: {reason}")
 
 
-def check_fits(layout, p: Problem):
+def check_fits(layout, p: Problem, where: str = ""):
     _, memory = predicted(p, layout)
-    _fail_unless(memory <= p.cluster.memory_bytes, "it fits: the estimator's bytes per rank <= the device's memory",
+    _fail_unless(memory <= p.cluster.memory_bytes,
+                 f"{_at(where)}it fits: the estimator's bytes per rank <= the device's memory",
                  f"your layout needs {memory} bytes per rank, the device holds {p.cluster.memory_bytes:g}")
 
 
-def check_fast(layout, p: Problem):
+def check_fast(layout, p: Problem, where: str = ""):
     share = facts(p)["best_time"] / predicted(p, layout)[0]
     _fail_unless(share >= p.fraction - 1e-12,  # 1e-12: float rounding of a ratio that sits on the budget
-                 f"it reaches at least {p.fraction:.0%} of the best fitting layout's predicted throughput",
+                 f"{_at(where)}it reaches at least {p.fraction:.0%} of the best fitting layout's predicted throughput",
                  f"your layout reaches {share:.1%}: a faster layout fits")
+
+
+def check_choices(choose, p: Problem):
+    """choose_layout on the variants after the stated problem: runnable, fits, fast enough."""
+    for where, q in variants(p)[1:]:
+        layout = ask(choose, q)
+        check_runnable(layout, q, where)
+        check_fits(layout, q, where)
+        check_fast(layout, q, where)
 
 
 def _close_enough(label: str, number: float, expected: float, tol: float):
@@ -220,49 +249,62 @@ def _number(label: str, value):
     return float(value)
 
 
-def check_binding(answer, p: Problem):
-    """answer = (name, number); see the module docstring for what binds."""
+def check_binding(answer, p: Problem, where: str = ""):
+    """answer = (name, number); see the module docstring for what binds. The PASS lines name
+    neither the constraint nor its unit (a stored output must not give the answer)."""
     if not (isinstance(answer, tuple) and len(answer) == 2):
-        raise CheckFailed(f"binding_constraint must return (name, number), got {answer!r}")
+        raise CheckFailed(f"{_at(where)}binding_constraint in student.py must return (name, number), got {answer!r}")
     name, number = answer
     names = ("memory", *GROUPS)
     if name not in names:
-        raise CheckFailed(f"binding constraint {name!r} must be one of {names}")
+        raise CheckFailed(f"{_at(where)}binding constraint {name!r} must be one of {names}")
     expected_name, expected = facts(p)["binding"]
-    _fail_unless(name == expected_name, "the binding constraint",
+    _fail_unless(name == expected_name, f"{_at(where)}the binding constraint",
                  f"{name!r} is not what stops a faster layout, by the estimator: look again at the fastest "
                  f"layout the 3D trainer could run, memory ignored")
     number = _number("the binding number", number)
     tol = BYTES_ATOL if name == "memory" else SECONDS_RTOL * expected
-    unit = "bytes per rank" if name == "memory" else "seconds per step"
-    _close_enough(f"the number at which it would stop binding ({unit})", number, expected, tol)
+    _close_enough(f"{_at(where)}the number at which it would stop binding", number, expected, tol)
 
 
-def check_rejected(answer, chosen, p: Problem):
+def check_bindings(binding, p: Problem):
+    """binding_constraint on the stated problem and its variants."""
+    for where, q in variants(p):
+        check_binding(ask(binding, q), q, where)
+
+
+def check_rejections(rejected, choose, p: Problem):
+    """rejected_layout on the stated problem and its variants, against choose_layout's choice."""
+    for where, q in variants(p):
+        check_rejected(ask(rejected, q), ask(choose, q), q, where)
+
+
+def check_rejected(answer, chosen, p: Problem, where: str = ""):
     """answer = (layout, reason, number): a runnable layout of the problem that fails for `reason`."""
+    w = _at(where)
     if not (isinstance(answer, tuple) and len(answer) == 3):
-        raise CheckFailed(f"rejected_layout must return (layout, reason, number), got {answer!r}")
+        raise CheckFailed(f"{w}rejected_layout in student.py must return (layout, reason, number), got {answer!r}")
     layout, reason, number = answer
     why = why_not_runnable(layout, p)
     if why is not None:
-        raise CheckFailed(f"the rejected layout must be one the 3D trainer could run for this problem: {why}")
+        raise CheckFailed(f"{w}the rejected layout must be one the 3D trainer could run for this problem: {why}")
     if layout == chosen:
-        raise CheckFailed("the rejected layout is the one you chose")
+        raise CheckFailed(f"{w}the rejected layout is the one you chose")
     if reason not in REASONS:
-        raise CheckFailed(f"reason {reason!r} must be one of {REASONS}")
+        raise CheckFailed(f"{w}reason {reason!r} must be one of {REASONS}")
     number = _number("the rejection's number", number)
     seconds, memory = predicted(p, layout)
     excess = memory - p.cluster.memory_bytes
     if reason == "memory":
-        _fail_unless(excess > 0, "the rejected layout exceeds the device's memory",
+        _fail_unless(excess > 0, f"{w}the rejected layout exceeds the device's memory",
                      "by the estimator it fits: pick one that does not, or another reason")
-        _close_enough("by how many bytes per rank it exceeds it", number, excess, BYTES_ATOL)
+        _close_enough(f"{w}by how many bytes per rank it exceeds it", number, excess, BYTES_ATOL)
     else:
         share = facts(p)["best_time"] / seconds
-        _fail_unless(excess <= 0 and share < p.fraction, "the rejected layout fits but misses the throughput budget",
+        _fail_unless(excess <= 0 and share < p.fraction, f"{w}the rejected layout fits but misses the throughput budget",
                      "by the estimator it " + ("does not fit (reason 'memory')" if excess > 0 else
                                                f"reaches at least {p.fraction:.0%} of the best"))
-        _close_enough("the share of the best throughput it reaches", number, share, FRACTION_ATOL)
+        _close_enough(f"{w}the share of the best throughput it reaches", number, share, FRACTION_ATOL)
 
 
 def check_trains(layout, p: Problem, steps: int = 2, timeout_s: float = 240):

@@ -1,9 +1,12 @@
 """Exercise 14: the capstone's layout, your choice and your reasons. Fill in the three functions,
 then run the check cells of ex14_capstone.ipynb.
 
-Every function gets the stated problem: `config` (the course GPT), `cluster` (its n_gpus,
+Every function gets a problem: `config` (the course GPT), `cluster` (its n_gpus,
 memory_bytes per device, links and measured rates), `global_batch` (sequences per step), `seq`
-(tokens per sequence) and `recipe` (the precision recipe of the estimator).
+(tokens per sequence) and `recipe` (the precision recipe of the estimator). The checks ask the
+stated problem and others of the same family (another batch, more memory per device), so the
+functions must reason from their arguments: a layout or a number typed in for the stated
+problem fails on the others.
 
 You may use the estimator's formulas (imported below): `memory_per_rank(config, layout,
 global_batch, seq, recipe)["total"]` (bytes on the busiest rank) and `step_time(config, layout,

@@ -16,8 +16,12 @@
 # 3. `rejected_layout(...)`: one layout you considered and rejected, the reason ("memory" or
 #    "throughput") and by how much it fails.
 #
-# Work with the estimator's formulas, `memory_per_rank` and `step_time`, by hand or in a loop
-# of your own; the stub's docstrings give the exact definitions. The planner is not allowed:
+# Your functions take the problem as arguments, and the checks ask them more than the stated
+# problem: the same model with twice the batch on 160 KiB devices, and on devices of 1 GiB,
+# where memory no longer decides. So reason from the arguments: what binds when memory does
+# not, and which layout do you reject when every faster one fits? Work with the estimator's
+# formulas, `memory_per_rank` and `step_time`, in a loop of your own; the stub's docstrings
+# give the exact definitions. The planner is not allowed:
 # it answers the first question by itself, and the checks refuse a module that uses it.
 #
 # **Re-read:** notebook 11, section 2 (the step-time model, term by term) and section 5 (what a
@@ -31,10 +35,11 @@
 # 1. *Runnable:* your layout is one the 3D trainer runs on all devices with the global batch.
 # 2. *Fits:* the estimator's bytes per rank are within the device's memory.
 # 3. *Fast enough:* its predicted throughput is at least `FRACTION` of the best fitting layout's.
-# 4. *Binding constraint:* the name and the number match the estimator's.
-# 5. *Rejected layout:* it is a layout of this problem, other than yours, and fails for the
-#    reason you give, by the amount you give.
-# 6. *Trains:* your layout trains 2 steps on 8 real ranks, and its losses equal the single
+# 4. *The other problems:* checks 1 to 3 for the layouts you choose there.
+# 5. *Binding constraint:* the name and the number match the estimator's, on every problem.
+# 6. *Rejected layout:* on every problem, a layout of it, other than the one you choose, that
+#    fails for the reason you give, by the amount you give.
+# 7. *Trains:* your layout trains 2 steps on 8 real ranks, and its losses equal the single
 #    process's on the same batches (to float rounding).
 #
 # A check prints `PASS  ...` or stops with a short message saying what is wrong (never the
@@ -69,19 +74,25 @@ grade.check_fits(layout, problem)
 grade.check_fast(layout, problem)
 
 # %% [markdown]
-# ## Check 4: what binds, and at which number
+# ## Check 4: your choice on the other problems
 
 # %%
-grade.check_binding(grade.ask(student.binding_constraint, problem), problem)
+grade.check_choices(student.choose_layout, problem)
 
 # %% [markdown]
-# ## Check 5: a layout you rejected, and why
+# ## Check 5: what binds, and at which number
 
 # %%
-grade.check_rejected(grade.ask(student.rejected_layout, problem), layout, problem)
+grade.check_bindings(student.binding_constraint, problem)
 
 # %% [markdown]
-# ## Check 6: it trains on 8 real ranks and matches the single process
+# ## Check 6: a layout you rejected, and why
+
+# %%
+grade.check_rejections(student.rejected_layout, student.choose_layout, problem)
+
+# %% [markdown]
+# ## Check 7: it trains on 8 real ranks and matches the single process
 
 # %%
 grade.check_trains(layout, problem)
