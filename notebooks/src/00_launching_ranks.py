@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/00_launching_ranks.ipynb)
+
+# %% [markdown]
 # # 00 · Launching ranks
 #
 # Every strategy in this course (data, tensor, pipeline and expert parallelism, ZeRO) is a
@@ -20,6 +23,16 @@
 # loopback network with PyTorch's **gloo** backend. The notebooks use these CPU ranks even on a
 # machine with GPUs, so that every machine prints the same numbers; on GPUs the same code runs
 # over **NCCL** (section 5 says how).
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 import os

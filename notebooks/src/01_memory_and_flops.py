@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/01_memory_and_flops.ipynb)
+
+# %% [markdown]
 # # 01 · Why one GPU is not enough: memory and FLOPs
 #
 # Before splitting a model across many GPUs, it pays to know *why* we must, and *how much*.
@@ -30,6 +33,16 @@
 # TiB = 2¹⁰, 2²⁰, 2³⁰, 2⁴⁰ bytes (`course_lib.units`). GPU vendors quote memory in decimal GB
 # (10⁹ bytes): an "80 GB" GPU holds 80·10⁹ bytes = 74.5 GiB. Such figures are converted
 # explicitly where they are used.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

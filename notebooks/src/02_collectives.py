@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/02_collectives.ipynb)
+
+# %% [markdown]
 # # 02 · Collectives and ring all-reduce
 #
 # Data parallelism (notebook 03) needs one thing from the network: after every backward pass,
@@ -21,6 +24,16 @@
 #   collective's time on a real cluster;
 # * decide from α, β, $N$ and $S$ whether a tree or a ring is faster, and explain why NCCL
 #   uses both.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/03_data_parallel.ipynb)
+
+# %% [markdown]
 # # 03 · Data parallelism from scratch
 #
 # **Data parallelism** (DP) is the first strategy every large training run uses and the one
@@ -27,6 +30,16 @@
 #   the critical batch size from gradient noise (McCandlish et al. 2018).
 # * compile a model per block under PyTorch's DDP and FSDP2, in the order tensor parallelism,
 #   activation checkpointing, compile, sharding, and check one compiled step against eager.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

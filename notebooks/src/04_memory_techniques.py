@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/04_memory_techniques.ipynb)
+
+# %% [markdown]
 # # 04 · Fitting more in memory: mixed precision, activation checkpointing, gradient accumulation
 #
 # Notebook 01 split a training step's memory into two piles:
@@ -38,6 +41,16 @@
 # Every claim below is measured on the course GPT and held against the formulas of
 # notebook 01 (`course_lib.estimate`) with an `assert`. The code lives in
 # `course_lib/techniques/`: `amp.py`, `activation_checkpointing.py`, `accumulation.py`, `fp8.py` and `fp4.py`.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 import math

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/05_tensor_parallel.ipynb)
+
+# %% [markdown]
 # # 05 · Tensor parallelism (Megatron) and sequence parallelism
 #
 # Data parallelism (notebook 03) copies the whole model onto every rank. When one layer's
@@ -21,6 +24,16 @@
 #    its collectives against the formulas;
 # 5. measure what sequence parallelism saves, and why TP stays inside one node;
 # 6. run the same model through PyTorch's DTensor `parallelize_module` and compare.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/06_pipeline_parallel.ipynb)
+
+# %% [markdown]
 # # 06 · Pipeline parallelism and its bubbles
 #
 # Data parallelism (notebook 03) copies the whole model to every rank. When the model does not
@@ -29,6 +32,16 @@
 # * place PP in a 3D layout and estimate its communication with the α-β model;
 # * read PyTorch's own action lists (`torch.distributed.pipelining`) and their lowered form with
 #   messages and FSDP's gathers beside ours, and say where and why they differ.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/07_mixture_of_experts.ipynb)
+
+# %% [markdown]
 # # 07 · Mixture of experts and expert parallelism
 #
 # A dense transformer spends the same work on every token: every weight of every MLP
@@ -29,6 +32,16 @@
 #    single process on 4 ranks;
 # 8. show that a rank with no tokens still finishes with the right gradients, that the busiest
 #    rank's expert time sets the layer's, and count DeepSeek-V3's 671 B parameters.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/09_context_parallelism.ipynb)
+
+# %% [markdown]
 # # 09 · Long sequences and context parallelism
 #
 # Every strategy so far split the batch (data parallelism, ZeRO), the weights (tensor and
@@ -25,6 +28,16 @@
 # * measure activation memory per rank against the sequence length, and read the estimator's
 #   numbers for Llama 3 405B at 128K tokens;
 # * show that a context-parallel GPT trains exactly like the single-process one.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

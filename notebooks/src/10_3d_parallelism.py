@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/10_3d_parallelism.ipynb)
+
+# %% [markdown]
 # # 10 · 3D and 4D parallelism on one device mesh
 #
 # Notebooks 03-08 built each strategy alone: data parallelism (DP) splits the batch, tensor
@@ -24,6 +27,16 @@
 #   course's composition departs from the published run;
 # * run FSDP (ZeRO-3) inside a pipeline, count its all-gathers per step under each reshard
 #   policy (`2mU` or `U`), and cost the memory each policy holds.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

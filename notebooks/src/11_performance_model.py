@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/11_performance_model.ipynb)
+
+# %% [markdown]
 # # 11 · A performance model and an automatic planner
 #
 # Notebooks 03 to 10 each added one way to split training: data (DDP, ZeRO), tensors (TP),
@@ -27,6 +30,16 @@
 # * run the planner, read its explanation (binding constraint, biggest cost term) and its
 #   Pareto front of memory against time;
 # * profile a run into a Chrome/Perfetto trace, read a per-rank timeline from it, and compute MFU.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

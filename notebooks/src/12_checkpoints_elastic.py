@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/12_checkpoints_elastic.ipynb)
+
+# %% [markdown]
 # # 12 · Checkpoints that survive failures
 #
 # A training run on thousands of GPUs *will* be interrupted: a GPU falls off the bus, a host
@@ -23,6 +26,16 @@
 # * save an FSDP2 model's state with PyTorch's `torch.distributed.checkpoint` (synchronously and
 #   asynchronously) on 4 ranks and load it on 2, and read its metadata as boxes;
 # * run elastic recovery under `torchrun` and say what torchft-style fault tolerance adds.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

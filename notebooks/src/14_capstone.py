@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/14_capstone.ipynb)
+
+# %% [markdown]
 # # 14 · Capstone: plan, train, break and resume a model end to end
 #
 # Every earlier notebook built one piece. Here they run together, as they would on a real
@@ -22,6 +25,16 @@
 #   formula against measurement;
 # * compare predicted with measured step time and memory, and explain the gaps on this machine;
 # * change one number of the config, predict its effect with the estimator, rerun, and decide.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline

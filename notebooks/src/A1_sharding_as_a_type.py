@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/A1_sharding_as_a_type.ipynb)
+
+# %% [markdown]
 # # A1 · Sharding as a type: the course's layouts in DTensor and in JAX
 #
 # *Appendix, optional reading after the capstone.*
@@ -36,6 +39,16 @@
 # emulated CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, set before JAX
 # starts; the layouts use 4 of them, to match the 4 ranks). Keeping JAX out of this kernel
 # also keeps XLA's thread pool and PyTorch's apart.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 import numpy as np

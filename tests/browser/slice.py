@@ -4,7 +4,7 @@ Every notebook is executed top to bottom by `make test` (nbval) on the same comm
 JupyterLab lane need not pay for the whole notebook a second time to check its widgets. This
 keeps each widget cell (an output with the widget view MIME type) and, walking backwards, every
 earlier code cell that binds a name a kept cell reads (the last binding before the use), and
-keeps the first code cell (the notebook's set-up), and turns the other code cells into raw cells: Run All then runs just what the widgets need, and the
+keeps the first code cell (the notebook's set-up, after the Colab set-up cell if there is one), and turns the other code cells into raw cells: Run All then runs just what the widgets need, and the
 reader's view of the stored notebook (markdown, the widgets' static figures) is unchanged.
 
 The analysis is static (Python's `ast`): a name bound by `import`, assignment, `def`, `class`,
@@ -19,6 +19,7 @@ import json
 import pathlib
 import shutil
 
+from course_lib.colab import is_setup_cell
 from course_lib.widgets import WIDGET_VIEW_MIME
 
 BUILTINS = set(dir(builtins)) | {"display", "get_ipython"}
@@ -71,7 +72,10 @@ def _is_widget_cell(cell) -> bool:
 def needed_cells(nb: dict) -> list[int]:
     """Indices of the code cells the widget cells need, widget cells included, in order."""
     code = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"]
-    keep, wanted = set(code[:1]), set()  # the first code cell sets the notebook up (imports, plotting)
+    # the first code cell sets the notebook up (imports, plotting); a Colab set-up cell before it
+    # (course_lib.colab: nothing outside Colab) is kept too, so the notebook's own set-up is
+    set_up = 2 if code and is_setup_cell(_source(nb["cells"][code[0]])) else 1
+    keep, wanted = set(code[:set_up]), set()
     for i in reversed(code):
         bound, read = names(_source(nb["cells"][i]))
         if _is_widget_cell(nb["cells"][i]) or bound & wanted:

@@ -9,7 +9,8 @@ Nothing is executed: Sphinx with myst-nb renders the stored outputs (conf.py bes
 * every notebook and its graded exercise as a page, in the map's order (00, ex00, 01, ex01, ...,
   14, ex14, A1), with an index page whose table of contents names them;
 * on every page, right under its title, a box saying how to run it (`make lab`, the dev
-  container, Colab) and linking the notebook to its exercise and back;
+  container, Colab: the notebook's "Open in Colab" link moves into the box, and its Colab set-up
+  cell is left out) and linking the notebook to its exercise and back;
 * "notebook 05", "exercise 02" and backticked paths such as `exercises/ex02_....ipynb` in the
   prose become links to those pages (not inside code, math, headings or existing links);
 * widgets show their static figure: an output that carries a live widget view next to a static
@@ -41,6 +42,8 @@ import nbformat
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT))  # course_lib from this checkout, installed or not
+from course_lib import colab  # noqa: E402  (torch-free)
 TITLE = "Distributed Training from First Principles"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 MATHJAX_DIR = "mathjax"  # under the site's _static/
@@ -148,9 +151,13 @@ def run_box(kind: str, path: str, partner: str | None, partner_title: str | None
         "",
         "* Nothing to install: open the repository in GitHub Codespaces or VS Code's Dev Containers "
         "(`.devcontainer/`), which runs `make setup`; then `make lab` in its terminal.",
-        "* Google Colab: not supported yet (a set-up cell that installs `course_lib` there is planned); "
-        "use `make lab` or the dev container.",
     ]
+    if kind == "index":
+        lines.append("* Google Colab: every page links to its notebook in Colab; the notebook's first code cell "
+                     "installs the course there (at its pinned revision, beside Colab's own torch).")
+    else:
+        lines.append(f"* Google Colab: [open `{path}` in Colab]({colab.colab_url(path)}); run its first code cell, "
+                     "which installs the course there (at its pinned revision, beside Colab's own torch).")
     if partner:
         label = "Its graded exercise" if kind == "notebook" else "The notebook it practises"
         lines += ["", f"{label}: [{partner_title}]({linker.href(here, partner)})."]
@@ -181,6 +188,10 @@ def static_outputs(cell) -> tuple[int, int]:
 def prepare_page(kind: str, src: pathlib.Path, here: str, partner, linker: Linker, out: pathlib.Path) -> dict:
     nb = nbformat.read(src, as_version=4)
     nb.metadata.pop("widgets", None)
+    # The Colab link moves into the run box, and the Colab set-up cell (which does nothing
+    # elsewhere) is left out: the page shows the lesson.
+    nb.cells = [c for c in nb.cells if not (c.cell_type == "markdown" and c.source == colab.badge(here))
+                and not (c.cell_type == "code" and colab.is_setup_cell(c.source))]
     widgets = dropped = 0
     for cell in nb.cells:
         if cell.cell_type == "markdown":
