@@ -14,31 +14,17 @@ from course_lib.parallel import diloco
 from course_lib.parallel.diloco import (NesterovOuter, ddp_bytes_per_step, diloco_sync_bytes, fragment_param_counts,
                                         fragment_params, run_diloco, simulate_diloco)
 from course_lib.parallel.diloco import training
+from course_lib.parallel.diloco.simulate import param_rms_tolerance
 from course_lib.train import TrainConfig
-from tests._tolerances import ADAMW_RMS_FRACTION_OF_LR, adamw_loss_atol, rms
+from tests._tolerances import adamw_loss_atol, rms
 
 CONFIG = GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=2, n_head=2, d_model=32)
 H = 2
 TRAIN = TrainConfig(steps=8, batch_size=8, progress=False)  # 8 steps, H = 2: 4 outer steps (per fragment)
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the paper's (Douillard et al. 2023)
 
-# fp32: the ranks and the simulation compute the same steps; they differ by the order of fp32
-# sums (the all-reduce's sum of the replicas' deltas against the simulation's in replica order,
-# DDP's mean of S ranks' gradients against one process's), which AdamW magnifies to a parameter
-# difference of ~1e-4 lr in RMS (tests/_tolerances.py: ADAMW_RMS_FRACTION_OF_LR, measured). The
-# outer Nesterov step scales a difference in the replicas' mean by at most
-# lr_out (1 + mu + mu^2 + ...) = lr_out / (1 - mu) = 7 (momentum sums past deltas with weights
-# mu^k), so the rounding stays below 1e-2 lr in RMS; a sign error moved the parameters by 13 lr
-# in RMS, plain momentum in place of Nesterov's by ~lr. Losses: adamw_loss_atol (its reason there).
-FP32_RMS = ADAMW_RMS_FRACTION_OF_LR * TRAIN.lr
-# bf16 on the wire: the same fp32 differences can put a delta on the other side of a bf16
-# rounding boundary, which changes it by one bf16 spacing (2^-8 of |Delta| <= 2^-8 H lr, Delta
-# the move of H AdamW steps of at most ~lr each), times lr_out / (1 - mu) = 7 after the outer
-# steps: 7 * 2^-8 * 2 lr = 0.055 lr for an element that flips. Only elements within the fp32
-# difference of a boundary flip (measured: RMS 7.7e-4 lr at most, 2 and 4 replicas); the bound
-# if one element in 16 flipped (RMS 0.055 lr / 4 = 0.014 lr) is taken: 2.5e-2 lr. A sign error
-# moved them by 12 lr in RMS.
-BF16_RMS = 2.5e-2 * TRAIN.lr
+# parameters: param_rms_tolerance (course_lib/parallel/diloco/simulate.py, the reasons there);
+# losses: adamw_loss_atol (course_lib/tolerances.py, its reason there)
 
 RUNS = {  # name: (world size, replicas, options)
     "local_sgd-2": (2, 2, dict(algorithm="local_sgd")),
@@ -67,7 +53,7 @@ def test_equals_the_single_process_simulation(name):
     ranks, sim = _run(name)
     s = world // replicas
     assert [r.replica for r in ranks] == [i // s for i in range(world)]
-    tol = BF16_RMS if options.get("outer_dtype") == torch.bfloat16 else FP32_RMS
+    tol = param_rms_tolerance(TRAIN.lr, H, **options)
     for rank, r in enumerate(ranks):
         ref = sim[r.replica]
         assert r.final_params.shape == ref.final_params.shape
@@ -150,13 +136,13 @@ def test_outer_step_is_torch_nesterov_sgd():
 
 def test_local_sgd_is_diloco_with_lr_one_and_no_momentum():
     """theta_0 - 1 * (theta_0 - mean theta_r) = mean theta_r: the two simulations agree up to the
-    fp32 rounding of that subtraction (one ulp of theta per outer step), magnified by AdamW as in
-    FP32_RMS."""
+    fp32 rounding of that subtraction (one ulp of theta per outer step), magnified by AdamW as the
+    fp32 rounding of param_rms_tolerance (with lr_out = 1, mu = 0: a = 1)."""
     cfg = TrainConfig(steps=4, batch_size=8, progress=False)
     local = simulate_diloco(CONFIG, cfg, 2, 2, algorithm="local_sgd")
     outer = simulate_diloco(CONFIG, cfg, 2, 2, outer_lr=1.0, outer_momentum=0.0)
     for a, b in zip(local, outer):
-        assert rms(a.final_params - b.final_params) <= FP32_RMS
+        assert rms(a.final_params - b.final_params) <= param_rms_tolerance(cfg.lr, 2, 1.0, 0.0)
 
 
 BAD = [

@@ -24,6 +24,30 @@ from course_lib.parallel.diloco.outer import check_diloco, fragment_index
 from course_lib.train import TrainResult, flat_params, make_optimizer, share_rows, train_step
 
 
+def param_rms_tolerance(lr: float, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                        fragments: int = 1, outer_dtype=torch.float32, algorithm: str = "diloco") -> float:
+    """How far (RMS over the elements) a correct run's parameters may be from the simulation's
+    (simulate_diloco's arguments; the fragments do not change it: each element still has one
+    outer step per H steps).
+
+    fp32: the same steps with fp32 sums in another order (the all-reduce of the replicas'
+    deltas, DDP's mean inside a replica), which AdamW magnifies to ~1e-4 lr in RMS (measured on
+    the tiny GPT, tests/_tolerances.py), 10x for margin: 1e-3 lr; the outer Nesterov step scales
+    a difference in the replicas' mean by at most a = lr_out (1 + mu + mu^2 + ...) = lr_out / (1 - mu)
+    (7 for the paper's 0.7, 0.9; LocalSGD's average: 1). So 1e-3 a lr. Measured: <= 1.1e-4 lr; a
+    sign error in the outer step moved the parameters by 13 lr, plain momentum for Nesterov's by ~lr.
+    bf16 on the wire: those differences can put a delta on the other side of a bf16 rounding
+    boundary, one bf16 spacing (2^-8 of |Delta| <= 2^-8 H lr, H AdamW steps of at most ~lr each)
+    times a for the element that flips; only elements within the fp32 difference of a boundary
+    flip (measured: 7.7e-4 lr in RMS at H = 2): allowed, one element in 16 flipping, RMS
+    2^-8 H a lr / 4, on top of the fp32 term (0.02 lr at H = 2 with the paper's outer step)."""
+    a = 1.0 if algorithm == "local_sgd" else outer_lr / (1 - outer_momentum)
+    tol = 1e-3 * a * lr
+    if outer_dtype != torch.float32:
+        tol += 2.0**-8 * inner_steps * a * lr / 4
+    return tol
+
+
 def _synced(step: int, fragment: int, inner_steps: int, fragments: int) -> bool:
     offset = fragment * inner_steps // fragments
     return step >= offset and (step - offset) % inner_steps == 0
