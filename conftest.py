@@ -1,6 +1,7 @@
-"""pytest settings for the notebook runs (`--nbval` over notebooks/ and exercises/).
+"""pytest settings: the notebook runs (`--nbval` over notebooks/ and exercises/), and the tests that
+NCCL's rules mode leaves out (COURSE_NCCL_RULES=1, the `gloo_only` mark; at the end of this file).
 
-The kernels nbval starts talk to it over IPC sockets (files in a private directory), not TCP
+The notebook runs: the kernels nbval starts talk to it over IPC sockets (files in a private directory), not TCP
 ports. With TCP, jupyter_client picks five free ports, closes them and hands them to the kernel,
 which binds them a second or two later, once ipykernel has imported. Meanwhile the ranks of a
 notebook running beside it (`make test-portability` runs two sessions at once, CI runs the
@@ -19,6 +20,8 @@ _IPC_DIRS: list[str] = []
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "gloo_only(reason): does on purpose what NCCL forbids (a gloo-only call, "
+                            "host tensors to a collective); deselected under COURSE_NCCL_RULES=1 (conftest.py)")
     if os.name != "posix" or not config.getoption("nbval", default=False):
         return
     import nbval.kernel
@@ -43,3 +46,45 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     while _IPC_DIRS:
         shutil.rmtree(_IPC_DIRS.pop(), ignore_errors=True)
+
+
+# ------------------------------------------------------------------ NCCL's rules (COURSE_NCCL_RULES=1)
+# `make test` runs the library's tests with COURSE_NCCL_RULES=1 (course_lib/observe/nccl_rules.py and
+# device_rule.py): every rank call obeys NCCL's point-to-point rules, refuses gloo-only calls, and
+# hands communication calls tensors on the rank's device only. A test that does on purpose what
+# NCCL forbids says so with @pytest.mark.gloo_only("why"), or a file's `pytestmark`, or a line of
+# GLOO_ONLY below for a whole file (files whose owners keep them elsewhere): with the variable set,
+# those tests are deselected here, and `pytest -m gloo_only` runs them without it.
+_GRADER = ("the graders run a learner's code on gloo CPU ranks only (course_lib/grading, backend gloo), with "
+           "tensors made as the exercise's notebook makes them, without a device")
+GLOO_ONLY = {
+    "tests/test_batch_grading.py": _GRADER,
+    "tests/test_grading_ex09.py": _GRADER + "; its ring's order is NCCL's (one batch_isend_irecv)",
+}
+
+
+def _gloo_only_reason(item):
+    mark = item.get_closest_marker("gloo_only")
+    if mark is not None:
+        reason = (mark.args[0] if mark.args else mark.kwargs.get("reason", "")).strip()
+        if not reason:
+            raise ValueError(f"{item.nodeid}: @pytest.mark.gloo_only needs its reason (what NCCL forbids, and why on purpose)")
+        return reason
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    root = config.rootpath
+    for item in items:
+        rel = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if rel in GLOO_ONLY:
+            item.add_marker(pytest.mark.gloo_only(GLOO_ONLY[rel]))
+        _gloo_only_reason(item)  # every mark states its reason
+    if os.environ.get("COURSE_NCCL_RULES", "") != "1":
+        return
+    kept = [i for i in items if i.get_closest_marker("gloo_only") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("gloo_only") is not None])
+        items[:] = kept

@@ -1,7 +1,8 @@
 """Tests for course_lib.comm (collectives from send/recv) and course_lib.comm.ringviz.
 
 Each world size 2..8 gets ONE run_on_ranks call that loops over every dtype, size and
-algorithm inside the ranks and returns its comparisons; the parent asserts on them.
+algorithm inside the ranks and returns its comparisons; the parent asserts on them. Every tensor
+is made on the rank's device, as NCCL needs (checked under COURSE_NCCL_RULES=1).
 """
 
 import math
@@ -14,6 +15,7 @@ from course_lib import CommTracer, run_on_ranks
 from course_lib import comm
 from course_lib.comm import ringviz
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
+from course_lib.runtime.device import rank_device
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
 
@@ -27,14 +29,14 @@ def _cases(n):
 
 def _random(numel, dtype):
     if dtype == torch.int64:
-        return torch.randint(-1000, 1000, (numel,), dtype=dtype)
-    return torch.randn(numel, dtype=torch.float64).to(dtype)
+        return torch.randint(-1000, 1000, (numel,), dtype=dtype, device=rank_device())
+    return torch.randn(numel, dtype=torch.float64).to(rank_device(), dtype)
 
 
 def _padded(x, n):
     """Chunk i of x (tensor_split) placed at i*c in a zero buffer of n*c (gloo needs equal sizes)."""
     c = max(1, math.ceil(x.numel() / n))
-    out = torch.zeros(n * c, dtype=x.dtype)
+    out = torch.zeros(n * c, dtype=x.dtype, device=x.device)
     for i, (s, e) in enumerate(comm.chunk_bounds(x.numel(), n)):
         out[i * c:i * c + e - s] = x[s:e]
     return out, c
@@ -68,7 +70,7 @@ def _check_everything():
             traffic.append((name, dtype.itemsize, numel, tr.total_bytes()["bytes_sent"], tr.total_bytes()["bytes_recv"]))
             outputs.append(y)
         mine = torch.cat(outputs)  # every algorithm must leave all ranks bit-identical
-        everyone = torch.empty(n * mine.numel(), dtype=dtype)
+        everyone = torch.empty(n * mine.numel(), dtype=dtype, device=x.device)
         all_gather_single(everyone, mine)
         same = all(torch.equal(chunk, mine) for chunk in everyone.chunk(n))
         results.append((f"identical across ranks {dtype} numel={numel}", same, ""))
@@ -76,7 +78,7 @@ def _check_everything():
         s, e = comm.chunk_bounds(numel, n)[rank]
         # reduce-scatter against reduce_scatter_single on the chunk-padded tensor
         padded, c = _padded(x, n)
-        expected = torch.empty(c, dtype=dtype)
+        expected = torch.empty(c, dtype=dtype, device=x.device)
         reduce_scatter_single(expected, padded)
         y = x.clone()
         with CommTracer() as tr:
@@ -92,9 +94,9 @@ def _check_everything():
         # all-gather: rank r contributes chunk r of its x; compare with padded all_gather_single
         y = torch.zeros_like(x)
         y[s:e] = x[s:e]
-        piece = torch.zeros(c, dtype=dtype)
+        piece = torch.zeros(c, dtype=dtype, device=x.device)
         piece[:e - s] = x[s:e]
-        gathered = torch.empty(n * c, dtype=dtype)
+        gathered = torch.empty(n * c, dtype=dtype, device=x.device)
         all_gather_single(gathered, piece)
         expected = torch.cat([gathered[i * c:i * c + b - a] for i, (a, b) in enumerate(comm.chunk_bounds(numel, n))])
         with CommTracer() as tr:
@@ -106,8 +108,8 @@ def _check_everything():
         # all-to-all with uneven splits against all_to_all_single
         splits = [b - a for a, b in comm.chunk_bounds(numel, n)]
         inputs = list(torch.tensor_split(x, n))
-        outputs = [torch.empty(splits[rank], dtype=dtype) for _ in range(n)]
-        expected = torch.empty(splits[rank] * n, dtype=dtype)
+        outputs = [torch.empty(splits[rank], dtype=dtype, device=x.device) for _ in range(n)]
+        expected = torch.empty(splits[rank] * n, dtype=dtype, device=x.device)
         dist.all_to_all_single(expected, x, output_split_sizes=[splits[rank]] * n, input_split_sizes=splits)
         with CommTracer() as tr:
             comm.pairwise_all_to_all(outputs, inputs)
@@ -155,7 +157,7 @@ def _subgroup_check():
     if dist.get_rank() not in (0, 2, 4):
         return None
     out = {}
-    x = torch.randn(11, dtype=torch.float64)
+    x = torch.randn(11, dtype=torch.float64).to(rank_device())
     ref = x.clone()
     dist.all_reduce(ref, group=group)
     for name, fn in comm.ALL_REDUCE_ALGORITHMS.items():
@@ -166,7 +168,7 @@ def _subgroup_check():
     inputs = list(torch.tensor_split(x, 3))
     outputs = [torch.empty_like(inputs[dist.get_rank(group)]) for _ in range(3)]
     comm.pairwise_all_to_all(outputs, inputs, group=group)
-    everyone = [torch.empty(11, dtype=torch.float64) for _ in range(3)]
+    everyone = [torch.empty(11, dtype=torch.float64, device=x.device) for _ in range(3)]
     dist.all_gather(everyone, x, group=group)
     out["all_to_all"] = all(torch.equal(outputs[j], torch.tensor_split(everyone[j], 3)[dist.get_rank(group)])
                             for j in range(3))
@@ -183,7 +185,7 @@ def test_collectives_work_on_a_subgroup():
 
 def _traced_halving_doubling():
     """Rank code: bytes sent per round of Rabenseifner on 8 ranks, 64 float32 (256 B)."""
-    x = torch.full((64,), float(dist.get_rank()))
+    x = torch.full((64,), float(dist.get_rank()), device=rank_device())
     with CommTracer() as tracer:
         comm.rabenseifner_all_reduce(x)
     return x[0].item(), tracer.total_bytes()["bytes_sent"], tracer.summary()["isend"]["calls"]

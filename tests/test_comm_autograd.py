@@ -5,13 +5,14 @@ import torch.distributed as dist
 
 from course_lib import run_on_ranks
 from course_lib.comm import autograd as ca
+from course_lib.runtime.device import rank_device
 
 
 def _gradients():
     """On every rank: x_r = (r+1) * base. Loss weights differ per rank so that a wrong
     backward (identity where a sum is needed, or a sum twice) changes the gradient."""
     r, n = dist.get_rank(), dist.get_world_size()
-    base = torch.arange(1.0, 9.0).reshape(4, 2)
+    base = torch.arange(1.0, 9.0, device=rank_device()).reshape(4, 2)  # NCCL: on the rank's device
     out = {}
     for name in ("copy", "reduce", "gather", "scatter", "split"):
         x = (base * (r + 1)).requires_grad_()
@@ -30,7 +31,7 @@ def _gradients():
         (y * w * torch.arange(y.numel()).reshape(y.shape)).sum().backward()
         out[name] = (y.detach(), x.grad)
     # all-to-all: rank r sends r+1 rows to every rank
-    rows = torch.arange(float(n * (r + 1) * 2)).reshape(-1, 2) + 100 * r
+    rows = torch.arange(float(n * (r + 1) * 2), device=rank_device()).reshape(-1, 2) + 100 * r
     x = rows.clone().requires_grad_()
     y = ca.all_to_all_single(x, [s + 1 for s in range(n)], [r + 1] * n)
     (y * (r + 1)).sum().backward()
@@ -88,8 +89,8 @@ def test_autograd_collectives_match_single_process():
 
 
 def _bad_split():
-    ca.gather_along_dim(torch.ones(3, 2), 0)  # fine: gathering needs nothing divisible
-    ca.scatter_along_dim(torch.ones(3, 2), 0)
+    ca.gather_along_dim(torch.ones(3, 2, device=rank_device()), 0)  # fine: gathering needs nothing divisible
+    ca.scatter_along_dim(torch.ones(3, 2, device=rank_device()), 0)
 
 
 def test_indivisible_scatter_is_a_clear_error():

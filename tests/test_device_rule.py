@@ -120,7 +120,7 @@ def _pipeline_demo(env_extra):
 def test_pipeline_demo_under_torchrun_with_the_rule():
     import re
 
-    proc = _pipeline_demo({"COURSE_DEVICE_RULE": "1"})
+    proc = _pipeline_demo({"COURSE_NCCL_RULES": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [s for s in re.findall(r"step (\d): pipeline loss", proc.stdout)] == ["1", "2"], proc.stdout
 
@@ -223,7 +223,7 @@ def test_the_environment_variable_turns_the_rule_on_for_every_rank_call():
               "    dist.all_reduce(torch.ones(1))\n"
               "run_on_ranks(f, world_size=2, timeout_s=60)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=pathlib.Path(__file__).parents[1], env={**os.environ, "COURSE_DEVICE_RULE": "1"})
+                          cwd=pathlib.Path(__file__).parents[1], env={**os.environ, "COURSE_NCCL_RULES": "1"})
     assert proc.returncode != 0 and "DeviceRuleError" in proc.stderr and "all_reduce was handed tensor" in proc.stderr
 
 

@@ -1,6 +1,7 @@
 """NCCL's point-to-point rules on gloo ranks (course_lib/observe/nccl_rules.py): each pattern that
 hangs or mismatches on NCCL fails here with a message naming the ranks and calls, never a hang,
-and the orders NCCL accepts pass with the data gloo delivers."""
+and the orders NCCL accepts pass with the data gloo delivers. Every tensor is made on the rank's
+device, as NCCL needs (COURSE_NCCL_RULES=1 also turns on observe/device_rule.py)."""
 
 import pytest
 import torch
@@ -8,11 +9,12 @@ import torch.distributed as dist
 
 from course_lib.observe.nccl_rules import NcclRuleError, _Rules, under_rules
 from course_lib.runtime import RankError, run_on_ranks
+from course_lib.runtime.device import rank_device
 
 
 def _both_send_first(n):
     me, peer = dist.get_rank(), 1 - dist.get_rank()
-    mine, theirs = torch.full((n,), float(me)), torch.empty(n)
+    mine, theirs = torch.full((n,), float(me), device=rank_device()), torch.empty(n, device=rank_device())
     dist.send(mine, peer)
     dist.recv(theirs, peer)
     return theirs[0].item()
@@ -29,7 +31,7 @@ def test_both_ranks_send_first_is_a_named_deadlock_not_a_hang():
 
 def _by_parity(n):
     me, peer = dist.get_rank(), 1 - dist.get_rank()
-    mine, theirs = torch.full((n,), float(me)), torch.empty(n)
+    mine, theirs = torch.full((n,), float(me), device=rank_device()), torch.empty(n, device=rank_device())
     if me % 2 == 0:
         dist.send(mine, peer)
         dist.recv(theirs, peer)
@@ -46,7 +48,7 @@ def test_the_same_swap_ordered_by_rank_parity_passes():
 def _receives_first(batched):
     """Both ranks post their receive, then their send (the pipeline runner's old prefetch)."""
     peer = 1 - dist.get_rank()
-    mine, theirs = torch.full((4,), float(dist.get_rank())), torch.empty(4)
+    mine, theirs = torch.full((4,), float(dist.get_rank()), device=rank_device()), torch.empty(4, device=rank_device())
     if batched:
         works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, theirs, peer), dist.P2POp(dist.isend, mine, peer)])
     else:
@@ -67,10 +69,11 @@ def test_receive_posted_ahead_of_the_send_deadlocks_unless_batched():
 def _tagged():
     """Rank 0 sends a (tag 1) then b (tag 2); rank 1 receives b first by its tag."""
     if dist.get_rank() == 0:
-        for w in [dist.isend(torch.tensor([1.0]), 1, tag=1), dist.isend(torch.tensor([2.0]), 1, tag=2)]:
+        a, b = torch.tensor([1.0], device=rank_device()), torch.tensor([2.0], device=rank_device())
+        for w in [dist.isend(a, 1, tag=1), dist.isend(b, 1, tag=2)]:
             w.wait()
         return None
-    b, a = torch.empty(1), torch.empty(1)
+    b, a = torch.empty(1, device=rank_device()), torch.empty(1, device=rank_device())
     works = [dist.irecv(b, 0, tag=2), dist.irecv(a, 0, tag=1)]
     for w in works:
         w.wait()
@@ -89,9 +92,9 @@ def test_tags_relied_on_are_a_mismatch_and_gloo_unchanged_without_the_rules():
 
 def _shapes():
     if dist.get_rank() == 0:
-        dist.send(torch.zeros(2, 3), 1)
+        dist.send(torch.zeros(2, 3, device=rank_device()), 1)
     else:
-        dist.recv(torch.empty(3, 2), 0)
+        dist.recv(torch.empty(3, 2, device=rank_device()), 0)
 
 
 def test_shapes_that_differ_are_a_mismatch():
@@ -102,8 +105,8 @@ def test_shapes_that_differ_are_a_mismatch():
 def _batch_in_order():
     """Each rank sends two tensors and receives two in one batch, sends listed first."""
     me, peer = dist.get_rank(), 1 - dist.get_rank()
-    out = [torch.full((3,), 10.0 * me + i) for i in range(2)]
-    inp = [torch.empty(3), torch.empty(3)]
+    out = [torch.full((3,), 10.0 * me + i, device=rank_device()) for i in range(2)]
+    inp = [torch.empty(3, device=rank_device()), torch.empty(3, device=rank_device())]
     ops = [dist.P2POp(dist.isend, t, peer) for t in out] + [dist.P2POp(dist.irecv, t, peer) for t in inp]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
@@ -117,8 +120,8 @@ def test_a_batch_matched_in_order_passes_with_gloos_data():
 
 def _ring_of_blocking_sends():
     me, n = dist.get_rank(), dist.get_world_size()
-    dist.send(torch.ones(8), (me + 1) % n)
-    dist.recv(torch.empty(8), (me - 1) % n)
+    dist.send(torch.ones(8, device=rank_device()), (me + 1) % n)
+    dist.recv(torch.empty(8, device=rank_device()), (me - 1) % n)
 
 
 def test_a_ring_of_blocking_sends_is_a_named_cycle():
@@ -135,11 +138,11 @@ def _gloo_only(which):
         dist.monitored_barrier()
     elif which == "any_source":
         if dist.get_rank() == 0:
-            dist.send(torch.ones(1), 1)
+            dist.send(torch.ones(1, device=rank_device()), 1)
         else:
-            dist.recv(torch.empty(1))
+            dist.recv(torch.empty(1, device=rank_device()))
     else:
-        dist.all_reduce(torch.ones(1, dtype=torch.int64), op=dist.ReduceOp.BOR)
+        dist.all_reduce(torch.ones(1, dtype=torch.int64, device=rank_device()), op=dist.ReduceOp.BOR)
 
 
 @pytest.mark.parametrize("which, says", [("monitored_barrier", "monitored_barrier is gloo-only"),
@@ -178,16 +181,16 @@ def test_the_pair_model():
 def _one_f_one_b_unbatched():
     """PipeDream-2BW's old order on 2 ranks: rank 0 sends activations 0 and 1 before it receives
     gradient 0; rank 1 sends gradient 0 before it receives activation 1."""
-    x = torch.ones(4)
+    x = torch.ones(4, device=rank_device())
     if dist.get_rank() == 0:
         works = [dist.isend(x, 1), dist.isend(x, 1)]
-        dist.recv(torch.empty(4), 1)
+        dist.recv(torch.empty(4, device=rank_device()), 1)
         for w in works:
             w.wait()
     else:
-        dist.recv(torch.empty(4), 0)
+        dist.recv(torch.empty(4, device=rank_device()), 0)
         work = dist.isend(x, 0)
-        dist.recv(torch.empty(4), 0)
+        dist.recv(torch.empty(4, device=rank_device()), 0)
         work.wait()
 
 
@@ -220,7 +223,7 @@ def _course_p2p():
         loss = run_schedule(stage, idx, idx, name, m)
         out[name] = (loss, [p.grad.clone() for p in stage.parameters()])
     for algorithm in ("ring", "tree", "rabenseifner"):
-        x = torch.arange(6.0) * (dist.get_rank() + 1)
+        x = torch.arange(6.0, device=rank_device()) * (dist.get_rank() + 1)
         comm.ALL_REDUCE_ALGORITHMS[algorithm](x)
         out[algorithm] = x
     return out

@@ -13,7 +13,7 @@ One JSON report: per demo the command, world size, exit status, seconds and the 
 printed; the benchmark's own JSON. The whole run stays within BUDGET_S (8 minutes on one GPU):
 a demo that would start past the budget is reported as skipped, never left out silently.
 Without a CUDA GPU it refuses before starting anything (multi-rank NCCL is checked on CPU ranks
-by `make test-nccl-rules` and COURSE_DEVICE_RULE=1; README, "Instructors").
+with COURSE_NCCL_RULES=1: `make test-nccl-rules`; README, "Instructors").
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     if gpus_here() == 0:
         print("make gpu-check needs a CUDA GPU, and torch sees none on this machine "
               "(torch.cuda.is_available() is False). Multi-rank NCCL is checked on CPU ranks instead: "
-              "make test-nccl-rules, and COURSE_DEVICE_RULE=1 for the device rule.", file=sys.stderr)
+              "make test-nccl-rules (COURSE_NCCL_RULES=1: NCCL's point-to-point and device rules).", file=sys.stderr)
         return 2
     report, start = {"gpus": gpus, "demos": []}, time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:

@@ -15,6 +15,7 @@ of ranks summed into it), and the notebook asserts the two are equal.
 from __future__ import annotations
 
 from course_lib.comm import chunk_bounds, ring_all_reduce, ring_send_chunk
+from course_lib.runtime.device import rank_device
 
 
 def simulate_ring(world_size: int) -> list[list[list[int]]]:
@@ -53,7 +54,7 @@ def observe_ring_all_reduce(chunk_elems: int = 2):
 
     rank, n = dist.get_rank(), dist.get_world_size()
     numel = chunk_elems * n + 1  # +1: a size N does not divide, so the chunks are uneven
-    x = torch.full((numel,), 1 << rank, dtype=torch.int64)
+    x = torch.full((numel,), 1 << rank, dtype=torch.int64, device=rank_device())  # NCCL: on the rank's GPU
     bounds = chunk_bounds(numel, n)
 
     def snapshot(flat):

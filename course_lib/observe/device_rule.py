@@ -1,4 +1,4 @@
-"""NCCL's device rule, enforced on gloo CPU ranks (COURSE_DEVICE_RULE=1).
+"""NCCL's device rule, enforced on gloo CPU ranks (part of COURSE_NCCL_RULES=1).
 
 NCCL communicates CUDA tensors only: a collective or point-to-point call handed a CPU tensor on an
 NCCL process group raises ("No backend type associated with device type cpu"). gloo takes CPU
@@ -6,7 +6,8 @@ tensors, so code that creates a tensor without a device and hands it to `all_red
 CPU ranks and fails on the first GPU run. With this layer on, every tensor handed to a
 communication call (collectives and point-to-point) must be on the rank's own device, which the
 runtime hands in (`enforced(device)`: runtime/worker.py and runtime/launch.py pass
-`runtime.device.rank_device()`; observe/ does not import runtime/).
+`runtime.device.rank_device()`; observe/ does not import runtime/). COURSE_NCCL_RULES=1 turns it on
+beside the point-to-point rules of observe/nccl_rules.py: one strict mode, NCCL's rules.
 
 Two ways to check, chosen by the device handed in:
 
@@ -24,7 +25,8 @@ Two ways to check, chosen by the device handed in:
   cannot send them; the tracking keeps every number on the CPU, identical to a run without it.
 
 Not checked: an explicit `device="cpu"` (a choice, not a default), tensors made inside torch's
-C++ code unseen by the mode (a gradient read through `p.grad` takes its parameter's mark), and
+C++ code unseen by the mode (a gradient read through `p.grad` takes its parameter's mark), the
+results of code torch.compile traces (the mode steps aside there: marks would break its graph), and
 the object collectives (all_gather_object,
 broadcast_object_list, ...): torch moves their pickled bytes to `torch.cuda.current_device()`
 itself under NCCL, so what the caller hands them is a Python object, never a tensor on a device.
@@ -33,7 +35,6 @@ itself under NCCL, so what the caller hands them is a Python object, never a ten
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -42,7 +43,6 @@ from torch.overrides import TorchFunctionMode
 from course_lib.observe import patching
 from course_lib.observe.nccl_rules import NcclRuleError
 
-DEVICE_ENV = "COURSE_DEVICE_RULE"
 _HOST = "_course_host"  # attribute set on a tensor that would live in host memory on a GPU rank
 _OBJECT_CALLS = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
                  "send_object_list", "recv_object_list", "_object_to_tensor", "_tensor_to_object"}
@@ -51,10 +51,6 @@ _NO_TENSORS = {"barrier", "monitored_barrier"}  # torch makes their tensor itsel
 
 class DeviceRuleError(NcclRuleError):
     """A tensor handed to a communication call that is not on the rank's own device."""
-
-
-def enabled_in_env() -> bool:
-    return os.environ.get(DEVICE_ENV, "") == "1"
 
 
 def is_host(t) -> bool:
@@ -83,6 +79,8 @@ class _Tracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # traced by Dynamo: marking here would break the graph
+            return func(*args, **kwargs)  # (a compiled module's results stay unmarked: on the device)
         name = getattr(func, "__name__", "")
         if name in patching.PATCHABLE_OPS and getattr(func, "__module__", "").startswith("torch.distributed"):
             # torch hands a collective to the mode by its module-level name, which is the patched
@@ -192,15 +190,15 @@ def enforced(device, on: bool = True):
         (patching.add_layer if was else patching.remove_layer)(RULE)
 
 
-def install_from_env(device) -> bool:
-    """For torchrun processes: the rule on for the rest of the process if COURSE_DEVICE_RULE=1."""
-    if enabled_in_env() and RULE not in patching.active_layers():
+def install(device) -> None:
+    """For torchrun processes (runtime/launch.py, when COURSE_NCCL_RULES=1): the rule on for the
+    rest of the process."""
+    if RULE not in patching.active_layers():
         RULE.device = torch.device(device)
         RULE.emulated = RULE.device.type == "cpu"
         patching.add_layer(RULE)
         if RULE.emulated:
             _Tracker().__enter__()  # for the rest of the process
-    return enabled_in_env()
 
 
 class under_rule:  # noqa: N801 - used like a function: run_on_ranks(under_rule(fn), ...)

@@ -27,7 +27,8 @@ and a counter); matching reads the peer's list. Stricter than NCCL in one way: n
 batch's calls to different peers are modelled per peer. On for one rank call with
 `under_rules(fn)` (a pool keeps the environment its forkserver started with), for every call with
 COURSE_NCCL_RULES=1 set before the first pool starts (runtime/worker.py), for torchrun demos in
-runtime/launch.py.
+runtime/launch.py. The same variable turns on NCCL's device rule (observe/device_rule.py: every
+communicated tensor on the rank's device); `under_rules` alone does not.
 """
 
 from __future__ import annotations

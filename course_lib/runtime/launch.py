@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.observe.nccl_rules import install_from_env as install_nccl_rules
-from course_lib.observe.device_rule import install_from_env as install_device_rule
+from course_lib.observe.device_rule import install as install_device_rule
 from course_lib.runtime.device import launch_backend, rank_device, threads_per_rank
 
 
@@ -59,8 +59,8 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300) -> str:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     where = f" (host {socket.gethostname()})" if local_world != world else ""  # several nodes: say which
     announce(store, rank, world, f"rank {rank}/{world}: backend {backend}, device {device}{where}")
-    install_nccl_rules()  # COURSE_NCCL_RULES=1: NCCL's point-to-point rules on gloo (observe/nccl_rules.py)
-    install_device_rule(rank_device())  # COURSE_DEVICE_RULE=1: communicated tensors on the rank's device
+    if install_nccl_rules():  # COURSE_NCCL_RULES=1: NCCL's point-to-point rules (observe/nccl_rules.py)
+        install_device_rule(rank_device())  # and every communicated tensor on the rank's device
     return backend
 
 

@@ -92,11 +92,12 @@ def worker_main(rank, world_size, backend, port, conn, n_threads, check_collecti
                 fn, args, kwargs = cloudpickle.loads(call)
                 _seed_everything(rank)
                 destroy_groups(live_groups())  # what earlier calls left (course_lib.runtime.groups)
-                # COURSE_NCCL_RULES=1 in the environment the pool started with: NCCL's
-                # point-to-point rules for every call (course_lib/observe/nccl_rules.py).
-                rules = nccl_rules.enforced() if nccl_rules.enabled_in_env() else contextlib.nullcontext()
-                # COURSE_DEVICE_RULE=1: every communicated tensor on the rank's device (observe/device_rule.py).
-                devices = device_rule.enforced(rank_device()) if device_rule.enabled_in_env() else contextlib.nullcontext()
+                # COURSE_NCCL_RULES=1 in the environment the pool started with: NCCL's rules for
+                # every call, point-to-point (observe/nccl_rules.py) and every communicated
+                # tensor on the rank's device (observe/device_rule.py).
+                strict = nccl_rules.enabled_in_env()
+                rules = nccl_rules.enforced() if strict else contextlib.nullcontext()
+                devices = device_rule.enforced(rank_device()) if strict else contextlib.nullcontext()
                 with rules, devices:
                     result = fn(*args, **kwargs)
                 reply = ("ok", cloudpickle.dumps(result))
