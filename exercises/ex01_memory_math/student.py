@@ -2,34 +2,32 @@
 Fill in the five functions, then run the check cells of ex01_memory_math.ipynb. Each check
 prints PASS when your answer is right.
 
-Parts 1, 2 and 5 are plain arithmetic (no course_lib.estimate: that is what the checks compare
-against). For parts 3 and 4 you choose a layout; you may try candidates with
-course_lib.estimate.per_gpu_memory, which is also how the checks judge them. Many layouts
-are right: the checks test the rules, not one answer.
+Write parts 1, 2 and 5 as plain arithmetic: this file may not import course_lib.estimate
+(it holds the answers). For parts 3 and 4 you choose a layout: try candidates in the notebook
+with course_lib.estimate.per_gpu_memory (the notebook shows how), then return the one you chose
+here. Many layouts are right: the checks test the rules, not one answer.
 
 GPU memory: an H100 has "80 GB" on its spec sheet: 80 * 10**9 bytes (= 74.5 GiB).
 """
 
 
-def state_bytes_per_param(recipe: str, zero_stage: int, dp: int) -> float:
-    """Bytes of model state (params + grads + optimizer) ONE GPU holds per model parameter,
-    training with AdamW under `recipe` and ZeRO `zero_stage` over `dp` data-parallel ranks.
+def state_bytes_per_gpu(n_params: int, recipe: str, zero_stage: int, dp: int) -> int:
+    """Bytes of model state (params + grads + optimizer) ONE GPU holds, training n_params
+    parameters with AdamW under `recipe` ("fp32", "bf16_mixed", "bf16_fp32_accum" or
+    "bf16_autocast": notebook 01 §2 gives what each keeps per parameter) and ZeRO
+    `zero_stage` (0-3) over `dp` data-parallel ranks.
 
-    recipe: "fp32"             params 4, grads 4, optimizer 8 (m, v)
-            "bf16_mixed"       params 2, grads 2, optimizer 12 (fp32 master, m, v)
-            "bf16_fp32_accum"  params 2, grads 2 + 4 (fp32 accumulation buffer), optimizer 12
-            "bf16_autocast"    params 4, grads 4, optimizer 8 (torch.autocast keeps fp32 state)
-    ZeRO stage 1 shards the optimizer state over dp ranks, stage 2 also the gradients,
-    stage 3 also the parameters (assume the parameter count divides evenly)."""
-    raise NotImplementedError("exercise 01: write state_bytes_per_param")
+    A buffer that ZeRO shards is split into dp equal shards of whole elements: when dp does not
+    divide n_params, the last shard is padded, so every rank holds the same number of elements.
+    Returns an int (bytes are whole)."""
+    raise NotImplementedError("exercise 01: write state_bytes_per_gpu")
 
 
 def needs_offload(n_params: float, n_gpus: int, gpu_bytes: float, bytes_per_param: int = 16) -> bool:
-    """True when the model state cannot fit in the GPUs' memory however it is split: even
-    sharded perfectly over all n_gpus (ZeRO-3, or tensor x pipeline parallelism), each GPU
-    would need more than gpu_bytes for n_params * bytes_per_param bytes, before a single
-    activation. Then part of the state must leave the GPUs (optimizer offload to CPU memory)
-    or the job needs more GPUs. n_params may be a float such as 70.6e9."""
+    """True when the model state (bytes_per_param bytes for each of n_params parameters) cannot
+    fit in the GPUs' memory however it is split over the n_gpus GPUs of gpu_bytes each, before
+    a single activation. Then part of the state must leave the GPUs (optimizer offload to CPU
+    memory) or the job needs more GPUs. n_params may be a float such as 70.6e9."""
     raise NotImplementedError("exercise 01: write needs_offload")
 
 

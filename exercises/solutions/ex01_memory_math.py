@@ -1,13 +1,14 @@
 """Reference solution for exercise 01 (kept apart from the learner's stubs)."""
 
 BYTES = {"fp32": (4, 4, 8), "bf16_mixed": (2, 2, 12), "bf16_fp32_accum": (2, 6, 12),
-         "bf16_autocast": (4, 4, 8)}  # param, grad, optimizer
+         "bf16_autocast": (4, 4, 8)}  # param, grad (+ fp32 accumulation buffer), optimizer
 
 
-def state_bytes_per_param(recipe: str, zero_stage: int, dp: int) -> float:
+def state_bytes_per_gpu(n_params: int, recipe: str, zero_stage: int, dp: int) -> int:
     param, grad, opt = BYTES[recipe]
-    return (param / dp if zero_stage >= 3 else param) + (grad / dp if zero_stage >= 2 else grad) + (
-        opt / dp if zero_stage >= 1 else opt)
+    shard = -(-n_params // dp)  # ceil: every rank holds the same number of elements, the last padded
+    return (param * (shard if zero_stage >= 3 else n_params) + grad * (shard if zero_stage >= 2 else n_params)
+            + opt * (shard if zero_stage >= 1 else n_params))
 
 
 def needs_offload(n_params: float, n_gpus: int, gpu_bytes: float, bytes_per_param: int = 16) -> bool:
