@@ -180,3 +180,19 @@ def test_bad_layout_and_batch_refused(monkeypatch):
 
 def test_package_exports():
     assert set(diloco.__all__) <= set(dir(diloco))
+
+
+def test_inside_a_replica_ddp_sends_the_model_every_step():
+    """Two replicas of two ranks: DDP's all-reduces inside the replica (P * 4 bytes every step,
+    ddp_bytes_per_step) beside the outer sync across replicas (P * 4 every H steps), measured."""
+    ranks, _ = _run("diloco-2x2ddp")
+    for r in ranks:
+        sent = r.comm_summary["all_reduce"]["bytes_sent"]
+        assert sent == TRAIN.steps * ddp_bytes_per_step(CONFIG) + sum(r.sync_bytes)
+        assert sum(r.sync_bytes) * H == TRAIN.steps * ddp_bytes_per_step(CONFIG)
+
+
+def test_local_sgd_has_no_outer_optimizer(monkeypatch):
+    monkeypatch.setattr(training, "run_on_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(ValueError, match=r"algorithm='local_sgd' has no outer optimizer"):
+        run_diloco(ParallelDims(dp=2), CONFIG, TRAIN, algorithm="local_sgd", outer_lr=1.0)
