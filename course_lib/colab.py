@@ -173,5 +173,7 @@ def arrive(home, folder: str) -> str:
                             check=True).stdout.strip()
     os.chdir(home / folder)
     line = describe(REVISION, commit, torch, pinned_torch(home), usable_cores(), nvidia_gpus(), missing)
+    if folder == "exercises":  # the notebook Colab opened is GitHub's: the learner's code lives in the clone
+        line += f"; write your code in {home / folder}/<exercise>/student.py (Colab's Files panel)"
     print(line, flush=True)
     return line

@@ -202,20 +202,26 @@ def test_the_cell_installs_the_course_in_a_clean_environment(tmp_path):
     before = subprocess.run([python, "-c", "import course_lib"], cwd=work, env=env, capture_output=True, text=True)
     assert before.returncode != 0 and "No module named 'course_lib'" in before.stderr  # a clean environment
 
-    cell = work / "cell.py"
-    cell.write_text(colab.setup_cell("notebooks"))
-    run_cell = ("import os, sys, types\n"
+    def run_cell(folder):
+        cell = work / f"cell_{folder}.py"
+        cell.write_text(colab.setup_cell(folder))
+        code = ("import os, sys, types\n"
                 "sys.modules['google.colab'] = types.ModuleType('google.colab')  # what Colab's kernel imports\n"
                 f"exec(compile(open({str(cell)!r}).read(), 'setup-cell', 'exec'))\n"
                 "print('cwd:', os.getcwd())\n")
-    runs = [subprocess.run([python, "-c", run_cell], cwd=work, env=env, capture_output=True, text=True, timeout=300)
-            for _ in range(2)]  # the second: the course is there already, nothing is cloned or installed again
-    for done in runs:
+        return subprocess.run([python, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+
+    # a notebook's, then an exercise's: the course is there already, nothing is cloned or installed again
+    runs = [run_cell("notebooks"), run_cell("exercises")]
+    for done, folder in zip(runs, ("notebooks", "exercises")):
         assert done.returncode == 0, done.stderr
         line, cwd = done.stdout.splitlines()
         assert line.startswith(f"Colab: the course at {colab.REVISION} (")
         assert f"torch {metadata.version('torch')}" in line and f"{len(os.sched_getaffinity(0))} CPU core" in line
-        assert cwd == f"cwd: {home / 'notebooks'}"
+        assert cwd == f"cwd: {home / folder}"
+    assert runs[1].stdout.splitlines()[0].endswith(f"write your code in {home}/exercises/<exercise>/student.py "
+                                                   "(Colab's Files panel)")
+    assert "student.py" not in runs[0].stdout
     after = subprocess.run([python, "-c", "import course_lib.colab, course_lib.platform; print(course_lib.__file__)"],
                            cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert after.returncode == 0, after.stderr
