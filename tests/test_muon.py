@@ -77,7 +77,8 @@ def test_split_on_the_course_gpt():
         names = {id(p): n for n, p in model.named_parameters()}
         assert sorted(names[id(p)] for p in muon) == sorted(
             n for n, p in model.named_parameters() if p.dim() == 2 and "emb" not in n and not n.startswith("head"))
-        assert {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "blocks.0.attn.qkv.bias"} <= {names[id(p)] for p in adamw}
+        adamw_names = {names[id(p)] for p in adamw}
+        assert {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "blocks.0.attn.qkv.bias"} <= adamw_names
         assert ("head.weight" in {names[id(p)] for p in adamw}) == (not tie)  # tied: the embedding's tensor
         assert len(muon) + len(adamw) == len(list(model.parameters()))
         assert all(p.dim() == 2 for p in muon) and len(muon) == 4 * model.config.n_layer

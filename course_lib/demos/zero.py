@@ -143,26 +143,27 @@ def _muon_run(config, cfg, method, rows, tracer):
                 muon_step()
         opt.muon.step = traced_step
     res = train_loop(model, opt, CharDataset("train", block_size=config.block_size), cfg, StepHooks(), rows=rows)
-    return model, res
+    return model, opt, res
 
 
 def muon_demo(method: str, steps: int = 5, batch_size: int = 8) -> dict:
     """Rank code: {"losses" (mean over ranks), "reference" (rank 0), "bytes": this rank's Muon
-    bytes per step, traced, "formula": estimate.muon's, "shapes"}."""
+    bytes per step, traced, "formula": estimate.muon's, "ns_flops": its Newton-Schulz FLOPs per
+    step (counted by ShardedMuon), "shapes"}."""
     rank, n = dist.get_rank(), dist.get_world_size()
     if batch_size % n:
         raise ValueError(f"batch_size={batch_size} must be divisible by the {n} ranks")
     config = GPTConfig.tiny(CharDataset("train").vocab_size)
     cfg = TrainConfig(steps=steps, batch_size=batch_size, grad_clip=0.0, progress=False)
     tracer = CommTracer()
-    model, res = _muon_run(config, cfg, method, share_rows(rank, n, batch_size), tracer)
+    model, opt, res = _muon_run(config, cfg, method, share_rows(rank, n, batch_size), tracer)
     losses = torch.tensor(res.train_losses, dtype=torch.float64, device=rank_device())
     dist.all_reduce(losses)
-    ref = _muon_run(config, cfg, None, None, None)[1].train_losses if rank == 0 else None
+    ref = _muon_run(config, cfg, None, None, None)[2].train_losses if rank == 0 else None
     shapes = [tuple(p.shape) for p in muon_split(model)[0]]
     per_step = {op: {k: v // steps for k, v in rec.items()} for op, rec in tracer.summary().items()}
     return {"losses": (losses / n).tolist(), "reference": ref, "bytes": per_step,
-            "formula": muon_traffic(shapes, n, method)[rank], "shapes": shapes}
+            "formula": muon_traffic(shapes, n, method)[rank], "ns_flops": opt.muon.ns_flops // steps, "shapes": shapes}
 
 
 def format_muon(per_rank: list[dict], method: str) -> str:

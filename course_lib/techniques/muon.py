@@ -18,14 +18,14 @@ that it is wide (rows <= columns, the Gram matrix X X^T is the small one), then 
 Each step applies p(s) = a s + b s^3 + c s^5 to every singular value s of X and leaves the
 singular vectors alone. The quintic's coefficients are chosen for a steep slope at 0 (a = 3.4445),
 so five steps push every singular value into roughly (0.5, 1.5) rather than to exactly 1, which
-Jordan et al. report does not hurt training (test_muon measures the range on a random matrix). It runs in bfloat16 (as torch and Jordan's code do):
-the result only needs to be roughly orthogonal, and every step is two matmuls.
+Jordan et al. report does not hurt training. It runs in bfloat16 (as torch and Jordan's code do):
+the result only needs to be roughly orthogonal, and every step is three matmuls.
 
 Muon is for the hidden 2-D matrices only: embeddings, the output head and 1-D parameters (norms,
 biases) take AdamW (Jordan et al. 2024; torch.optim.Muon's documentation says the same).
 `muon_split(model)` makes the two groups; `MuonAdamW` steps both as one optimizer.
 
-`Muon` equals torch.optim.Muon bit for bit with the same arguments (tests/test_muon.py): the same
+`Muon` equals torch.optim.Muon bit for bit with the same arguments: the same
 operations in the same dtypes. Written for the course from the algorithm in torch's
 documentation and Jordan's post (https://kellerjordan.github.io/posts/muon/), not copied.
 """

@@ -26,10 +26,12 @@ matrix W (d0 x d1) and rank r:
     W_r   <- W_r (1 - lr wd) - lr' O_r               this rank's rows only (element-wise)
     W      = all_gather(W_r)                         every rank's parameters whole again
 
-Owner-compute is the design of Dion (Ahn et al. 2025) and Megatron-FSDP's Muon; Liu et al. 2025
-(Moonlight) run the gather form over ZeRO-1. The scatter moves O in bf16 (Newton-Schulz's output
-dtype: nothing is lost). The step equals course_lib.techniques.muon.Muon on the mean gradient
-(tests/test_muon_sharded.py). Bytes and FLOPs per rank: course_lib.estimate.muon.
+Liu et al. 2025 (Moonlight's "Distributed Muon") run the gather form over ZeRO-1; owner-compute is
+how FSDP2 implementations of Muon split the work (e.g. the gather / scatter Muon in the repository
+of Dion, Ahn et al. 2025, whose own optimizer avoids whole matrices altogether). The scatter
+moves O in bf16 (Newton-Schulz's output dtype: nothing is lost). The step equals
+course_lib.techniques.muon.Muon on the mean gradient, bit for bit when that mean is exact.
+Bytes and FLOPs per rank: course_lib.estimate.muon.
 """
 
 from __future__ import annotations
