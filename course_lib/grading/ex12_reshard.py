@@ -29,6 +29,7 @@ import torch
 from course_lib.checkpoint.flat import STATE, read_flat_shards, train_zero3_flat
 from course_lib.data import CharDataset
 from course_lib.grading import CheckFailed, check_close, check_equal, passed
+from course_lib.grading.stored import check_digest
 from course_lib.model import GPTConfig
 from course_lib.runtime.pool import run_on_ranks
 from course_lib.train import TrainConfig
@@ -50,32 +51,14 @@ REFUSE = (
 CASES = [(10, 4, 3, 3, 4), (10, 3, 4, 4, 3), (7, 2, 5, 4, 2), (3, 4, 2, 1, 2), (1, 3, 2, 1, 1),
          (100, 8, 3, 13, 34), (101, 5, 7, 21, 15), (64, 4, 2, 16, 32), (9, 1, 4, 9, 3), (12, 6, 4, 2, 3)]
 
-# Ranges by hand: rank r owns [r*S, (r+1)*S).
-EXPECTED_RANGES = {
-    (10, 4): [(0, 3), (3, 6), (6, 9), (9, 12)],     # 2 padding elements in rank 3's shard
-    (10, 3): [(0, 4), (4, 8), (8, 12)],
-    (3, 4): [(0, 1), (1, 2), (2, 3), (3, 4)],       # rank 3 holds padding only
-    (1, 3): [(0, 1), (1, 2), (2, 3)],
-    (101, 5): [(0, 21), (21, 42), (42, 63), (63, 84), (84, 105)],
-    (9, 1): [(0, 9)],
-}
-
-# Plans by hand: (old_rank, src_start, src_stop, dst_start), local offsets.
-EXPECTED_PLANS = {
-    # 10 elements, old [0,3) [3,6) [6,9) [9,12); new [0,4) [4,8) [8,12) of which [8,10) real
-    (10, 4, 3): [[(0, 0, 3, 0), (1, 0, 1, 3)],      # [0,3) from old 0, [3,4) from old 1
-                 [(1, 1, 3, 0), (2, 0, 2, 2)],      # [4,6) from old 1, [6,8) from old 2
-                 [(2, 2, 3, 0), (3, 0, 1, 1)]],     # [8,9) from old 2, [9,10) from old 3
-    # old [0,4) [4,8) [8,12); new [0,3) [3,6) [6,9) [9,12) of which [9,10) real
-    (10, 3, 4): [[(0, 0, 3, 0)],
-                 [(0, 3, 4, 0), (1, 0, 2, 1)],
-                 [(1, 2, 4, 0), (2, 0, 1, 2)],
-                 [(2, 1, 2, 0)]],
-    # 3 elements, old [0,1) [1,2) [2,3) [3,4) (old 3 all padding); new [0,2) [2,4)
-    (3, 4, 2): [[(0, 0, 1, 0), (1, 0, 1, 1)], [(2, 0, 1, 0)]],
-    # 1 element, old [0,1) [1,2) [2,3); new [0,1) [1,2): new rank 1 is all padding and reads nothing
-    (1, 3, 2): [[(0, 0, 1, 0)], []],
-}
+# The answers worked out by hand for a few small layouts, stored as digests (course_lib.grading.
+# stored): RANGES_BY_HAND is digest({(numel, world): [shard_range(numel, world, r) for r]}) and
+# PLANS_BY_HAND digest({(numel, old, new): [read_plan(numel, old, new, r) for r]}) of the
+# reference solution on these keys, checked against the hand derivation when they were stored.
+RANGE_KEYS = ((10, 4), (10, 3), (3, 4), (1, 3), (101, 5), (9, 1))
+RANGES_BY_HAND = "514d002d64d96a01b963f15f9b479c4cf2282bf9dece8d837efd2f2e5fa9f9f3"
+PLAN_KEYS = ((10, 4, 3), (10, 3, 4), (3, 4, 2), (1, 3, 2))
+PLANS_BY_HAND = "a86de035c24271819ac008169a2e51554456104141eb132a4e824eaacdab64e0"
 
 
 def _ints(label, values, width):
@@ -91,8 +74,9 @@ def _ints(label, values, width):
 
 def check_shard_range(student) -> None:
     got = {(numel, n): [_ints(f"shard_range({numel}, {n}, {r})", student.shard_range(numel, n, r), 2)
-                        for r in range(n)] for numel, n in EXPECTED_RANGES}
-    check_equal(f"shard_range on every rank of {len(got)} layouts worked out by hand", got, EXPECTED_RANGES)
+                        for r in range(n)] for numel, n in RANGE_KEYS}
+    check_digest(f"shard_range on every rank of {len(got)} layouts worked out by hand", got, RANGES_BY_HAND,
+                 hint="Draw each layout: every rank's range has the same size, padding included.")
     for numel, old, new, s_old, s_new in CASES:
         for n, size in ((old, s_old), (new, s_new)):
             ranges = [_ints(f"shard_range({numel}, {n}, {r})", student.shard_range(numel, n, r), 2) for r in range(n)]
@@ -164,8 +148,74 @@ def check_read_plan(student) -> None:
         covered += new
     passed(f"read_plan on {covered} new ranks of {len(CASES)} layouts: every real element read once, "
           f"from the old shard that holds it, to its new rank's slot; no padding read")
-    got = {key: [_plan(student, *key, r)[1] for r in range(key[2])] for key in EXPECTED_PLANS}
-    check_equal(f"read_plan on {len(got)} layouts worked out by hand", got, EXPECTED_PLANS)
+    got = {key: [_plan(student, *key, r)[1] for r in range(key[2])] for key in PLAN_KEYS}
+    check_digest(f"read_plan on {len(got)} layouts worked out by hand", got, PLANS_BY_HAND,
+                 hint="Draw the old and the new ranges of each layout and list each new rank's overlaps.")
+
+
+# What reshard_flat may do with an old shard without reading it
+_METADATA = {"dtype", "device", "shape", "size", "numel", "dim", "ndim", "__len__", "is_floating_point",
+             "element_size", "layout", "requires_grad", "is_contiguous", "stride", "__format__", "__repr__"}
+
+
+class _Watched(torch.Tensor):
+    """An old shard handed to reshard_flat: records each read as (name, start, stop) of its
+    elements (a slice or narrow along the shard), or (name, None, None) for an operation that
+    takes the whole shard (torch.cat, clone, tolist, arithmetic ...)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: dtype, shape ...
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name not in _METADATA:
+            flat = [a for arg in (*args, *kwargs.values())
+                    for a in (arg if isinstance(arg, (list, tuple)) else (arg,)) if isinstance(a, _Watched)]
+            for shard in flat:
+                shard.reads.append(_what_is_read(name, shard, args, len(flat)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _what_is_read(name, shard, args, n_shards):
+    n = shard.shape[0]
+    if n_shards == 1 and args and args[0] is shard:
+        if name == "__getitem__" and isinstance(args[1], slice) and args[1].step in (None, 1):
+            start, stop, _ = args[1].indices(n)
+            return name, start, max(start, stop)
+        if name == "__getitem__" and isinstance(args[1], int):
+            return name, args[1] % n, args[1] % n + 1
+        if name == "narrow" and len(args) == 4 and args[1] == 0:
+            return name, args[2], args[2] + args[3]
+    return name, None, None
+
+
+def _watched(shards):
+    out = []
+    for s in shards:
+        w = torch.Tensor._make_subclass(_Watched, s)
+        w.reads = []
+        out.append(w)
+    return out
+
+
+def check_reads(label, student, watched, numel, new) -> None:
+    """What reshard_flat read from the old shards: only the slices the read plans name, each once
+    (so never the padding, never a whole shard, never two shards joined into one tensor)."""
+    planned = sorted((o, a, b) for r in range(new) for o, a, b, _ in student.read_plan(numel, len(watched), new, r))
+    read = []
+    for k, w in enumerate(watched):
+        for name, a, b in w.reads:
+            if a is None:
+                raise CheckFailed(f"{label}: reshard_flat in student.py used all of old shard {k} at once "
+                                  f"({name}): at scale no process holds every old shard (nor joins them); read "
+                                  f"only the slices read_plan names")
+            read.append((k, a, b))
+    if sorted(read) != planned:
+        raise CheckFailed(f"{label}: reshard_flat in student.py read the old shards' slices {sorted(read)} "
+                          f"(old rank, start, stop), its read plans name {planned}: read each planned slice "
+                          f"once, and nothing else")
 
 
 PAD = -7  # what the old padding holds in the made-up shards: no real element is negative
@@ -184,7 +234,8 @@ def check_reshard_flat(student) -> None:
             label = f"reshard_flat, {numel} elements, {old} -> {new} ranks, {str(dtype)[6:]}"
             shards = _offset_shards(numel, old, s_old, dtype, PAD)
             before = [s.clone() for s in shards]
-            out = student.reshard_flat(shards, numel, new)
+            watched = _watched(shards)
+            out = student.reshard_flat(watched, numel, new)
             if len(out) != new or any(not isinstance(t, torch.Tensor) or t.shape != (s_new,) or t.dtype != dtype
                                       for t in out):
                 raise CheckFailed(f"{label}: expected {new} {dtype} tensors of shape ({s_new},), got "
@@ -192,12 +243,15 @@ def check_reshard_flat(student) -> None:
             want = _offset_shards(numel, new, s_new, dtype, 0)  # element i is i + 1, zeros in the padding
             for r, (g, w) in enumerate(zip(out, want)):
                 if not torch.equal(g, w):
-                    raise CheckFailed(f"{label}: new rank {r} holds {g.tolist()}, expected {w.tolist()} "
-                                      f"(element i is i + 1; {PAD} marks the old padding, new padding is 0)")
+                    j = int((g != w).nonzero()[0])
+                    raise CheckFailed(f"{label}: new rank {r} holds {g.tolist()}: position {j} is wrong (the unit's "
+                                      f"element i holds i + 1, {PAD} marks the old padding, and the new padding "
+                                      f"must be 0)" + (": it marks the old padding" if int(g[j]) == PAD else ""))
             if not all(torch.equal(a, b) for a, b in zip(shards, before)):
-                raise CheckFailed(f"{label}: the old shards were modified")
+                raise CheckFailed(f"{label}: reshard_flat in student.py modified the old shards")
+            check_reads(label, student, watched, numel, new)
     passed(f"reshard_flat on {2 * len(CASES)} layouts: every element at its global offset, zero padding, "
-          f"old shards untouched")
+          f"old shards untouched, each read only the slices the read plans name")
 
 
 def _read_own_shard(read_plan, directory, numel, old_world, size):

@@ -20,7 +20,9 @@
 # the number of ranks, where whole shards are padding): the shards are equal, back to back, and
 # the fewest that hold the unit; across the new ranks every real element is read exactly once,
 # from the old shard where it lives, into its new rank's slot, and no padding is read. A few
-# small layouts are also compared with plans worked out by hand. Then real runs: made-up shards
+# small layouts are also compared with plans worked out by hand.
+# `reshard_flat` is watched as it reads: it may take from each old shard only the slices your
+# plans name, each once (no whole shard, no joining them). Then real runs: made-up shards
 # whose values are their global offsets, read by 3 ranks that each plan their own reads; and
 # real ZeRO-3 shards (parameters and Adam's two moments) saved by 4 ranks after 3 steps,
 # resharded by your `reshard_flat` for 2 ranks that train 3 more steps: their losses and
@@ -53,7 +55,8 @@ grade.check_read_plan(student)
 # %% [markdown]
 # ## Check 3: `reshard_flat` on made-up shards
 # Element $i$ of the unit holds $i + 1$, and the old padding holds a marker no real element has:
-# a misplaced element or a read from the padding shows in the new shards' values.
+# a misplaced element or a read from the padding shows in the new shards' values. Each old shard
+# also records what is read from it: only the slices of your read plans, once each.
 
 # %%
 grade.check_reshard_flat(student)
