@@ -16,7 +16,7 @@ from course_lib.parallel.diloco import (NesterovOuter, ddp_bytes_per_step, diloc
 from course_lib.parallel.diloco import training
 from course_lib.parallel.diloco.simulate import param_rms_tolerance
 from course_lib.train import TrainConfig
-from tests._tolerances import adamw_loss_atol, rms
+from _tolerances import adamw_loss_atol, rms
 
 CONFIG = GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=2, n_head=2, d_model=32)
 H = 2
