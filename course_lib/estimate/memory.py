@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from course_lib._validate import check_int
 from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_context_parallel, check_tp
 from course_lib.estimate.params import cdiv, kv_dim, ff_dim, as_count, model_shape, positive_int
 from course_lib.model.config import GPTConfig
@@ -80,19 +81,18 @@ def model_state_bytes(n_params: int, recipe: str = "fp32", zero_stage: int = 0, 
 def check_mesh_args(world_size: int, replicas: int = 1, reshard_after_forward=True) -> int:  # HSDP, FSDP2's reshard
     """ValueError naming the value and the rule; returns S = world_size // replicas. Pure Python:
     call it in the parent, before any rank starts (apply_zero calls it before any collective)."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"hsdp={replicas!r} (replicas) must be an int >= 1")
+    check_int("hsdp", replicas, rule="an int >= 1 (replicas)")
     if world_size % replicas:
         raise ValueError(f"hsdp={replicas} replicas must divide the {world_size} data-parallel ranks "
                          f"(the mesh is replicas x shard group)")
     shards = world_size // replicas
     k = reshard_after_forward
     if not isinstance(k, bool):
-        if not isinstance(k, int) or k < 1 or shards % k:
-            divisors = [d for d in range(1, shards + 1) if shards % d == 0]
-            raise ValueError(f"reshard_after_forward={k!r} must be True, False or an int dividing the shard "
-                             f"group size {shards} (one of {divisors}): after forward each tensor is kept "
-                             f"in k equal pieces, gathered again from k ranks")
+        divisors = [d for d in range(1, shards + 1) if shards % d == 0]
+        rule = (f"True, False or an int dividing the shard group size {shards} (one of {divisors}): after "
+                f"forward each tensor is kept in k equal pieces, gathered again from k ranks")
+        if shards % check_int("reshard_after_forward", k, rule=rule):
+            raise ValueError(f"reshard_after_forward={k!r} must be {rule}")
     return shards
 
 

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from course_lib._validate import check_int
 from course_lib.model.config import GPTConfig, ModelShape, expected_num_params
 
 
 def as_count(name: str, value, minimum: int = 0) -> int:
     """`value` as an int >= minimum. Integral floats are accepted, since that is what people
     type for large counts (7.5e9 -> 7_500_000_000); 7.5 or True are not counts."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive" if minimum == 1 else f"an integer >= {minimum}" if minimum else "a non-negative"
-        raise ValueError(f"{name}={value!r} must be {kind} whole number (an int, or a float like 7.5e9)")
-    return value
+    kind = "a positive" if minimum == 1 else f"an integer >= {minimum}" if minimum else "a non-negative"
+    return check_int(name, value, minimum, allow_integral_float=True,
+                     rule=f"{kind} whole number (an int, or a float like 7.5e9)")
 
 
 def positive_int(name: str, value) -> int:
@@ -61,9 +59,7 @@ class LlamaLikeConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+            check_int(name, getattr(self, name))
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -100,9 +96,8 @@ class MoEConfig:
     def __post_init__(self):
         if not isinstance(self.base, (GPTConfig, LlamaLikeConfig)):
             raise ValueError(f"base={self.base!r} must be a GPTConfig or LlamaLikeConfig")
-        if not (isinstance(self.n_experts, int) and self.n_experts >= 1):
-            raise ValueError(f"n_experts={self.n_experts!r} must be a positive int")
-        if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts):
+        check_int("n_experts", self.n_experts)
+        if not 1 <= check_int("top_k", self.top_k, minimum=None) <= self.n_experts:
             raise ValueError(f"top_k={self.top_k!r} must satisfy 1 <= top_k <= n_experts={self.n_experts}")
         as_count("n_shared_experts", self.n_shared_experts)
         if self.d_expert is not None:

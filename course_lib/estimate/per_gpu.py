@@ -12,6 +12,7 @@ dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it).
 
 from __future__ import annotations
 
+from course_lib._validate import check_int
 from course_lib.dims import V_SCHEDULES, ParallelDims, check_experts, check_tp, split_layers
 from course_lib.estimate.memory import RECIPES, activation_bytes, model_state_bytes
 from course_lib.estimate.params import cdiv, ff_dim, model_shape, param_breakdown, positive_int
@@ -112,8 +113,8 @@ def gpu_memory(dims: ParallelDims, shape, batch: int = 1, seq: int | None = None
         raise ValueError(f"recipe={recipe!r} must be one of {sorted(RECIPES)}")
     if offload not in ("none", "optimizer"):
         raise ValueError(f"offload={offload!r} must be 'none' or 'optimizer'")
-    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp):
-        raise ValueError(f"stage={stage!r} must be None (the busiest) or an int in [0, pp={pp})")
+    if stage is not None:
+        check_int("stage", stage, minimum=0, maximum=pp - 1, rule=f"None (the busiest) or an int in [0, pp={pp})")
     stages = split_layers(shape.n_layer, pp)
     dp, tp, ep, cp, zero_stage = dims.dp, dims.tp, dims.ep, dims.cp, dims.zero
     dtype = 4 if recipe == "fp32" else 2

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from course_lib._validate import check_int
+
 ATTN_IMPLS = ("naive", "fused")
 
 
@@ -43,11 +45,8 @@ class ModelShape:
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_kv_head", "d_model", "ff_dim", "vocab_size", "block_size", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int")
-        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
-            raise ValueError(f"n_experts={self.n_experts!r} must be an int >= 0 (0 = dense MLP)")
+            check_int(name, getattr(self, name))
+        check_int("n_experts", self.n_experts, minimum=0, rule="an int >= 0 (0 = dense MLP)")
         if self.top_k > max(self.n_experts, 1):
             raise ValueError(f"top_k={self.top_k} must be <= n_experts={self.n_experts} (1 for a dense model)")
 
@@ -88,21 +87,18 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff <= 0):
-            raise ValueError(f"d_ff={self.d_ff!r} must be a positive int or None (= 4*d_model)")
+            check_int(name, getattr(self, name))
+        if self.d_ff is not None:
+            check_int("d_ff", self.d_ff, rule="a positive int or None (= 4*d_model)")
         if self.d_model % self.n_head != 0:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must satisfy 0 <= dropout < 1")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r} must be one of {ATTN_IMPLS}")
-        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
-            raise ValueError(f"n_experts={self.n_experts!r} must be an int >= 0 (0 = dense MLP)")
+        check_int("n_experts", self.n_experts, minimum=0, rule="an int >= 0 (0 = dense MLP)")
         if self.n_experts:
-            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts:
+            if not 1 <= check_int("top_k", self.top_k, minimum=None) <= self.n_experts:
                 raise ValueError(f"top_k={self.top_k!r} must satisfy 1 <= top_k <= n_experts={self.n_experts}")
             cf = self.capacity_factor
             if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):

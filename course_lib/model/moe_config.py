@@ -26,12 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from course_lib._validate import check_int
 from course_lib.model.gpt import GPTConfig
 from course_lib.model.moe import BALANCES, ROUTERS
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -55,8 +52,7 @@ class MoEGPTConfig(GPTConfig):
         super().__post_init__()
         if not self.n_experts:
             raise ValueError("n_experts=0 is a dense model: MoEGPTConfig needs n_experts > 0")
-        if not _is_int(self.n_shared_experts) or self.n_shared_experts < 0:
-            raise ValueError(f"n_shared_experts={self.n_shared_experts!r} must be an int >= 0")
+        check_int("n_shared_experts", self.n_shared_experts, minimum=0)
         if self.router not in ROUTERS:
             raise ValueError(f"router={self.router!r} must be one of {ROUTERS}")
         if self.balance not in BALANCES:
@@ -64,12 +60,12 @@ class MoEGPTConfig(GPTConfig):
         if isinstance(self.bias_rate, bool) or not isinstance(self.bias_rate, (int, float)) or not self.bias_rate >= 0:
             raise ValueError(f"bias_rate={self.bias_rate!r} must be a number >= 0")
         G, M = self.expert_groups, self.max_groups_per_token
-        if not _is_int(G) or G < 1 or self.n_experts % G:
-            raise ValueError(f"expert_groups={G!r} must be a positive int dividing n_experts={self.n_experts}")
+        rule = f"a positive int dividing n_experts={self.n_experts}"
+        if self.n_experts % check_int("expert_groups", G, rule=rule):
+            raise ValueError(f"expert_groups={G!r} must be {rule}")
         if M is not None:
-            if not _is_int(M) or not 1 <= M <= G:
-                raise ValueError(f"max_groups_per_token={M!r} must be an int in [1, expert_groups={G}]: a token "
-                                 f"cannot use more expert-parallel ranks than there are")
+            check_int("max_groups_per_token", M, maximum=G, rule=f"an int in [1, expert_groups={G}]: a token "
+                                                                  f"cannot use more expert-parallel ranks than there are")
             if M * (self.n_experts // G) < self.top_k:
                 raise ValueError(f"max_groups_per_token={M} groups of {self.n_experts // G} experts hold fewer "
                                  f"than top_k={self.top_k} experts: M * n_experts / expert_groups must be >= top_k")
@@ -80,10 +76,10 @@ def fine_grained(config: GPTConfig, m: int, n_shared: int = 0, **overrides) -> M
     k*m - S, plus S shared (module docstring): the same active and total expert weights."""
     if not config.n_experts:
         raise ValueError("config must be an MoE (n_experts > 0) to split its experts")
-    if not _is_int(m) or m < 1 or config.ff_dim % m:
-        raise ValueError(f"m={m!r} must be a positive int dividing the expert hidden size {config.ff_dim}")
-    if not _is_int(n_shared) or not 0 <= n_shared < config.top_k * m:
-        raise ValueError(f"n_shared={n_shared!r} must be an int in [0, top_k * m = {config.top_k * m}): "
-                         f"at least one expert must stay routed")
+    rule = f"a positive int dividing the expert hidden size {config.ff_dim}"
+    if config.ff_dim % check_int("m", m, rule=rule):
+        raise ValueError(f"m={m!r} must be {rule}")
+    check_int("n_shared", n_shared, minimum=0, maximum=config.top_k * m - 1,
+              rule=f"an int in [0, top_k * m = {config.top_k * m}): at least one expert must stay routed")
     return MoEGPTConfig.from_config(config, n_experts=config.n_experts * m - n_shared, top_k=config.top_k * m - n_shared,
                                     d_ff=config.ff_dim // m, n_shared_experts=n_shared, **overrides)

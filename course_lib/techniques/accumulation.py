@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from course_lib._validate import check_int
 from course_lib.observe.memory import SavedActivations
 
 
@@ -37,8 +38,7 @@ def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 def split_micro_batches(x: torch.Tensor, y: torch.Tensor, accum_steps: int):
     """[(x_j, y_j)] for j < accum_steps, equal slices along the batch dimension."""
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1")
+    check_int("accum_steps", accum_steps, rule="an int >= 1")
     B = x.shape[0]
     if B % accum_steps != 0:
         # Unequal micro-batches would need weights m_j / B instead of 1/k to give the big-batch mean.

@@ -38,10 +38,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from course_lib._validate import check_int
+
 
 def check_every_k(every_k, n_layer: int) -> None:
-    if isinstance(every_k, bool) or not isinstance(every_k, int) or not 1 <= every_k <= n_layer:
-        raise ValueError(f"every_k={every_k!r} must be an int with 1 <= every_k <= n_layer={n_layer}")
+    check_int("every_k", every_k, maximum=n_layer, rule=f"an int with 1 <= every_k <= n_layer={n_layer}")
 
 
 def segments(n_layer: int, every_k: int) -> list[range]:

@@ -46,6 +46,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from course_lib._validate import check_int
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -56,8 +58,7 @@ def _check_scaler_args(init_scale, growth_factor, backoff_factor, growth_interva
         raise ValueError(f"growth_factor={growth_factor!r} must be a finite number > 1 (the scale must grow)")
     if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
         raise ValueError(f"backoff_factor={backoff_factor!r} must satisfy 0 < backoff_factor < 1 (the scale must shrink)")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ValueError(f"growth_interval={growth_interval!r} must be an int >= 1")
+    check_int("growth_interval", growth_interval)
 
 
 def update_scale(

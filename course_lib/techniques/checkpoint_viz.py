@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+from course_lib._validate import check_int
 from course_lib.techniques.activation_checkpointing import checkpoint_memory
 
 RATIOS = tuple(Fraction(2) ** e for e in range(-2, 6))  # a/b = 1/4 ... 32, one octave per stop
@@ -38,8 +39,7 @@ def _draw(fig, L: int, a_over_b: Fraction) -> str:
 
 
 def _check(L, a_over_b):
-    if isinstance(L, bool) or not isinstance(L, int) or not 2 <= L <= 64:
-        raise ValueError(f"L={L!r} must be an int between 2 and 64")
+    check_int("L", L, minimum=2, maximum=64, rule="an int between 2 and 64")
     if a_over_b not in RATIOS:
         raise ValueError(f"a_over_b={a_over_b} must be one of {[_label(r) for r in RATIOS]}")
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from course_lib._validate import check_int
 from course_lib.comm.compat import all_gather_single
 from course_lib.techniques import fp4
 from course_lib.techniques.fp8_hardware import scaled_mm_forward
@@ -169,8 +170,7 @@ class AmaxHistory:
     this step's amax joins the history (the first step uses its own: nothing to delay yet)."""
 
     def __init__(self, length: int = 16):
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"length={length!r} must be an int >= 1 (steps of amax history)")
+        check_int("length", length, rule="an int >= 1 (steps of amax history)")
         self.length, self.history = length, []
 
     def scales(self, x: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from course_lib._validate import check_int
 from course_lib.comm.measured import CollectiveTable, collective_time
 from course_lib.dims import check_batch, layers_per_rank
 from course_lib.estimate.params import model_shape, param_breakdown, param_count
@@ -38,9 +39,7 @@ class Collective:
 
 
 def _pipeline_rank(rank: int, pp: int) -> int:
-    if not (isinstance(rank, int) and 0 <= rank < pp):
-        raise ValueError(f"rank={rank!r} must be a pipeline rank in [0, pp={pp})")
-    return rank
+    return check_int("rank", rank, minimum=0, maximum=pp - 1, rule=f"a pipeline rank in [0, pp={pp})")
 
 
 def _shape(config, dims, batch_size, seq):

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib._validate import check_int
 from course_lib.data import CharDataset, get_batch
 from course_lib.model import GPT
 from course_lib.train import TrainConfig, TrainResult, evaluate, flat_params, make_optimizer, train_loop
@@ -54,25 +55,19 @@ from course_lib.train import TrainConfig, TrainResult, evaluate, flat_params, ma
 LR_RULES = ("none", "linear", "sqrt")
 
 
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1")
-
-
 def scale_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
     """The learning rate for `batch`, scaled from `base_lr` at `base_batch` (module docstring)."""
     if rule not in LR_RULES:
         raise ValueError(f"rule={rule!r} must be one of {LR_RULES}")
-    _check_positive_int("base_batch", base_batch)
-    _check_positive_int("batch", batch)
+    check_int("base_batch", base_batch)
+    check_int("batch", batch)
     ratio = batch / base_batch
     return base_lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """Linear warm-up: min(1, (step + 1) / warmup_steps); warmup_steps = 0 means none."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 0")
+    check_int("warmup_steps", warmup_steps, minimum=0)
     return 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
 
 
@@ -93,7 +88,7 @@ def gradient_noise_scale(micro_grads: torch.Tensor, micro_batch: int) -> NoiseSc
     `micro_batch` examples, all at the same parameters (module docstring)."""
     if micro_grads.dim() != 2 or micro_grads.shape[0] < 2:
         raise ValueError(f"micro_grads of shape {tuple(micro_grads.shape)} must be (k, n_params) with k >= 2")
-    _check_positive_int("micro_batch", micro_batch)
+    check_int("micro_batch", micro_batch)
     g = micro_grads.double()
     k = g.shape[0]
     mean = g.mean(dim=0)
@@ -114,8 +109,8 @@ def noise_scale_from_two_batches(small_sq: float, big_sq: float, b_small: int, b
 def micro_batch_gradients(model, dataset, micro_batch: int, n_micro: int, generator: torch.Generator) -> torch.Tensor:
     """(n_micro, n_params): the flat loss gradient of n_micro random micro-batches, at the
     model's current parameters (nothing is updated)."""
-    _check_positive_int("micro_batch", micro_batch)
-    _check_positive_int("n_micro", n_micro)
+    check_int("micro_batch", micro_batch)
+    check_int("n_micro", n_micro)
     params = list(model.parameters())
     rows = []
     for _ in range(n_micro):
@@ -136,7 +131,7 @@ def train_at_token_budget(model_config, batch_size: int, tokens: int, base_lr: f
     Single process: with equal shards, N-rank data parallel computes the same steps (section 6
     of notebook 03), so the batch size is all that matters here.
     """
-    _check_positive_int("batch_size", batch_size)
+    check_int("batch_size", batch_size)
     steps = tokens // (batch_size * model_config.block_size)
     if steps < 1:
         raise ValueError(f"tokens={tokens} is less than one batch of {batch_size} x {model_config.block_size}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from course_lib._validate import check_int
 from course_lib.data import CharDataset
 from course_lib.dims import ParallelDims, check_runner
 from course_lib.runtime import run_on_ranks
@@ -23,8 +24,7 @@ from course_lib.train import TrainResult, flat_grads, flat_params, make_optimize
 
 def _check_run(strategy, accum_steps, batch_size, world_size):
     check_strategy(strategy)
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1")
+    check_int("accum_steps", accum_steps, rule="an int >= 1")
     if batch_size % (world_size * accum_steps):
         raise ValueError(f"batch_size={batch_size} must be divisible by world_size * accum_steps = "
                          f"{world_size} * {accum_steps}: every rank takes equal micro-batches")

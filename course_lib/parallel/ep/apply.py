@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib._validate import check_int
 from course_lib.comm.compat import all_gather_single
 from course_lib.model.moe import Experts, moe_layers
 from course_lib.parallel.clip import clip_grad_norm_
@@ -38,8 +39,7 @@ from course_lib.parallel.placement import Placement, weight
 
 def check_expert_parallel(config, ep: int) -> None:
     """Validate in the parent, before any rank starts: an MoE config whose experts split over ep."""
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"ep={ep!r} must be a positive int")
+    check_int("ep", ep)
     if not config.n_experts:
         raise ValueError("n_experts=0 is a dense model: expert parallelism needs GPTConfig(n_experts > 0)")
     if config.n_experts % ep:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from course_lib._validate import check_int
 from course_lib.data import CharDataset
 from course_lib.dims import ParallelDims, check_runner
 from course_lib.model import GPT
@@ -39,8 +40,10 @@ def check_run(model_config, train_cfg, world_size: int, dp: int = 1, experts: st
     """Parent-side validation; returns ep = world_size / dp."""
     if experts not in EXPERT_LAYOUTS:
         raise ValueError(f"experts={experts!r} must be one of {EXPERT_LAYOUTS}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1 or world_size % dp:
-        raise ValueError(f"dp={dp!r} must be a positive int dividing world_size={world_size}")
+    rule = f"a positive int dividing world_size={world_size}"
+    check_int("dp", dp, rule=rule)
+    if world_size % dp:
+        raise ValueError(f"dp={dp!r} must be {rule}")
     ep = world_size // dp
     if experts == "sharded":
         check_expert_parallel(model_config, ep)

@@ -30,6 +30,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from course_lib._validate import check_int
 from course_lib.data import CharDataset
 from course_lib.dims import ParallelDims, check_runner
 from course_lib.model import GPT
@@ -47,8 +48,7 @@ __all__ = ["train_native_fsdp_tp", "run_native_fsdp_tp", "clip_grad_norm_fsdp_tp
 def _check(model_config, train_cfg, dp, tp, microbatches, world=None) -> None:
     """ValueError naming the value and the rule, before any collective (world None: in the parent)."""
     for name, value in (("dp", dp), ("tp", tp), ("microbatches", microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        check_int(name, value)
     if world is not None and dp * tp != world:
         raise ValueError(f"dp={dp} x tp={tp} = {dp * tp} must equal the world size {world}")
     if train_cfg.batch_size % (dp * microbatches):

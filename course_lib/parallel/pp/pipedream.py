@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib._validate import check_int
 from course_lib.data import CharDataset, collate, sample_indices
 from course_lib.dims import ParallelDims, check_runner, split_layers
 from course_lib.model import GPT
@@ -61,8 +62,7 @@ class PipedreamResult:
 def check_2bw(model_config, world_size: int, n_microbatches: int, train_cfg) -> None:
     """PipeDream-2BW's rules, checked before any rank starts."""
     for name, value in (("world_size", world_size), ("n_microbatches", n_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        check_int(name, value)
     if n_microbatches < world_size:
         raise ValueError(f"pipedream_2bw needs n_microbatches >= the {world_size} stages (got {n_microbatches}): "
                          f"with fewer, micro-batches of three batches would be in flight and two weight "

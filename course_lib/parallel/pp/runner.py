@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib._validate import check_int
 from course_lib.parallel.pp.accounting import StepAccounting
 from course_lib.parallel.pp.deferred import apply_weight_grads, deferred_weight_grads
 from course_lib.parallel.pp.p2p_plan import Mailbox, MessagePlan, plan_messages
@@ -44,8 +45,7 @@ from course_lib.parallel.pp.schedules import Schedule, check_schedule, make_sche
 
 
 def _check_batch(n_microbatches, batch_size: int) -> None:
-    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ValueError(f"n_microbatches={n_microbatches!r} must be an int >= 1")
+    check_int("n_microbatches", n_microbatches, rule="an int >= 1")
     if batch_size % n_microbatches:
         raise ValueError(f"batch size {batch_size} must be divisible by n_microbatches={n_microbatches}")
 

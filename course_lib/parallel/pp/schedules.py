@@ -21,6 +21,7 @@ a cap on the micro-batches in flight (forward done, activations not yet released
 
 from __future__ import annotations
 
+from course_lib._validate import check_int
 from course_lib.dims import SCHEDULES, V_SCHEDULES  # the vocabulary the planner and the rule book share
 from course_lib.parallel.pp.actions import Action, Schedule, ScheduleError, rank_of, stage_of
 from course_lib.parallel.pp.v_schedules import dualpipev, zbv
@@ -28,8 +29,7 @@ from course_lib.parallel.pp.v_schedules import dualpipev, zbv
 
 def _check_counts(p, m, v=1):
     for name, value in (("n_ranks", p), ("n_microbatches", m), ("virtual_stages", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        check_int(name, value, rule="an int >= 1")
 
 
 def gpipe(p: int, m: int) -> Schedule:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib._validate import check_int
 from course_lib.dims import split_layers
 from course_lib.model.gpt import sequence_positions
 from course_lib.parallel.pp.actions import check_placement, rank_of, stage_of
@@ -149,7 +150,6 @@ class PipelineStage(nn.Module):
 def build_stage(model: nn.Module, group=None, virtual_stages: int = 1, placement: str = "loop") -> PipelineStage:
     """This rank's PipelineStage of `model` (the same single-process GPT on every rank) within
     `group` (None: the default group). Must be called by every rank of the group."""
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1")
+    check_int("virtual_stages", virtual_stages)
     check_placement(placement, virtual_stages)
     return PipelineStage(model, group, virtual_stages, placement)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from course_lib._validate import check_int
 from course_lib.data import CharDataset
 from course_lib.model import GPT
 from course_lib.observe.timeline import Timeline
@@ -51,10 +52,8 @@ def plan_checked(model_config, world_size: int, schedule, n_microbatches: int, b
                  virtual_stages: int = 1) -> PipelinePlan:
     """Every rule a pipelined run must satisfy, then the schedule's PipelinePlan (runner.py):
     built once per run, and run every step."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1")
+    check_int("world_size", world_size)
+    check_int("virtual_stages", virtual_stages)
     split_layers(model_config.n_layer, world_size * virtual_stages)
     return plan_pipeline(schedule, world_size, virtual_stages, n_microbatches, batch_size)
 

@@ -44,14 +44,14 @@ with ZB-V's cap of 2p gives ZB-V's bubble; checked at p = 4, m = 8).
 
 from __future__ import annotations
 
+from course_lib._validate import check_int
 from course_lib.dims import V_SCHEDULES  # noqa: F401 (the V schedules' names, once, in the rule book)
 from course_lib.parallel.pp.actions import Action, Schedule, ScheduleError, rank_of, stage_of
 
 
 def _check_counts(p, m):
     for name, value in (("n_ranks", p), ("n_microbatches", m)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        check_int(name, value, rule="an int >= 1")
 
 
 def _v_list_schedule(name: str, p: int, m: int, cap: int, overlap: bool) -> Schedule:
