@@ -13,6 +13,7 @@ from course_lib.model import GPTConfig
 from course_lib.parallel import LowPrecisionHook, TopKHook
 from course_lib.parallel.dp.compression import topk_count
 from course_lib.parallel.dp.training import train_data_parallel
+from course_lib.runtime.device import rank_device
 from course_lib.train import TrainConfig
 
 from _tolerances import FP32_EPS, rms
@@ -40,12 +41,12 @@ def _hooks():
     for name, hook in [("bf16", LowPrecisionHook()), ("fp16", LowPrecisionHook(torch.float16)),
                        ("top1", TopKHook(1.0, error_feedback=False)), ("top5", TopKHook(0.05, error_feedback=False))]:
         with CommTracer() as tr:
-            out[name] = hook(0, grad(rank).clone(), None).wait()
+            out[name] = hook(0, grad(rank).clone().to(rank_device()), None).wait()  # NCCL: on the rank's device
         out[name + "_comm"] = tr.summary()
     for ef in (True, False):  # 20 steps of top-5% on fresh gradients
         hook, sent = TopKHook(0.05, error_feedback=ef), torch.zeros(N_ELEMS)
         for step in range(20):
-            sent += hook(0, grad(rank, step).clone(), None).wait()
+            sent += hook(0, grad(rank, step).clone().to(rank_device()), None).wait()
         out[f"sent_ef={ef}"] = sent
         out[f"residual_ef={ef}"] = hook.residuals.get(0, torch.zeros(N_ELEMS))
     return out

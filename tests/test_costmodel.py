@@ -8,6 +8,7 @@ import pytest
 
 from course_lib.comm import costmodel as cm
 from course_lib import comm, run_on_ranks
+from course_lib.runtime.device import rank_device
 
 IB = cm.CLUSTERS["HDR InfiniBand 200 Gb/s (inter-node)"]
 
@@ -143,8 +144,9 @@ def test_sharded_ps_moves_ring_traffic_single_ps_does_not():
 def _measure_small():
     import torch.distributed as dist
 
-    pp = cm.ping_pong(sizes_bytes=(8, 4096), rounds=2, iters=2, warmup=1, all_pairs=True)
-    t = cm.time_collective(comm.ring_all_reduce, 4096, iters=2)
+    dev = rank_device()  # the buffers on the rank's device, as NCCL needs
+    pp = cm.ping_pong(sizes_bytes=(8, 4096), rounds=2, iters=2, warmup=1, all_pairs=True, device=dev)
+    t = cm.time_collective(comm.ring_all_reduce, 4096, iters=2, device=dev)
     return pp, t, dist.get_rank()
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.observe.flight_recorder import DUMP_REQUEST, FlightRecorder, analyse, load_dumps, main, request_dumps
-from course_lib.runtime import HangAnalysed, run_on_ranks, run_recorded
+from course_lib.runtime import HangAnalysed, rank_device, run_on_ranks, run_recorded
 
 # The parent's timeout is the only clock in a hang test: when it passes, the parent asks the ranks
 # for their dumps, which show where they are then. 15 s is what the ranks have to reach the hang
@@ -28,21 +28,21 @@ def _wrong_group():
     rank = dist.get_rank()
     tp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    x = torch.ones(4)
+    x = torch.ones(4, device=rank_device())  # NCCL: on the rank's device
     dist.all_reduce(x)  # #1 on the world: every rank
     if rank == 2:
         dist.all_reduce(x, group=dp[0])  # the bug
     else:
         if rank == 3:
             time.sleep(0.5)  # so that rank 2's call is the oldest stuck one
-        out = [torch.empty(4) for _ in range(2)]
+        out = [torch.empty(4, device=rank_device()) for _ in range(2)]
         dist.all_gather(out, x, group=tp[rank // 2])
     return rank
 
 
 def _skip_collective():
     """Rank 2 skips the second all-reduce (a data-dependent branch gone wrong); the other three wait in it."""
-    x = torch.ones(3)
+    x = torch.ones(3, device=rank_device())
     dist.all_reduce(x)
     if dist.get_rank() != 2:
         dist.all_reduce(x)
@@ -82,7 +82,7 @@ def _slow_call_then_stuck(dump_dir):
     """Two calls through the recorder's layer whose waits end on events, not clocks: each returns
     only once the watchdog has dumped it as stuck. The first was only slow (it returns); the
     second must get a dump of its own, not stay behind the first one's."""
-    x = torch.ones(2)
+    x = torch.ones(2, device=rank_device())
     path = pathlib.Path(dump_dir) / f"rank_{dist.get_rank()}.json"
 
     def until_dumped_as_stuck(seq):
@@ -139,7 +139,7 @@ def test_a_request_is_answered_and_a_stale_one_is_not(tmp_path):
 
 def test_a_run_without_a_hang_returns_as_run_on_ranks_does(tmp_path):
     def fine():
-        x = torch.ones(2)
+        x = torch.ones(2, device=rank_device())
         dist.all_reduce(x)
         return float(x[0])
     assert run_recorded(fine, world_size=2, timeout_s=60, dump_dir=tmp_path) == [2.0, 2.0]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import run_on_ranks
+from course_lib.runtime.device import rank_device
 from course_lib.observe import flight_recorder as fr
 from course_lib.observe.flight_recorder import FlightRecorder, analyse, load_dumps
 
@@ -59,7 +60,7 @@ class _AsOnNccl:
 def _skipped_collective(dump_dir, nccl):
     """all_reduce #1 on both ranks (a real gloo call, its event ended); rank 0 then issues #2, which
     returns at once and whose event never ends, and rank 1 never enters it. Each rank dumps."""
-    rank, t = dist.get_rank(), torch.ones(2)
+    rank, t = dist.get_rank(), torch.ones(2, device=rank_device())  # NCCL: on the rank's device
     with _AsOnNccl(nccl, [_Ends(True), _Ends(False)]), FlightRecorder() as rec:
         dist.all_reduce(t)
         if rank == 0:  # what NCCL's all_reduce does on the CPU side: queue it, return None
@@ -88,7 +89,7 @@ def test_with_gloos_rule_the_same_run_shows_no_stuck_call(tmp_path):
 
 def _work_polled():
     """An async_op=True call's Work: issued until is_completed(), then completed at the next poll."""
-    work, t = _Ends(False), torch.ones(1)
+    work, t = _Ends(False), torch.ones(1, device=rank_device())
     with _AsOnNccl(True, []), FlightRecorder() as rec:
         assert rec.around("all_reduce", {"tensor": t, "group": None, "async_op": True}, lambda: work) is work
         states = [rec.entries[-1]["state"]]
@@ -106,7 +107,7 @@ def test_an_async_work_object_is_polled_from_the_rank_not_called_back():
 
 def _watchdog_dumps(dump_dir):
     """The watchdog dumps by itself once the NCCL call has been pending stuck_after_s."""
-    rank, t = dist.get_rank(), torch.ones(2)
+    rank, t = dist.get_rank(), torch.ones(2, device=rank_device())
     path = pathlib.Path(dump_dir) / f"rank_{rank}.json"
     with _AsOnNccl(True, [_Ends(True), _Ends(False)]), FlightRecorder(dump_dir, stuck_after_s=0.2, poll_s=0.05) as rec:
         dist.all_reduce(t)
