@@ -169,8 +169,9 @@ def share_rows(index: int, n: int, batch_size: int) -> slice:
     """Rows [index * B/n, (index + 1) * B/n) of a global batch of B rows: replica `index`'s share."""
     check_int("n", n, rule="an int >= 1")
     check_int("index", index, minimum=0, maximum=n - 1, rule=f"an int in [0, n={n})")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size % n:
-        raise ValueError(f"batch_size={batch_size!r} must be divisible by {n}: every replica takes an equal share")
+    rule = f"divisible by {n}: every replica takes an equal share"
+    if check_int("batch_size", batch_size, minimum=0, rule=rule) % n:
+        raise ValueError(f"batch_size={batch_size!r} must be {rule}")
     share = batch_size // n
     return slice(index * share, (index + 1) * share)
 
