@@ -147,8 +147,19 @@ def qkv_rows_for_rank(d_model, n_head, tp, rank):
     return [part * d_model + h * d_head + i for part in range(3) for h in heads for i in range(d_head)]
 '''
 
+SHARD_IS_A_VIEW = '''
+_Row = RowParallelLinear
 
-WRONG = {"f all-reduces forward": F_ALL_REDUCES_FORWARD, "f backward does not sum": F_BACKWARD_DOES_NOT_SUM,
+class RowParallelLinear(_Row):
+    def __init__(self, full, group=None):
+        super().__init__(full, group)
+        local = full.in_features // dist.get_world_size(group)
+        r = dist.get_rank(group)
+        self.weight = nn.Parameter(full.weight.detach()[:, r * local:(r + 1) * local])  # a view: no copy
+'''
+
+
+WRONG = {"shard is a view": SHARD_IS_A_VIEW, "f all-reduces forward": F_ALL_REDUCES_FORWARD, "f backward does not sum": F_BACKWARD_DOES_NOT_SUM,
          "g backward sums": G_BACKWARD_SUMS, "g sums in place": G_SUMS_IN_PLACE,
          "bias before the sum": BIAS_BEFORE_THE_SUM, "contiguous qkv": CONTIGUOUS_QKV,
          "heads dealt round robin": HEADS_DEALT_ROUND_ROBIN}
@@ -165,6 +176,7 @@ WRONG = {"f all-reduces forward": F_ALL_REDUCES_FORWARD, "f backward does not su
     ("contiguous qkv", "qkv_rows", "must come from the K part"),
     ("contiguous qkv", "gpt", "loss equals the single process's"),
     ("heads dealt round robin", "qkv_rows", "reads the outputs of heads"),
+    ("shard is a view", "mlp", r"the full layers unchanged by an SGD step on the shards \(a shard is a copy, not a view\)"),
 ])
 def test_a_wrong_answer_fails_its_check(tmp_path, monkeypatch, wrong, check, match):
     student = _load(tmp_path, monkeypatch, SOLUTION + WRONG[wrong])

@@ -178,9 +178,15 @@ def _mlp_on_rank(name: str):
     shards = {"fc weight: its rows of the full weight": _same(cw, fc.weight[mine]),
               "fc bias: the matching entries": _same(cb, fc.bias[mine]),
               "proj weight: its columns of the full weight": _same(rw, proj.weight[:, mine]),
-              "proj bias: the whole bias": _same(rb, proj.bias),
-              "the full layers unchanged by training the shards": torch.equal(fc.weight, fc_before)
-              and torch.equal(proj.weight, proj_before)}
+              "proj bias: the whole bias": _same(rb, proj.bias)}
+    # One SGD step on the shards: a shard that is a view of the full layer (a slice without a
+    # copy) moves the full layer with it, and the full layer must stay as it was.
+    with torch.no_grad():
+        for shard in (cw, cb, rw, rb):
+            if isinstance(shard, torch.Tensor) and shard.grad is not None:
+                shard.sub_(0.1 * shard.grad)
+    shards["the full layers unchanged by an SGD step on the shards (a shard is a copy, not a view)"] = (
+        torch.equal(fc.weight, fc_before) and torch.equal(proj.weight, proj_before))
     return {"params": params, "shards": shards,
             "compare": {"output": (out, full), "input gradient": (xr.grad, x.grad),
                         "fc weight gradient": (_grad(cw), fc.weight.grad[mine]),
