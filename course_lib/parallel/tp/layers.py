@@ -58,6 +58,15 @@ def _take_pieces(layer: nn.Module, full: nn.Module) -> None:
         getattr(layer, name).copy_(placement.local(getattr(full, name)))
 
 
+def _from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool, table):
+    """A `cls` layer (column or row parallel, `table` its rows or cols) holding this rank's
+    pieces of the full `linear`, on its device and in its dtype."""
+    layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, sequence_parallel, table)
+    layer.to(linear.weight.device, linear.weight.dtype)
+    _take_pieces(layer, linear)
+    return layer
+
+
 class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r + b_r: rank r computes the output features rows[r] (its columns of A = W^T).
 
@@ -81,10 +90,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel: bool = False, rows=None):
         """This rank's rows of a full nn.Linear (same weights on every rank)."""
-        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, sequence_parallel, rows)
-        layer.to(linear.weight.device, linear.weight.dtype)
-        _take_pieces(layer, linear)
-        return layer
+        return _from_linear(cls, linear, group, sequence_parallel, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # x is this rank's T/tp tokens: any length gathers back to T
@@ -122,10 +128,8 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel: bool = False, cols=None):
-        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None, sequence_parallel, cols)
-        layer.to(linear.weight.device, linear.weight.dtype)
-        _take_pieces(layer, linear)
-        return layer
+        """This rank's input columns of a full nn.Linear (same weights on every rank)."""
+        return _from_linear(cls, linear, group, sequence_parallel, cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = leave_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
