@@ -13,7 +13,8 @@ from course_lib.grading import ex10_mesh_coordinates as grade
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXERCISE = "ex10_mesh_coordinates"
 SOLUTION = ROOT / "exercises" / "solutions" / f"{EXERCISE}.py"
-CHECKS = (grade.check_coordinates, grade.check_groups, grade.check_links, grade.check_network_bytes)
+CHECKS = (grade.check_coordinates, grade.check_groups, grade.check_links, grade.check_network_bytes,
+          grade.check_best_order)
 
 
 def load(monkeypatch, tmp_path=None, source=None, solutions=False):
@@ -54,23 +55,51 @@ def wrong(old, new):
     return source.replace(old, new)
 
 
-@pytest.mark.parametrize("source, check", [
+# Plausible wrong answers: name -> (old fragment of the solution, new fragment, check, message phrase)
+WRONG = {
     # the first dimension of the order varies fastest instead of the last
-    (wrong("for dim in reversed(order):", "for dim in order:"), grade.check_coordinates),
+    "order reversed": ("for dim in reversed(order):", "for dim in order:", grade.check_coordinates,
+                       "LAST dimension of the order varies fastest"),
     # ignores the order: always make_mesh's numbering
-    (wrong("def coordinates(rank: int, sizes: dict, order=DIMS) -> dict:",
-           "def coordinates(rank: int, sizes: dict, order=DIMS) -> dict:\n    order = DIMS"), grade.check_coordinates),
+    "order ignored": ("def coordinates(rank: int, sizes: dict, order=DIMS) -> dict:",
+                      "def coordinates(rank: int, sizes: dict, order=DIMS) -> dict:\n    order = DIMS",
+                      grade.check_coordinates, "worked out by hand"),
+    # divides before taking the remainder: every index read one dimension too far out
+    "divide first": ("        out[dim] = rank % sizes[dim]\n        rank //= sizes[dim]",
+                     "        rank //= sizes[dim]\n        out[dim] = rank % sizes[dim]", grade.check_coordinates,
+                     "LAST dimension of the order varies fastest"),
     # groups listed in the order they were found, not by smallest rank
-    (wrong("out[dim] = sorted(by_key.values())", "out[dim] = list(by_key.values())[::-1]"), grade.check_groups),
+    "groups unsorted": ("out[dim] = sorted(by_key.values())", "out[dim] = list(by_key.values())[::-1]",
+                        grade.check_groups, "listed by their smallest rank"),
     # "fits in a node" by size alone: a tp group of 3 on nodes of 4 can straddle two nodes
-    (wrong("inside = all(len({r // gpus_per_node for r in g}) == 1 for g in groups(sizes, order)[dim])",
-           "inside = max(len(g) for g in groups(sizes, order)[dim]) <= gpus_per_node"), grade.check_links),
+    "links by size": ("inside = all(len({r // gpus_per_node for r in g}) == 1 for g in groups(sizes, order)[dim])",
+                      "inside = max(len(g) for g in groups(sizes, order)[dim]) <= gpus_per_node", grade.check_links,
+                      "may still straddle two"),
+    # a dimension of size 1 called "intra" (its groups are single ranks) instead of "none"
+    "size 1 not none": ('    if sizes[dim] == 1:\n        return "none"\n', "", grade.check_links,
+                        "links of .* \\(worked out by hand\\)"),
     # counts the traffic of the dimensions that stay inside the node
-    (wrong('== "inter")', '!= "none")'), grade.check_network_bytes),
-], ids=["order-reversed", "order-ignored", "groups-unsorted", "links-by-size", "bytes-intra-too"])
-def test_a_plausible_wrong_answer_fails(monkeypatch, tmp_path, source, check):
-    with pytest.raises(grading.CheckFailed):
-        check(load(monkeypatch, tmp_path, source))
+    "bytes intra too": ('== "inter")', '!= "none")', grade.check_network_bytes,
+                        'Only the bytes of dimensions whose link is "inter"'),
+    # the design decision skipped: make_mesh's order is always the best
+    "always make_mesh's order": ("    return min(itertools.permutations(DIMS), key=", "    return DIMS\n    min(itertools.permutations(DIMS), key=",
+                                 grade.check_best_order, "another order sends fewer"),
+    # the heaviest traffic put outermost
+    "most bytes, not fewest": ("    return min(itertools.permutations(DIMS), key=", "    return max(itertools.permutations(DIMS), key=",
+                               grade.check_best_order, "another order sends fewer"),
+}
+
+
+@pytest.mark.parametrize("name", WRONG)
+def test_a_plausible_wrong_answer_fails(monkeypatch, tmp_path, name):
+    old, new, check, phrase = WRONG[name]
+    with pytest.raises(grading.CheckFailed, match=re.compile(phrase, re.DOTALL)):
+        check(load(monkeypatch, tmp_path, wrong(old, new)))
+
+
+def test_no_answer_is_stored_readable():
+    source = pathlib.Path(grade.__file__).read_text()
+    assert '"intra"}' not in source and "[[0, 2], [1, 3]" not in source and "1049601" not in source
 
 
 @pytest.mark.parametrize("line, name", [

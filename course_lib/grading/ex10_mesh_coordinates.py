@@ -1,11 +1,15 @@
 """Checkers of exercise 10 (mesh coordinates, groups and the links they cross).
 
 The learner writes coordinates(rank, sizes, order), groups(sizes, order), link_of(dim, sizes,
-gpus_per_node, order) and inter_node_bytes(bytes_per_rank, sizes, gpus_per_node, order). Each
+gpus_per_node, order), inter_node_bytes(bytes_per_rank, sizes, gpus_per_node, order) and
+best_order(sizes, gpus_per_node, bytes_per_rank) (the design decision: which order keeps the
+heaviest traffic inside the nodes; graded on layouts where make_mesh's order is not the best). Each
 function is graded three ways, and never against the library's own bookkeeping
 (course_lib.parallel.topology, mesh_groups), which REFUSE keeps out of the learner's module:
 
-* values worked out by hand, written below as literals with the derivation beside them;
+* values worked out by hand, stored as digests (course_lib.grading.stored: each is
+  digest(the reference solution's answers on those inputs), checked against the hand
+  derivation when stored), so reading this module gives no answer;
 * a real device mesh on 8 ranks: make_mesh's (order pp, dp, ep, tp) and, for other orders,
   torch's init_device_mesh with the dimensions listed in that order (a DeviceMesh numbers
   its ranks row-major, the last dimension fastest: the rule the exercise states);
@@ -14,15 +18,18 @@ function is graded three ways, and never against the library's own bookkeeping
   exactly when each of its groups lies inside one node.
 
 Each check prints `PASS  ...` and shows no reference answer; a failure raises CheckFailed with
-got and expected.
+the learner's value and a hint, never the expected one.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import math
 
 from course_lib.estimate.params import LLAMA3_405B
-from course_lib.grading import check_close, check_equal, passed
+from course_lib.grading import CheckFailed, passed
+from course_lib.grading.stored import check_digest
 from course_lib.parallel.hybrid import ParallelDims
 from course_lib.parallel.mesh import make_mesh
 from course_lib.parallel.topology import traffic_per_step
@@ -47,6 +54,13 @@ REAL_CASES = ((SMALL, DIMS), (SMALL, NAIVE), (dict(pp=1, dp=2, ep=2, tp=2), DIMS
 # Checked by properties only (no processes): 24 ranks, a size 3 to catch a modulo by the wrong size.
 PROPERTY_CASES = ((dict(pp=2, dp=3, ep=1, tp=4), DIMS), (dict(pp=2, dp=3, ep=1, tp=4), NAIVE),
                   (dict(pp=3, dp=2, ep=2, tp=2), ("dp", "tp", "pp", "ep")))
+
+
+def _agree(label: str, got, expected, hint: str) -> None:
+    """Pass when got == expected; a failure shows the learner's value and the hint, not expected."""
+    if got != expected:
+        raise CheckFailed(f"{label}: your code in student.py gives {got!r}\n {hint}")
+    passed(label)
 
 
 def _show(sizes, order) -> str:
@@ -84,24 +98,17 @@ def real_mesh_facts():
 
 
 # ------------------------------------------------------------------ 1. coordinates
-# By hand, for pp 2 x dp 2 x ep 1 x tp 2. make_mesh's order: rank = ((pp*2 + dp)*1 + ep)*2 + tp,
-# so rank 5 = 4 + 1 -> pp 1, dp 0, tp 1 and rank 6 = 4 + 2 -> pp 1, dp 1, tp 0. Order (tp, ep, dp, pp):
-# rank = ((tp*1 + ep)*2 + dp)*2 + pp, so rank 6 = 4 + 2 -> tp 1, dp 1, pp 0.
-# pp 2 x dp 2 x ep 1 x tp 4 (16 ranks), rank 13: make_mesh's order 13 = 8 + 4 + 1 -> pp 1, dp 1, tp 1;
-# order (tp, ep, dp, pp): rank = tp*4 + dp*2 + pp, 13 = 12 + 1 -> tp 3, dp 0, pp 1.
-BY_HAND_COORDINATES = [
-    (5, SMALL, DIMS, {"pp": 1, "dp": 0, "ep": 0, "tp": 1}),
-    (6, SMALL, DIMS, {"pp": 1, "dp": 1, "ep": 0, "tp": 0}),
-    (6, SMALL, NAIVE, {"pp": 0, "dp": 1, "ep": 0, "tp": 1}),
-    (13, dict(pp=2, dp=2, ep=1, tp=4), DIMS, {"pp": 1, "dp": 1, "ep": 0, "tp": 1}),
-    (13, dict(pp=2, dp=2, ep=1, tp=4), NAIVE, {"pp": 1, "dp": 0, "ep": 0, "tp": 3}),
-]
+# Worked out by hand (digest of the five answers, in this order)
+BY_HAND_COORDINATES = [(5, SMALL, DIMS), (6, SMALL, DIMS), (6, SMALL, NAIVE), (13, dict(pp=2, dp=2, ep=1, tp=4), DIMS),
+                       (13, dict(pp=2, dp=2, ep=1, tp=4), NAIVE)]
+COORDINATES_BY_HAND = "2fb4f4e5e8a46166443c8cb3ff45be86bc5a55ffdca4db2fa6467dd172cfcc44"
+NUMBERING = "Number the ranks of the layout on paper: the LAST dimension of the order varies fastest."
 
 
 def check_coordinates(student):
-    for rank, sizes, order, expected in BY_HAND_COORDINATES:
-        check_equal(f"rank {rank} of {_show(sizes, order)} (worked out by hand)",
-                    dict(student.coordinates(rank, sizes, order)), expected)
+    got = [dict(student.coordinates(rank, sizes, order)) for rank, sizes, order in BY_HAND_COORDINATES]
+    check_digest("ranks " + ", ".join(f"{rank} of {_show(sizes, order)}" for rank, sizes, order in BY_HAND_COORDINATES)
+                 + " (worked out by hand)", got, COORDINATES_BY_HAND, hint=NUMBERING)
     for sizes, order in PROPERTY_CASES:
         world = math.prod(sizes.values())
         got = [dict(student.coordinates(r, sizes, order)) for r in range(world)]
@@ -114,25 +121,20 @@ def check_coordinates(student):
         last = order[-1]  # rank r + 1 is one step further along the last dimension of the order, or wraps to 0
         broken += [f"ranks {r} and {r + 1}: {last} goes {got[r].get(last)} -> {got[r + 1].get(last)}"
                    for r in range(world - 1) if got[r + 1].get(last) != (got[r].get(last, 0) + 1) % sizes[last]][:1]
-        check_equal(f"{world} ranks of {_show(sizes, order)}: one coordinate each, in range, "
-                    f"{last} fastest", broken, [])
+        _agree(f"{world} ranks of {_show(sizes, order)}: one coordinate each, in range, {last} fastest", broken, [],
+               "Each line above is a rule your coordinates break.")
     facts = real_mesh_facts()
     for i, (sizes, order) in enumerate(REAL_CASES):
-        check_equal(f"every rank of {_show(sizes, order)} against a real mesh on 8 ranks",
-                    [dict(student.coordinates(r, sizes, order)) for r in range(8)], [f[i][0] for f in facts])
+        _agree(f"every rank of {_show(sizes, order)} against a real mesh on 8 ranks",
+               [dict(student.coordinates(r, sizes, order)) for r in range(8)], [f[i][0] for f in facts], NUMBERING)
 
 
 # ------------------------------------------------------------------ 2. groups
-# By hand, pp 2 x dp 2 x ep 1 x tp 2 in order (tp, ep, dp, pp): rank = tp*4 + dp*2 + pp (ep has size 1),
-# so pp groups are pairs 1 apart, dp pairs 2 apart, tp pairs 4 apart, every ep group one rank.
-BY_HAND_GROUPS = {
-    "pp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-    "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-    "ep": [[0], [1], [2], [3], [4], [5], [6], [7]],
-    "tp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-}
-# make_mesh's order (the stub's docstring example): dp has stride ep*tp = 2.
-BY_HAND_DP = [[0, 2], [1, 3], [4, 6], [5, 7]]
+# Worked out by hand: every dimension's groups of SMALL in order NAIVE, and dp's in make_mesh's order
+GROUPS_BY_HAND = "6364e924cc21a28e6f8f8320e9094ca8fd37cebf47450fa806c5de94857175c7"
+DP_BY_HAND = "88ba6dc5aabe8b5316d8fc5d63b6d8105eeb3138cfcd14c01e1df9ca8f6dafce"
+GROUPING = ("A group of a dimension holds the ranks whose coordinates differ only along it, sorted; the groups "
+            "are listed by their smallest rank.")
 
 
 def _as_lists(groups) -> dict:
@@ -140,10 +142,10 @@ def _as_lists(groups) -> dict:
 
 
 def check_groups(student):
-    check_equal(f"dp groups of {_show(SMALL, DIMS)} (worked out by hand)", _as_lists(student.groups(SMALL))["dp"],
-                BY_HAND_DP)
-    check_equal(f"groups of {_show(SMALL, NAIVE)} (worked out by hand)", _as_lists(student.groups(SMALL, NAIVE)),
-                BY_HAND_GROUPS)
+    check_digest(f"dp groups of {_show(SMALL, DIMS)} (worked out by hand)", _as_lists(student.groups(SMALL))["dp"],
+                 DP_BY_HAND, hint=GROUPING)
+    check_digest(f"groups of {_show(SMALL, NAIVE)} (worked out by hand)", _as_lists(student.groups(SMALL, NAIVE)),
+                 GROUPS_BY_HAND, hint=GROUPING + " " + NUMBERING)
     for sizes, order in PROPERTY_CASES:
         world, mine = math.prod(sizes.values()), _as_lists(student.groups(sizes, order))
         coords = [dict(student.coordinates(r, sizes, order)) for r in range(world)]
@@ -159,28 +161,23 @@ def check_groups(student):
             broken += [f"{dim}: group {g} is not ranks that differ only along {dim}" for g in gs
                        if len({tuple(coords[r][d] for d in DIMS if d != dim) for r in g if 0 <= r < world}) != 1
                        or sorted(coords[r][dim] for r in g if 0 <= r < world) != list(range(sizes[dim]))][:1]
-        check_equal(f"groups of {_show(sizes, order)}: for each dimension they partition the {world} ranks, "
-                    f"sizes[dim] ranks each, differing only along dim", broken, [])
+        _agree(f"groups of {_show(sizes, order)}: for each dimension they partition the {world} ranks, "
+               f"sizes[dim] ranks each, differing only along dim", broken, [], "Each line above is a rule your groups break.")
     facts = real_mesh_facts()
     for i, (sizes, order) in enumerate(REAL_CASES):
         mine = _as_lists(student.groups(sizes, order))
         expected = {d: [list(g) for g in sorted({tuple(f[i][1][d]) for f in facts})] for d in DIMS}
-        check_equal(f"groups of {_show(sizes, order)} against a real mesh on 8 ranks", mine, expected)
+        _agree(f"groups of {_show(sizes, order)} against a real mesh on 8 ranks", mine, expected, GROUPING)
 
 
 # ------------------------------------------------------------------ 3. links
-# By hand. pp 16 x dp 8 x ep 1 x tp 8 = 1024 ranks on nodes of 8, make_mesh's order: tp has stride 1
-# and spans ranks 8k..8k+7, one node; dp has stride 8 (crosses), pp stride 64 (crosses); ep size 1.
-# Order (tp, ep, dp, pp): pp stride 1 but 16 members (two nodes), dp stride 16, tp stride 128: all cross.
-# pp 2 x dp 2 x ep 1 x tp 2 on nodes of 4: make_mesh's order tp {0,1} and dp {0,2} stay in {0..3}, pp {0,4}
-# crosses; order (tp, ep, dp, pp): pp {0,1} and dp {0,2} stay in, tp {0,4} crosses.
+# Worked out by hand: every dimension's link for BIG (1024 ranks) on nodes of 8 and SMALL on nodes
+# of 4, each in both orders (digest of the four answers, in this order)
 BIG = dict(pp=16, dp=8, ep=1, tp=8)
-BY_HAND_LINKS = [
-    (BIG, 8, DIMS, {"pp": "inter", "dp": "inter", "ep": "none", "tp": "intra"}),
-    (BIG, 8, NAIVE, {"pp": "inter", "dp": "inter", "ep": "none", "tp": "inter"}),
-    (SMALL, 4, DIMS, {"pp": "inter", "dp": "intra", "ep": "none", "tp": "intra"}),
-    (SMALL, 4, NAIVE, {"pp": "intra", "dp": "intra", "ep": "none", "tp": "inter"}),
-]
+BY_HAND_LINKS = [(BIG, 8, DIMS), (BIG, 8, NAIVE), (SMALL, 4, DIMS), (SMALL, 4, NAIVE)]
+LINKS_BY_HAND = "f8a9c288e0cfabf3aaa6fa84600900ad554f476e03fb39f111c1d37416559c87"
+LINKING = ('"intra" only when EVERY group of the dimension sits in one node (ranks G*k .. G*k + G - 1): a group '
+           'small enough for a node may still straddle two.')
 # By the rule on the learner's own groups (checked above), including layouts whose groups fit a node
 # in size but straddle two (tp 3 on nodes of 4: {3, 4, 5}) and nodes larger than the world.
 LINK_CASES = [(dict(pp=2, dp=1, ep=1, tp=3), 4, DIMS), (dict(pp=2, dp=1, ep=1, tp=3), 6, DIMS),
@@ -189,24 +186,27 @@ LINK_CASES = [(dict(pp=2, dp=1, ep=1, tp=3), 4, DIMS), (dict(pp=2, dp=1, ep=1, t
 
 
 def check_links(student):
-    for sizes, gpn, order, expected in BY_HAND_LINKS:
-        check_equal(f"links of {_show(sizes, order)} on nodes of {gpn} (worked out by hand)",
-                    {d: student.link_of(d, sizes, gpn, order) for d in DIMS}, expected)
+    got = [{d: student.link_of(d, sizes, gpn, order) for d in DIMS} for sizes, gpn, order in BY_HAND_LINKS]
+    check_digest("links of " + "; ".join(f"{_show(sizes, order)} on nodes of {gpn}" for sizes, gpn, order in BY_HAND_LINKS)
+                 + " (worked out by hand)", got, LINKS_BY_HAND, hint=LINKING)
     for sizes, gpn, order in LINK_CASES:
         groups = _as_lists(student.groups(sizes, order))
         expected = {d: "none" if sizes[d] == 1 else
                     "intra" if all(len({r // gpn for r in g}) == 1 for g in groups[d]) else "inter" for d in DIMS}
-        check_equal(f"links of {_show(sizes, order)} on nodes of {gpn}: \"intra\" iff every group is in one node",
-                    {d: student.link_of(d, sizes, gpn, order) for d in DIMS}, expected)
+        _agree(f"links of {_show(sizes, order)} on nodes of {gpn}: \"intra\" iff every group is in one node",
+               {d: student.link_of(d, sizes, gpn, order) for d in DIMS}, expected, LINKING)
 
 
 # ------------------------------------------------------------------ 4. bytes that leave the node
-# By hand: bytes chosen as distinct powers of two, so each total names the dimensions it summed.
-# BIG on nodes of 8 (links above): make_mesh's order sends pp and dp over the network, 2^10 + 1;
-# order (tp, ep, dp, pp) sends all three, 2^20 + 2^10 + 1.
+# By hand: bytes chosen as distinct powers of two, so each total names the dimensions it summed
+# (digest of the two totals for BIG on nodes of 8, make_mesh's order then NAIVE, as integers).
 POWERS = {"tp": 2.0 ** 20, "pp": 2.0 ** 10, "dp": 1.0}
-BY_HAND_BYTES = [(DIMS, 1025.0), (NAIVE, 1049601.0)]
-BY_HAND_INTER = {DIMS: ("pp", "dp"), NAIVE: ("tp", "pp", "dp")}  # from BY_HAND_LINKS' BIG rows
+BYTES_BY_HAND = "a1141419cff4049c47c596ba6e2bfd1fafbc0ac8f7f0cfce9857cecf6b994f4c"
+
+
+def _exact(x):
+    """A whole float as an int (what the digest takes); anything else as it is."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
 
 
 def llama3_traffic() -> dict:
@@ -218,12 +218,47 @@ def llama3_traffic() -> dict:
 
 
 def check_network_bytes(student):
-    for order, expected in BY_HAND_BYTES:
-        check_equal(f"bytes leaving the node, {_show(BIG, order)}, one distinct power of two per dimension "
-                    f"(worked out by hand)", student.inter_node_bytes(dict(POWERS), BIG, 8, order), expected)
+    got = [_exact(student.inter_node_bytes(dict(POWERS), BIG, 8, order)) for order in (DIMS, NAIVE)]
+    check_digest(f"bytes leaving the node, {_show(BIG, DIMS)} and in order ({', '.join(NAIVE)}), one distinct power "
+                 f"of two per dimension (worked out by hand)", got, BYTES_BY_HAND,
+                 hint="Each total is a sum of distinct powers of two: read off which dimensions you counted. Only "
+                      "the bytes of dimensions whose link is \"inter\" leave the node.")
     traffic = llama3_traffic()
-    for order, inter in BY_HAND_INTER.items():
-        # float64 sums of 2-3 terms, perhaps in another order: at most a few units of 2^-53 apart
-        check_close(f"bytes leaving the node for Llama 3 405B, {_show(BIG, order)}",
-                    student.inter_node_bytes(dict(traffic), BIG, 8, order), sum(traffic[d] for d in inter),
-                    rtol=1e-12, atol=0)
+    for order in (DIMS, NAIVE):
+        # the links are the learner's own, checked by hand above; float64 sums of 2-3 terms, perhaps
+        # in another order: at most a few units of 2^-53 apart
+        want = sum(traffic[d] for d in traffic if student.link_of(d, BIG, 8, order) == "inter")
+        got = student.inter_node_bytes(dict(traffic), BIG, 8, order)
+        if not math.isclose(got, want, rel_tol=1e-12, abs_tol=0):
+            raise CheckFailed(f"bytes leaving the node for Llama 3 405B, {_show(BIG, order)}: your inter_node_bytes "
+                              f"in student.py gives {got:.6g}, not the sum of the bytes of the dimensions your link_of "
+                              f"calls \"inter\"")
+        passed(f"bytes leaving the node for Llama 3 405B, {_show(BIG, order)}")
+
+
+# ------------------------------------------------------------------ 5. the best order
+# Layouts and made-up bytes where the heaviest traffic is not tp's, so make_mesh's order (tp
+# innermost) is not the best; and Llama 3 405B's own traffic on BIG.
+BEST_ORDER_CASES = [
+    (dict(pp=2, dp=4, ep=1, tp=2), 4, {"dp": 2.0 ** 20, "tp": 2.0 ** 10, "pp": 1.0}),
+    (dict(pp=1, dp=2, ep=4, tp=2), 4, {"ep": 2.0 ** 20, "tp": 2.0 ** 10, "dp": 1.0}),
+    (dict(pp=4, dp=2, ep=1, tp=2), 4, {"pp": 2.0 ** 20, "dp": 2.0 ** 10, "tp": 1.0}),
+]
+
+
+def check_best_order(student):
+    """best_order's order sends as few bytes over the network as any of the 24 orders, by the
+    learner's own inter_node_bytes (checked above)."""
+    cases = [*BEST_ORDER_CASES, (BIG, 8, llama3_traffic())]
+    for sizes, gpn, traffic in cases:
+        label = f"best_order for {' x '.join(f'{d} {sizes[d]}' for d in DIMS)} on nodes of {gpn}"
+        order = student.best_order(dict(sizes), gpn, dict(traffic))
+        if not isinstance(order, (tuple, list)) or sorted(order) != sorted(DIMS):
+            raise CheckFailed(f"{label}: best_order in student.py returned {order!r}, not an order of {DIMS}")
+        sent = student.inter_node_bytes(dict(traffic), sizes, gpn, tuple(order))
+        fewest = min(student.inter_node_bytes(dict(traffic), sizes, gpn, o) for o in itertools.permutations(DIMS))
+        if sent > fewest:
+            raise CheckFailed(f"{label}: best_order in student.py returns {tuple(order)}, which sends {sent:.6g} bytes "
+                              f"per rank over the network; another order sends fewer.\n Which dimension sends the "
+                              f"most, and where in the order must it sit for its groups to stay inside a node?")
+        passed(f"{label}: no order sends fewer bytes over the network")

@@ -34,3 +34,10 @@ def inter_node_bytes(bytes_per_rank: dict, sizes: dict, gpus_per_node: int, orde
     """Bytes per rank and step that cross the network: the sum of bytes_per_rank[dim] over the
     dimensions whose link is "inter" (bytes_per_rank has an entry for each dim that sends)."""
     raise NotImplementedError("exercise 10: write inter_node_bytes")
+
+
+def best_order(sizes: dict, gpus_per_node: int, bytes_per_rank: dict) -> tuple:
+    """An order of the four dimensions (a tuple, outermost first) in which this layout sends the
+    fewest bytes per rank over the network, for these bytes per dimension (as inter_node_bytes
+    counts them). When several orders tie, any of them."""
+    raise NotImplementedError("exercise 10: write best_order")

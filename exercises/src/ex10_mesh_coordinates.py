@@ -9,7 +9,10 @@
 # 2. `groups(sizes, order)`: the process groups of every dimension;
 # 3. `link_of(dim, sizes, gpus_per_node, order)`: does that dimension stay inside a node?
 # 4. `inter_node_bytes(bytes_per_rank, sizes, gpus_per_node, order)`: how much of a step's
-#    traffic crosses the network.
+#    traffic crosses the network;
+# 5. `best_order(sizes, gpus_per_node, bytes_per_rank)`: the order of the dimensions that sends
+#    the fewest bytes over the network. make_mesh's order is not always it: the checks use
+#    layouts whose heaviest traffic is not tensor parallelism's.
 #
 # **Think first.** 16 ranks, `pp 2, dp 2, ep 1, tp 4`, nodes of 8 GPUs. In make_mesh's order,
 # which ranks form rank 13's dp group? Does dp cross nodes? And in the order
@@ -25,13 +28,14 @@
 # </details>
 #
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
-# `CheckFailed` (or your own error) when it is not. Your functions are compared with three
-# things, never with a reference answer shown here: values worked out by hand (like the
+# `CheckFailed` (or your own error) when it is not. Your first four functions are compared with
+# three things, never with a reference answer shown here: values worked out by hand (like the
 # answer above); a real device mesh on 8 ranks (make_mesh's, and torch's `init_device_mesh`
 # with the dimensions listed in another order); and properties every right answer has (the
 # groups of a dimension hold every rank exactly once, `sizes[dim]` ranks each, differing only
 # along that dimension; a link is `"intra"` exactly when every group of the dimension sits in one
-# node). Write it yourself: a `student.py` that imports the course's own mesh bookkeeping is
+# node). Your `best_order` must send no more bytes over the network than any of the 24 orders.
+# Write it yourself: a `student.py` that imports the course's own mesh bookkeeping is
 # refused before any check runs. Edit `student.py`, then *Kernel → Restart and run all*.
 
 # %%
@@ -74,6 +78,15 @@ grade.check_links(student)
 
 # %%
 grade.check_network_bytes(student)
+
+# %% [markdown]
+# ## Check 5: the best order
+#
+# Three layouts on nodes of 4 with made-up bytes, the heaviest of which belong to dp, ep and pp
+# in turn, then Llama 3 405B's own traffic on the 1024-GPU layout.
+
+# %%
+grade.check_best_order(student)
 
 # %% [markdown]
 # ## After the checks
