@@ -162,6 +162,15 @@ def test_apply_leaves_a_stale_notebook_alone(copy):
     assert colab_tool.main(["--apply", str(src)]) == 1
 
 
+def test_apply_to_a_new_source_edits_the_source_only(copy):
+    src, ipynb = copy
+    ipynb.unlink()
+    assert colab_tool.apply(src) == "updated (the source; build its notebook)" and not ipynb.exists()
+    cells = percent_to_notebook(src.read_text()).cells
+    assert cells[0].source == colab.badge("notebooks/01_memory_and_flops.ipynb")
+    assert colab_tool.apply(src) == "current"
+
+
 # ------------------------------------------------------------ the cell in a stand-in for Colab
 
 def _snapshot(dest: pathlib.Path):

@@ -17,7 +17,8 @@ in its committed .ipynb alike:
 
 Idempotent: cells it inserted before are replaced by the current ones (a new REVISION or
 REPOSITORY reaches every notebook by running it again). A notebook whose .ipynb is not built
-from its current source is left alone and named (build it first; exit status 1).
+from its current source is left alone and named (build it first; exit status 1). A new source with
+no .ipynb yet gets the cells in its source only, and its first build makes the notebook.
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def apply(src: pathlib.Path, write: bool = True) -> str:
     ipynb = src.parent.parent / f"{src.stem}.ipynb"
     old = src.read_text()
     new = edit_source(old, folder, f"{folder}/{ipynb.name}")
+    if not ipynb.exists():  # a new notebook: its first build (tools/nb.py build) makes the .ipynb
+        if new == old:
+            return "current"
+        if write:
+            src.write_text(new)
+        return "updated (the source; build its notebook)" if write else "out of date"
     stored = nbformat.read(ipynb, as_version=4)
     try:
         edited = edit_notebook(nbformat.read(ipynb, as_version=4), old, new)
