@@ -31,3 +31,39 @@ def _hidden_ring(numel):
 
 check_equal(f"hidden: N={_n}, {_numel} elements, seed {HIDDEN_SEED}: equals dist.all_reduce",
             run_on_ranks(_hidden_ring, _numel, world_size=_n, timeout_s=60), [True] * _n)
+
+# %% ex11_step_time
+import random
+from dataclasses import replace as _replace
+
+from course_lib.estimate import LLAMA3_70B as _LLAMA
+from course_lib.estimate.clusters import gpu_cluster as _gpu_cluster
+
+_rng = random.Random(HIDDEN_SEED)
+_tp, _pp = _rng.choice([1, 2, 4, 8]), _rng.choice([1, 2, 4])  # 64 heads, 80 layers: every choice divides
+_dp, _m, _mb = _rng.choice([1, 2, 4]), _rng.randint(1, 8), _rng.choice([1, 2])
+_cluster = _replace(_gpu_cluster("H100 SXM 80 GB", 32), layer_overhead=ex11.LAYER_OVERHEAD,
+                    overlap=_rng.choice([0.0, 0.5, 1.0]))  # 4 nodes of 8: the strides decide the links
+_got = ex11._call(student.step_time_dp_tp, _LLAMA, _cluster, 4096, dp=_dp, tp=_tp, pp=_pp, micro_batch=_mb, m=_m)
+ex11._match(f"hidden: dp={_dp} tp={_tp} pp={_pp}, {_m} x {_mb} on 32 H100, overlap {_cluster.overlap:g}, seed {HIDDEN_SEED}",
+            _got, (_LLAMA, _cluster, _dp, _tp, _mb, _m, _pp), dict(seq=4096))
+
+# %% ex12_reshard
+import random
+
+import torch
+
+_rng = random.Random(HIDDEN_SEED)
+_numel, _old, _new = _rng.randint(1, 64), _rng.randint(1, 9), _rng.randint(1, 9)  # units below the world too
+_s_old, _s_new = -(-_numel // _old), -(-_numel // _new)
+_label = f"hidden: {_numel} elements, {_old} -> {_new} ranks, seed {HIDDEN_SEED}"
+_errors = [e for r in range(_new) for e in grade.plan_errors(_label, grade._plan(student, _numel, _old, _new, r)[1],
+                                                             _numel, _old, _new, r, _s_old, _s_new)]
+_watched = grade._watched(grade._offset_shards(_numel, _old, _s_old, torch.int64, grade.PAD))
+_out = [t.tolist() for t in student.reshard_flat(_watched, _numel, _new)]
+_want = [t.tolist() for t in grade._offset_shards(_numel, _new, _s_new, torch.int64, 0)]
+from course_lib.grading import check_equal  # noqa: E402
+
+check_equal(f"{_label}: the read plans break no rule, the new shards hold each element at its offset",
+            (_errors, _out), ([], _want))
+grade.check_reads(_label, student, _watched, _numel, _new)
