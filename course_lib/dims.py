@@ -104,6 +104,15 @@ def check_sequence_parallel(sequence_parallel: bool, tp: int, seq: int | None = 
         raise ValueError(f"sequence length {seq} must be divisible by tp={tp} under sequence parallelism")
 
 
+def check_virtual_stages(schedule: str, v: int) -> None:
+    """The chunks a rank holds: exactly 2 in a V schedule, one unless the schedule is interleaved."""
+    if schedule in V_SCHEDULES and v != 2:
+        raise ValueError(f"schedule={schedule!r} places exactly 2 chunks per rank in a V (rank r holds stages r and "
+                         f"2p-1-r): virtual_stages must be 2, got {v}")
+    if v > 1 and schedule not in ("interleaved_1f1b", *V_SCHEDULES):
+        raise ValueError(f"virtual_stages={v} needs schedule='interleaved_1f1b' ({schedule!r} runs one chunk per rank)")
+
+
 def check_pipeline_choice(schedule: str, pp: int, m: int, v: int = 1) -> None:
     """A schedule's own rules on its name and degrees (m micro-batches, v chunks per rank), before
     anything is built (parallel.pp.check_schedule simulates a built one)."""
@@ -112,11 +121,7 @@ def check_pipeline_choice(schedule: str, pp: int, m: int, v: int = 1) -> None:
     check_one_of("schedule", schedule, SCHEDULES)
     if v > 1 and pp == 1:
         raise ValueError(f"virtual_stages={v} needs pp > 1")
-    if schedule in V_SCHEDULES and v != 2:
-        raise ValueError(f"schedule={schedule!r} places exactly 2 chunks per rank in a V (rank r holds stages r and "
-                         f"2p-1-r): virtual_stages must be 2, got {v}")
-    if v > 1 and schedule not in ("interleaved_1f1b", *V_SCHEDULES):
-        raise ValueError(f"virtual_stages={v} needs schedule='interleaved_1f1b' ({schedule!r} runs one chunk per rank)")
+    check_virtual_stages(schedule, v)
     if schedule == "interleaved_1f1b" and pp > 1 and m % pp:
         raise ValueError(f"microbatches={m} must be a multiple of the pp={pp} ranks for interleaved_1f1b "
                          f"(micro-batches enter the chunks in rounds of pp)")
@@ -129,14 +134,13 @@ def split_layers(n_layer: int, n_stages: int) -> list[range]:
         raise ValueError(f"n_layer={n_layer} blocks cannot fill {n_stages} stages (pp x virtual_stages): "
                          f"every stage needs at least one block")
     base, extra = divmod(n_layer, n_stages)
-    bounds = [s * base + min(s, extra) for s in range(n_stages + 1)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [range(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra)) for s in range(n_stages)]
 
 
 def layers_per_rank(n_layer: int, pp: int, v: int = 1) -> list[int]:
     """Blocks held by each pipeline rank: rank r runs stages r, r + pp, ... of split_layers(n_layer, pp*v)."""
     stages = split_layers(n_layer, pp * v)
-    return [sum(len(stages[r + k * pp]) for k in range(v)) for r in range(pp)]
+    return [sum(map(len, stages[r::pp])) for r in range(pp)]  # its v stages r, r + pp, ...
 
 
 def check_experts(ep: int, n_experts: int) -> None:
@@ -154,8 +158,7 @@ def check_batch(batch_size: int, replicas: int, microbatches: int) -> int:
     if batch_size % replicas:
         raise ValueError(f"batch_size={batch_size} must be divisible by dp*ep = {replicas}: "
                          f"every replica takes an equal share")
-    share = batch_size // replicas
-    if share % microbatches:
+    if (share := batch_size // replicas) % microbatches:
         raise ValueError(f"microbatches={microbatches} must divide the per-replica batch "
                          f"batch_size/(dp*ep) = {share}")
     return share
@@ -164,8 +167,7 @@ def check_batch(batch_size: int, replicas: int, microbatches: int) -> int:
 # ---------------------------------------------------------------- the mesh's geometry
 def check_order(order) -> tuple[str, ...]:
     """A permutation of MESH_ORDER, or of MESH_DIMS (without cp: one rank wherever it sits)."""
-    order = tuple(order)
-    if sorted(order) not in (sorted(MESH_ORDER), sorted(MESH_DIMS)):
+    if sorted(order := tuple(order)) not in (sorted(MESH_ORDER), sorted(MESH_DIMS)):
         raise ValueError(f"order={order!r} must be a permutation of {MESH_ORDER} (cp may be left out: one rank)")
     return order
 
@@ -179,8 +181,7 @@ def _axes(sizes: dict[str, int], order) -> tuple[str, ...]:
     if "cp" not in order:
         if sizes["cp"] != 1:
             raise ValueError(f"order={order!r} leaves out cp, so it needs cp=1, not cp={sizes['cp']}")
-        i = order.index("tp")
-        order = order[:i] + ("cp",) + order[i:]
+        order = order[:order.index("tp")] + ("cp",) + order[order.index("tp"):]
     return order
 
 

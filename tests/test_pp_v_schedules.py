@@ -167,7 +167,7 @@ def test_v_schedules_reject_bad_input_naming_the_value_and_rule(monkeypatch):
         run_pipeline(ParallelDims(pp=2, schedule="zbv", microbatches=4, virtual_stages=1), config(), cfg)
     with pytest.raises(ValueError, match="n_layer=6 blocks cannot fill 8 stages"):
         run_pipeline(ParallelDims(pp=4, schedule="zbv", microbatches=4, virtual_stages=2), config(), cfg)
-    with pytest.raises(ValueError, match="needs virtual_stages=2"):
+    with pytest.raises(ValueError, match="'dualpipev' places exactly 2 chunks per rank in a V.*got 1"):
         run_native(ParallelDims(pp=2, schedule="dualpipev", microbatches=4, virtual_stages=1), config(), cfg)
     untied = config(tie_weights=False)
     with pytest.raises(ValueError, match="n_microbatches >= the 4 stages \\(got 2\\)"):

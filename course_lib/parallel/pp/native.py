@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.data import CharDataset
-from course_lib.dims import V_SCHEDULES, ParallelDims, check_runner
+from course_lib.dims import V_SCHEDULES, ParallelDims, check_runner, check_virtual_stages
 from course_lib.model import GPT
 from course_lib.parallel.pp.stage import build_stage
 from course_lib.parallel.pp.training import AXES, PipelineResult, check_pipeline, clip_grad_norm_pipeline, train_pipeline
@@ -33,14 +33,10 @@ NATIVE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 def check_native(schedule: str, virtual_stages: int) -> None:
     if schedule not in NATIVE_SCHEDULES:
         raise ValueError(f"schedule={schedule!r} must be one of {NATIVE_SCHEDULES} for torch.distributed.pipelining")
-    if schedule in V_SCHEDULES:
-        if virtual_stages != 2:
-            raise ValueError(f"schedule={schedule!r} needs virtual_stages=2 (two chunks per rank in a V), "
-                             f"got {virtual_stages}")
-        return
-    if (schedule == "interleaved_1f1b") != (virtual_stages > 1):
-        raise ValueError(f"virtual_stages={virtual_stages} does not fit schedule={schedule!r}: interleaved_1f1b "
-                         f"needs virtual_stages >= 2, the others exactly 1")
+    check_virtual_stages(schedule, virtual_stages)  # the rule book's: 2 in a V, one unless interleaved
+    if schedule == "interleaved_1f1b" and virtual_stages < 2:
+        raise ValueError(f"virtual_stages={virtual_stages} does not fit schedule='interleaved_1f1b': torch's "
+                         f"interleaved schedule needs virtual_stages >= 2")
 
 
 def native_schedule(stage, schedule: str, n_microbatches: int):

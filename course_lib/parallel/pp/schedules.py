@@ -22,7 +22,7 @@ a cap on the micro-batches in flight (forward done, activations not yet released
 from __future__ import annotations
 
 from course_lib._validate import check_int
-from course_lib.dims import SCHEDULES, V_SCHEDULES  # the vocabulary the planner and the rule book share
+from course_lib.dims import SCHEDULES, V_SCHEDULES, check_virtual_stages  # the rule book's vocabulary and V rule
 from course_lib.parallel.pp.actions import Action, Schedule, ScheduleError, rank_of, stage_of
 from course_lib.parallel.pp.v_schedules import dualpipev, zbv
 
@@ -127,17 +127,12 @@ def make_schedule(name: str, n_ranks: int, n_microbatches: int, virtual_stages: 
     _check_counts(n_ranks, n_microbatches, virtual_stages)
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} must be one of {SCHEDULES}")
-    if name in V_SCHEDULES:
-        if virtual_stages != 2:
-            raise ValueError(f"schedule={name!r} places exactly 2 chunks per rank in a V (rank r holds stages "
-                             f"r and 2p-1-r): virtual_stages must be 2, got {virtual_stages}")
-        return zbv(n_ranks, n_microbatches) if name == "zbv" else dualpipev(n_ranks, n_microbatches)
     if name == "pipedream_2bw":
         raise ValueError("schedule='pipedream_2bw' has no per-step action list: it never flushes, so it runs "
                          "across steps (course_lib.parallel.pp.pipedream.run_2bw)")
-    if name != "interleaved_1f1b" and virtual_stages != 1:
-        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' "
-                         f"({name!r} runs one chunk per rank)")
+    check_virtual_stages(name, virtual_stages)
+    if name in V_SCHEDULES:
+        return zbv(n_ranks, n_microbatches) if name == "zbv" else dualpipev(n_ranks, n_microbatches)
     if name == "gpipe":
         return gpipe(n_ranks, n_microbatches)
     if name == "1f1b":
