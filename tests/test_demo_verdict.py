@@ -28,3 +28,30 @@ def test_refuse_speaks_on_rank_0_only(capsys):
     assert capsys.readouterr().err == ""
     assert refuse("demo", ValueError("--dp=3 must divide 4"), rank=0) == 2
     assert capsys.readouterr().err == "demo: bad layout: --dp=3 must divide 4\n"
+
+
+def test_losses_or_check_prints_steps_from_one_or_the_verdict(capsys):
+    from types import SimpleNamespace
+
+    from course_lib.demos.verdict import losses_or_check
+
+    plain = SimpleNamespace(check=False, lr=1e-3, tolerance=None)
+    assert losses_or_check(plain, [2.0, 1.5], lambda: 1 / 0) == 0  # no reference trained without --check
+    assert capsys.readouterr().out.splitlines() == ["step 1  loss 2.000000", "step 2  loss 1.500000"]
+    checked = SimpleNamespace(check=True, lr=1e-3, tolerance=1e-3)
+    assert losses_or_check(checked, [2.0, 1.5], lambda: SimpleNamespace(train_losses=[2.0, 1.6])) == 1
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(tolerance 1.0e-03): MISMATCH")
+
+
+def test_run_demo_refuses_before_the_process_group_starts(capsys, monkeypatch):
+    from course_lib.demos import verdict
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(verdict, "init_from_env", lambda: 1 / 0)  # would start the process group
+
+    def build(args, world):
+        raise ValueError(f"--dp=3 must divide {world}")
+
+    assert verdict.run_demo("demo", None, build, None, None) == 2
+    assert capsys.readouterr().err == "demo: bad layout: --dp=3 must divide 4\n"

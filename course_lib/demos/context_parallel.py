@@ -20,16 +20,13 @@ In a notebook: `run_context_parallel(ParallelDims(cp=cp, dp=dp, cp_method=method
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from course_lib.data import CharDataset
-from course_lib.demos.verdict import compare_losses, refuse
+from course_lib.demos.verdict import losses_or_check, run_demo
 from course_lib.dims import CP_METHODS
 from course_lib.model import GPTConfig
 from course_lib.parallel.cp.training import check_run, train_context_parallel
-from course_lib.runtime.launch import init_from_env, leave_process_group
-from course_lib.tolerances import adamw_loss_atol
 from course_lib.train import TrainConfig, train_reference
 
 
@@ -72,29 +69,18 @@ def build(args, world: int):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    try:
-        cp, config, train = build(args, world)
-    except ValueError as err:  # before any rank waits: one clear line, no traceback
-        return refuse("context_parallel", err, rank)
 
-    backend = init_from_env()
-    try:
-        result = train_context_parallel(config, train, cp, args.dp, args.method, args.load_balance)
-    finally:
-        leave_process_group()
-    if rank != 0:
-        return 0
-    split = "zig-zag (load balanced)" if args.load_balance else "contiguous"
-    print(f"context parallel on {world} ranks ({backend}): dp {args.dp} x cp {cp}, method {args.method}, {split} "
-          f"shards of {args.seq_len // cp} of {args.seq_len} tokens; {config}", flush=True)
-    if not args.check:
-        for step, loss in enumerate(result.train_losses, start=1):
-            print(f"step {step}  loss {loss:.6f}")
-        return 0
-    tolerance = adamw_loss_atol(args.lr) if args.tolerance is None else args.tolerance
-    reference = train_reference(config, train)
-    return compare_losses(result.train_losses, reference.train_losses, tolerance)
+    def train(cp, config, train_cfg):
+        return train_context_parallel(config, train_cfg, cp, args.dp, args.method, args.load_balance)
+
+    def report(world, backend, built, result) -> int:
+        cp, config, train_cfg = built
+        split = "zig-zag (load balanced)" if args.load_balance else "contiguous"
+        print(f"context parallel on {world} ranks ({backend}): dp {args.dp} x cp {cp}, method {args.method}, "
+              f"{split} shards of {args.seq_len // cp} of {args.seq_len} tokens; {config}", flush=True)
+        return losses_or_check(args, result.train_losses, lambda: train_reference(config, train_cfg))
+
+    return run_demo("context_parallel", args, build, train, report)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,12 @@ difference, and exits 1 when they differ beyond what rounding can explain after 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from course_lib.data import CharDataset
-from course_lib.demos.verdict import compare_losses, refuse
+from course_lib.demos.verdict import losses_or_check, run_demo
 from course_lib.model import GPTConfig
 from course_lib.parallel.hybrid import ParallelDims, train_hybrid, train_single
-from course_lib.runtime.launch import init_from_env, leave_process_group
-from course_lib.tolerances import adamw_loss_atol
 from course_lib.train import TrainConfig
 
 
@@ -83,30 +80,15 @@ def build(args, world_size: int):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    try:
-        dims, config, train = build(args, world)
-    except ValueError as err:  # before any rank waits: one clear line, no traceback
-        return refuse("train_3d", err, rank)
 
-    backend = init_from_env()
-    try:
-        result = train_hybrid(dims, config, train)
-    finally:
-        leave_process_group()
-    if rank != 0:
-        return 0
-    layout = " x ".join(f"{d} {getattr(dims, d)}" for d in ("pp", "dp", "ep", "tp"))
-    print(f"train_3d on {world} ranks ({backend}): {layout}, {dims.describe()}, {dims.microbatches} micro-batches, "
-          f"global batch {train.batch_size}", flush=True)
-    if not args.check:
-        for step, loss in enumerate(result.train_losses):
-            print(f"step {step}  loss {loss:.6f}")
-        return 0
+    def report(world, backend, built, result) -> int:
+        dims, config, train = built
+        layout = " x ".join(f"{d} {getattr(dims, d)}" for d in ("pp", "dp", "ep", "tp"))
+        print(f"train_3d on {world} ranks ({backend}): {layout}, {dims.describe()}, {dims.microbatches} "
+              f"micro-batches, global batch {train.batch_size}", flush=True)
+        return losses_or_check(args, result.train_losses, lambda: train_single(config, train))
 
-    tolerance = adamw_loss_atol(args.lr) if args.tolerance is None else args.tolerance
-    reference = train_single(config, train)
-    return compare_losses(result.train_losses, reference.train_losses, tolerance)
+    return run_demo("train_3d", args, build, train_hybrid, report)
 
 
 if __name__ == "__main__":
