@@ -59,6 +59,9 @@ _GRADER = ("the graders run a learner's code on gloo CPU ranks only (course_lib/
            "tensors made as the exercise's notebook makes them, without a device")
 GLOO_ONLY = {
     "tests/test_batch_grading.py": _GRADER,
+    "tests/test_grading.py": "runs the exercise notebooks, whose learner code runs on gloo CPU ranks with tensors "
+                             "made without a device, as the notebooks teach",
+    "tests/test_grading_ex05.py": _GRADER,
     "tests/test_grading_ex09.py": _GRADER + "; its ring's order is NCCL's (one batch_isend_irecv)",
 }
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import CommTracer, run_on_ranks
+from course_lib.runtime.device import rank_device
 from course_lib import estimate
 from course_lib.comm.compat import all_gather_single
 from course_lib.data import CharDataset, get_batch
@@ -274,11 +275,11 @@ def test_fp8_training_tracks_fp32_and_bf16():
 
 def _gather_on_rank(full, granularity):
     rank, n = dist.get_rank(), dist.get_world_size()
-    shard = full.chunk(n)[rank].clone()
+    shard = full.chunk(n)[rank].clone().to(rank_device())  # NCCL: on the rank's device
     with CommTracer() as t8:
         got8, counted = all_gather_fp8(shard, fmt="e4m3", granularity=granularity)
     with CommTracer() as t16:
-        got16 = torch.empty(full.numel(), dtype=torch.bfloat16)
+        got16 = torch.empty(full.numel(), dtype=torch.bfloat16, device=shard.device)
         all_gather_single(got16, shard.to(torch.bfloat16))
     recv = lambda t: sum(v["bytes_recv"] for k, v in t.summary().items() if k.startswith("all_gather"))  # noqa: E731
     return got8, got16.float(), counted, recv(t8), recv(t16)
