@@ -1,9 +1,11 @@
 """Exercise 08's checkers (course_lib.grading.ex08_zero2_step) separate right from wrong code.
 
 The plain stub fails, the reference solution passes, a student module that imports the course's
-ZeRO (or torch's) is refused, and two plausible wrong answers fail where they should: the stage-1
-step (reduce-scatter after the whole backward; right numbers, too many bytes held) and a step
-that forgets to divide by N (AdamW hides a gradient scaled by N, the gradient check does not).
+ZeRO (or torch's) is refused, and plausible wrong answers fail where they should, with a message
+naming the mistake: the stage-1 step (reduce-scatter after the whole backward; right numbers, too
+many bytes held) and its disguise (gradients stashed by the hooks), a step that forgets to divide
+by N (AdamW hides a gradient scaled by N, the gradient check does not), shard bounds rounded
+down, a full gradient kept beside its shard, and parameters never gathered back whole.
 The checks run on 2 ranks here; the exercise notebook runs them on 2 and 4.
 """
 
@@ -40,6 +42,18 @@ STASHED = _variant(SOLUTION, [
     (STEP, "        for p, g in self.stash:\n            p.grad = g\n            self._reduce_scatter(p)\n"
            "        self.stash = []\n" + STEP)])
 NO_MEAN = _variant(SOLUTION, [(".div(self.world_size)", "")])
+# floor instead of ceiling: pieces too small whenever N does not divide the tensor
+FLOOR = _variant(SOLUTION, [("size = -(-numel // world_size)", "size = numel // world_size")])
+# the full gradient kept on the parameter after its shard is taken: the rank holds it all again
+KEPT = _variant(SOLUTION, [("        p.grad = None  # the full gradient leaves now: only the shard stays\n", "")])
+# only this rank's shard written back: the parameters are never brought back whole
+NO_ALL_GATHER = _variant(SOLUTION, [(
+    "            full = torch.empty(m.numel() * self.world_size, dtype=m.dtype, device=m.device)\n"
+    "            all_gather_single(full, m, group=self.group)\n"
+    "            p.copy_(full[:p.numel()].view_as(p))\n",
+    "            start, stop = shard_bounds(p.numel(), self.world_size, self.rank)\n"
+    "            flat = p.view(-1)\n"
+    "            flat[start:min(stop, p.numel())] = m[:max(0, min(stop, p.numel()) - start)]\n")])
 
 
 def _load(tmp_path, monkeypatch, source=None, refuse=()):
@@ -101,6 +115,41 @@ def test_a_step_without_the_division_by_n_fails(tmp_path, monkeypatch):
     student = _load(tmp_path, monkeypatch, NO_MEAN, refuse=ex08.REFUSE)
     with pytest.raises(grading.CheckFailed, match="the whole batch's gradient"):
         ex08.check_gradient_shards(_shards(student))
+
+
+def test_a_floor_division_fails_the_bounds_with_a_hint(tmp_path, monkeypatch):
+    student = _load(tmp_path, monkeypatch, FLOOR, refuse=ex08.REFUSE)
+    with pytest.raises(grading.CheckFailed, match=r"which is not the answer\.\n every rank's piece has the same "
+                                                  r"size S = ceil\(numel / N\)"):
+        ex08.check_shard_bounds(student.shard_bounds)
+
+
+def test_a_step_that_keeps_the_full_gradient_fails(tmp_path, monkeypatch):
+    student = _load(tmp_path, monkeypatch, KEPT, refuse=ex08.REFUSE)
+    out = ex08.run_training(student.Zero2AdamW, 2)
+    with pytest.raises(grading.CheckFailed, match=r"bytes held after each step\(\)"):
+        ex08.check_state_after_step(out)
+    with pytest.raises(grading.CheckFailed, match="Stage 1 holds them all"):
+        ex08.check_peak_gradient_bytes(out)
+
+
+def test_a_step_without_the_all_gather_fails_on_the_parameters(tmp_path, monkeypatch):
+    student = _load(tmp_path, monkeypatch, NO_ALL_GATHER, refuse=ex08.REFUSE)
+    out = ex08.run_training(student.Zero2AdamW, 2)
+    with pytest.raises(grading.CheckFailed, match="every rank must hold every parameter whole and updated"):
+        ex08.check_same_as_one_process(out)
+
+
+def test_the_sum_instead_of_the_mean_is_named(tmp_path, monkeypatch):
+    student = _load(tmp_path, monkeypatch, NO_MEAN, refuse=ex08.REFUSE)
+    with pytest.raises(grading.CheckFailed, match="your shards are 2 times the mean gradient") as failure:
+        ex08.check_gradient_shards(_shards(student))
+    assert "expected" not in str(failure.value)  # the learner's difference and a hint, not the answer
+
+
+def test_the_checker_holds_no_readable_bounds():
+    source = (ROOT / "course_lib" / "grading" / "ex08_zero2_step.py").read_text()
+    assert "(96, 128)" not in source and "(9, 12)" not in source
 
 
 def test_the_formulas():

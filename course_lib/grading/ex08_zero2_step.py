@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import VOCAB_SIZE, CharDataset, collate, sample_indices
-from course_lib.grading import CheckFailed, check_close, check_equal, passed
+from course_lib.grading import CheckFailed, check_equal, passed
+from course_lib.grading.stored import check_digest
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.tracer import CommTracer
 from course_lib.runtime.pool import run_on_ranks
@@ -200,13 +201,43 @@ def single_process() -> tuple[torch.Tensor, list[float], torch.Tensor]:
 
 
 # ---------------------------------------------------------------- the checks (parent side)
+# digest(...) of the reference solution's answer for each case (course_lib.grading.stored): the
+# expected bounds are not kept readable here
+SHARD_BOUNDS = [
+    ("10 elements on 4 ranks", (10, 4), "9041bd275b244d395dce0e03d748f68fea58c73a37a55d7e8965235ef31af1a5"),
+    ("12 elements on 4 ranks (no padding)", (12, 4), "9041bd275b244d395dce0e03d748f68fea58c73a37a55d7e8965235ef31af1a5"),
+    ("1 element on 2 ranks", (1, 2), "3846e25a55ae016d7d5f9d629f5a8322da601969fab22b300ee1b3234ddc3e68"),
+]
+BOUNDS_127_RANK_3 = "c0d2f6a9d7ba16b671665c6501b9fc49623fee6599606c63391819c0ee09e039"  # shard_bounds(127, 4, 3)
+BOUNDS_HINT = ("every rank's piece has the same size S = ceil(numel / N) (the tensor is padded to N·S), "
+               "rank r's piece starts at r·S, and the last piece may reach into the padding")
+
+
+def _bounds(value):
+    """A learner's (start, stop) as plain ints, so that a tuple, a list or numpy ints all compare."""
+    try:
+        return tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        return value
+
+
 def check_shard_bounds(shard_bounds) -> None:
-    check_equal("10 elements on 4 ranks", [shard_bounds(10, 4, r) for r in range(4)],
-                [(0, 3), (3, 6), (6, 9), (9, 12)])
-    check_equal("12 elements on 4 ranks (no padding)", [shard_bounds(12, 4, r) for r in range(4)],
-                [(0, 3), (3, 6), (6, 9), (9, 12)])
-    check_equal("1 element on 2 ranks", [shard_bounds(1, 2, r) for r in range(2)], [(0, 1), (1, 2)])
-    check_equal("127 elements (mlp.fc.bias) on 4 ranks, rank 3", shard_bounds(127, 4, 3), (96, 128))
+    for label, (numel, n), want in SHARD_BOUNDS:
+        check_digest(label, [_bounds(shard_bounds(numel, n, r)) for r in range(n)], want, hint=BOUNDS_HINT)
+    check_digest("127 elements (mlp.fc.bias) on 4 ranks, rank 3", _bounds(shard_bounds(127, 4, 3)),
+                 BOUNDS_127_RANK_3, hint=BOUNDS_HINT)
+
+
+def _close(label: str, got, want, *, rtol: float, atol: float, hint: str = "") -> None:
+    """PASS, or CheckFailed with the largest difference and a hint, never the expected values."""
+    g, w = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
+    if g.shape != w.shape:
+        raise CheckFailed(f"{label}: got shape {tuple(g.shape)}, expected {tuple(w.shape)}")
+    if torch.allclose(g, w, rtol=rtol, atol=atol):
+        passed(label)
+        return
+    worst = (g - w).abs().max().item()
+    raise CheckFailed(f"{label}: values differ (largest difference {worst:.3g})" + (f"; {hint}" if hint else ""))
 
 
 def check_gradient_shards(per_rank: list[list[torch.Tensor]]) -> None:
@@ -222,8 +253,12 @@ def check_gradient_shards(per_rank: list[list[torch.Tensor]]) -> None:
     # across ranks); ~n·2^-23 relative for the <= ~400 tokens summed, 1e-4 leaves a margin; elements
     # that cancel to ~0 keep the absolute error of their terms: 1e-4 of the largest element.
     # A sum instead of the mean is off by a factor N.
-    check_close(f"{n} ranks: the shards side by side = the whole batch's gradient", got, want,
-                rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    scale = (got @ want / (want @ want)).item()  # got = scale * want when only the scaling is off
+    hint = (f"your shards are {scale:.3g} times the mean gradient: each rank's gradient is the mean over its own "
+            f"rows, and the reduce-scatter sums the N ranks' contributions" if abs(scale - 1) > 1e-3 else
+            "rank r's shard must be piece r of the flattened, padded gradient, averaged over the ranks")
+    _close(f"{n} ranks: the shards side by side = the whole batch's gradient", got, want,
+           rtol=1e-4, atol=1e-4 * want.abs().max().item(), hint=hint)
     check_equal(f"{n} ranks: zero gradient in the padding",
                 all(bool((w[size:] == 0).all()) for w, size in zip(whole, sizes)), True)
 
@@ -231,17 +266,20 @@ def check_gradient_shards(per_rank: list[list[torch.Tensor]]) -> None:
 def check_same_as_one_process(out: list[dict]) -> None:
     n = len(out)
     params, losses, _ = single_process()
-    # Loss of the whole batch = mean of the ranks' equal shares. adamw_loss_atol (course_lib.tolerances)
-    # says why: fp32 sums in another order, plus elements AdamW moved by up to lr on rounding.
-    check_close(f"{n} ranks: loss of each of the {TRAIN.steps} steps (mean over ranks)",
-                [sum(o["losses"][s] for o in out) / n for s in range(TRAIN.steps)], losses,
-                rtol=0, atol=adamw_loss_atol(TRAIN.lr))
     for rank, o in enumerate(out):
         # In RMS, against a hundredth of one AdamW step: AdamW magnifies the rounding of a gradient
         # near zero and can move that one element by up to ~lr; a wrong step moves most by ~lr.
         rms = (o["params"] - params).pow(2).mean().sqrt().item()
-        check_close(f"{n} ranks, rank {rank}: parameters after {TRAIN.steps} steps (RMS of the difference)",
-                    rms, 0.0, rtol=0, atol=TRAIN.lr / 100)
+        _close(f"{n} ranks, rank {rank}: parameters after {TRAIN.steps} steps (RMS of the difference)",
+               rms, 0.0, rtol=0, atol=TRAIN.lr / 100,
+               hint="after step() every rank must hold every parameter whole and updated: the shards it "
+                    "updated and the ones the other ranks updated")
+    # Loss of the whole batch = mean of the ranks' equal shares. adamw_loss_atol (course_lib.tolerances)
+    # says why: fp32 sums in another order, plus elements AdamW moved by up to lr on rounding.
+    _close(f"{n} ranks: loss of each of the {TRAIN.steps} steps (mean over ranks)",
+           [sum(o["losses"][s] for o in out) / n for s in range(TRAIN.steps)], losses,
+           rtol=0, atol=adamw_loss_atol(TRAIN.lr), hint="the first step's loss is right when the forward is: "
+           "a later one differs when the update is wrong")
 
 
 def check_state_after_step(out: list[dict]) -> None:
