@@ -25,8 +25,10 @@ class Joined(Exception):
 
 def _reaches_the_group(step):
     module = importlib.import_module(f"course_lib.demos.{step.name}")
+    # a demo started by demos.verdict.run_demo joins the group there
+    joins = module if hasattr(module, "init_from_env") else importlib.import_module("course_lib.demos.verdict")
     env = {"WORLD_SIZE": str(step.world), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(step.world)}
-    with mock.patch.dict(os.environ, env), mock.patch.object(module, "init_from_env", side_effect=Joined):
+    with mock.patch.dict(os.environ, env), mock.patch.object(joins, "init_from_env", side_effect=Joined):
         try:
             module.main(step.args)
         except Joined:
