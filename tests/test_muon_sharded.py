@@ -108,3 +108,13 @@ def test_bad_input_refused_before_any_rank():
         ShardedMuon([torch.nn.Parameter(torch.ones(3, 3))], method="x")
     with pytest.raises(ValueError, match="2-D"):
         ShardedMuon([torch.nn.Parameter(torch.ones(3))], method="gather")
+
+
+def test_every_communicated_tensor_is_on_the_rank_device():
+    # COURSE_DEVICE_RULE's check on CPU ranks: a tensor made without a device and handed to a
+    # collective would pass on gloo and fail on the first NCCL run
+    from course_lib.observe.device_rule import under_rule
+    from course_lib.runtime.device import rank_device
+    for method in ("gather", "owner"):
+        out = run_on_ranks(under_rule(_on_rank, rank_device), THREE, method, KW, world_size=2, timeout_s=240)
+        assert all(all(o[0]) for o in out)  # exact, as above
