@@ -14,6 +14,7 @@ of ranks summed into it), and the notebook asserts the two are equal.
 
 from __future__ import annotations
 
+from course_lib._validate import check_int
 from course_lib.comm import chunk_bounds, ring_all_reduce, ring_send_chunk
 from course_lib.runtime.device import rank_device
 
@@ -23,8 +24,7 @@ def simulate_ring(world_size: int) -> list[list[list[int]]]:
     chunk c after s ring steps (s = 0 is the start: rank r holds only its own data, 1 << r).
     There are 2(N-1) steps: N-1 reduce-scatter steps (the receiver ORs, i.e. adds, the
     incoming contributions) then N-1 all-gather steps (the receiver overwrites)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 2 (a ring needs two ranks)")
+    check_int("world_size", world_size, minimum=2, rule="an int >= 2 (a ring needs two ranks)")
     n = world_size
     state = [[1 << r for _ in range(n)] for r in range(n)]
     states = [[row[:] for row in state]]
