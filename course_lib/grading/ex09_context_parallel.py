@@ -241,8 +241,9 @@ def check_layout(student, layouts=LAYOUTS):
         problem = _layout_problem(t, cp, layout)
         if problem:
             raise CheckFailed(f"T={t}, cp={cp}: {problem}; got {layout}")
-    passed(f"{len(layouts)} layouts (cp = 1 ... 8, T a multiple of 2cp or not): every position held once, at most "
-           f"two runs per rank, ranks in sequence order")
+    cps = sorted({cp for _, cp in layouts})
+    passed(f"{len(layouts)} layout{'s' if len(layouts) > 1 else ''} (cp = {cps[0]} ... {cps[-1]}, T a multiple of "
+           f"2cp or not): every position held once, at most two runs per rank, ranks in sequence order")
     for (t, cp), layout in got.items():
         tokens = [len(ids) for ids in layout]
         if max(tokens) - min(tokens) > 1:

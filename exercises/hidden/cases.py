@@ -6,6 +6,8 @@
 # %% ex00_all_reduce
 import random
 
+from course_lib.grading import check_close
+
 _rng = random.Random(HIDDEN_SEED)
 _n = _rng.randint(2, 5)
 _values = [_rng.randint(-64, 64) / 8 for _ in range(_n)]  # multiples of 1/8: every order of summing is exact
@@ -70,3 +72,12 @@ from course_lib.grading import check_equal  # noqa: E402
 check_equal(f"{_label}: the read plans break no rule, the new shards hold each element at its offset",
             (_errors, _out), ([], _want))
 grade.check_reads(_label, student, _watched, _numel, _new)
+
+# %% ex09_context_parallel
+import random
+
+_rng = random.Random(HIDDEN_SEED)
+_cp = _rng.randint(2, 4)
+_t = _rng.randint(2 * _cp, 10 * _cp)  # 2cp divides it or not
+checks.check_layout(student, layouts=[(_t, _cp), (_t + 1, _cp), (_rng.randint(16, 99), _rng.randint(5, 8))])
+checks.check_ring(student, cases=((_t, _cp),))
