@@ -4,6 +4,7 @@
     torchrun --nproc-per-node=8 -m course_lib.demos.zero --stage 2 --bf16 --offload --steps 20
     torchrun --nproc-per-node=4 -m course_lib.demos.zero --stage 3 --sharding per_param --hsdp 2 \
              --offload nvme --offload-dir /tmp/zero_nvme --check
+    torchrun --nproc-per-node=4 -m course_lib.demos.zero --stage 1 --optimizer muon --muon-method owner --check
 
 Every rank trains the course GPT with `apply_zero(model, S, torch.optim.AdamW)` on its share
 of each batch (course_lib.parallel.zero.train_zero). Rank 0 also trains the same model alone
