@@ -65,7 +65,7 @@ def _chain(config, cfg, root):
         n = dist.get_world_size(group)
 
         def mean(loss):  # the global loss: the mean of the ranks' shares
-            t = torch.tensor([loss / n], dtype=torch.float64)
+            t = torch.tensor([loss / n], dtype=torch.float64, device=rank_device())  # NCCL: the rank's device
             dist.all_reduce(t, group=group)
             return t.item()
 

@@ -26,6 +26,7 @@ from course_lib import run_on_ranks
 from course_lib.data import CharDataset, collate, sample_indices
 from course_lib.model import GPT
 from course_lib.parallel.zero import apply_zero, gather_full_parameters
+from course_lib.runtime.device import rank_device
 from course_lib.train import share_rows
 
 from _tolerances import FP32_EPS, adamw_loss_atol
@@ -104,7 +105,7 @@ def _on_rank(config, names):
             for p in model.parameters():
                 p.mul_(0.5)
         after_step(batches[-1])
-        mean = torch.tensor(losses, dtype=torch.float64)
+        mean = torch.tensor(losses, dtype=torch.float64, device=rank_device())  # NCCL: the rank's device
         dist.all_reduce(mean)
         out[name] = {"losses": (mean / n).tolist(), "mismatches": mismatches}
     return out
