@@ -5,7 +5,7 @@
 # `exercises/ex07_expert_dispatch/student.py` (notebook `07_mixture_of_experts` explains every
 # idea used here: §2 for the router's output, §5 for the two all-to-alls). One thing differs
 # from the notebook: the experts are dealt round-robin, expert e on rank e mod ep (rank 0 of 2
-# holds experts 0, 2, 4, ...), the way a checkpoint written for another ep may come back.
+# holds experts 0, 2, 4, ...), so the notebook's layout of the rows no longer fits as it is.
 #
 # 1. `sort_for_dispatch(expert, n_experts, ep)`: the stable permutation that lays the
 #    assignments out for the dispatch, and the count per expert;
