@@ -79,6 +79,9 @@ def plan(gpus: int, scratch: str = "/tmp/course-gpu-check") -> list[Step]:
         Step("zero", gpus, ["--stage", "3", "--steps", "3", "--bf16", "--check"]),
         Step("context_parallel", cp, ["--method", "ring", "--seq-len", "64", "--load-balance", "--steps", "3",
                                       "--check"]),
+        Step("diloco", gpus, ["--replicas", str(gpus), "--inner-steps", "2", "--steps", "6", "--check"]),
+        Step("zero", gpus, ["--stage", "1", "--optimizer", "muon", "--muon-method", "owner", "--steps", "3",
+                            "--check"]),
         Step("train_3d", d3, ["--dp", str(dp3), "--tp", str(tp3), "--pp", str(pp3), "--zero", "1",
                               "--microbatches", "2", "--steps", "3", "--check"]),
     ]
