@@ -260,7 +260,7 @@ def failure_lines(error: BaseException, tb=None) -> list[str]:
     """The short report of a failed check (see above): a headline and where it happened."""
     if isinstance(error, CheckFailed):
         return [f"{RED}{BOLD}✗ check failed{RESET}{RED}: {error}{RESET}",
-                f"Compare got with expected, fix {_GRADED['path'] or 'student.py'}, then restart the kernel and run all."]
+                f"Read what the check says about your result, fix {_GRADED['path'] or 'student.py'}, then restart the kernel and run all."]
     if isinstance(error, RankTimeout):
         return [f"{RED}{BOLD}✗ RankTimeout{RESET}{RED}: {error}{RESET}",
                 "A rank waited for a message nobody sent (or sent to the wrong peer): check who sends and "
