@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/08_zero_fsdp.ipynb)
+
+# %% [markdown]
 # # 08 · ZeRO stages 1, 2 and 3, FSDP and offload
 #
 # Notebook 01 counted what training holds per parameter: with bf16 weights and AdamW, **16
@@ -37,6 +40,16 @@
 #   course's options to DeepSpeed's config keys and PyTorch's FSDP2;
 # * explain why Muon, which orthogonalises whole matrices, cannot step a flat shard, and compare
 #   its gather and owner-compute shardings by bytes and Newton-Schulz FLOPs per rank.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "notebooks")
 
 # %%
 %matplotlib inline
