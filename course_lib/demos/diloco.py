@@ -19,20 +19,18 @@ differ from the formula at all.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 from course_lib.data import CharDataset
-from course_lib.demos.verdict import compare_losses, refuse
+from course_lib.demos.verdict import compare_losses, run_demo
 from course_lib.dims import ParallelDims
 from course_lib.estimate.traffic.diloco import ddp_bytes_per_step, diloco_sync_bytes
 from course_lib.model import GPTConfig
 from course_lib.parallel.diloco.simulate import param_rms_tolerance, simulate_diloco
 from course_lib.parallel.diloco.training import check_run, train_diloco, train_local_sgd
-from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.tolerances import adamw_loss_atol
 from course_lib.train import TrainConfig
 from course_lib.units import fmt_bytes
@@ -69,11 +67,15 @@ def build(args, world: int):
 
 
 def run(args, options, config, train):
-    """Rank code: this rank's DilocoResult (traced)."""
+    """Rank code: every rank's DilocoResult (traced), gathered on every rank."""
     if args.local_sgd:
-        return train_local_sgd(config, train, args.replicas, args.inner_steps, trace=True)
-    return train_diloco(config, train, args.replicas, args.inner_steps, options["outer_lr"], options["outer_momentum"],
-                        options["fragments"], options["outer_dtype"], trace=True)
+        mine = train_local_sgd(config, train, args.replicas, args.inner_steps, trace=True)
+    else:
+        mine = train_diloco(config, train, args.replicas, args.inner_steps, options["outer_lr"],
+                            options["outer_momentum"], options["fragments"], options["outer_dtype"], trace=True)
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, mine)
+    return results
 
 
 def report(results, args, options, config, train) -> int:
@@ -112,19 +114,8 @@ def report(results, args, options, config, train) -> int:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    try:
-        options, config, train = build(args, world)
-    except ValueError as err:  # before any rank waits: one clear line, no traceback
-        return refuse("diloco", err, rank)
-    init_from_env()
-    try:
-        mine = run(args, options, config, train)
-        results = [None] * world
-        dist.all_gather_object(results, mine)
-    finally:
-        leave_process_group()
-    return report(results, args, options, config, train) if rank == 0 else 0
+    return run_demo("diloco", args, lambda a, world: (a, *build(a, world)), run,
+                    lambda world, backend, built, results: report(results, *built))
 
 
 if __name__ == "__main__":
