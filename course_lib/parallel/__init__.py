@@ -12,6 +12,10 @@
     pp/        pipeline parallelism (notebook 06)
     ep/        expert parallelism for mixture-of-experts models (notebook 07)
     zero/      ZeRO stages 1-3 / FSDP and offload (notebook 08)
+    cp/        context parallelism: ring, all-gather and Ulysses attention (notebook 09)
+    hybrid/    the ordered composition of the axes on one mesh (notebook 10)
+    diloco/    LocalSGD and DiLoCo: replicas that meet every H steps
+    topology.py  a cluster's links and each mesh axis's traffic on them
 
 Convention: a strategy is `apply_<x>(model, group_or_mesh, ...)`, which turns the plain
 single-process model into its parallel form in place (wrapping or swapping modules) and
