@@ -57,8 +57,8 @@ check_one_f_one_b(student.one_f_one_b)
 # ## Check 2: 1F1B under a memory cap per rank
 # First, caps that cannot be caps must be refused with a `ValueError`. Then, for ten settings
 # of p, m and caps (some caps rising with r, some above 1F1B's own counts, one of 1 on every
-# rank): valid lists, at most `caps[r]` in flight on rank r, and a step no longer than the
-# 1F1B pattern takes under the same caps (a faster schedule passes too).
+# rank): valid lists, at most `caps[r]` in flight on rank r, and a step exactly as short as
+# the 1F1B pattern can be under the same caps (its best warm-ups).
 
 # %%
 check_capped(student.capped_1f1b)
