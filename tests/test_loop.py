@@ -12,7 +12,7 @@ from course_lib.data import VOCAB_SIZE, CharDataset, collate, sample_indices
 from course_lib.loop import StepHooks, share_rows, train_loop
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.timeline import Timeline
-from course_lib.runtime import RankError, run_on_ranks
+from course_lib.runtime import RankError, rank_device, run_on_ranks
 from course_lib.train import TrainConfig, flat_params, make_optimizer, train_step
 
 CFG = TrainConfig(steps=3, batch_size=8, grad_clip=1.0, progress=False)
@@ -153,7 +153,7 @@ def _global_loss_run(steps):
     rank, n = dist.get_rank(), dist.get_world_size()
 
     def mean(loss):
-        t = torch.tensor([loss / n], dtype=torch.float64)
+        t = torch.tensor([loss / n], dtype=torch.float64, device=rank_device())  # NCCL: the rank's device
         dist.all_reduce(t)
         return t.item()
 

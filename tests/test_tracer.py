@@ -7,28 +7,30 @@ import torch.distributed as dist
 from course_lib import CommTracer, Timeline, make_mesh, merge_summaries, mesh_groups, run_on_ranks
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
 from course_lib.observe.timeline import merge_timelines
+from course_lib.runtime.device import rank_device
 
 
 def traced_mix(numel):
     """A fixed mix of ops on every rank; returns this rank's summary."""
     r, n = dist.get_rank(), dist.get_world_size()
-    t = torch.ones(numel)
+    t = torch.ones(numel, device=rank_device())
     with CommTracer() as tracer:
         dist.all_reduce(t)
         dist.all_reduce(t)
         dist.broadcast(t, src=0)
-        out = torch.empty(n * numel)
+        out = torch.empty(n * numel, device=rank_device())
         all_gather_single(out, t)
-        shard = torch.empty(numel)
-        reduce_scatter_single(shard, torch.ones(n * numel))
+        shard = torch.empty(numel, device=rank_device())
+        reduce_scatter_single(shard, torch.ones(n * numel, device=rank_device()))
         if r == 0:
-            dist.send(torch.ones(5, dtype=torch.float64), dst=1)
+            dist.send(torch.ones(5, dtype=torch.float64, device=rank_device()), dst=1)
         elif r == 1:
-            dist.recv(torch.empty(5, dtype=torch.float64), src=0)
-        ops = [dist.P2POp(dist.isend, t, (r + 1) % n), dist.P2POp(dist.irecv, torch.empty(numel), (r - 1) % n)]
+            dist.recv(torch.empty(5, dtype=torch.float64, device=rank_device()), src=0)
+        ops = [dist.P2POp(dist.isend, t, (r + 1) % n),
+               dist.P2POp(dist.irecv, torch.empty(numel, device=rank_device()), (r - 1) % n)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    outside = torch.ones(1)
+    outside = torch.ones(1, device=rank_device())
     dist.all_reduce(outside)  # after the block: must not be counted
     return tracer.summary()
 
@@ -69,9 +71,9 @@ def test_tracer_feeds_the_timeline():
     def f():
         tl = Timeline()
         with tl.span("compute"):
-            torch.ones(100).sum()
+            torch.ones(100, device=rank_device()).sum()
         with CommTracer(timeline=tl):
-            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4, device=rank_device()))
         return tl.events
 
     per_rank = run_on_ranks(f, world_size=2)
@@ -115,17 +117,19 @@ def test_make_mesh_groups_match_the_layout():
         assert tp_group in layout["tp"] and r in tp_group
 
 
+@pytest.mark.gloo_only("receives from any source (src=None) on purpose, which gloo has and NCCL refuses: "
+                        "the tracer names the sender it learns from gloo")
 def test_records_name_the_group_and_the_peer():
     def f():
         evens = dist.new_group([0, 2])
         r = dist.get_rank()
         with CommTracer() as tracer:
             if r in (0, 2):
-                dist.all_reduce(torch.ones(3), group=evens)
+                dist.all_reduce(torch.ones(3, device=rank_device()), group=evens)
             if r == 0:
-                dist.send(torch.ones(1), dst=3)
+                dist.send(torch.ones(1, device=rank_device()), dst=3)
             if r == 3:
-                dist.recv(torch.ones(1))  # from any source: the tracer records who sent
+                dist.recv(torch.ones(1, device=rank_device()))  # from any source: the tracer records who sent
         return [(rec.op, rec.group_ranks, rec.peer, rec.dtype, rec.numel) for rec in tracer.records]
 
     got = run_on_ranks(f, world_size=4)
@@ -155,9 +159,10 @@ def _layer_order():
     patching.add_layer(inner)
     try:
         with CommTracer() as tracer:
-            dist.all_reduce(torch.ones(2))
+            dist.all_reduce(torch.ones(2, device=rank_device()))
             # torch's all_gather_into_tensor is built on all_gather_single: one call, seen once
-            all_gather_single(torch.empty(2 * dist.get_world_size()), torch.ones(2))
+            dev = rank_device()
+            all_gather_single(torch.empty(2 * dist.get_world_size(), device=dev), torch.ones(2, device=dev))
     finally:
         patching.remove_layer(outer)
         patching.remove_layer(inner)
