@@ -20,8 +20,9 @@ _IPC_DIRS: list[str] = []
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gloo_only(reason): does on purpose what NCCL forbids (a gloo-only call, "
-                            "host tensors to a collective); deselected under COURSE_NCCL_RULES=1 (conftest.py)")
+    config.addinivalue_line("markers", "gloo_only(reason): runs without NCCL's rules: does on purpose what NCCL "
+                            "forbids (a gloo-only call, host tensors to a collective), or measures what the rules' "
+                            "tracking changes; deselected under COURSE_NCCL_RULES=1 (conftest.py)")
     if os.name != "posix" or not config.getoption("nbval", default=False):
         return
     import nbval.kernel
@@ -49,12 +50,12 @@ def pytest_unconfigure(config):
 
 
 # ------------------------------------------------------------------ NCCL's rules (COURSE_NCCL_RULES=1)
-# `make test` runs the library's tests with COURSE_NCCL_RULES=1 (course_lib/observe/nccl_rules.py and
-# device_rule.py): every rank call obeys NCCL's point-to-point rules, refuses gloo-only calls, and
-# hands communication calls tensors on the rank's device only. A test that does on purpose what
-# NCCL forbids says so with @pytest.mark.gloo_only("why"), or a file's `pytestmark`, or a line of
-# GLOO_ONLY below for a whole file (files whose owners keep them elsewhere): with the variable set,
-# those tests are deselected here, and `pytest -m gloo_only` runs them without it.
+# With COURSE_NCCL_RULES=1 (course_lib/observe/nccl_rules.py and device_rule.py) every rank call obeys
+# NCCL's point-to-point rules, refuses gloo-only calls, and hands communication calls tensors on the
+# rank's device only. A test that does on purpose what NCCL forbids, or measures something the
+# rules' tracking changes, says so with @pytest.mark.gloo_only("why"), or a file's `pytestmark`, or
+# a line of GLOO_ONLY below for a whole file (files whose owners keep them elsewhere): with the
+# variable set, those tests are deselected here, and `pytest -m gloo_only` runs them without it.
 _GRADER = ("the graders run a learner's code on gloo CPU ranks only (course_lib/grading, backend gloo), with "
            "tensors made as the exercise's notebook makes them, without a device")
 GLOO_ONLY = {
@@ -64,6 +65,9 @@ GLOO_ONLY = {
     "tests/test_grading_ex05.py": _GRADER,
     "tests/test_grading_ex09.py": _GRADER + "; its ring's order is NCCL's (one batch_isend_irecv)",
     "tests/test_grading_ex13.py": _GRADER,
+    "tests/test_torch_memtracker.py": "measures memory with torch's MemTracker, exactly: under the rules the device "
+                                      "rule's tensor tracking (a torch function mode on every op) changes the bytes it "
+                                      "counts (activations 797,320 against 451,952 at world size 2)",
     "tests/test_grading_loader.py": "grades exercise notebooks, whose learner code runs on gloo CPU ranks with "
                                     "tensors made without a device, as the notebooks teach",
 }

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from course_lib import RankError, RankTimeout, run_on_ranks
 from course_lib.observe.checks import CollectiveMismatch
-from course_lib.runtime import threads_per_rank
+from course_lib.runtime import rank_device, threads_per_rank
 from course_lib.runtime.pool import live_pools
 
 
@@ -34,7 +34,7 @@ def test_closures_lambdas_and_arguments_travel():
 
 def test_all_reduce_sums_across_ranks():
     def f():
-        t = torch.tensor([float(dist.get_rank() + 1)])
+        t = torch.tensor([float(dist.get_rank() + 1)], device=rank_device())  # NCCL: the rank's device
         dist.all_reduce(t)
         return t.item()
 
@@ -184,11 +184,11 @@ def test_point_to_point_between_some_ranks_does_not_upset_the_checks():
     def pipeline_like():
         r = dist.get_rank()
         if r == 0:
-            dist.send(torch.ones(2), dst=1)
+            dist.send(torch.ones(2, device=rank_device()), dst=1)
         elif r == 1:
-            buf = torch.zeros(2)
+            buf = torch.zeros(2, device=rank_device())
             dist.recv(buf, src=0)
-        t = torch.ones(2)
+        t = torch.ones(2, device=rank_device())
         dist.all_reduce(t)
         return t.tolist()
 

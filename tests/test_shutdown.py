@@ -18,6 +18,7 @@ RANK_SCRIPT = textwrap.dedent('''
                    for t in os.listdir("/proc/self/task"))
 
     def rank(r, port, out_dir):
+        from course_lib.runtime.device import rank_device
         from course_lib.runtime.launch import init_from_env, leave_process_group
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
                           LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2")
@@ -26,7 +27,7 @@ RANK_SCRIPT = textwrap.dedent('''
         class Model:  # keeps its sub-group in a reference cycle, as modules with hooks do
             pass
         m = Model(); m.me = m; m.group = dist.new_group([0, 1])
-        w = dist.all_reduce(torch.ones(4), group=m.group, async_op=True)
+        w = dist.all_reduce(torch.ones(4, device=rank_device()), group=m.group, async_op=True)
         w.wait()
         with_sub = runloops()
         del m, w
