@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.data import CharDataset, get_batch
-from course_lib.grading import CheckFailed, check_close, check_equal, passed
+from course_lib.grading import CheckFailed, check_equal, passed
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.tracer import CommTracer
 from course_lib.runtime.pool import run_on_ranks
@@ -147,6 +147,19 @@ def check_qkv_rows(student):
 
 # ------------------------------------------------------------------------- column -> row MLP
 
+def _close(label: str, got: torch.Tensor, want: torch.Tensor, *, rtol: float, atol: float) -> None:
+    """PASS, or CheckFailed with the shapes or the largest difference and how many values differ,
+    never the expected values (the tolerance is stated where this is called)."""
+    g, w = got.detach().double(), want.detach().double()
+    if g.shape != w.shape:
+        raise CheckFailed(f"{label}: got shape {tuple(g.shape)}, expected {tuple(w.shape)}")
+    bad = ~torch.isclose(g, w, rtol=rtol, atol=atol)
+    if bad.any():
+        raise CheckFailed(f"{label}: {int(bad.sum())} of {bad.numel()} values differ, the largest by "
+                          f"{(g - w).abs().max().item():.3g}")
+    passed(label)
+
+
 def _grad(p):
     return p.grad if isinstance(p, torch.Tensor) else None
 
@@ -215,8 +228,7 @@ def check_mlp(student, world_sizes=(2, 4)):
                     raise CheckFailed(f"{where}: {name} is None: the shard did not take part in backward")
                 # fp32 sums of up to 64 products, split over the ranks and added again: the same terms
                 # in another order (~1e-7 here; the worst case 64 eps sum|a b| is a few 1e-6)
-                check_close(f"{where}: {name} equals the single process's", got.detach(), want.detach(),
-                            rtol=1e-5, atol=1e-5)
+                _close(f"{where}: {name} equals the single process's", got, want, rtol=1e-5, atol=1e-5)
             check_equal(f"{where}: (all-reduces, bytes each rank gives them, other collectives) in forward "
                         f"and in backward", res["calls"], [(1, x_bytes, 0), (1, x_bytes, 0)])
 
@@ -260,5 +272,5 @@ def check_gpt(student, world_size: int = 2):
                 raise CheckFailed(f"rank {r}: {name} is None: the shard did not take part in backward")
             # one forward and backward through 2 layers in fp32: the same sums in another order
             # (~1e-7 relative); a wrong split or a missing sum is off by far more (1e-3 and up)
-            check_close(f"{world_size} ranks, rank {r}: {name} equals the single process's", got.detach(),
-                        want.detach(), rtol=1e-4, atol=1e-6)
+            _close(f"{world_size} ranks, rank {r}: {name} equals the single process's", got, want,
+                   rtol=1e-4, atol=1e-6)
