@@ -17,6 +17,7 @@ async saves, the full training state, and elastic recovery.
     training.py    the training loop with periodic checkpoints, resumption and a kill on purpose
     interval.py    failures at scale and the Young/Daly checkpoint interval
     flat.py        ZeRO-3 flat shards saved as they are (exercise 12);  viz.py: notebook 12's figures
+    live.py        live resharding trainer ranks -> generator ranks: the same boxes, sent by batch_isend_irecv
 """
 
 from course_lib.checkpoint.async_save import AsyncCheckpointer
