@@ -189,3 +189,83 @@ def test_bad_shapes_are_refused_before_any_send():
         assert "size 10 of dim 1 must be divisible by tp=4" in msgs[0]
         assert "x's last size 8 must equal w's in_features w.shape[1]=6" in msgs[1]
         assert "dim=2 is the feature dim of x" in msgs[2]
+
+
+# ---- apply_tensor_parallel(..., sequence_parallel=True, async_tp=True): training steps -------------
+
+SEQ = 12  # the whole sequence splits over 2, 3 and 4 ranks
+
+
+def _config(tie=True):
+    from course_lib.data import CharDataset
+    from course_lib.model import GPTConfig
+
+    # 12 heads, 48 features, 192 MLP columns: divisible by 2, 3 and 4
+    return GPTConfig(vocab_size=CharDataset("train").vocab_size, block_size=SEQ, n_layer=2, n_head=12,
+                     d_model=48, d_ff=192, tie_weights=tie)
+
+
+def _train_cfg():
+    from course_lib.train import TrainConfig
+
+    # 3 AdamW steps with clipping: the setting tests/_tolerances measured its AdamW bounds on.
+    return TrainConfig(steps=3, batch_size=4, grad_clip=1.0, eval_every=10**6, eval_batches=1, progress=False)
+
+
+def _train_plain_and_async(tie):
+    """train_tensor_parallel with sequence parallelism, plain and with async_tp=True (its
+    apply_tensor_parallel given the flag), and what an async model's blocks hold."""
+    from collections import Counter
+    from unittest import mock
+
+    from course_lib.model import GPT
+    from course_lib.parallel.tp import apply_tensor_parallel, training
+
+    cfg, tc = _config(tie), _train_cfg()
+    model = GPT(cfg)
+    with pytest.raises(ValueError) as err:  # refused before the model changes
+        apply_tensor_parallel(model, None, sequence_parallel=False, async_tp=True)
+    untouched = not any(isinstance(m, async_tp.ColumnParallelLinear) for m in model.modules())
+    kinds = Counter(type(m).__name__ for m in apply_tensor_parallel(GPT(cfg), None, True, async_tp=True).modules()
+                    if "ParallelLinear" in type(m).__name__)
+    plain = training.train_tensor_parallel(cfg, tc, sequence_parallel=True)
+    overlapped = lambda m, g, sp: apply_tensor_parallel(m, g, sp, async_tp=True)  # noqa: E731
+    with mock.patch.object(training, "apply_tensor_parallel", overlapped):
+        asy = training.train_tensor_parallel(cfg, tc, sequence_parallel=True)
+    return {"plain": plain, "async": asy, "refusal": str(err.value), "untouched": untouched, "kinds": kinds}
+
+
+@pytest.mark.parametrize("tp,tie", [(2, True), (3, False), (4, True)])
+def test_async_tp_trains_like_plain_tp_and_one_process(tp, tie):
+    from course_lib.model import GPT
+    from course_lib.train import train_reference, flat_grads, flat_params
+    from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw, by_name
+
+    cfg, tc = _config(tie), _train_cfg()
+    res = run_on_ranks(_train_plain_and_async, tie, world_size=tp, timeout_s=180)
+    ref = train_reference(cfg, tc)
+    ref_params, ref_grads = flat_params(ref.model), flat_grads(ref.model)
+    for r in range(tp):
+        assert "async_tp=True needs sequence_parallel=True" in res[r]["refusal"] and res[r]["untouched"]
+        # every block's four linears overlapped; the head stays plain
+        assert res[r]["kinds"] == {"AsyncColumnParallelLinear": 2 * cfg.n_layer, "AsyncRowParallelLinear": 2 * cfg.n_layer,
+                                   "ColumnParallelLinear": 1}, res[r]["kinds"]
+        assert res[r]["async"].train_losses == res[0]["async"].train_losses  # all-reduced: bit for bit
+    out, plain = res[0]["async"], res[0]["plain"]
+    model = GPT(cfg)
+    # The ring sums in another order than one all-gather/reduce-scatter and one matmul, and AdamW
+    # magnifies fp32 rounding near g = 0 (tests/_tolerances): losses within adamw_loss_atol, the
+    # last gradients in norm per tensor, parameters bounded by AdamW's step and in RMS.
+    for name, want_losses, want_params, want_grads in (("single process", ref.train_losses, ref_params, ref_grads),
+                                                       ("plain TP", plain.train_losses, plain.final_params,
+                                                        plain.final_grads)):
+        assert out.train_losses == pytest.approx(want_losses, abs=adamw_loss_atol(tc.lr)), name
+        assert_grads_close_after_adamw(by_name(out.final_grads, model), by_name(want_grads, model), name)
+        assert_adamw_params_close(out.final_params, want_params, tc.lr, tc.steps, tc.betas, msg=name)
+
+
+def test_async_tp_without_sequence_parallel_is_refused_in_the_parent():
+    with pytest.raises(ValueError, match="async_tp=True needs sequence_parallel=True"):
+        async_tp.check_async_tp(True, False)
+    async_tp.check_async_tp(True, True)
+    async_tp.check_async_tp(False, False)

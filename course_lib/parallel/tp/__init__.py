@@ -2,10 +2,12 @@
 
     functions.py   entering / leaving a tensor-parallel region: f and g, or all-gather and
                    reduce-scatter along the sequence (from course_lib.comm.autograd)
+    async_tp.py    all_gather_matmul, matmul_reduce_scatter: the collective decomposed into p ring
+                   steps, each hidden behind one chunk's matmul (asynchronous TP, under SP)
     layers.py      ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, and the
                    sequence-parallel LayerNorm and position embedding
     loss.py        cross-entropy over vocabulary-split logits (three all-reduces of N numbers)
-    apply.py       apply_tensor_parallel(model, group, sequence_parallel=False); gather the full
+    apply.py       apply_tensor_parallel(model, group, sequence_parallel=False, async_tp=False); gather the full
                    state dict back; the global-norm gradient clip
     costs.py       the communication per layer and per step, as formulas
     training.py    the reference training loop, tensor parallel (course layers or DTensor)
@@ -27,6 +29,7 @@ from course_lib.parallel.tp.apply import (
     sharded_parameters,
     tp_placements,
 )
+from course_lib.parallel.tp.async_tp import all_gather_matmul, check_async_tp, matmul_reduce_scatter
 from course_lib.parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -41,4 +44,5 @@ __all__ = [
     "gather_full_gradients", "full_logits", "clip_grad_norm_", "sharded_parameters", "qkv_rows", "tp_placements",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelLayerNorm",
     "SequenceParallelPositions", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
+    "all_gather_matmul", "matmul_reduce_scatter", "check_async_tp",
 ]

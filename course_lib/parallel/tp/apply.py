@@ -36,6 +36,7 @@ from course_lib.dims import check_sequence_parallel, check_tp
 from course_lib.model import GPT
 from course_lib.parallel.clip import clip_grad_norm_ as weighted_clip_grad_norm_
 from course_lib.parallel.placement import Placement, gather_full, parameter_names, weight
+from course_lib.parallel.tp.async_tp import check_async_tp, use_async_tp
 from course_lib.parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -77,13 +78,15 @@ def qkv_rows(d_model: int, tp: int) -> torch.Tensor:
     return torch.cat([heads + part * d_model for part in range(3)], dim=1)
 
 
-def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = False) -> GPT:
+def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = False, async_tp: bool = False) -> GPT:
     """Turn a single-process GPT (same weights on every rank) into its tensor-parallel form on
     `group` (a ProcessGroup, None for the world, or a 1-D DeviceMesh), in place; returns it.
 
     model(idx, targets) -> (local logits (B, T, V'/tp): this rank's vocabulary slice, loss: the
     single-process loss). After backward each shard's gradient is the matching slice of the
-    single-process gradient. Under sequence parallelism T must be divisible by tp.
+    single-process gradient. Under sequence parallelism T must be divisible by tp. async_tp (needs
+    sequence parallelism): every block's all-gathers and reduce-scatters overlapped with their
+    matmuls (course_lib.parallel.tp.async_tp).
     """
     if hasattr(group, "get_group") and hasattr(group, "mesh"):  # a DeviceMesh
         group = group.get_group()
@@ -94,6 +97,7 @@ def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = Fals
     tp = dist.get_world_size(group)
     cfg, sp = model.config, bool(sequence_parallel)
     check_tensor_parallel(cfg, tp, sp)
+    check_async_tp(async_tp, sp)
 
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
@@ -116,6 +120,8 @@ def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = Fals
         model.pos_emb = SequenceParallelPositions.from_embedding(model.pos_emb, group)
         model.ln_f = SequenceParallelLayerNorm.from_layer_norm(model.ln_f, group)
     model.loss_fn = VocabParallelCrossEntropy(model.tok_emb.vocab_start, cfg.vocab_size, group)
+    if async_tp:
+        use_async_tp(model)
     model.tensor_parallel = TensorParallelInfo(group, tp, sp, padded_size(cfg.vocab_size, tp))
     return model
 

@@ -32,6 +32,12 @@ both rings' sends when both run):
     matmul_reduce_scatter  dX = all_gather(dY) @ w_shard       (an all_gather_matmul ring)
                            dw = sum_c all_gather(dY)_c^T X_c
 
+`use_async_tp(model)` (what `apply_tensor_parallel(..., sequence_parallel=True, async_tp=True)`
+calls) turns every block's four tensor-parallel linears into the overlapped forms: qkv and fc
+all_gather_matmul, the two projections matmul_reduce_scatter. Only under sequence parallelism:
+without it the input of a column-parallel layer is already whole on every rank and the output of
+a row-parallel one is all-reduced, and there is no all-gather or reduce-scatter to decompose.
+
 The sums come out in another order than one matmul's (chunk by chunk, ring order), so results
 equal the plain collective + matmul up to fp32 rounding, not bit for bit.
 """
@@ -42,7 +48,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib.comm.autograd import copy_to_group
 from course_lib.parallel.tp.functions import SEQUENCE_DIM
+from course_lib.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def check_async_shapes(x: torch.Tensor, w: torch.Tensor, dim: int, tp: int, gathered: bool) -> None:
@@ -188,3 +196,48 @@ def matmul_reduce_scatter(x: torch.Tensor, w_shard: torch.Tensor, group=None, di
     Backward: an all_gather_matmul ring for the input gradient and the weight gradient."""
     check_async_shapes(x, w_shard, dim, dist.get_world_size(group), gathered=False)
     return _MatmulReduceScatter.apply(x, w_shard, dim % x.dim(), group)
+
+
+class AsyncColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear under sequence parallelism, its all-gather decomposed into the matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather_matmul(x, self.weight, self.group, bias=self.bias)
+
+
+class AsyncRowParallelLinear(RowParallelLinear):
+    """RowParallelLinear under sequence parallelism, its reduce-scatter decomposed into the matmul;
+    the whole bias meets this rank's sequence chunk through f, as in the plain layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = matmul_reduce_scatter(x, self.weight, self.group)
+        return y if self.bias is None else y + copy_to_group(self.bias, self.group)
+
+
+ASYNC = {ColumnParallelLinear: AsyncColumnParallelLinear, RowParallelLinear: AsyncRowParallelLinear}
+
+
+def check_async_tp(async_tp: bool, sequence_parallel: bool) -> None:
+    """ValueError unless async TP has sequence parallelism's all-gathers and reduce-scatters to
+    decompose (call it in the parent, before any rank starts, and before changing a model)."""
+    if async_tp and not sequence_parallel:
+        raise ValueError("async_tp=True needs sequence_parallel=True: it decomposes the all-gather before a "
+                         "column-parallel matmul and the reduce-scatter after a row-parallel one, which only "
+                         "sequence parallelism has (without it the input is whole and the output all-reduced)")
+
+
+def use_async_tp(model) -> None:
+    """Every block's four tensor-parallel linears (already made sequence parallel by
+    apply_tensor_parallel) compute with the overlapped forms, in place. Each layer keeps its
+    parameters, tables and placements: only its class, and so its forward, changes."""
+    for block in model.blocks:
+        for parent, name in ((block.attn, "qkv"), (block.attn, "proj"), (block.mlp, "fc"), (block.mlp, "proj")):
+            layer = getattr(parent, name)
+            if type(layer) not in ASYNC or not layer.sequence_parallel:
+                raise ValueError(f"{name}={type(layer).__name__} (sequence_parallel="
+                                 f"{getattr(layer, 'sequence_parallel', None)}): async TP swaps the plain "
+                                 "sequence-parallel Column/RowParallelLinear of apply_tensor_parallel")
+            if getattr(layer, "shared", None) is not None:
+                raise ValueError("async_tp with key/value heads copied over several ranks (n_kv_head < tp) "
+                                 "is not supported: use tp <= n_kv_head or async_tp=False")
+            layer.__class__ = ASYNC[type(layer)]
