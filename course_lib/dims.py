@@ -15,7 +15,7 @@ four axes). torchtitan orders its mesh pp, dp, cp, tp the same way.
 
 What each degree splits (B = global batch, L = layers, E = experts, T = sequence):
 
-    tp   the weights of every matrix (heads, d_ff, vocabulary): tp | n_head, tp | d_ff;
+    tp   the weights of every matrix (heads, d_ff, vocabulary): tp | n_head, d_ff, n_kv_head (or n_kv_head | tp);
          with sequence parallelism also the activations outside attention/MLP: tp | T (T/cp)
     pp   the layers: pp * v stages (v virtual stages per rank), split as evenly as
          split_layers says (the first L mod S stages one block more): L >= pp * v
@@ -61,13 +61,13 @@ CP_METHODS = ("ring", "allgather", "ulysses")  # how context-parallel attention 
 
 
 # ---------------------------------------------------------------- the rules, one function each
-def check_tp(tp: int, n_head: int, d_ff: int, n_kv_head: int | None = None) -> None:
-    """Whole heads and whole MLP columns per tensor-parallel rank: tp must divide n_head (and
-    n_kv_head, d_ff). The one place this rule is written; d_model = n_head * head_dim follows."""
+def check_tp(tp: int, n_head: int, d_ff: int, n_kv_head: int | None = None, replicate_kv: bool = False) -> None:
+    """Whole heads and MLP columns per tensor-parallel rank: tp | n_head, tp | d_ff, tp | n_kv_head, or with
+    replicate_kv n_kv_head | tp (course_lib.parallel.tp copies each KV head to tp/n_kv_head ranks)."""
     check_int("tp", tp)
     for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head), ("d_ff", d_ff)):
-        if value is not None and value % tp:
-            raise ValueError(f"tp={tp} must divide {name}={value}")
+        if value is not None and value % tp and not (name == "n_kv_head" and replicate_kv and tp % value == 0):
+            raise ValueError(f"tp={tp} must divide {name}={value}{' or be a multiple of it' * (replicate_kv and name == 'n_kv_head')}")
 
 
 def check_context_parallel(cp: int, seq: int | None, n_head: int, method: str = "ring",
@@ -324,7 +324,7 @@ class ParallelDims:
         split_layers(shape.n_layer, self.pp * self.virtual_stages)
         check_context_parallel(self.cp, seq, shape.n_head, self.cp_method, self.cp_load_balance, shape.n_kv_head)
         check_sequence_parallel(self.sequence_parallel, self.tp, seq // self.cp)  # tp splits a cp shard
-        check_tp(self.tp, shape.n_head, shape.ff_dim, shape.n_kv_head)
+        check_tp(self.tp, shape.n_head, shape.ff_dim, shape.n_kv_head, hasattr(shape.config, "kv_heads"))  # a GPTConfig: TP copies KV
         check_experts(self.ep, shape.n_experts)
         check_batch(batch_size, self.replicas, self.microbatches)
         return self

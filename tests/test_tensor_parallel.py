@@ -132,7 +132,7 @@ def _swap_f_and_g():
 
 def _contiguous_qkv_split():
     from course_lib.parallel.tp import apply
-    return mock.patch.object(apply, "qkv_rows", lambda d, tp: torch.arange(3 * d).view(tp, -1))
+    return mock.patch.object(apply, "qkv_rows", lambda d, tp, *heads: torch.arange(3 * d).view(tp, -1))
 
 
 def _loss_without_reduction():

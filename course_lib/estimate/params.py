@@ -136,7 +136,7 @@ def model_shape(config) -> ModelShape:
 
 
 def kv_dim(base) -> int:
-    return base.d_model if isinstance(base, GPTConfig) else base.n_kv_head * (base.d_model // base.n_head)
+    return base.kv_dim if isinstance(base, GPTConfig) else base.n_kv_head * (base.d_model // base.n_head)
 
 
 def ff_dim(base) -> int:
@@ -146,7 +146,8 @@ def ff_dim(base) -> int:
 def param_breakdown(config) -> dict[str, int]:
     """Parameter counts by part; per-layer parts are for ONE layer ("mlp": one expert).
 
-    GPT (d = d_model, f = d_ff, b = 1 with biases): attention 4d^2 + 4bd (qkv and proj),
+    GPT (d = d_model, f = d_ff, b = 1 with biases, kv = n_kv_head * d_head, d without GQA):
+    attention 2d^2 + 2d*kv + b(2d + 2kv) (qkv and proj; 4d^2 + 4bd at kv = d),
     mlp 2df + b(f + d), norms 2(d + bd), embedding Vd, position Td, final_norm d + bd,
     head Vd only if untied. Llama-like (kv = n_kv_head * d_head): attention 2d^2 + 2d*kv
     (q, o and the narrower k, v), mlp 3df (gate, up, down), norms 2d, final_norm d, head Vd.
@@ -157,7 +158,7 @@ def param_breakdown(config) -> dict[str, int]:
     d, f, V = base.d_model, ff_dim(base), base.vocab_size
     if isinstance(base, GPTConfig):
         b = int(base.bias)
-        parts = dict(embedding=V * d, position=base.block_size * d, attention=4 * d * d + 4 * b * d,
+        parts = dict(embedding=V * d, position=base.block_size * d, attention=2 * d * d + 2 * d * kv_dim(base) + b * (2 * d + 2 * kv_dim(base)),
                      mlp=2 * d * f + b * (f + d), norms=2 * (d + b * d), final_norm=d + b * d,
                      head=0 if base.tie_weights else V * d)
     else:

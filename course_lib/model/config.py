@@ -80,9 +80,12 @@ class GPTConfig:
     capacity_factor: float | None = field(default=None, repr=False)  # None: no token is dropped
     aux_loss_coef: float = field(default=0.01, repr=False)  # Switch load-balancing loss weight
     z_loss_coef: float = field(default=0.001, repr=False)  # router z-loss weight
+    # Grouped-query attention (Ainslie et al. 2023): n_kv_head key/value heads, each shared by
+    # n_head / n_kv_head query heads. None means n_head (multi-head attention, every model before it).
+    n_kv_head: int | None = field(default=None, repr=False)
 
-    def __repr__(self):  # a dense config prints as it always did; an MoE config adds its fields
-        shown = [f for f in fields(self) if f.repr or self.n_experts]
+    def __repr__(self):  # a dense config prints as it always did; an MoE or GQA config adds its fields
+        shown = [f for f in fields(self) if f.repr or self.n_experts or (f.name == "n_kv_head" and self.n_kv_head)]
         return f"GPTConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     def __post_init__(self):
@@ -92,6 +95,11 @@ class GPTConfig:
             check_int("d_ff", self.d_ff, rule="a positive int or None (= 4*d_model)")
         if self.d_model % self.n_head != 0:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.n_kv_head is not None:
+            check_int("n_kv_head", self.n_kv_head, rule="a positive int dividing n_head, or None (= n_head)")
+            if self.n_head % self.n_kv_head:
+                raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}: each key/value "
+                                 f"head is shared by a whole group of n_head / n_kv_head query heads")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must satisfy 0 <= dropout < 1")
         if self.attn_impl not in ATTN_IMPLS:
@@ -112,6 +120,16 @@ class GPTConfig:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """The key/value heads: n_kv_head, or n_head when it is None."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def kv_dim(self) -> int:
+        """The width of K (and of V): kv_heads * d_head, d_model without grouped-query attention."""
+        return self.kv_heads * self.d_head
+
+    @property
     def ff_dim(self) -> int:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
@@ -119,7 +137,7 @@ class GPTConfig:
     def shape(self) -> ModelShape:
         """The read-only view the rule book and the estimator share (ModelShape)."""
         moe = self.n_experts > 0
-        return ModelShape(self.n_layer, self.n_head, self.n_head, self.d_model, self.ff_dim, self.vocab_size,
+        return ModelShape(self.n_layer, self.n_head, self.kv_heads, self.d_model, self.ff_dim, self.vocab_size,
                           self.block_size, self.n_experts, self.top_k if moe else 1, config=self, base=self)
 
     @classmethod
@@ -132,8 +150,8 @@ class GPTConfig:
 
 def expected_num_params(config: GPTConfig) -> int:
     """The closed-form parameter count of course_lib.model.gpt's docstring."""
-    d, f, b = config.d_model, config.ff_dim, int(config.bias)
-    per_block = 4 * d * d + 2 * d * f + 2 * d + b * (7 * d + f)
+    d, f, b, g = config.d_model, config.ff_dim, int(config.bias), config.kv_dim
+    per_block = 2 * d * d + 2 * d * g + 2 * d * f + 2 * d + b * (5 * d + 2 * g + f)
     if config.n_experts:  # n_experts expert MLPs (2df + b(f + d) each) and a d x n_experts router
         per_block += (config.n_experts - 1) * (2 * d * f + b * (f + d)) + d * config.n_experts
     total = config.n_layer * per_block + config.vocab_size * d + config.block_size * d

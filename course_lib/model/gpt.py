@@ -16,17 +16,18 @@ Block diagram (pre-norm residual stream, B = batch, T = sequence, d = d_model)::
                                             ln_f --> head (d -> V) --> logits (B, T, V)
 
 Parameter count. Write d = d_model, f = d_ff, V = vocab_size, T = block_size,
-b = 1 if bias else 0 (LayerNorm has a weight, plus a bias when b = 1):
+b = 1 if bias else 0 (LayerNorm has a weight, plus a bias when b = 1), and g = n_kv_head * d_head
+the width of K and of V (g = d unless the config asks for grouped-query attention):
 
     per block:
         ln1, ln2:        2 * (d + b*d)
-        attn.qkv:        3*d*d + b*3*d
+        attn.qkv:        d*(d + 2g) + b*(d + 2g)     (Q: d rows, K and V: g rows each)
         attn.proj:       d*d   + b*d
         mlp.fc:          d*f   + b*f
         mlp.proj:        f*d   + b*d
-        total:           4*d^2 + 2*d*f + 2*d + b*(7*d + f)
+        total:           2*d^2 + 2*d*g + 2*d*f + 2*d + b*(5*d + 2*g + f)
 
-    with f = 4d and b = 1 this is 12*d^2 + 13*d.
+    with g = d, f = 4d and b = 1 this is 12*d^2 + 13*d.
 
     whole model:
         n_layer * per_block  +  V*d (tok_emb)  +  T*d (pos_emb)
@@ -76,10 +77,12 @@ def sequence_positions(idx: torch.Tensor, block_size: int, pos: torch.Tensor | N
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention.
+    """Multi-head causal self-attention, with grouped-query attention when n_kv_head < n_head.
 
-    For each head h:  A_h = softmax(Q_h K_h^T / sqrt(d_head) + M) V_h, where the
-    mask M is -inf above the diagonal so position t only sees positions <= t.
+    For each head h:  A_h = softmax(Q_h K_g^T / sqrt(d_head) + M) V_g, where the
+    mask M is -inf above the diagonal so position t only sees positions <= t, and g = h // G
+    is the key/value head of h's group: G = n_head / n_kv_head query heads share one K and V
+    head (Ainslie et al. 2023; G = 1 is plain multi-head attention, n_kv_head = 1 multi-query).
     The heads are concatenated and mixed by `proj`. The formula itself is the
     submodule `attend` (a CausalAttention: q, k, v -> out), which a strategy that
     splits the sequence replaces; qkv and proj are the weights around it.
@@ -90,19 +93,33 @@ class CausalSelfAttention(nn.Module):
         d = config.d_model
         self.n_head = config.n_head
         self.d_head = config.d_head
-        self.qkv = nn.Linear(d, 3 * d, bias=config.bias)  # Q, K, V in one matmul
+        self.group = config.n_head // config.kv_heads  # G: query heads per key/value head
+        self.qkv = nn.Linear(d, d + 2 * config.kv_dim, bias=config.bias)  # Q, K, V in one matmul
         self.proj = nn.Linear(d, d, bias=config.bias)
         self.attend = CausalAttention(config.attn_impl, config.dropout)
         self.resid_drop = nn.Dropout(config.dropout)
+
+    def local_heads(self, width: int) -> tuple[int, int]:
+        """(query heads, key/value heads) in a qkv output `width` wide: (n_head, n_kv_head) here,
+        a rank's share under tensor parallelism. A rank holds whole groups (kv KV heads and their
+        G*kv query heads: width = (G + 2) * kv * d_head), or, when the tp ranks outnumber the KV
+        heads, one KV head and q < G of its query heads (width = (q + 2) * d_head, not a multiple
+        of (G + 2) * d_head since q + 2 < G + 2)."""
+        heads = width // self.d_head
+        kv = heads // (self.group + 2) if heads % (self.group + 2) == 0 else 1
+        return heads - 2 * kv, kv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
         # Shapes are read off qkv's output, not x: a tensor-parallel qkv returns only this rank's
         # heads (and, under sequence parallelism, the whole sequence from a shard of it).
-        B, T, _ = qkv.shape
-        q, k, v = qkv.chunk(3, dim=-1)
-        # (B, T, d) -> (B, n_head, T, d_head): every head attends independently.
+        B, T, width = qkv.shape
+        n_q, n_kv = self.local_heads(width)
+        q, k, v = qkv.split([n_q * self.d_head, n_kv * self.d_head, n_kv * self.d_head], dim=-1)
+        # (B, T, heads * d_head) -> (B, heads, T, d_head): every head attends independently.
         q, k, v = (t.view(B, T, -1, self.d_head).transpose(1, 2) for t in (q, k, v))
+        if n_q != n_kv:  # grouped: query head h reads K, V head h // (n_q / n_kv), repeated to match
+            k, v = (t.repeat_interleave(n_q // n_kv, dim=1) for t in (k, v))
         y = self.attend(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # concatenate the heads
         return self.resid_drop(self.proj(y))

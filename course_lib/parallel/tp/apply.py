@@ -7,7 +7,7 @@ a = heads, d = d_model, f = d_ff, V' = vocabulary padded to a multiple of tp):
     pos_emb      whole (SP: its sequence rows through f)
     per block:
       ln1, ln2   whole (SP: SequenceParallelLayerNorm on T/tp tokens)
-      attn.qkv   ColumnParallelLinear       3d/tp rows = whole heads of Q, K and V (a/tp heads)
+      attn.qkv   ColumnParallelLinear       whole heads: a/tp of Q and their K, V heads (qkv_rows)
       attn.proj  RowParallelLinear          d/tp input columns, whole bias
       mlp.fc     ColumnParallelLinear       f/tp rows
       mlp.proj   RowParallelLinear          f/tp input columns, whole bias
@@ -17,6 +17,11 @@ a = heads, d = d_model, f = d_ff, V' = vocabulary padded to a multiple of tp):
 
 The attention and MLP modules themselves are the plain ones: only their linear layers change,
 and CausalSelfAttention reads its head count off the qkv output (a/tp heads here).
+
+Grouped-query attention (n_kv_head = k < a): a rank keeps the key/value heads its a/tp query
+heads read: k/tp of them when tp | k, else (k | tp) the one KV head of its group, copied on the
+tp/k ranks of that group. Each copy then gets the gradient of its own rank's query heads only, so
+ColumnParallelLinear sums those rows' gradients over the copies; the clip counts them once.
 
 `tp_placements(model)` says so per parameter (course_lib.parallel.placement): split along a dim
 by the layer's table, or replicated over tp. The full state dict, the clip's weights and the
@@ -63,19 +68,29 @@ def check_tensor_parallel(config, tp: int, sequence_parallel: bool = False, seq_
     """Raise ValueError unless tp can split this config (call it in the parent, before any rank
     starts): the rule book's (course_lib.dims) whole heads and MLP columns per rank and, under
     sequence parallelism, a whole sequence (seq_len, default block_size) split over the tp ranks."""
-    check_tp(tp, config.n_head, config.ff_dim)  # first: tp a positive int, whole heads and columns
+    # first: tp a positive int, whole heads and columns; KV heads split (tp | n_kv_head) or copied (n_kv_head | tp)
+    check_tp(tp, config.n_head, config.ff_dim, getattr(config, "kv_heads", None), replicate_kv=True)
     if getattr(config, "n_experts", 0):
         raise ValueError(f"n_experts={config.n_experts}: tensor parallelism here splits the dense GPT only")
     check_sequence_parallel(sequence_parallel, tp, config.block_size if seq_len is None else seq_len)
 
 
-def qkv_rows(d_model: int, tp: int) -> torch.Tensor:
-    """(tp, 3d/tp): rank r's rows of the fused qkv weight, [Q rows | K rows | V rows] of its heads.
+def qkv_rows(d_model: int, tp: int, n_head: int = 1, n_kv_head: int | None = None) -> torch.Tensor:
+    """(tp, rows per rank): rank r's rows of the fused qkv weight, [Q rows | K rows | V rows] of its heads.
 
-    Fused rows are [Q (d) | K (d) | V (d)], head h at rows h*d_head:(h+1)*d_head of each part.
+    Fused rows are [Q (d) | K (g) | V (g)], g = n_kv_head * d_head (d without grouped-query
+    attention), head h at rows h*d_head:(h+1)*d_head of each part. Rank r takes query heads
+    r*a/tp ... (r+1)*a/tp - 1 and the key/value heads they read: its share of them when
+    tp <= n_kv_head (tp | n_kv_head: whole groups), else the one KV head of its query heads' group,
+    r // (tp / n_kv_head), which tp / n_kv_head ranks then hold alike.
     A contiguous third of the fused rows would hand rank 0 all of Q and part of K: wrong."""
-    heads = contiguous_table(d_model, tp)  # rank r: features of heads r*a/tp ... (r+1)*a/tp - 1
-    return torch.cat([heads + part * d_model for part in range(3)], dim=1)
+    d_head = d_model // n_head
+    g = d_model if n_kv_head is None else n_kv_head * d_head
+    if n_kv_head is None or tp <= n_kv_head:
+        kv_rows = contiguous_table(g, tp)
+    else:  # tp / n_kv_head ranks share each KV head
+        kv_rows = torch.stack([torch.arange(d_head) + (r // (tp // n_kv_head)) * d_head for r in range(tp)])
+    return torch.cat([contiguous_table(d_model, tp), kv_rows + d_model, kv_rows + d_model + g], dim=1)
 
 
 def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = False, async_tp: bool = False) -> GPT:
@@ -101,7 +116,8 @@ def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = Fals
 
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, sp, rows=qkv_rows(cfg.d_model, tp))
+        rows = qkv_rows(cfg.d_model, tp, cfg.n_head, cfg.kv_heads)
+        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, sp, rows=rows)
         attn.proj = RowParallelLinear.from_linear(attn.proj, group, sp)
         mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, sp)
         mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, sp)
@@ -178,7 +194,20 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the global norm of the single-process gradient and return it: the one weighted
     clip (course_lib.parallel.clip) over the tp group, each parameter weighted 1 / its placement's
     copies: a split one 1 (its rows live on this rank only), a replicated one 1/tp (the same
-    gradient on every rank)."""
+    gradient on every rank), and a KV head's rows copied to c ranks 1/c (_row_pieces)."""
     info, placements = _info(model), tp_placements(model)
-    pairs = [(p.grad, weight((placements[n],))) for n, p in model.named_parameters()]
+    copied = {id(getattr(m, n)): m.row_copies() for m in model.modules()
+              if isinstance(m, ColumnParallelLinear) and m.shared is not None for n in ("weight", "bias")}
+    pairs = []
+    for n, p in model.named_parameters():
+        pairs += _row_pieces(p.grad, copied[id(p)]) if id(p) in copied else [(p.grad, weight((placements[n],)))]
     return weighted_clip_grad_norm_(pairs, max_norm, info.group)
+
+
+def _row_pieces(grad, copies: torch.Tensor) -> list:
+    """(view, 1/c) for each run of consecutive rows held by c ranks alike: views, so the clip's
+    in-place scaling reaches the gradient itself."""
+    if grad is None:
+        return [(None, 1.0)]
+    edges = [0] + [i for i in range(1, len(copies)) if copies[i] != copies[i - 1]] + [len(copies)]
+    return [(grad[a:b], 1 / int(copies[a])) for a, b in zip(edges, edges[1:])]

@@ -67,6 +67,36 @@ def _from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool, table):
     return layer
 
 
+class _SumSharedRows(torch.autograd.Function):
+    """Identity forward; backward sums the gradient of the rows that several ranks hold (a key/value
+    head replicated over tp / n_kv_head ranks, each using it for its own query heads) over those
+    ranks: each rank writes its shared rows at their slots of a zero buffer, one all-reduce over the
+    group, each reads its rows back. A row held by one rank is left as it is."""
+
+    @staticmethod
+    def forward(ctx, w, local, slots, n_slots, group):
+        ctx.local, ctx.slots, ctx.n_slots, ctx.group = local, slots, n_slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, slots = ctx.local.to(grad.device), ctx.slots.to(grad.device)
+        buf = grad.new_zeros((ctx.n_slots, *grad.shape[1:])).index_copy_(0, slots, grad.index_select(0, local))
+        dist.all_reduce(buf, group=ctx.group)
+        return grad.index_copy(0, local, buf.index_select(0, slots)), None, None, None, None
+
+
+def _shared_rows(rows: torch.Tensor, rank: int):
+    """(this rank's positions of rows also held by another rank, their slots among all shared rows,
+    how many shared rows), or None when every row is on one rank only (the usual split)."""
+    held = torch.bincount(rows.flatten())
+    shared = (held > 1).nonzero().flatten()
+    if not len(shared):
+        return None
+    local = (held[rows[rank]] > 1).nonzero().flatten()
+    return local, torch.searchsorted(shared, rows[rank][local]), len(shared)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r + b_r: rank r computes the output features rows[r] (its columns of A = W^T).
 
@@ -82,6 +112,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.tp, self.rank, self.sequence_parallel = group, tp, rank, sequence_parallel
         self.in_features, self.out_features = in_features, out_features  # full sizes
         self.rows = contiguous_table(padded_size(out_features, tp), tp) if rows is None else rows
+        self.shared = _shared_rows(self.rows, rank)  # rows several ranks hold (a replicated KV head)
         local = self.rows.shape[1]
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.register_parameter("bias", nn.Parameter(torch.zeros(local)) if bias else None)
@@ -90,16 +121,39 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel: bool = False, rows=None):
         """This rank's rows of a full nn.Linear (same weights on every rank)."""
-        return _from_linear(cls, linear, group, sequence_parallel, rows)
+        layer = _from_linear(cls, linear, group, sequence_parallel, rows)
+        if layer.shared is not None:  # the placement lists a shared row on its first holder only
+            with torch.no_grad():
+                for name in ("weight", "bias"):
+                    if getattr(layer, name) is not None:
+                        getattr(layer, name).copy_(getattr(linear, name)[layer.rows[layer.rank]])
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if self.shared is not None:  # their gradients summed over the ranks sharing them
+            w = _SumSharedRows.apply(w, *self.shared, self.group)
+            b = None if b is None else _SumSharedRows.apply(b, *self.shared, self.group)
         if self.sequence_parallel:  # x is this rank's T/tp tokens: any length gathers back to T
-            return gathered_linear(x, self.weight, self.bias, self.group)
-        return F.linear(enter_region(x, self.group, False), self.weight, self.bias)
+            return gathered_linear(x, w, b, self.group)
+        return F.linear(enter_region(x, self.group, False), w, b)
+
+    def row_copies(self) -> torch.Tensor:
+        """(local rows,): how many tp ranks hold an identical copy of each of this rank's rows."""
+        return torch.bincount(self.rows.flatten())[self.rows[self.rank]]
 
     def placements(self) -> dict[str, Placement]:
-        """{parameter name: Placement}: the weight's and the bias's rows (dim 0) over tp."""
-        split = Placement.split("tp", 0, self.rows, self.rank, self.out_features)
+        """{parameter name: Placement}: the weight's and the bias's rows (dim 0) over tp. A row several
+        ranks hold (a replicated KV head) is listed on the first of them; the others list a padding
+        index in its place (>= out_features): a gather takes one copy, as Placement's split wants."""
+        table = self.rows.clone()
+        if self.shared is not None:
+            seen, pad = set(), padded_size(self.out_features, self.tp)
+            for r, i in ((r, i) for r in range(self.tp) for i in range(table.shape[1])):
+                if int(table[r, i]) in seen:
+                    table[r, i], pad = pad, pad + 1
+                seen.add(int(self.rows[r, i]))
+        split = Placement.split("tp", 0, table, self.rank, self.out_features)
         return {"weight": split, **({"bias": split} if self.bias is not None else {})}
 
     def extra_repr(self):

@@ -1,0 +1,208 @@
+"""Grouped-query attention (GPTConfig.n_kv_head, Ainslie et al. 2023) and its tensor parallelism.
+
+The GQA model equals grouped attention written out by hand (n_kv_head = 1, 2, n_head), its
+parameter count equals the closed form and the estimator's, and the tensor-parallel GQA GPT
+trains like the single process at tp = 2 and 4 with n_head = 4 and n_kv_head = 1, 2, 4: KV heads
+split (tp <= n_kv_head) and copied to tp / n_kv_head ranks (tp > n_kv_head), whose gradients
+must be summed over those ranks (a mutant without that sum is caught). Bad input is refused in
+the parent, before any rank starts.
+"""
+
+import math
+import sys
+from unittest import mock
+
+import cloudpickle
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import run_on_ranks
+from course_lib.data import CharDataset, get_batch
+from course_lib.dims import ParallelDims, check_tp
+from course_lib.estimate import LLAMA3_70B
+from course_lib.estimate.params import param_count
+from course_lib.model import GPT, GPTConfig, expected_num_params
+from course_lib.parallel.tp import apply_tensor_parallel, check_tensor_parallel, gather_full_gradients, qkv_rows
+from course_lib.parallel.tp.apply import clip_grad_norm_
+from course_lib.parallel.tp.training import run_tensor_parallel, train_tensor_parallel
+from course_lib.train import TrainConfig, flat_grads, flat_params, train_reference
+
+from _tolerances import (FP32_SUM_RTOL, adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw,
+                         by_name)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
+torch.set_num_threads(1)
+
+VOCAB = CharDataset("train").vocab_size
+KV_HEADS = (1, 2, 4)  # with n_head = 4: multi-query, grouped, multi-head
+
+
+def config(n_kv_head, **kw):
+    return GPTConfig.tiny(VOCAB, block_size=32, n_kv_head=n_kv_head, **kw)
+
+
+def grouped_attention_by_hand(attn, x, kv_of_head):
+    """The block's attention written out head by head: query head h reads key/value head
+    kv_of_head(h) (the paper's grouping: h // (n_head / n_kv_head))."""
+    cfg_d, dh, H = x.shape[-1], attn.d_head, attn.n_head
+    g = (attn.qkv.out_features - cfg_d) // 2
+    W, b = attn.qkv.weight, attn.qkv.bias
+    q_all, k_all, v_all = x @ W[:cfg_d].T + b[:cfg_d], x @ W[cfg_d:cfg_d + g].T + b[cfg_d:cfg_d + g], \
+        x @ W[cfg_d + g:].T + b[cfg_d + g:]
+    T = x.shape[1]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    heads = []
+    for h in range(H):
+        j = kv_of_head(h)
+        q, k, v = q_all[..., h * dh:(h + 1) * dh], k_all[..., j * dh:(j + 1) * dh], v_all[..., j * dh:(j + 1) * dh]
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(dh)).masked_fill(~mask, float("-inf"))
+        heads.append(F.softmax(scores, dim=-1) @ v)
+    return attn.proj(torch.cat(heads, dim=-1))
+
+
+@pytest.mark.parametrize("n_kv", KV_HEADS)
+def test_gqa_attention_equals_grouped_attention_by_hand(n_kv):
+    model = GPT(config(n_kv), seed=0)
+    attn = model.blocks[0].attn
+    assert attn.qkv.out_features == 64 + 2 * n_kv * 16  # Q: d rows, K and V: n_kv_head * d_head each
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    got = attn(x)
+    group = 4 // n_kv
+    want = grouped_attention_by_hand(attn, x, lambda h: h // group)
+    # the same products and softmax, batched differently (per head here, all heads at once there):
+    # fp32 sums in another order, FP32_SUM_RTOL of the largest element (tests/_tolerances)
+    torch.testing.assert_close(got, want, rtol=FP32_SUM_RTOL, atol=FP32_SUM_RTOL * want.abs().max().item())
+    if n_kv == 2:  # the comparison can fail: heads paired with KV heads round-robin (h % 2) differ by O(1)
+        wrong = grouped_attention_by_hand(attn, x, lambda h: h % n_kv)
+        assert (wrong - got).abs().max() > 100 * FP32_SUM_RTOL * want.abs().max()
+
+
+def test_default_config_is_multi_head_and_unchanged():
+    cfg = GPTConfig.tiny(VOCAB)
+    assert cfg.n_kv_head is None and cfg.kv_heads == cfg.n_head and "n_kv_head" not in repr(cfg)
+    assert cfg == GPTConfig.tiny(VOCAB) and cfg.shape.n_kv_head == cfg.n_head
+    assert GPT(cfg).blocks[0].attn.qkv.weight.shape == (3 * 64, 64)  # the fused Q, K, V of before
+    assert "n_kv_head=2" in repr(config(2))
+
+
+@pytest.mark.parametrize("n_kv", KV_HEADS)
+@pytest.mark.parametrize("bias,tie", [(True, True), (False, False)])
+def test_parameter_count_formula_estimator_and_model_agree(n_kv, bias, tie):
+    cfg = config(n_kv, bias=bias, tie_weights=tie)
+    real = GPT(cfg).num_params()
+    assert expected_num_params(cfg) == real
+    assert param_count(cfg) == real  # the estimator reads n_kv_head (estimate.params.kv_dim)
+    assert cfg.shape.n_kv_head == n_kv
+
+
+@pytest.mark.parametrize("bad", [3, 8, 0, 2.0, True])
+def test_n_kv_head_not_dividing_n_head_is_refused(bad):
+    with pytest.raises(ValueError, match=rf"n_kv_head={bad!r} must"):
+        config(bad)
+
+
+def test_rule_book_states_what_divides_what():
+    # the course's TP splits KV heads (tp | n_kv_head) or copies them (n_kv_head | tp)
+    for tp, kv in ((2, 4), (4, 4), (4, 2), (4, 1), (2, 1)):
+        check_tensor_parallel(config(kv), tp)
+        ParallelDims(tp=tp).check_model(config(kv), batch_size=4)
+    six = GPTConfig.tiny(VOCAB, n_head=6, d_model=48, n_kv_head=3)
+    with pytest.raises(ValueError, match=r"tp=2 must divide n_kv_head=3 or be a multiple of it"):
+        check_tensor_parallel(six, 2)
+    with pytest.raises(ValueError, match=r"tp=2 must divide n_kv_head=3 or be a multiple of it"):
+        ParallelDims(tp=2).check_model(six, batch_size=4)
+    with pytest.raises(ValueError, match=r"tp=8 must divide n_head=4"):
+        check_tensor_parallel(config(1), 8)
+    # the estimator's layouts split KV heads (its formulas divide them by tp): unchanged for Llama 3
+    with pytest.raises(ValueError, match=r"tp=16 must divide n_kv_head=8$"):
+        check_tp(16, LLAMA3_70B.n_head, LLAMA3_70B.d_ff, LLAMA3_70B.n_kv_head)
+    with pytest.raises(ValueError, match=r"tp=16 must divide n_kv_head=8$"):
+        ParallelDims(tp=16).check_model(LLAMA3_70B, batch_size=16)
+
+
+def test_refused_in_the_parent_before_any_rank_starts():
+    six = GPTConfig.tiny(VOCAB, n_head=6, d_model=48, n_kv_head=3, block_size=32)
+    tc = TrainConfig(steps=1, batch_size=2, progress=False)
+    with mock.patch("course_lib.parallel.tp.training.run_on_ranks") as launch:
+        with pytest.raises(ValueError, match=r"n_kv_head=3 or be a multiple"):
+            run_tensor_parallel(ParallelDims(tp=2), six, tc)
+    launch.assert_not_called()
+
+
+def test_qkv_rows_copy_each_kv_head_to_the_ranks_of_its_group():
+    # d = 8, n_head = 4 (d_head 2), one KV head: rows [Q 0-7 | K 8-9 | V 10-11], all ranks share K, V
+    assert qkv_rows(8, 4, 4, 1).tolist() == [[2 * r, 2 * r + 1, 8, 9, 10, 11] for r in range(4)]
+    # two KV heads at tp = 4: ranks 0, 1 read KV head 0, ranks 2, 3 KV head 1
+    assert [row[2:] for row in qkv_rows(8, 4, 4, 2).tolist()] == [[8, 9, 12, 13]] * 2 + [[10, 11, 14, 15]] * 2
+    assert qkv_rows(8, 2, 4, 4).tolist() == qkv_rows(8, 2).tolist()  # multi-head: the split of before
+
+
+def _one_step(n_kv, sp, without_sum=False, copies_ignored=False):
+    """Relative errors of the loss, the gathered gradients and the clip's global norm, TP vs one process."""
+    from course_lib.parallel.tp import layers
+    cfg = config(n_kv)
+    x, y = get_batch(CharDataset("train", cfg.block_size), 4, torch.Generator().manual_seed(0))
+    ref = GPT(cfg, seed=0)
+    ref_loss = ref(x, y)[1]
+    ref_loss.backward()
+    ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    identity = mock.patch.object(layers._SumSharedRows, "apply", lambda w, *rest: w)
+    with identity if without_sum else mock.patch.object(layers, "_shared_rows", layers._shared_rows):
+        model = apply_tensor_parallel(GPT(cfg, seed=0), None, sp)
+        loss = model(x, y)[1]
+        loss.backward()
+    grads = gather_full_gradients(model)
+    ones = mock.patch.object(layers.ColumnParallelLinear, "row_copies", lambda self: torch.ones(self.rows.shape[1]))
+    with ones if copies_ignored else mock.patch.object(layers, "_shared_rows", layers._shared_rows):
+        norm = clip_grad_norm_(model, 1e9)  # a huge max_norm: the norm only, nothing scaled
+    grad_err = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max()).item() for n, p in ref.named_parameters())
+    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), grad_err, abs(norm.item() / ref_norm.item() - 1)
+
+
+def _all_one_steps(tp):
+    out = {(n_kv, sp): _one_step(n_kv, sp) for n_kv in KV_HEADS for sp in (False, True)}
+    out["without the sum"] = _one_step(1, False, without_sum=True)
+    out["copies counted once each"] = _one_step(1, False, copies_ignored=True)
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_step_gradients_norm_and_the_missing_sum(tp):
+    for out in run_on_ranks(_all_one_steps, tp, world_size=tp, timeout_s=120):
+        for key in [(n, sp) for n in KV_HEADS for sp in (False, True)]:
+            # one forward and backward: fp32 sums in another order (ranks, heads), FP32_SUM_RTOL
+            assert max(out[key]) <= FP32_SUM_RTOL, (tp, key, out[key])
+        # each rank's copy of a shared KV head sees only its own query heads' gradient: off by O(1)
+        assert out["without the sum"][1] > 100 * FP32_SUM_RTOL, out["without the sum"]
+        # the clip's norm counting every copy of a KV row with weight 1: too large, beyond rounding by 10x
+        assert out["copies counted once each"][2] > 10 * FP32_SUM_RTOL, out["copies counted once each"]
+
+
+STEPS = 3
+
+
+def _train_all(tc):
+    return {(n_kv, sp): train_tensor_parallel(config(n_kv), tc, sp) for n_kv in KV_HEADS for sp in (False, True)}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_training_equals_the_single_process(tp):
+    # a small clip, so that the global norm (with the copied KV rows weighted 1/copies) scales every step
+    tc = TrainConfig(steps=STEPS, batch_size=4, grad_clip=0.05, eval_every=10**6, eval_batches=1, progress=False)
+    refs = {}
+    for n_kv in KV_HEADS:
+        res = train_reference(config(n_kv), tc)
+        refs[n_kv] = res.train_losses, flat_params(res.model), flat_grads(res.model)
+    per_rank = run_on_ranks(_train_all, tc, world_size=tp, timeout_s=300)
+    for key, out in per_rank[0].items():
+        n_kv, sp = key
+        ref_losses, ref_params, ref_grads = refs[n_kv]
+        for r in range(1, tp):  # the all-reduced global loss: bit for bit on every rank
+            assert per_rank[r][key].train_losses == out.train_losses, (key, r)
+        # shards summed in another order, magnified by AdamW near g = 0 (tests/_tolerances): losses
+        # within adamw_loss_atol, gradients in norm per tensor, parameters by AdamW's step and in RMS
+        assert out.train_losses == pytest.approx(ref_losses, abs=adamw_loss_atol(tc.lr)), key
+        model = GPT(config(n_kv))
+        assert_grads_close_after_adamw(by_name(out.final_grads, model), by_name(ref_grads, model), str(key))
+        assert_adamw_params_close(out.final_params, ref_params, tc.lr, tc.steps, tc.betas, msg=str(key))
