@@ -1,6 +1,6 @@
 """The `gloo_only` mark of the root conftest.py: under COURSE_NCCL_RULES=1 the tests that do on
 purpose what NCCL forbids are deselected (and `pytest -m gloo_only` runs them without the rules);
-every mark states its reason; GLOO_ONLY marks whole files."""
+every mark states its reason; GLOO_ONLY marks whole files, by path or glob."""
 
 import importlib.util
 import pathlib
@@ -41,7 +41,7 @@ class _Config:
 
 def _items():
     return [_Item("tests/test_a.py"), _Item("tests/test_a.py", pytest.mark.gloo_only("a gloo-only call")),
-            _Item("tests/test_batch_grading.py")]
+            _Item("tests/test_batch_grading.py"), _Item("tests/test_grading_ex42.py")]
 
 
 def test_under_the_rules_the_marked_tests_and_files_are_deselected(monkeypatch):
@@ -49,14 +49,14 @@ def test_under_the_rules_the_marked_tests_and_files_are_deselected(monkeypatch):
     assert "tests/test_batch_grading.py" in conftest.GLOO_ONLY
     monkeypatch.setenv("COURSE_NCCL_RULES", "1")
     conftest.pytest_collection_modifyitems(config, items)
-    assert [i.marks for i in items] == [[]] and len(config.deselected) == 2
+    assert [i.marks for i in items] == [[]] and len(config.deselected) == 3  # by mark, file, glob
 
 
 def test_without_the_rules_nothing_is_deselected(monkeypatch):
     conftest, config, items = _conftest(), _Config(), _items()
     monkeypatch.delenv("COURSE_NCCL_RULES", raising=False)
     conftest.pytest_collection_modifyitems(config, items)
-    assert len(items) == 3 and config.deselected == []
+    assert len(items) == 4 and config.deselected == []
     assert items[2].get_closest_marker("gloo_only").args[0] == conftest.GLOO_ONLY["tests/test_batch_grading.py"]
 
 
