@@ -111,7 +111,7 @@ def test_bad_input_refused_before_any_rank():
 
 
 def test_every_communicated_tensor_is_on_the_rank_device():
-    # COURSE_DEVICE_RULE's check on CPU ranks: a tensor made without a device and handed to a
+    # NCCL's device rule checked on CPU ranks (observe/device_rule.py): a tensor made without a device and handed to a
     # collective would pass on gloo and fail on the first NCCL run
     from course_lib.observe.device_rule import under_rule
     from course_lib.runtime.device import rank_device

@@ -2,7 +2,7 @@
 Adam's state (and its fp32 master) in host memory, every crossing explicit
 (course_lib/parallel/zero/offload.py's to_host / to_device).
 
-No GPU here: COURSE_DEVICE_RULE's tracking (observe/device_rule.py) stands in for one. It marks
+No GPU here: the device rule's tracking (observe/device_rule.py) stands in for one. It marks
 each tensor that would live in host memory on a GPU rank, so a rank can check, at the optimizer's
 step, that torch.optim sees host tensors only (the old NVMe tier stepped the device's parameters
 with state in host buffers: a device mismatch on the first GPU run), that the model's parameters

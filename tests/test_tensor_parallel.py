@@ -169,7 +169,7 @@ def test_qkv_rows_give_whole_heads_of_q_k_and_v():
 def _layers(sp):
     torch.manual_seed(0)  # same full layers and input on every rank
     fc, proj = nn.Linear(8, 12).to(rank_device()), nn.Linear(12, 8).to(rank_device())
-    x = torch.randn(2, 4, 8, requires_grad=True, device=rank_device())  # the device rule (COURSE_DEVICE_RULE=1)
+    x = torch.randn(2, 4, 8, requires_grad=True, device=rank_device())  # NCCL's device rule (COURSE_NCCL_RULES=1)
     ref = proj(torch.relu(fc(x)))
     ref.sum().backward()
     col, row = ColumnParallelLinear.from_linear(fc, None, sp), RowParallelLinear.from_linear(proj, None, sp)

@@ -26,7 +26,7 @@ step's optimizer step, which comes after that step's to_host waited for the stre
 rank the parameters and gradients stay on the device, Adam's state and its fp32 master on the
 host: torch.optim never sees a device tensor beside a host one (stage 3 and the NVMe tier step
 host tensors only). On CPU ranks the host and the device are one memory: to_host still makes a
-copy (marked as host memory by COURSE_DEVICE_RULE=1's tracking, observe/device_rule.py, so a
+copy (marked as host memory by the device rule's tracking under COURSE_NCCL_RULES=1, so a
 host tensor handed to a collective raises there as it would on NCCL), the same values, so the
 numbers are bit for bit those of a run without offload's copies; the counter records the bytes
 that would cross the link and `pcie_seconds` turns them into time.

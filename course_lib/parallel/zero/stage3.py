@@ -68,7 +68,7 @@ class FullyShardedUnit:
             if manager.offload is None:
                 self.shard_param = nn.Parameter(own.clone())
             else:  # the fp32 shard lives in host memory (offload.py). nn.Parameter is a new tensor
-                # object: .cpu() (no copy: it is there) tells COURSE_DEVICE_RULE's tracking so too
+                # object: .cpu() (no copy: it is there) tells the device rule's tracking so too
                 self.shard_param = nn.Parameter(to_host(own)).cpu()
         self.device = flat.device  # where compute runs
         self.buffer, self.work = None, None
