@@ -1,6 +1,6 @@
 """Live resharding (course_lib.checkpoint.live): trainer ranks' state moved to generator ranks by
 point-to-point, bit for bit equal to slicing the full tensors, for ZeRO-3 flat shards -> tensor
-parallel, tensor parallel -> flat shards and uneven shapes; traffic equal to the plan's bytes; the
+parallel, per-parameter dim-0 rows -> tensor parallel, tensor parallel -> both, and uneven shapes; traffic equal to the plan's bytes; the
 plan's bytes equal to an element count made independently; bad input refused in the parent."""
 
 import sys
@@ -11,6 +11,7 @@ import torch
 
 from course_lib.checkpoint.live import (
     Layout,
+    dim0_placements,
     flat_layout,
     gpt_tp_placements,
     gpt_zero3_units,
@@ -177,6 +178,18 @@ def dist_size(group):
     return dist.get_world_size(group)
 
 
+def _per_param_source(rank, group):
+    """A real per-parameter stage 3 model on the trainer group: its dim-0 row blocks (zero padded),
+    after checking that its placement records are the ones the parent planned with."""
+    from course_lib.parallel.zero.apply import apply_zero
+    model, _ = apply_zero(gpt(), 3, torch.optim.AdamW, group, lr=1e-3, sharding="per_param")
+    planned = dim0_placements(shapes_of(full_state()), dist_size(group))
+    for _, e in model.per_param.entries():
+        assert (e.placement.table, e.placement.full) == (planned[e.name].table, planned[e.name].full), e.name
+    params = dict(model.named_parameters())
+    return [params[n].detach() for n in full_state()]
+
+
 def _tp_source(rank, group):
     from course_lib.parallel.tp.apply import apply_tensor_parallel
     params = dict(apply_tensor_parallel(gpt(), group).named_parameters())
@@ -223,6 +236,24 @@ def test_tensor_parallel_to_flat_gpt(a, b):
     plan = plan_transfer(split_layout(shapes, gpt_tp_placements(gpt(), a)), flat_layout(shapes, b, units))
     results = run_live_reshard(plan, _tp_source, a + b, timeout_s=120)
     _check_run(plan, results, flat_shards(state, units, b))
+
+
+@pytest.mark.parametrize("a,b", [(2, 2), (3, 1)])
+def test_per_parameter_rows_to_tensor_parallel_gpt(a, b):
+    """dp (per-parameter dim-0 rows, padded: 97 vocabulary rows over 2 or 3 ranks) -> tp."""
+    state, shapes = full_state(), shapes_of(full_state())
+    placements = gpt_tp_placements(gpt(), b)
+    plan = plan_transfer(split_layout(shapes, dim0_placements(shapes, a), "dp"), split_layout(shapes, placements))
+    results = run_live_reshard(plan, _per_param_source, a + b, consume_fn=_tp_check, timeout_s=120)
+    _check_run(plan, results, split_pieces(state, placements, b))
+
+
+def test_tensor_parallel_to_per_parameter_rows_gpt():
+    state, shapes = full_state(), shapes_of(full_state())
+    placements = dim0_placements(shapes, 2)
+    plan = plan_transfer(split_layout(shapes, gpt_tp_placements(gpt(), 1)), split_layout(shapes, placements, "dp"))
+    results = run_live_reshard(plan, _tp_source, 3, timeout_s=120)
+    _check_run(plan, results, split_pieces(state, placements, 2))
 
 
 @pytest.mark.parametrize("a,b,direction", [(2, 2, "flat->split"), (1, 2, "flat->split"), (2, 1, "split->flat"),

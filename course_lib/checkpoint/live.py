@@ -2,11 +2,16 @@
 groups (trainer ranks -> generator ranks), by the checkpoint's global-offset boxes, with
 point-to-point sends instead of files.
 
-One world of A + B ranks: trainer ranks 0..A-1 hold the source layout (ZeRO-3 flat shards, or
-tensor-parallel pieces), generator ranks A..A+B-1 want the destination layout (tensor parallel
-over B, as course_lib.parallel.tp places it, or flat shards). A layout says, per rank, which
-box of which global tensor sits where in the rank's local buffers (a `Held`). The plan is box
-intersection, as a checkpoint load is (reshard.py), with nothing in between:
+One world of A + B ranks: trainer ranks 0..A-1 hold the source layout, generator ranks
+A..A+B-1 want the destination layout; either side is one of
+
+    flat_layout      ZeRO-3 flat shards (gpt_zero3_units: the units stage 3 cuts a GPT into)
+    split_layout     a Placement per tensor: tensor parallel as course_lib.parallel.tp places it
+                     (gpt_tp_placements), or per-parameter dim-0 rows (dim0_placements)
+
+A layout says, per rank, which box of which global tensor sits where in the rank's local
+buffers (a `Held`). The plan is box intersection, as a checkpoint load is (reshard.py), with
+nothing in between:
 
     for each destination rank d, each box D it wants, each source rank s, each box S it holds:
         common = S.intersect(D)  ->  a Move of common.volume elements from s to d
@@ -38,6 +43,7 @@ from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.placement import Placement
 from course_lib.parallel.tp.apply import qkv_rows
 from course_lib.parallel.tp.layers import contiguous_table, padded_size
+from course_lib.parallel.zero.per_param import AXIS, shard_rows
 from course_lib.runtime import run_on_ranks
 from course_lib.runtime.device import rank_device
 
@@ -134,6 +140,19 @@ def gpt_tp_placements(model, tp: int) -> dict:
             out[name] = Placement.split("tp", 1, contiguous_table(p.shape[1], tp), 0, p.shape[1])
         else:
             out[name] = Placement.replicated("tp", 0, tp)
+    return out
+
+
+def dim0_placements(shapes: dict, world: int) -> dict:
+    """Per-parameter stage 3 (course_lib.parallel.zero, sharding="per_param", policy "block"):
+    every tensor cut on dim 0 into `world` blocks of c = shard_rows(d0, world) rows, the last
+    padded with zero rows; the placement record per_param.py gives each parameter."""
+    out = {}
+    for name, shape in shapes.items():
+        if not shape:
+            raise ValueError(f"{name!r} is 0-dim: dim-0 sharding needs a dim 0 (replicate it)")
+        c = shard_rows(shape[0], world)
+        out[name] = Placement.split(AXIS, 0, [range(r * c, (r + 1) * c) for r in range(world)], 0, shape[0])
     return out
 
 
