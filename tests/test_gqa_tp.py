@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from course_lib import run_on_ranks
 from course_lib.data import CharDataset, get_batch
 from course_lib.dims import ParallelDims, check_tp
-from course_lib.estimate import LLAMA3_70B
+from course_lib.estimate import LLAMA3_70B, activation_bytes, per_gpu_memory
 from course_lib.estimate.params import param_count
 from course_lib.model import GPT, GPTConfig, expected_num_params
+from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.parallel.tp import apply_tensor_parallel, check_tensor_parallel, gather_full_gradients, qkv_rows
 from course_lib.parallel.tp.apply import clip_grad_norm_
 from course_lib.parallel.tp.training import run_tensor_parallel, train_tensor_parallel
@@ -206,3 +207,30 @@ def test_training_equals_the_single_process(tp):
         model = GPT(config(n_kv))
         assert_grads_close_after_adamw(by_name(out.final_grads, model), by_name(ref_grads, model), str(key))
         assert_adamw_params_close(out.final_params, ref_params, tc.lr, tc.steps, tc.betas, msg=str(key))
+
+
+def _params_per_rank(n_kv, sp):
+    """Parameter bytes on this rank of the tensor-parallel GQA model."""
+    return measured_state_bytes(apply_tensor_parallel(GPT(config(n_kv), seed=0), None, sp))["params"]
+
+
+@pytest.mark.parametrize("n_kv", [1, 2])
+def test_estimator_memory_counts_kv_heads(n_kv):
+    # one process (tp = 1): the plain model repeats K and V to n_head heads for its per-head matmuls
+    # and keeps those copies, 2e*n*(d - g) bytes more than the formula, which counts K and V n_kv_head
+    # wide (what a GQA attention kernel keeps); exact integers, both sides
+    cfg, n, e = config(n_kv), 2 * 32, 4
+    saved = {}
+    for n_layer in (1, 2):
+        model = GPT(config(n_kv, n_layer=n_layer), seed=0)
+        x, y = get_batch(CharDataset("train", 32), 2, torch.Generator().manual_seed(0))
+        with SavedActivations(model) as s:
+            model(x, y)
+        saved[n_layer] = s.bytes
+    repeated = 2 * e * n * (cfg.d_model - cfg.kv_dim)
+    assert saved[2] - saved[1] == activation_bytes(cfg, 2, 32)["per_layer"] + repeated
+    # tp = 2 splits the KV heads (2 | n_kv_head = 2): parameters per rank equal the estimator's
+    if n_kv == 2:
+        for sp in (False, True):
+            params = run_on_ranks(_params_per_rank, n_kv, sp, world_size=2, timeout_s=60)[0]
+            assert params == per_gpu_memory(cfg, 2, 32, recipe="fp32", tp=2, sequence_parallel=sp)["params"]
