@@ -129,11 +129,17 @@ class ColumnParallelLinear(nn.Module):
                         getattr(layer, name).copy_(getattr(linear, name)[layer.rows[layer.rank]])
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) as the matmul uses them: the parameters, their shared rows (if any) passed
+        through _SumSharedRows so that each copy's gradient is the sum over the ranks holding it."""
         w, b = self.weight, self.bias
-        if self.shared is not None:  # their gradients summed over the ranks sharing them
+        if self.shared is not None:
             w = _SumSharedRows.apply(w, *self.shared, self.group)
             b = None if b is None else _SumSharedRows.apply(b, *self.shared, self.group)
+        return w, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weights()
         if self.sequence_parallel:  # x is this rank's T/tp tokens: any length gathers back to T
             return gathered_linear(x, w, b, self.group)
         return F.linear(enter_region(x, self.group, False), w, b)
