@@ -3,11 +3,14 @@ single-process run.
 
     torchrun --nproc-per-node=2 -m course_lib.demos.tensor_parallel --steps 20
     torchrun --nproc-per-node=4 -m course_lib.demos.tensor_parallel --sequence-parallel
+    torchrun --nproc-per-node=4 -m course_lib.demos.tensor_parallel --sequence-parallel --async-tp
 
 Every rank holds 1/N of each attention and MLP weight (whole heads), of the embedding and of
 the output head; the loss is computed without gathering the logits. The model has
 n_head = max(4, N) heads of 16 features, so N must divide it. Rank 0 also trains the
-single-process model on the same batches and checks the two loss curves agree.
+single-process model on the same batches and checks the two loss curves agree. --async-tp
+(with --sequence-parallel) overlaps each block's all-gathers and reduce-scatters with their
+matmuls, chunk by chunk (course_lib.parallel.tp.async_tp).
 
 In a notebook: `run_on_ranks(train_tensor_parallel, config, train_cfg, sequence_parallel)`.
 """
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from course_lib.data import CharDataset
 from course_lib.model import GPTConfig
 from course_lib.parallel.tp.apply import check_tensor_parallel
+from course_lib.parallel.tp.async_tp import check_async_tp
 from course_lib.parallel.tp.training import train_tensor_parallel
 from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.train import TrainConfig, train_reference
@@ -48,6 +52,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--async-tp", action="store_true",
+                        help="overlap the sequence-parallel collectives with the matmuls (needs --sequence-parallel)")
     # 1e-3: room for 20 AdamW steps at lr 3e-3, over which the rounding-driven differences
     # (adamw_loss_atol(3e-3) = 7e-5 over a few steps, course_lib.tolerances) may grow; a wrong
     # shard or a missing all-reduce moves the loss by > 1e-2 within the first steps.
@@ -59,16 +65,18 @@ def main(argv=None):
     config = demo_config(world)
     try:  # before joining the group: a bad layout fails on every rank at once, nobody waits
         check_tensor_parallel(config, world, args.sequence_parallel)
+        check_async_tp(args.async_tp, args.sequence_parallel)
     except ValueError as e:
         parser.error(str(e))
     train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, eval_every=10**9, progress=False)
     backend = init_from_env()
     try:
-        result = train_tensor_parallel(config, train_cfg, args.sequence_parallel)
+        result = train_tensor_parallel(config, train_cfg, args.sequence_parallel, async_tp=args.async_tp)
         worst = 0.0
         if dist.get_rank() == 0:
             ref = train_reference(config, train_cfg)
             mode = "sequence parallel" if args.sequence_parallel else "no sequence parallelism"
+            mode += ", async TP (overlapped)" if args.async_tp else ""
             print(f"tensor parallel on {world} ranks ({backend}), {mode}: {config}")
             table, worst = compare(result.train_losses, ref.train_losses, args.tolerance)
             print(table, flush=True)

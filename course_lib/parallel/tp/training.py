@@ -49,22 +49,26 @@ def _dtensor_counter(counts: dict):
 
 
 def train_tensor_parallel(model_config, train_cfg, sequence_parallel: bool = False, impl: str = "course",
-                          group=None, trace: bool = False, record_timeline: bool = False) -> TrainResult:
+                          group=None, trace: bool = False, record_timeline: bool = False,
+                          async_tp: bool = False) -> TrainResult:
     """Rank code: train_cfg.steps steps of the tensor-parallel GPT on `group` (None: the world).
 
     impl "course" (apply_tensor_parallel) or "dtensor" (apply_dtensor_tensor_parallel).
     Returns a TrainResult: train_losses (the global loss, equal on every rank), step_seconds;
     for "course" also final_params / final_grads of the gathered single-process model (flat, in
     GPT.parameters() order); comm_summary with trace (CommTracer for "course", CommDebugMode's
-    per-op counts for "dtensor"); timeline_events with record_timeline.
+    per-op counts for "dtensor"); timeline_events with record_timeline. async_tp (course impl, under
+    sequence parallelism): apply_tensor_parallel's overlapped all-gathers and reduce-scatters.
     """
     tp = dist.get_world_size(group)
     _check_run(impl, model_config, train_cfg, tp, sequence_parallel)
     dev = rank_device()
     model = GPT(model_config, seed=train_cfg.seed).to(dev)
     if impl == "course":
-        apply_tensor_parallel(model, group, sequence_parallel)
+        apply_tensor_parallel(model, group, sequence_parallel, async_tp=async_tp)
         clip = lambda c: clip_grad_norm_(model, c)  # noqa: E731
+    elif async_tp:
+        raise ValueError(f"async_tp=True runs the course layers (impl='course'), not impl={impl!r}")
     else:
         apply_dtensor_tensor_parallel(model, group, sequence_parallel)
         clip = lambda c: clip_grad_norm_dtensor(model, c)  # noqa: E731
