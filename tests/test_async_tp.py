@@ -5,6 +5,9 @@ Each is compared, forward and backward (input and weight gradients), with the pl
 matmul on the same ranks (course_lib.comm.autograd's gather_along_dim / scatter_along_dim) and
 with the single-process matmul. Bad shapes are refused with a ValueError on every rank before
 any send. A mutant ring (a chunk multiplied at the wrong place) shows the comparison can fail.
+The traffic is counted exactly: p - 1 chunks per ring, the ring collectives' bytes.
+apply_tensor_parallel(..., sequence_parallel=True, async_tp=True) trains 3 AdamW steps like plain
+TP and like one process at tp = 2, 3, 4; the TP demo's --async-tp runs under torchrun.
 Also run under COURSE_NCCL_RULES=1: every step's batch must pair up in NCCL's issue order.
 """
 
@@ -16,12 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import RankError, run_on_ranks
+from course_lib import run_on_ranks
 from course_lib.comm.autograd import gather_along_dim, scatter_along_dim
 from course_lib.parallel.tp import async_tp
 from course_lib.runtime.device import rank_device
 
-from _tolerances import FP32_SUM_RTOL, assert_close_fp32_sums
+from _tolerances import assert_close_fp32_sums
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import this file
 torch.set_num_threads(1)
