@@ -144,6 +144,12 @@ def test_bad_input_refused_before_any_rank_starts():
                    dst.buffers)
     with pytest.raises(ValueError, match=r"covers 0 of the 64 elements of 'pos_emb.weight': every parameter must be wanted"):
         plan_transfer(flat_layout(shapes, 2), holes)
+    src = flat_layout(shapes, 2)
+    gap = Layout(src.kind, src.shapes, (src.held[0], tuple(h for h in src.held[1] if h.name != "ln_f.bias")),
+                 src.buffers)  # ln_f.bias (all on trainer 1) held by no one
+    with pytest.raises(ValueError, match=r"'ln_f.bias' box .* on generator rank 0: elements covered 0..0 times, "
+                                         r"must be exactly once"):
+        plan_transfer(gap, dst)
     with pytest.raises(ValueError, match=r"destination tensor 'b' is not in the source layout"):
         plan_transfer(flat_layout({"a": (5, 3)}, 2), split_layout(shapes_of(UNEVEN), uneven_placements(2)))
     with pytest.raises(ValueError, match=r"'a': source shape \(3, 5\) != destination shape \(5, 3\)"):

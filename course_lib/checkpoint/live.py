@@ -90,7 +90,7 @@ def flat_layout(shapes: dict, world: int, units=None) -> Layout:
     sizes = []
     for u, names in enumerate(units):
         numels = [math.prod(shapes[n]) for n in names]
-        total, s = sum(numels), -(-sum(numels) // world)
+        s = -(-sum(numels) // world)
         sizes.append((s,))
         off = 0
         for name, n in zip(names, numels):
@@ -98,7 +98,6 @@ def flat_layout(shapes: dict, world: int, units=None) -> Layout:
                 for box, pos in flat_boxes(Placement.of_flat_unit("dp", off, n, s, r, world), shapes[name]):
                     held[r].append(Held(name, box, u, pos=off + pos - r * s))
             off += n
-        assert off == total
     return Layout("flat", dict(shapes), tuple(tuple(h) for h in held), tuple(tuple(sizes) for _ in range(world)))
 
 
@@ -176,8 +175,12 @@ class Move:
 class Plan:
     src: Layout
     dst: Layout
-    itemsize: int
+    dtype: torch.dtype
     moves: dict = field(default_factory=dict)  # (src rank, dst rank) -> [Move] in packing order
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def ranks(self) -> int:
@@ -206,17 +209,15 @@ def plan_transfer(src: Layout, dst: Layout, dtype=torch.float32) -> Plan:
         if not bool(mask.all()):
             raise ValueError(f"destination layout covers {int(mask.sum())} of the {mask.numel()} elements of "
                              f"{name!r}: every parameter must be wanted whole by the generator ranks")
-    holders = {}  # (name, box) -> source ranks holding that very box
+    holders = {}  # name -> {box: [(source rank, Held)] of the source ranks holding that very box}
     for s, held in enumerate(src.held):
         for h in held:
-            holders.setdefault((h.name, h.box), []).append((s, h))
-    plan = Plan(src, dst, torch.empty((), dtype=dtype).element_size())
+            holders.setdefault(h.name, {}).setdefault(h.box, []).append((s, h))
+    plan = Plan(src, dst, dtype)
     for d, held in enumerate(dst.held):
         for want in held:
             written = torch.zeros(want.box.lengths, dtype=torch.int32)
-            for (name, _), cands in holders.items():
-                if name != want.name:
-                    continue
+            for cands in holders.get(want.name, {}).values():
                 s, have = cands[d % len(cands)]
                 common = have.box.intersect(want.box)
                 if common is not None:
@@ -240,13 +241,18 @@ def new_buffers(layout: Layout, rank: int, dtype=torch.float32, device=None) -> 
 
 
 @torch.no_grad()
-def transfer(plan: Plan, buffers=None, dtype=torch.float32) -> list[torch.Tensor] | None:
+def transfer(plan: Plan, buffers=None) -> list[torch.Tensor] | None:
     """Rank code on the world of plan.ranks ranks. A trainer passes its source buffers and gets
-    None; a generator gets its destination buffers (zeros where nothing is wanted: padding)."""
-    me, a = dist.get_rank(), plan.src.world
+    None; a generator gets its destination buffers (zeros where nothing is wanted: padding).
+    (NCCL: a trainer whose shards are all padding sends nothing and skips the batch.)"""
+    me, a, dtype = dist.get_rank(), plan.src.world, plan.dtype
     device = rank_device()
     ops, unpack = [], []
     if me < a:
+        want = [tuple(t) for t in plan.src.buffers[me]]
+        if buffers is None or [tuple(b.shape) for b in buffers] != want:
+            got = None if buffers is None else [tuple(b.shape) for b in buffers]
+            raise ValueError(f"trainer rank {me}: buffers of shapes {got} != the source layout's {want}")
         for (s, d), moves in plan.moves.items():
             if s == me:
                 packed = torch.cat([m.src.view(buffers)[m.box.slices(m.src.box.offsets)].reshape(-1) for m in moves])
@@ -269,14 +275,14 @@ def transfer(plan: Plan, buffers=None, dtype=torch.float32) -> list[torch.Tensor
     return out
 
 
-def live_rank(plan, source_fn, consume_fn, dtype=torch.float32):
+def live_rank(plan, source_fn, consume_fn):
     """Rank code of run_live_reshard (public so a caller may wrap it, e.g. observe.nccl_rules.under_rules)."""
     me, a = dist.get_rank(), plan.src.world
     trainers, generators = new_groups([range(a), range(a, plan.ranks)])
     mine = trainers if me < a else generators
     buffers = source_fn(me, mine) if me < a else None
     with CommTracer() as tracer:
-        out = transfer(plan, buffers, dtype)
+        out = transfer(plan, buffers)
     result = {"traffic": tracer.total_bytes(), "calls": {k: v["calls"] for k, v in tracer.summary().items()}}
     if me >= a:
         result["buffers"] = [t.cpu() for t in out]
@@ -285,11 +291,11 @@ def live_rank(plan, source_fn, consume_fn, dtype=torch.float32):
     return result
 
 
-def run_live_reshard(plan: Plan, source_fn, world_size: int, consume_fn=None, dtype=torch.float32,
-                     timeout_s: float = 120, **kw) -> list[dict]:
+def run_live_reshard(plan: Plan, source_fn, world_size: int, consume_fn=None, timeout_s: float = 120,
+                     **kw) -> list[dict]:
     """Parent: check the world, then on world_size ranks: trainers build their source buffers with
     source_fn(rank, trainer group), everyone runs `transfer` under a CommTracer; generators return
     their buffers (and consume_fn(generator rank, generator group, buffers) if given)."""
     check_world(plan, world_size)
-    return run_on_ranks(live_rank, plan, source_fn, consume_fn, dtype, world_size=world_size,
+    return run_on_ranks(live_rank, plan, source_fn, consume_fn, world_size=world_size,
                         timeout_s=timeout_s, **kw)
