@@ -1,5 +1,5 @@
 """Asynchronous tensor parallelism: a collective and the matmul that depends on it, decomposed
-into p steps so that each step's send/receive hides behind the previous chunk's matmul.
+into p steps so that each step's send/receive hides behind the matmul of a chunk already there.
 
 Under sequence parallelism (functions.py) a column-parallel matmul waits for a whole all-gather
 of the sequence shards, and a row-parallel matmul's output waits for a whole reduce-scatter.
