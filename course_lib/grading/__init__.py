@@ -322,14 +322,17 @@ def _as_tensor(x):
 
 def check_close(label: str, got, expected, *, rtol: float, atol: float):
     """Pass when |got - expected| <= atol + rtol·|expected| elementwise (tensors, numbers or nested
-    lists). No default tolerance: each check states the one its numerics justify, beside it."""
+    lists). No default tolerance: each check states the one its numerics justify, beside it. A
+    failure shows the learner's values and the largest difference, never the expected values."""
     announce()
     g, e = _as_tensor(got), _as_tensor(expected)
     if g.shape != e.shape:
         raise CheckFailed(f"{label}: got shape {tuple(g.shape)}, expected {tuple(e.shape)}")
     if not torch.allclose(g.to(torch.float64), e.to(torch.float64), rtol=rtol, atol=atol):
         worst = (g.to(torch.float64) - e.to(torch.float64)).abs().max().item()
-        raise CheckFailed(f"{label}: values differ (largest difference {worst:.3g})\n got:      {got}\n expected: {expected}")
+        # the expected values are not shown: they would be the answer, printed on a wrong attempt
+        raise CheckFailed(f"{label}: values differ (largest difference {worst:.3g}, allowed {atol:.3g} + {rtol:.3g}·|x|)"
+                          f"\n got: {got}")
     passed(label)
 
 
