@@ -116,7 +116,10 @@ def apply_tensor_parallel(model: GPT, group=None, sequence_parallel: bool = Fals
 
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        rows = qkv_rows(cfg.d_model, tp, cfg.n_head, cfg.kv_heads)
+        if cfg.n_kv_head is None:  # multi-head: the two-argument call notebook 05's wrong-split cell patches
+            rows = qkv_rows(cfg.d_model, tp)
+        else:
+            rows = qkv_rows(cfg.d_model, tp, cfg.n_head, cfg.n_kv_head)
         attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, sp, rows=rows)
         attn.proj = RowParallelLinear.from_linear(attn.proj, group, sp)
         mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, sp)
