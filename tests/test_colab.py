@@ -94,12 +94,12 @@ def _cells(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_a_notebook_with_the_colab_cells_has_the_current_ones(path):
+def test_every_notebook_has_the_current_colab_cells(path):
     cells = _cells(path)
     badges = [i for i, c in enumerate(cells) if colab_tool._is_badge(c.cell_type, c.source)]
     setups = [i for i, c in enumerate(cells) if colab_tool._is_setup(c.cell_type, c.source)]
     if not badges and not setups:
-        pytest.skip(f"{path.name} has no Colab cells yet (tools/colab.py --apply)")
+        pytest.fail(f"{path.name} has no Colab link and set-up cell: run tools/colab.py --apply")
     folder = path.parent.name
     assert badges == [0] and cells[0].source == colab.badge(f"{folder}/{path.name}")
     first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")

@@ -92,10 +92,13 @@ def edit_notebook(stored, old_source: str, new_source: str):
         raise ValueError("the .ipynb is not built from its current source: build it first (tools/nb.py build)")
     want = percent_to_notebook(new_source)
     old = [c for c in stored.cells if not (_is_badge(c.cell_type, c.source) or _is_setup(c.cell_type, c.source))]
+    ours = {(c.cell_type, c.source): c for c in stored.cells
+            if _is_badge(c.cell_type, c.source) or _is_setup(c.cell_type, c.source)}
     cells = []
     for cell in want.cells:
         if _is_badge(cell.cell_type, cell.source) or _is_setup(cell.cell_type, cell.source):
-            cells.append(cell)  # new: no outputs, execution_count None
+            # the current cell kept as built (a build records when it ran), else new: no outputs
+            cells.append(ours.get((cell.cell_type, cell.source), cell))
         else:
             cells.append(old.pop(0))
     assert not old and _key(cells) == _key(want.cells)

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex00_all_reduce.ipynb)
+
+# %% [markdown]
 # # Exercise 00: your first all-reduce
 #
 # **Goal.** Write three small functions in `exercises/ex00_all_reduce/student.py`:
@@ -26,6 +29,16 @@
 # **How grading works.** Each check cell below prints `PASS  ...` when your code is right and
 # raises `CheckFailed` (or your own error) when it is not. Edit `student.py`, then *Kernel →
 # Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib.grading import load_student

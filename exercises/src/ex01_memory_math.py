@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex01_memory_math.ipynb)
+
+# %% [markdown]
 # # Exercise 01: plan a training layout
 #
 # **The task.** You have to train Llama-3 70B (70.6 billion parameters) with AdamW in bf16 mixed
@@ -35,6 +38,16 @@
 # **How grading works.** Each check cell prints `PASS  ...` when your answer is right;
 # otherwise it raises `CheckFailed` saying which rule failed (or your `NotImplementedError`).
 # Edit `student.py`, then *Kernel → Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib import estimate, units

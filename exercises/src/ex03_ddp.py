@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex03_ddp.ipynb)
+
+# %% [markdown]
 # # Exercise 03: bucketed, overlapped data parallelism whose buckets learn the backward order
 #
 # **Goal.** Write a reduced `DistributedDataParallel` in `exercises/ex03_ddp/student.py`
@@ -36,6 +39,16 @@
 # few steps on a small model whose layers run in a rank-dependent order, with every all-reduce
 # watched: when it starts, when it is waited for, what it carries. Edit `student.py`, then
 # *Kernel → Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 import torch

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex04_memory_techniques.ipynb)
+
+# %% [markdown]
 # # Exercise 04: a mixed-precision step with fp32 master weights and gradient clipping
 #
 # **Goal.** Write `master_weights_step(params, masters, optimizer, loss_scale, max_norm=None)`
@@ -33,6 +36,16 @@
 # `torch.nn.utils.clip_grad_norm_` when `max_norm` is given), on the same 16-bit gradients; the
 # skip rule is also compared with `torch.amp.GradScaler`. Edit `student.py`, then *Kernel →
 # Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 import torch

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex05_tensor_parallel.ipynb)
+
+# %% [markdown]
 # # Exercise 05: Megatron's f and g, column- and row-parallel layers
 #
 # **Goal.** Write the core of tensor parallelism yourself, in
@@ -37,6 +40,16 @@
 # (the QKV rows), and with the same layers and the same GPT run in a single process (your
 # layers): outputs, input gradients and weight gradients. Edit `student.py`, then
 # *Kernel → Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib.grading import ex05_tensor_parallel as checks

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex06_pipeline_schedule.ipynb)
+
+# %% [markdown]
 # # Exercise 06: pipeline schedules as data
 #
 # **Goal.** In `exercises/ex06_pipeline_schedule/student.py`, write two pipeline schedules as
@@ -34,6 +37,16 @@
 # or raises `CheckFailed` with what it expected. The stored outputs are what correct code
 # prints. The library's own schedule generators are off limits: a `student.py` that imports
 # them is refused before it runs. Edit `student.py`, then *Kernel → Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib.grading import load_student

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex07_expert_dispatch.ipynb)
+
+# %% [markdown]
 # # Exercise 07: expert parallelism's dispatch and combine
 #
 # **Goal.** Write the communication of an expert-parallel MoE layer in
@@ -37,6 +40,16 @@
 # your layer on 2 and 4 real ranks, each with a different number of tokens: its outputs and
 # gradients against the single-process MoE layer on the same tokens, and the bytes its
 # all-to-alls carry. Edit `student.py`, then *Kernel → Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib.grading import ex07_expert_dispatch as checks

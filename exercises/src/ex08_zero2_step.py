@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex08_zero2_step.ipynb)
+
+# %% [markdown]
 # # Exercise 08: a ZeRO-2 step with AdamW
 #
 # **Goal.** Write, in `exercises/ex08_zero2_step/student.py`, the optimizer of ZeRO stage 2
@@ -49,6 +52,16 @@
 # and is compared with `torch.optim.AdamW` in one process on the whole batch; the bytes each
 # rank holds are measured while backward runs. Edit `student.py`, then *Kernel → Restart and
 # run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib.grading import ex08_zero2_step as ex08

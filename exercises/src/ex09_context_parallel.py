@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex09_context_parallel.ipynb)
+
+# %% [markdown]
 # # Exercise 09: merging partial attention, and balancing causal work
 #
 # **Goal.** Write the two pieces of arithmetic that context parallelism rests on, in
@@ -39,6 +42,16 @@
 # block b's single key like block a's two. Block a's share of the whole softmax denominator
 # is 2/8, block b's 6/8: each block's `exp(lse)` is its part of the denominator.
 # </details>
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 import torch

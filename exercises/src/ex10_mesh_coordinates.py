@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex10_mesh_coordinates.ipynb)
+
+# %% [markdown]
 # # Exercise 10: mesh coordinates, groups and the links they cross
 #
 # **Goal.** Write the bookkeeping of a 4-D device mesh in
@@ -37,6 +40,16 @@
 # node). Your `best_order` must send no more bytes over the network than any of the 24 orders.
 # Write it yourself: a `student.py` that imports the course's own mesh bookkeeping is
 # refused before any check runs. Edit `student.py`, then *Kernel → Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib.grading import ex10_mesh_coordinates as grade

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex11_step_time.ipynb)
+
+# %% [markdown]
 # # Exercise 11: predict the step time of a DP x TP (x PP) layout
 #
 # **Goal.** In `exercises/ex11_step_time/student.py`, write `step_time_dp_tp(config, cluster,
@@ -40,6 +43,16 @@
 # then, fed the calibration of notebook 10, your model must order four measured runs as they
 # really ran. Edit `student.py`, then
 # *Kernel → Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib.grading import ex11_step_time as ex11, load_student

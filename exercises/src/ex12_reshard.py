@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex12_reshard.ipynb)
+
+# %% [markdown]
 # # Exercise 12: reshard ZeRO shards from N ranks to M ranks
 #
 # **Goal.** A ZeRO-3 run saved its flat shards on 4 ranks; the job must continue on 2. In
@@ -33,6 +36,16 @@
 #
 # Write it yourself: a `student.py` that imports the course library's own shard rule or
 # resharding code is refused before any check runs.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 from course_lib.grading import ex12_reshard as grade

@@ -1,4 +1,7 @@
 # %% [markdown]
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex13_debugging.ipynb)
+
+# %% [markdown]
 # # Exercise 13: three broken runs
 #
 # **Goal.** Three data-parallel training runs of the course GPT on 2 ranks went wrong: one
@@ -46,6 +49,16 @@
 # to stop and the step each rank stops at, the replicas' parameters, and the calls and bytes
 # each step sends. Edit `student.py`, then
 # *Kernel → Restart and run all*.
+
+# %%
+# Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    home = os.environ.get("COURSE_COLAB_HOME", "/content/course")
+    if not os.path.isdir(home):
+        subprocess.run(["git", "clone", "-q", os.environ.get("COURSE_COLAB_REPO", "https://github.com/OWNER/distributed-training-from-first-principles"), home], check=True)
+        subprocess.run(["git", "-C", home, "checkout", "-q", "v0.1.0"], check=True)
+    sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
 %matplotlib inline
