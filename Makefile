@@ -67,8 +67,10 @@ NOTEBOOK_PATH ?=
 NOTEBOOK_DIRS ?= notebooks exercises
 NOTEBOOK_PATH_ENV = $(if $(NOTEBOOK_PATH),ATEN_CPU_CAPABILITY=$(firstword $(subst :, ,$(NOTEBOOK_PATH))) OMP_NUM_THREADS=$(lastword $(subst :, ,$(NOTEBOOK_PATH))),)
 test: $(STAMP)
-	@echo "== pytest tests"; \
-	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=15 tests; status=$$?; \
+	@echo "== pytest tests under NCCL's rules (COURSE_NCCL_RULES=1; gloo_only tests deselected, conftest.py)"; \
+	COURSE_NCCL_RULES=1 OMP_WAIT_POLICY=PASSIVE COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=15 tests; status=$$?; \
+	echo "== pytest tests marked gloo_only, without NCCL's rules"; \
+	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=5 -m gloo_only tests || status=1; \
 	echo "== nbval $(NOTEBOOK_DIRS)$(if $(NOTEBOOK_PATH), on CPU path $(NOTEBOOK_PATH),)"; \
 	$(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 \
 		$(NOTEBOOK_DIRS) $(NBVAL) || status=1; \
@@ -84,23 +86,16 @@ test-under-load: $(STAMP)
 	@COURSE_GRADE_WITH=solutions $(PY) tools/under_load.py --procs $(LOAD_PROCS) -- \
 		$(PY) -m pytest -p no:cacheprovider -q --durations=15 tests
 
-# The point-to-point code under NCCL's rules on the gloo ranks (course_lib/observe/nccl_rules.py,
-# CONTRIBUTING.md "NCCL's rules on CPU ranks"): the rules' own tests, the pipeline schedules,
-# PipeDream-2BW and the send/recv collectives with COURSE_NCCL_RULES=1, which every rank pool of
-# the session inherits. The library's own strategy runs (pipeline schedules, the composed layouts'
-# traffic) also run under the device rule (COURSE_DEVICE_RULE=1: every
-# communicated tensor on the rank's device, observe/device_rule.py); the rules' own tests and the
-# collective tests hand gloo host tensors of their own on purpose, so they run under the first rule only.
-NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_comm.py tests/test_grading_ex09.py
-BOTH_RULES_TESTS ?= tests/test_pipeline.py tests/test_pp_v_schedules.py \
-	"tests/test_hybrid.py::test_traffic_of_each_dimension_measured_against_the_model"
+# NCCL's rules on the gloo ranks (observe/nccl_rules.py and device_rule.py, CONTRIBUTING.md "NCCL's
+# rules on CPU ranks"): `make test` runs the library's tests with COURSE_NCCL_RULES=1, which every rank
+# pool and torchrun demo of the session inherits, then the tests marked gloo_only (conftest.py) without
+# it. test-nccl-rules is the quick subset: the rules' own tests and the point-to-point code.
+NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_nccl_rules_marker.py tests/test_device_rule.py \
+	tests/test_comm.py tests/test_pipeline.py tests/test_pp_v_schedules.py
 .PHONY: test-nccl-rules gpu-check
 test-nccl-rules: $(STAMP)
 	@echo "== pytest under NCCL's rules: $(NCCL_RULES_TESTS)"
 	@COURSE_NCCL_RULES=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -p no:cacheprovider -q --durations=10 $(NCCL_RULES_TESTS)
-	@echo "== pytest under NCCL's rules and its device rule: $(BOTH_RULES_TESTS)"
-	@COURSE_NCCL_RULES=1 COURSE_DEVICE_RULE=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -p no:cacheprovider -q \
-		--durations=10 $(BOTH_RULES_TESTS)
 
 # A learner's copy: the tracked files without exercises/solutions/ and exercises/hidden/ (tools/release.py)
 .PHONY: release

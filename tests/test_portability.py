@@ -72,8 +72,10 @@ def test_make_test_runs_on_the_machines_own_path_and_ci_on_it_and_a_portable_one
     assert "ATEN_CPU_CAPABILITY" not in _recipe("test") and "OMP_NUM_THREADS" not in _recipe("test")
     assert re.search(r"^NOTEBOOK_PATH \?=\s*$", (ROOT / "Makefile").read_text(), re.M)  # the machine's own
     ci = (ROOT / ".ci" / "run").read_text()
-    for target in ("test", "test-nccl-rules", "test-portability", "test-browser", "test-site"):
+    for target in ("test", "test-portability", "test-browser", "test-site"):
         assert re.search(rf"^timed make {target}\b", ci, re.M), f".ci/run must run make {target}"
+    # the library's tests under NCCL's rules, the gloo_only ones after them without (conftest.py)
+    assert "COURSE_NCCL_RULES=1" in _recipe("test") and "-m gloo_only" in _recipe("test")
     # the notebooks and the exercises on the machine's own path (what a learner's make test and
     # kernel run: an AVX-512 learner's failure must show in CI), every folder of them...
     assert re.search(r"make test( \|\||$)", ci, re.M) and "NOTEBOOK_PATH" not in ci and "NOTEBOOK_DIRS" not in ci

@@ -10,8 +10,8 @@ import drive
 from conftest import REPO
 
 ALL = sorted(p.stem for p in (REPO / "exercises").glob("ex*.ipynb"))
-# COURSE_BROWSER_EXERCISES="ex00_all_reduce ...": only these (CI: the exercises whose stubs no
-# tests/test_grading_exNN.py checks; see .ci/run)
+# COURSE_BROWSER_EXERCISES="ex00_all_reduce ...": only these (CI: two, one graded in the kernel and
+# one on ranks; every exercise's stubs are checked in its tests/test_grading_exNN.py; see .ci/run)
 CHOSEN = os.environ.get("COURSE_BROWSER_EXERCISES", "").split()
 assert set(CHOSEN) <= set(ALL), f"COURSE_BROWSER_EXERCISES names no exercise: {sorted(set(CHOSEN) - set(ALL))}"
 EXERCISES = CHOSEN or ALL
