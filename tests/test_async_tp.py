@@ -199,13 +199,14 @@ def test_bad_shapes_are_refused_before_any_send():
 SEQ = 12  # the whole sequence splits over 2, 3 and 4 ranks
 
 
-def _config(tie=True):
+def _config(tie=True, n_kv_head=None):
     from course_lib.data import CharDataset
     from course_lib.model import GPTConfig
 
-    # 12 heads, 48 features, 192 MLP columns: divisible by 2, 3 and 4
+    # 12 heads, 48 features, 192 MLP columns: divisible by 2, 3 and 4; n_kv_head < tp copies each
+    # key/value head over tp / n_kv_head ranks (grouped-query attention)
     return GPTConfig(vocab_size=CharDataset("train").vocab_size, block_size=SEQ, n_layer=2, n_head=12,
-                     d_model=48, d_ff=192, tie_weights=tie)
+                     d_model=48, d_ff=192, tie_weights=tie, n_kv_head=n_kv_head)
 
 
 def _train_cfg():
@@ -215,7 +216,7 @@ def _train_cfg():
     return TrainConfig(steps=3, batch_size=4, grad_clip=1.0, eval_every=10**6, eval_batches=1, progress=False)
 
 
-def _train_plain_and_async(tie):
+def _train_plain_and_async(tie, n_kv_head=None):
     """train_tensor_parallel with sequence parallelism, plain and with async_tp=True, and what an
     async model's blocks hold."""
     from collections import Counter
@@ -223,7 +224,7 @@ def _train_plain_and_async(tie):
     from course_lib.model import GPT
     from course_lib.parallel.tp import apply_tensor_parallel, training
 
-    cfg, tc = _config(tie), _train_cfg()
+    cfg, tc = _config(tie, n_kv_head), _train_cfg()
     model = GPT(cfg)
     with pytest.raises(ValueError) as err:  # refused before the model changes
         apply_tensor_parallel(model, None, sequence_parallel=False, async_tp=True)
@@ -235,14 +236,15 @@ def _train_plain_and_async(tie):
     return {"plain": plain, "async": asy, "refusal": str(err.value), "untouched": untouched, "kinds": kinds}
 
 
-@pytest.mark.parametrize("tp,tie", [(2, True), (3, False), (4, True)])
-def test_async_tp_trains_like_plain_tp_and_one_process(tp, tie):
+@pytest.mark.parametrize("tp,tie,n_kv_head", [(2, True, None), (3, False, None), (4, True, None),
+                                              (2, True, 1), (4, False, 2)])
+def test_async_tp_trains_like_plain_tp_and_one_process(tp, tie, n_kv_head):
     from course_lib.model import GPT
     from course_lib.train import train_reference, flat_grads, flat_params
     from _tolerances import adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw, by_name
 
-    cfg, tc = _config(tie), _train_cfg()
-    res = run_on_ranks(_train_plain_and_async, tie, world_size=tp, timeout_s=180)
+    cfg, tc = _config(tie, n_kv_head), _train_cfg()
+    res = run_on_ranks(_train_plain_and_async, tie, n_kv_head, world_size=tp, timeout_s=180)
     ref = train_reference(cfg, tc)
     ref_params, ref_grads = flat_params(ref.model), flat_grads(ref.model)
     for r in range(tp):

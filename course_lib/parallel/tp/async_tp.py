@@ -199,10 +199,12 @@ def matmul_reduce_scatter(x: torch.Tensor, w_shard: torch.Tensor, group=None, di
 
 
 class AsyncColumnParallelLinear(ColumnParallelLinear):
-    """ColumnParallelLinear under sequence parallelism, its all-gather decomposed into the matmul."""
+    """ColumnParallelLinear under sequence parallelism, its all-gather decomposed into the matmul
+    (with the weights the plain layer uses: key/value rows copied over ranks sum their gradients)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather_matmul(x, self.weight, self.group, bias=self.bias)
+        w, b = self.weights()
+        return all_gather_matmul(x, w, self.group, bias=b)
 
 
 class AsyncRowParallelLinear(RowParallelLinear):
@@ -237,7 +239,4 @@ def use_async_tp(model) -> None:
                 raise ValueError(f"{name}={type(layer).__name__} (sequence_parallel="
                                  f"{getattr(layer, 'sequence_parallel', None)}): async TP swaps the plain "
                                  "sequence-parallel Column/RowParallelLinear of apply_tensor_parallel")
-            if getattr(layer, "shared", None) is not None:
-                raise ValueError("async_tp with key/value heads copied over several ranks (n_kv_head < tp) "
-                                 "is not supported: use tp <= n_kv_head or async_tp=False")
             layer.__class__ = ASYNC[type(layer)]
