@@ -34,11 +34,11 @@ from summary import add_quick, quick_mode, record, shown_verdict  # noqa: E402  
 
 from course_lib import run_on_ranks  # noqa: E402
 from course_lib.checkpoint.live import (  # noqa: E402
-    flat_layout,
+    flat_holdings,
     gpt_tp_placements,
     gpt_zero3_units,
     plan_transfer,
-    split_layout,
+    split_holdings,
 )
 from course_lib.model import GPT, GPTConfig  # noqa: E402
 from course_lib.units import fmt_bytes  # noqa: E402
@@ -112,8 +112,8 @@ def main(argv=None):
         config = GPTConfig(vocab_size=97, block_size=64, n_layer=4, n_head=4, d_model=d)
         model = GPT(config, seed=0)
         shapes = {n: tuple(t.shape) for n, t in model.named_parameters()}
-        plan = plan_transfer(flat_layout(shapes, A, gpt_zero3_units(model)),
-                             split_layout(shapes, gpt_tp_placements(model, B)))
+        plan = plan_transfer(flat_holdings(shapes, A, gpt_zero3_units(model)),
+                             split_holdings(shapes, gpt_tp_placements(model, B)))
         root = tempfile.mkdtemp(prefix="bench_live_")
         try:
             res = run_on_ranks(measure, plan, config, root, args.reps, world_size=A + B, timeout_s=600,

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from course_lib.checkpoint.live import (
-    Layout,
+    Holdings,
     dim0_placements,
-    flat_layout,
+    flat_holdings,
     gpt_tp_placements,
     gpt_zero3_units,
     live_rank,
     plan_transfer,
     run_live_reshard,
-    split_layout,
+    split_holdings,
 )
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.nccl_rules import under_rules
@@ -58,7 +58,7 @@ def uneven_placements(n):
 # -- what each side should hold, computed without the plan --------------------------------------
 
 def flat_shards(state, units, world):
-    """Rank r's buffers of flat_layout: each unit's tensors end to end, zero padded, its shard."""
+    """Rank r's buffers of flat_holdings: each unit's tensors end to end, zero padded, its shard."""
     out = [[] for _ in range(world)]
     for names in units:
         flat = torch.cat([state[n].reshape(-1) for n in names])
@@ -72,7 +72,7 @@ def split_pieces(state, placements, world):
     return [[placements[n].local(state[n], r).clone() for n in state] for r in range(world)]
 
 
-def element_owners(layout: Layout, shape_of, name):
+def element_owners(layout: Holdings, shape_of, name):
     """{rank: bool mask of the elements of `name` the rank's layout holds}, by painting its boxes."""
     masks = {}
     for r, held in enumerate(layout.held):
@@ -113,7 +113,7 @@ def test_plan_bytes_equal_the_element_count_and_cover_once(a, b):
     state = full_state()
     shapes, units = shapes_of(state), gpt_zero3_units(gpt())
     placements = gpt_tp_placements(gpt(), b)
-    plan = plan_transfer(flat_layout(shapes, a, units), split_layout(shapes, placements))
+    plan = plan_transfer(flat_holdings(shapes, a, units), split_holdings(shapes, placements))
     assert plan.pair_bytes() == counted_bytes(state, units, a, placements, b)
     for d in range(b):  # every wanted element of generator d written exactly once
         for n in shapes:
@@ -128,7 +128,7 @@ def test_plan_bytes_equal_the_element_count_and_cover_once(a, b):
 
 def test_replicated_source_boxes_are_sent_once_spread_over_holders():
     shapes = shapes_of(UNEVEN)
-    plan = plan_transfer(split_layout(shapes, uneven_placements(2)), split_layout(shapes, uneven_placements(2)))
+    plan = plan_transfer(split_holdings(shapes, uneven_placements(2)), split_holdings(shapes, uneven_placements(2)))
     senders = {(d, m.dst.name): s for (s, d), moves in plan.moves.items() for m in moves if m.dst.name == "b"}
     assert senders == {(0, "b"): 0, (1, "b"): 1}  # b replicated on both trainers: holders[d mod 2]
 
@@ -136,24 +136,24 @@ def test_replicated_source_boxes_are_sent_once_spread_over_holders():
 def test_bad_input_refused_before_any_rank_starts():
     state = full_state()
     shapes = shapes_of(state)
-    plan = plan_transfer(flat_layout(shapes, 2), split_layout(shapes, gpt_tp_placements(gpt(), 2)))
+    plan = plan_transfer(flat_holdings(shapes, 2), split_holdings(shapes, gpt_tp_placements(gpt(), 2)))
     with pytest.raises(ValueError, match=r"world_size=3: .*A=2 trainer ranks then B=2 generator ranks .*A \+ B = 4"):
         run_live_reshard(plan, _zero3_source, world_size=3)
-    dst = split_layout(shapes, gpt_tp_placements(gpt(), 2))
-    holes = Layout(dst.kind, dst.shapes, tuple(tuple(h for h in held if h.name != "pos_emb.weight") for held in dst.held),
+    dst = split_holdings(shapes, gpt_tp_placements(gpt(), 2))
+    holes = Holdings(dst.kind, dst.shapes, tuple(tuple(h for h in held if h.name != "pos_emb.weight") for held in dst.held),
                    dst.buffers)
     with pytest.raises(ValueError, match=r"covers 0 of the 64 elements of 'pos_emb.weight': every parameter must be wanted"):
-        plan_transfer(flat_layout(shapes, 2), holes)
-    src = flat_layout(shapes, 2)
-    gap = Layout(src.kind, src.shapes, (src.held[0], tuple(h for h in src.held[1] if h.name != "ln_f.bias")),
+        plan_transfer(flat_holdings(shapes, 2), holes)
+    src = flat_holdings(shapes, 2)
+    gap = Holdings(src.kind, src.shapes, (src.held[0], tuple(h for h in src.held[1] if h.name != "ln_f.bias")),
                  src.buffers)  # ln_f.bias (all on trainer 1) held by no one
     with pytest.raises(ValueError, match=r"'ln_f.bias' box .* on generator rank 0: elements covered 0..0 times, "
                                          r"must be exactly once"):
         plan_transfer(gap, dst)
     with pytest.raises(ValueError, match=r"destination tensor 'b' is not in the source layout"):
-        plan_transfer(flat_layout({"a": (5, 3)}, 2), split_layout(shapes_of(UNEVEN), uneven_placements(2)))
+        plan_transfer(flat_holdings({"a": (5, 3)}, 2), split_holdings(shapes_of(UNEVEN), uneven_placements(2)))
     with pytest.raises(ValueError, match=r"'a': source shape \(3, 5\) != destination shape \(5, 3\)"):
-        plan_transfer(flat_layout({"a": (3, 5)}, 1), split_layout({"a": (5, 3)}, {"a": uneven_placements(2)["a"]}))
+        plan_transfer(flat_holdings({"a": (3, 5)}, 1), split_holdings({"a": (5, 3)}, {"a": uneven_placements(2)["a"]}))
 
 
 # -- on ranks ------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def _check_run(plan, results, expected):
 def test_zero3_flat_to_tensor_parallel_gpt(a, b):
     state, shapes = full_state(), shapes_of(full_state())
     placements = gpt_tp_placements(gpt(), b)
-    plan = plan_transfer(flat_layout(shapes, a, gpt_zero3_units(gpt())), split_layout(shapes, placements))
+    plan = plan_transfer(flat_holdings(shapes, a, gpt_zero3_units(gpt())), split_holdings(shapes, placements))
     results = run_live_reshard(plan, _zero3_source, a + b, consume_fn=_tp_check, timeout_s=120)
     _check_run(plan, results, split_pieces(state, placements, b))
 
@@ -239,7 +239,7 @@ def test_zero3_flat_to_tensor_parallel_gpt(a, b):
 def test_tensor_parallel_to_flat_gpt(a, b):
     state, shapes = full_state(), shapes_of(full_state())
     units = gpt_zero3_units(gpt())
-    plan = plan_transfer(split_layout(shapes, gpt_tp_placements(gpt(), a)), flat_layout(shapes, b, units))
+    plan = plan_transfer(split_holdings(shapes, gpt_tp_placements(gpt(), a)), flat_holdings(shapes, b, units))
     results = run_live_reshard(plan, _tp_source, a + b, timeout_s=120)
     _check_run(plan, results, flat_shards(state, units, b))
 
@@ -249,7 +249,7 @@ def test_per_parameter_rows_to_tensor_parallel_gpt(a, b):
     """dp (per-parameter dim-0 rows, padded: 97 vocabulary rows over 2 or 3 ranks) -> tp."""
     state, shapes = full_state(), shapes_of(full_state())
     placements = gpt_tp_placements(gpt(), b)
-    plan = plan_transfer(split_layout(shapes, dim0_placements(shapes, a), "dp"), split_layout(shapes, placements))
+    plan = plan_transfer(split_holdings(shapes, dim0_placements(shapes, a), "dp"), split_holdings(shapes, placements))
     results = run_live_reshard(plan, _per_param_source, a + b, consume_fn=_tp_check, timeout_s=120)
     _check_run(plan, results, split_pieces(state, placements, b))
 
@@ -257,7 +257,7 @@ def test_per_parameter_rows_to_tensor_parallel_gpt(a, b):
 def test_tensor_parallel_to_per_parameter_rows_gpt():
     state, shapes = full_state(), shapes_of(full_state())
     placements = dim0_placements(shapes, 2)
-    plan = plan_transfer(split_layout(shapes, gpt_tp_placements(gpt(), 1)), split_layout(shapes, placements, "dp"))
+    plan = plan_transfer(split_holdings(shapes, gpt_tp_placements(gpt(), 1)), split_holdings(shapes, placements, "dp"))
     results = run_live_reshard(plan, _tp_source, 3, timeout_s=120)
     _check_run(plan, results, split_pieces(state, placements, 2))
 
@@ -266,8 +266,8 @@ def test_tensor_parallel_to_per_parameter_rows_gpt():
                                            (2, 2, "split->split")])
 def test_uneven_shapes(a, b, direction):
     shapes = shapes_of(UNEVEN)
-    src = flat_layout(shapes, a) if direction.startswith("flat") else split_layout(shapes, uneven_placements(a))
-    dst = flat_layout(shapes, b) if direction.endswith("flat") else split_layout(shapes, uneven_placements(b))
+    src = flat_holdings(shapes, a) if direction.startswith("flat") else split_holdings(shapes, uneven_placements(a))
+    dst = flat_holdings(shapes, b) if direction.endswith("flat") else split_holdings(shapes, uneven_placements(b))
     source = _uneven_flat_source if direction.startswith("flat") else _uneven_split_source
     expected = flat_shards(UNEVEN, [list(UNEVEN)], b) if direction.endswith("flat") else \
         split_pieces(UNEVEN, uneven_placements(b), b)
@@ -278,6 +278,6 @@ def test_uneven_shapes(a, b, direction):
 def test_under_nccl_rules():
     """One batch_isend_irecv per rank, one buffer per pair: NCCL's matching and rendezvous hold."""
     shapes = shapes_of(UNEVEN)
-    plan = plan_transfer(flat_layout(shapes, 2), split_layout(shapes, uneven_placements(2)))
+    plan = plan_transfer(flat_holdings(shapes, 2), split_holdings(shapes, uneven_placements(2)))
     results = run_on_ranks(under_rules(live_rank), plan, _uneven_flat_source, None, world_size=4, timeout_s=120)
     _check_run(plan, results, split_pieces(UNEVEN, uneven_placements(2), 2))

@@ -5,11 +5,11 @@ point-to-point sends instead of files.
 One world of A + B ranks: trainer ranks 0..A-1 hold the source layout, generator ranks
 A..A+B-1 want the destination layout; either side is one of
 
-    flat_layout      ZeRO-3 flat shards (gpt_zero3_units: the units stage 3 cuts a GPT into)
-    split_layout     a Placement per tensor: tensor parallel as course_lib.parallel.tp places it
+    flat_holdings    ZeRO-3 flat shards (gpt_zero3_units: the units stage 3 cuts a GPT into)
+    split_holdings   a Placement per tensor: tensor parallel as course_lib.parallel.tp places it
                      (gpt_tp_placements), or per-parameter dim-0 rows (dim0_placements)
 
-A layout says, per rank, which box of which global tensor sits where in the rank's local
+A `Holdings` says, per rank, which box of which global tensor sits where in the rank's local
 buffers (a `Held`). The plan is box intersection, as a checkpoint load is (reshard.py), with
 nothing in between:
 
@@ -67,7 +67,7 @@ class Held:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Holdings:
     """What each rank of one group holds: held[r] its boxes, buffers[r] its local buffers' shapes."""
 
     kind: str
@@ -80,7 +80,7 @@ class Layout:
         return len(self.held)
 
 
-def flat_layout(shapes: dict, world: int, units=None) -> Layout:
+def flat_holdings(shapes: dict, world: int, units=None) -> Holdings:
     """ZeRO flat shards (course_lib.parallel.zero.flat): each unit (a list of names, default one
     unit of all, in order) laid end to end, padded to world * S, S = ceil(P / world); rank r's
     buffer u is [r*S, (r+1)*S). A parameter's part of it: Placement.of_flat_unit's range, cut
@@ -98,10 +98,10 @@ def flat_layout(shapes: dict, world: int, units=None) -> Layout:
                 for box, pos in flat_boxes(Placement.of_flat_unit("dp", off, n, s, r, world), shapes[name]):
                     held[r].append(Held(name, box, u, pos=off + pos - r * s))
             off += n
-    return Layout("flat", dict(shapes), tuple(tuple(h) for h in held), tuple(tuple(sizes) for _ in range(world)))
+    return Holdings("flat", dict(shapes), tuple(tuple(h) for h in held), tuple(tuple(sizes) for _ in range(world)))
 
 
-def split_layout(shapes: dict, placements: dict, kind: str = "tp") -> Layout:
+def split_holdings(shapes: dict, placements: dict, kind: str = "tp") -> Holdings:
     """Every tensor split or replicated over one axis as its Placement says (any rank's record:
     the tables are the axis's); rank r's buffer i is tensor i's local piece (split: len(table[r])
     along dim, padding rows included and left zero)."""
@@ -119,7 +119,7 @@ def split_layout(shapes: dict, placements: dict, kind: str = "tp") -> Layout:
             _, boxes = placed_boxes((p,), local)
             held[r] += [Held(name, g, i, local=lb) for g, lb in boxes]
             buffers[r].append(tuple(local))
-    return Layout(kind, dict(shapes), tuple(tuple(h) for h in held), tuple(tuple(b) for b in buffers))
+    return Holdings(kind, dict(shapes), tuple(tuple(h) for h in held), tuple(tuple(b) for b in buffers))
 
 
 def gpt_tp_placements(model, tp: int) -> dict:
@@ -172,9 +172,9 @@ class Move:
 
 
 @dataclass
-class Plan:
-    src: Layout
-    dst: Layout
+class TransferPlan:
+    src: Holdings
+    dst: Holdings
     dtype: torch.dtype
     moves: dict = field(default_factory=dict)  # (src rank, dst rank) -> [Move] in packing order
 
@@ -191,7 +191,7 @@ class Plan:
         return {k: self.itemsize * sum(m.box.volume for m in v) for k, v in self.moves.items()}
 
 
-def plan_transfer(src: Layout, dst: Layout, dtype=torch.float32) -> Plan:
+def plan_transfer(src: Holdings, dst: Holdings, dtype=torch.float32) -> TransferPlan:
     """The moves from src (trainer ranks) to dst (generator ranks); ValueError, naming the value
     and the rule, when a shape disagrees or a destination element is not covered exactly once."""
     for name, shape in dst.shapes.items():
@@ -213,7 +213,7 @@ def plan_transfer(src: Layout, dst: Layout, dtype=torch.float32) -> Plan:
     for s, held in enumerate(src.held):
         for h in held:
             holders.setdefault(h.name, {}).setdefault(h.box, []).append((s, h))
-    plan = Plan(src, dst, dtype)
+    plan = TransferPlan(src, dst, dtype)
     for d, held in enumerate(dst.held):
         for want in held:
             written = torch.zeros(want.box.lengths, dtype=torch.int32)
@@ -229,19 +229,19 @@ def plan_transfer(src: Layout, dst: Layout, dtype=torch.float32) -> Plan:
     return plan
 
 
-def check_world(plan: Plan, world_size: int) -> None:
+def check_world(plan: TransferPlan, world_size: int) -> None:
     """The parent's check: trainers 0..A-1 then generators A..A+B-1 must be the whole world."""
     if world_size != plan.ranks:
         raise ValueError(f"world_size={world_size}: a layout of A={plan.src.world} trainer ranks then "
                          f"B={plan.dst.world} generator ranks needs world_size = A + B = {plan.ranks}")
 
 
-def new_buffers(layout: Layout, rank: int, dtype=torch.float32, device=None) -> list[torch.Tensor]:
+def new_buffers(layout: Holdings, rank: int, dtype=torch.float32, device=None) -> list[torch.Tensor]:
     return [torch.zeros(s, dtype=dtype, device=device) for s in layout.buffers[rank]]
 
 
 @torch.no_grad()
-def transfer(plan: Plan, buffers=None) -> list[torch.Tensor] | None:
+def transfer(plan: TransferPlan, buffers=None) -> list[torch.Tensor] | None:
     """Rank code on the world of plan.ranks ranks. A trainer passes its source buffers and gets
     None; a generator gets its destination buffers (zeros where nothing is wanted: padding).
     (NCCL: a trainer whose shards are all padding sends nothing and skips the batch.)"""
@@ -291,7 +291,7 @@ def live_rank(plan, source_fn, consume_fn):
     return result
 
 
-def run_live_reshard(plan: Plan, source_fn, world_size: int, consume_fn=None, timeout_s: float = 120,
+def run_live_reshard(plan: TransferPlan, source_fn, world_size: int, consume_fn=None, timeout_s: float = 120,
                      **kw) -> list[dict]:
     """Parent: check the world, then on world_size ranks: trainers build their source buffers with
     source_fn(rank, trainer group), everyone runs `transfer` under a CommTracer; generators return
