@@ -91,7 +91,7 @@ test-under-load: $(STAMP)
 # pool and torchrun demo of the session inherits, then the tests marked gloo_only (conftest.py) without
 # it. test-nccl-rules is the quick subset: the rules' own tests and the point-to-point code.
 NCCL_RULES_TESTS ?= tests/test_nccl_rules.py tests/test_nccl_rules_marker.py tests/test_device_rule.py \
-	tests/test_comm.py tests/test_pipeline.py tests/test_pp_v_schedules.py
+	tests/test_comm.py tests/test_pipeline.py tests/test_pp_v_schedules.py tests/test_async_tp.py
 .PHONY: test-nccl-rules gpu-check
 test-nccl-rules: $(STAMP)
 	@echo "== pytest under NCCL's rules: $(NCCL_RULES_TESTS)"
