@@ -9,7 +9,7 @@ import pytest
 from course_lib import grading
 from course_lib.grading import ex01_memory_math as grade
 
-from _student import load_as_student
+from _student import assert_rejected, load_as_student, mutated
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOLUTION = (ROOT / "exercises" / "solutions" / "ex01_memory_math.py").read_text()
@@ -92,12 +92,5 @@ WRONG = {
 @pytest.mark.parametrize("name", sorted(WRONG))
 def test_a_plausible_wrong_answer_fails(tmp_path, monkeypatch, capsys, name):
     replacements, check, phrase = WRONG[name]
-    source = SOLUTION
-    for old, new in replacements:
-        assert old in source, old  # the mutant cannot silently become the solution
-        source = source.replace(old, new)
-    wrong = load_as_student(tmp_path, monkeypatch, "ex01_memory_math", source, refuse=grade.REFUSE)
-    with pytest.raises(grading.CheckFailed, match=phrase) as failure:
-        check(wrong)
-    out = capsys.readouterr().out.splitlines()
-    assert "student.py" in str(failure.value) or out[0].endswith("ex01_memory_math/student.py")
+    assert_rejected(tmp_path, monkeypatch, capsys, "ex01_memory_math", mutated(SOLUTION, replacements), check, phrase,
+                    refuse=grade.REFUSE)

@@ -9,7 +9,7 @@ import pytest
 from course_lib import grading
 from course_lib.grading import ex02_ring_all_reduce as grade
 
-from _student import load_as_student
+from _student import assert_rejected, load_as_student, mutated
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOLUTION = (ROOT / "exercises" / "solutions" / "ex02_ring_all_reduce.py").read_text()
@@ -96,12 +96,5 @@ WRONG = {
 @pytest.mark.parametrize("name", sorted(WRONG))
 def test_a_plausible_wrong_answer_fails(tmp_path, monkeypatch, capsys, name):
     replacements, check, phrase = WRONG[name]
-    source = SOLUTION
-    for old, new in replacements:
-        assert old in source, old  # the mutant cannot silently become the solution
-        source = source.replace(old, new)
-    wrong = load_as_student(tmp_path, monkeypatch, "ex02_ring_all_reduce", source, refuse=grade.REFUSE)
-    with pytest.raises(grading.CheckFailed, match=phrase) as failure:
-        check(wrong)
-    out = capsys.readouterr().out.splitlines()
-    assert "student.py" in str(failure.value) or out[0].endswith("ex02_ring_all_reduce/student.py")
+    assert_rejected(tmp_path, monkeypatch, capsys, "ex02_ring_all_reduce", mutated(SOLUTION, replacements), check, phrase,
+                    refuse=grade.REFUSE)

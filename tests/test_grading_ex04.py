@@ -11,7 +11,7 @@ import torch
 from course_lib import grading
 from course_lib.grading import ex04_memory_techniques as grade
 
-from _student import load_as_student
+from _student import assert_rejected, load_as_student, mutated
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOLUTION = (ROOT / "exercises" / "solutions" / "ex04_memory_techniques.py").read_text()
@@ -106,12 +106,5 @@ WRONG = {
 @pytest.mark.parametrize("name", sorted(WRONG))
 def test_a_plausible_wrong_answer_fails(tmp_path, monkeypatch, capsys, name):
     replacements, check, phrase = WRONG[name]
-    source = SOLUTION
-    for old, new in replacements:
-        assert old in source, old  # the mutant cannot silently become the solution
-        source = source.replace(old, new)
-    wrong = load_as_student(tmp_path, monkeypatch, "ex04_memory_techniques", source, refuse=grade.REFUSE)
-    with pytest.raises(grading.CheckFailed, match=phrase) as failure:
-        check(wrong)
-    out = capsys.readouterr().out.splitlines()
-    assert "student.py" in str(failure.value) or out[0].endswith("ex04_memory_techniques/student.py")
+    assert_rejected(tmp_path, monkeypatch, capsys, "ex04_memory_techniques", mutated(SOLUTION, replacements), check, phrase,
+                    refuse=grade.REFUSE)
