@@ -3,11 +3,13 @@
 The GQA model equals grouped attention written out by hand (n_kv_head = 1, 2, n_head), its
 parameter count equals the closed form and the estimator's, and the tensor-parallel GQA GPT
 trains like the single process at tp = 2 and 4 with n_head = 4 and n_kv_head = 1, 2, 4: KV heads
-split (tp <= n_kv_head) and copied to tp / n_kv_head ranks (tp > n_kv_head), whose gradients
-must be summed over those ranks (a mutant without that sum is caught). Bad input is refused in
+split (tp <= n_kv_head) or read by tp / n_kv_head ranks (tp > n_kv_head): owned by the first,
+read by the others through an all-reduce whose backward sums their gradients back to the owner
+(mutants without that sum, or without the exchange, are caught). Bad input is refused in
 the parent, before any rank starts.
 """
 
+import contextlib
 import math
 import sys
 from unittest import mock
@@ -139,45 +141,60 @@ def test_qkv_rows_copy_each_kv_head_to_the_ranks_of_its_group():
     assert qkv_rows(8, 2, 4, 4).tolist() == qkv_rows(8, 2).tolist()  # multi-head: the split of before
 
 
-def _one_step(n_kv, sp, without_sum=False, copies_ignored=False):
-    """Relative errors of the loss, the gathered gradients and the clip's global norm, TP vs one process."""
-    from course_lib.parallel.tp import layers
+def _owner_gets_only_its_own_gradient(self, t):
+    """Mutant: the owner's KV rows reach every rank (g: all-reduce forward) but the backward does not
+    sum the other ranks' gradients back to the owner (no f)."""
+    from course_lib.comm.autograd import reduce_from_group
+    local, slots, n_slots, first = self.shared
+    buf = t.new_zeros((n_slots, *t.shape[1:])).index_copy(0, slots[first], t[local[first]])
+    return t.index_copy(0, local, reduce_from_group(buf, self.group)[slots])
+
+
+MUTANTS = {"owner's own gradient only": ("_from_first_holders", _owner_gets_only_its_own_gradient),
+           "no exchange (copies read their zero padding)": ("weights", lambda self: (self.weight, self.bias))}
+
+
+def _one_step(n_kv, sp, mutant=None):
+    """Relative errors of the loss, the gathered gradients and the clip's global norm, TP vs one
+    process, and whether every padding row (a KV head owned by another rank) has a zero gradient."""
+    from course_lib.parallel.tp.layers import ColumnParallelLinear
     cfg = config(n_kv)
     x, y = get_batch(CharDataset("train", cfg.block_size), 4, torch.Generator().manual_seed(0))
     ref = GPT(cfg, seed=0)
     ref_loss = ref(x, y)[1]
     ref_loss.backward()
     ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
-    identity = mock.patch.object(layers._SumSharedRows, "apply", lambda w, *rest: w)
-    with identity if without_sum else mock.patch.object(layers, "_shared_rows", layers._shared_rows):
+    patch = mock.patch.object(ColumnParallelLinear, *MUTANTS[mutant]) if mutant else contextlib.nullcontext()
+    with patch:
         model = apply_tensor_parallel(GPT(cfg, seed=0), None, sp)
         loss = model(x, y)[1]
         loss.backward()
     grads = gather_full_gradients(model)
-    ones = mock.patch.object(layers.ColumnParallelLinear, "row_copies", lambda self: torch.ones(self.rows.shape[1]))
-    with ones if copies_ignored else mock.patch.object(layers, "_shared_rows", layers._shared_rows):
-        norm = clip_grad_norm_(model, 1e9)  # a huge max_norm: the norm only, nothing scaled
+    padding_zero = all(bool((m.weight.grad[m.shared[0][~m.shared[3]]] == 0).all()) for m in model.modules()
+                       if isinstance(m, ColumnParallelLinear) and m.shared is not None)
+    norm = clip_grad_norm_(model, 1e9)  # a huge max_norm: the norm only, nothing scaled
     grad_err = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max()).item() for n, p in ref.named_parameters())
-    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), grad_err, abs(norm.item() / ref_norm.item() - 1)
+    errors = abs(loss.item() - ref_loss.item()) / ref_loss.item(), grad_err, abs(norm.item() / ref_norm.item() - 1)
+    return errors, padding_zero
 
 
 def _all_one_steps(tp):
     out = {(n_kv, sp): _one_step(n_kv, sp) for n_kv in KV_HEADS for sp in (False, True)}
-    out["without the sum"] = _one_step(1, False, without_sum=True)
-    out["copies counted once each"] = _one_step(1, False, copies_ignored=True)
+    for name in MUTANTS:
+        out[name] = _one_step(1, False, name)
     return out
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_one_step_gradients_norm_and_the_missing_sum(tp):
+def test_one_step_gradients_norm_and_mutants(tp):
     for out in run_on_ranks(_all_one_steps, tp, world_size=tp, timeout_s=120):
         for key in [(n, sp) for n in KV_HEADS for sp in (False, True)]:
+            errors, padding_zero = out[key]
             # one forward and backward: fp32 sums in another order (ranks, heads), FP32_SUM_RTOL
-            assert max(out[key]) <= FP32_SUM_RTOL, (tp, key, out[key])
-        # each rank's copy of a shared KV head sees only its own query heads' gradient: off by O(1)
-        assert out["without the sum"][1] > 100 * FP32_SUM_RTOL, out["without the sum"]
-        # the clip's norm counting every copy of a KV row with weight 1: too large, beyond rounding by 10x
-        assert out["copies counted once each"][2] > 10 * FP32_SUM_RTOL, out["copies counted once each"]
+            assert max(errors) <= FP32_SUM_RTOL, (tp, key, errors)
+            assert padding_zero, key  # exactly: nothing flows into another rank's KV head's place
+        for name in MUTANTS:  # each wrong exchange is caught by the comparison above, by 100x
+            assert max(out[name][0]) > 100 * FP32_SUM_RTOL, (name, out[name])
 
 
 STEPS = 3
@@ -234,3 +251,22 @@ def test_estimator_memory_counts_kv_heads(n_kv):
         for sp in (False, True):
             params = run_on_ranks(_params_per_rank, n_kv, sp, world_size=2, timeout_s=60)[0]
             assert params == per_gpu_memory(cfg, 2, 32, recipe="fp32", tp=2, sequence_parallel=sp)["params"]
+
+
+def _pieces_after_a_step(n_kv):
+    """Whether every parameter equals its placement's piece of the gathered full state dict after an
+    AdamW step (what loading a full checkpoint gives each rank), padding rows zero included."""
+    from course_lib.parallel.tp import gather_full_state_dict, tp_placements
+    cfg = config(n_kv)
+    x, y = get_batch(CharDataset("train", cfg.block_size), 4, torch.Generator().manual_seed(0))
+    model = apply_tensor_parallel(GPT(cfg, seed=0), None, False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    model(x, y)[1].backward()
+    opt.step()
+    full, placements = gather_full_state_dict(model), tp_placements(model)
+    return all(torch.equal(placements[n].local(full[n]), p.detach()) for n, p in model.named_parameters())
+
+
+def test_each_rank_holds_its_placements_piece_after_a_step():
+    # exact: the gather copies elements, AdamW leaves a zero weight with a zero gradient at zero
+    assert all(run_on_ranks(_pieces_after_a_step, 1, world_size=4, timeout_s=60))

@@ -20,8 +20,10 @@ and CausalSelfAttention reads its head count off the qkv output (a/tp heads here
 
 Grouped-query attention (n_kv_head = k < a): a rank keeps the key/value heads its a/tp query
 heads read: k/tp of them when tp | k, else (k | tp) the one KV head of its group, copied on the
-tp/k ranks of that group. Each copy then gets the gradient of its own rank's query heads only, so
-ColumnParallelLinear sums those rows' gradients over the copies; the clip counts them once.
+tp/k ranks of that group: its first holder owns it, the others hold zero padding in its place and
+read the owner's rows with one all-reduce per forward, whose backward sums every rank's gradient
+of it back to the owner (ColumnParallelLinear.weights). Every element lives on one rank, as with
+the plain split, so the gather, the clip and the checkpoint need nothing new.
 
 `tp_placements(model)` says so per parameter (course_lib.parallel.placement): split along a dim
 by the layer's table, or replicated over tp. The full state dict, the clip's weights and the
@@ -197,20 +199,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the global norm of the single-process gradient and return it: the one weighted
     clip (course_lib.parallel.clip) over the tp group, each parameter weighted 1 / its placement's
     copies: a split one 1 (its rows live on this rank only), a replicated one 1/tp (the same
-    gradient on every rank), and a KV head's rows copied to c ranks 1/c (_row_pieces)."""
+    gradient on every rank). A KV head read by several ranks is a split row of its first holder
+    (zero padding on the others), so it too counts once with weight 1."""
     info, placements = _info(model), tp_placements(model)
-    copied = {id(getattr(m, n)): m.row_copies() for m in model.modules()
-              if isinstance(m, ColumnParallelLinear) and m.shared is not None for n in ("weight", "bias")}
-    pairs = []
-    for n, p in model.named_parameters():
-        pairs += _row_pieces(p.grad, copied[id(p)]) if id(p) in copied else [(p.grad, weight((placements[n],)))]
+    pairs = [(p.grad, weight((placements[n],))) for n, p in model.named_parameters()]
     return weighted_clip_grad_norm_(pairs, max_norm, info.group)
-
-
-def _row_pieces(grad, copies: torch.Tensor) -> list:
-    """(view, 1/c) for each run of consecutive rows held by c ranks alike: views, so the clip's
-    in-place scaling reaches the gradient itself."""
-    if grad is None:
-        return [(None, 1.0)]
-    edges = [0] + [i for i in range(1, len(copies)) if copies[i] != copies[i - 1]] + [len(copies)]
-    return [(grad[a:b], 1 / int(copies[a])) for a, b in zip(edges, edges[1:])]

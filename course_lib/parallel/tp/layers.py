@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.comm.autograd import copy_to_group
+from course_lib.comm.autograd import copy_to_group, reduce_from_group
 from course_lib.dims import check_sequence_parallel
 from course_lib.parallel.placement import Placement
 from course_lib.parallel.tp.functions import SEQUENCE_DIM, enter_region, gathered_linear, leave_region
@@ -67,34 +67,17 @@ def _from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool, table):
     return layer
 
 
-class _SumSharedRows(torch.autograd.Function):
-    """Identity forward; backward sums the gradient of the rows that several ranks hold (a key/value
-    head replicated over tp / n_kv_head ranks, each using it for its own query heads) over those
-    ranks: each rank writes its shared rows at their slots of a zero buffer, one all-reduce over the
-    group, each reads its rows back. A row held by one rank is left as it is."""
-
-    @staticmethod
-    def forward(ctx, w, local, slots, n_slots, group):
-        ctx.local, ctx.slots, ctx.n_slots, ctx.group = local, slots, n_slots, group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        local, slots = ctx.local.to(grad.device), ctx.slots.to(grad.device)
-        buf = grad.new_zeros((ctx.n_slots, *grad.shape[1:])).index_copy_(0, slots, grad.index_select(0, local))
-        dist.all_reduce(buf, group=ctx.group)
-        return grad.index_copy(0, local, buf.index_select(0, slots)), None, None, None, None
-
-
 def _shared_rows(rows: torch.Tensor, rank: int):
-    """(this rank's positions of rows also held by another rank, their slots among all shared rows,
-    how many shared rows), or None when every row is on one rank only (the usual split)."""
+    """Rows several ranks hold (a key/value head every rank of its group reads): (this rank's positions
+    of them, their slots among all shared rows, how many shared rows, whether this rank is each one's
+    first holder), or None when every row is on one rank only (the usual split)."""
     held = torch.bincount(rows.flatten())
     shared = (held > 1).nonzero().flatten()
     if not len(shared):
         return None
     local = (held[rows[rank]] > 1).nonzero().flatten()
-    return local, torch.searchsorted(shared, rows[rank][local]), len(shared)
+    first = torch.tensor([int((rows == i).any(dim=1).nonzero()[0]) == rank for i in rows[rank][local].tolist()])
+    return local, torch.searchsorted(shared, rows[rank][local]), len(shared), first
 
 
 class ColumnParallelLinear(nn.Module):
@@ -112,7 +95,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.tp, self.rank, self.sequence_parallel = group, tp, rank, sequence_parallel
         self.in_features, self.out_features = in_features, out_features  # full sizes
         self.rows = contiguous_table(padded_size(out_features, tp), tp) if rows is None else rows
-        self.shared = _shared_rows(self.rows, rank)  # rows several ranks hold (a replicated KV head)
+        self.shared = _shared_rows(self.rows, rank)  # rows several ranks read (a KV head, n_kv_head < tp)
         local = self.rows.shape[1]
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.register_parameter("bias", nn.Parameter(torch.zeros(local)) if bias else None)
@@ -121,22 +104,25 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel: bool = False, rows=None):
         """This rank's rows of a full nn.Linear (same weights on every rank)."""
-        layer = _from_linear(cls, linear, group, sequence_parallel, rows)
-        if layer.shared is not None:  # the placement lists a shared row on its first holder only
-            with torch.no_grad():
-                for name in ("weight", "bias"):
-                    if getattr(layer, name) is not None:
-                        getattr(layer, name).copy_(getattr(linear, name)[layer.rows[layer.rank]])
-        return layer
+        return _from_linear(cls, linear, group, sequence_parallel, rows)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, bias) as the matmul uses them: the parameters, their shared rows (if any) passed
-        through _SumSharedRows so that each copy's gradient is the sum over the ranks holding it."""
-        w, b = self.weight, self.bias
-        if self.shared is not None:
-            w = _SumSharedRows.apply(w, *self.shared, self.group)
-            b = None if b is None else _SumSharedRows.apply(b, *self.shared, self.group)
-        return w, b
+        """(weight, bias) as the matmul uses them: the parameters, with any shared rows taken from
+        their first holder (_from_first_holders)."""
+        if self.shared is None:
+            return self.weight, self.bias
+        return self._from_first_holders(self.weight), None if self.bias is None else self._from_first_holders(self.bias)
+
+    def _from_first_holders(self, t: torch.Tensor) -> torch.Tensor:
+        """t with its shared rows (a KV head its group's tp/n_kv_head ranks all read) replaced by their
+        first holder's, the one copy that exists (the others are padding: zeros, like the vocabulary's).
+        The first holders write theirs into a zero buffer of all shared rows and one all-reduce, f then
+        g (comm.autograd), sums it forward (x + 0 + ... = x) and sums the gradients of every rank's use
+        of it backward: the first holder's gradient is the single-process one, the padding's zero."""
+        local, slots, n_slots, first = self.shared
+        buf = t.new_zeros((n_slots, *t.shape[1:])).index_copy(0, slots[first], t[local[first]])
+        every = reduce_from_group(copy_to_group(buf, self.group), self.group)
+        return t.index_copy(0, local, every[slots])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weights()
@@ -144,14 +130,10 @@ class ColumnParallelLinear(nn.Module):
             return gathered_linear(x, w, b, self.group)
         return F.linear(enter_region(x, self.group, False), w, b)
 
-    def row_copies(self) -> torch.Tensor:
-        """(local rows,): how many tp ranks hold an identical copy of each of this rank's rows."""
-        return torch.bincount(self.rows.flatten())[self.rows[self.rank]]
-
     def placements(self) -> dict[str, Placement]:
         """{parameter name: Placement}: the weight's and the bias's rows (dim 0) over tp. A row several
-        ranks hold (a replicated KV head) is listed on the first of them; the others list a padding
-        index in its place (>= out_features): a gather takes one copy, as Placement's split wants."""
+        ranks hold (a KV head read by several ranks) is its first holder's; the others list a padding
+        index in its place (>= out_features) and keep zeros there: every element on one rank."""
         table = self.rows.clone()
         if self.shared is not None:
             seen, pad = set(), padded_size(self.out_features, self.tp)
