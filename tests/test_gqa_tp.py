@@ -270,3 +270,15 @@ def _pieces_after_a_step(n_kv):
 def test_each_rank_holds_its_placements_piece_after_a_step():
     # exact: the gather copies elements, AdamW leaves a zero weight with a zero gradient at zero
     assert all(run_on_ranks(_pieces_after_a_step, 1, world_size=4, timeout_s=60))
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(dp=2, tp=2, pp=2, zero=1, microbatches=2),
+                                  ParallelDims(dp=2, tp=2, zero=1, sequence_parallel=True, microbatches=1)],
+                         ids=["dp2-tp2-pp2-zero1", "dp2-tp2-sp-zero1"])
+def test_composed_with_dp_pp_and_zero_equals_the_single_process(dims):
+    # the hybrid runtime's gather, clip and ZeRO shards read the same placements: an owned KV head
+    # (n_kv_head = 1 < tp = 2) composes unchanged; the comparison and its tolerances are test_hybrid's
+    from course_lib.parallel.hybrid import run_hybrid, train_single
+    from test_hybrid import SEQ, TRAIN, _assert_equal_to_single
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, d_model=16, n_kv_head=1)
+    _assert_equal_to_single(run_hybrid(dims, cfg, TRAIN, timeout_s=240), train_single(cfg, TRAIN))
