@@ -11,6 +11,9 @@ the parent, before any rank starts.
 
 import contextlib
 import math
+import os
+import pathlib
+import subprocess
 import sys
 from unittest import mock
 
@@ -31,6 +34,7 @@ from course_lib.parallel.tp.apply import clip_grad_norm_
 from course_lib.parallel.tp.training import run_tensor_parallel, train_tensor_parallel
 from course_lib.train import TrainConfig, flat_grads, flat_params, train_reference
 
+from _demo_cli import run_main
 from _tolerances import (FP32_SUM_RTOL, adamw_loss_atol, assert_adamw_params_close, assert_grads_close_after_adamw,
                          by_name)
 
@@ -282,3 +286,25 @@ def test_composed_with_dp_pp_and_zero_equals_the_single_process(dims):
     from test_hybrid import SEQ, TRAIN, _assert_equal_to_single
     cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, d_model=16, n_kv_head=1)
     _assert_equal_to_single(run_hybrid(dims, cfg, TRAIN, timeout_s=240), train_single(cfg, TRAIN))
+
+
+def test_demo_trains_a_gqa_model_under_torchrun_like_one_process():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "-m", "course_lib.demos.tensor_parallel", "--steps", "3", "--sequence-parallel",
+           "--n-head", "4", "--n-kv-head", "1", "--seq-len", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "n_kv_head=1" in proc.stdout and "block_size=32" in proc.stdout, proc.stdout
+    # the demo's own tolerance, 1e-3, above adamw_loss_atol(3e-3) = 7e-5 (tests/_tolerances): its exit code says
+    assert "max |loss - single-process loss|" in proc.stdout and ": OK" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("args,rule", [(["--n-kv-head", "3"], "n_kv_head=3 must divide n_head=4"),
+                                       (["--n-head", "6", "--n-kv-head", "3"],
+                                        "tp=2 must divide n_kv_head=3 or be a multiple of it"),
+                                       (["--seq-len", "0"], "block_size=0 must be")])
+def test_demo_refuses_bad_heads_before_any_group(args, rule):
+    code, err = run_main("course_lib.demos.tensor_parallel", args, env={"WORLD_SIZE": "2"})
+    assert code != 0 and rule in err, err

@@ -4,10 +4,13 @@ single-process run.
     torchrun --nproc-per-node=2 -m course_lib.demos.tensor_parallel --steps 20
     torchrun --nproc-per-node=4 -m course_lib.demos.tensor_parallel --sequence-parallel
     torchrun --nproc-per-node=4 -m course_lib.demos.tensor_parallel --sequence-parallel --async-tp
+    torchrun --nproc-per-node=4 -m course_lib.demos.tensor_parallel --n-head 4 --n-kv-head 1 --seq-len 32
 
 Every rank holds 1/N of each attention and MLP weight (whole heads), of the embedding and of
 the output head; the loss is computed without gathering the logits. The model has
-n_head = max(4, N) heads of 16 features, so N must divide it. Rank 0 also trains the
+n_head = max(4, N) heads of 16 features (or --n-head), so N must divide it; with --n-kv-head K
+< n_head (grouped-query attention) N must divide K or be a multiple of it, each key/value head
+then read by N/K ranks (course_lib.parallel.tp.apply). Rank 0 also trains the
 single-process model on the same batches and checks the two loss curves agree. --async-tp
 (with --sequence-parallel) overlaps each block's all-gathers and reduce-scatters with their
 matmuls, chunk by chunk (course_lib.parallel.tp.async_tp).
@@ -31,10 +34,12 @@ from course_lib.runtime.launch import init_from_env, leave_process_group
 from course_lib.train import TrainConfig, train_reference
 
 
-def demo_config(world_size: int, block_size: int = 64) -> GPTConfig:
-    """The tiny course GPT, with at least one head per rank."""
-    n_head = max(4, world_size)
-    return GPTConfig.tiny(CharDataset("train").vocab_size, block_size=block_size, n_head=n_head, d_model=16 * n_head)
+def demo_config(world_size: int, block_size: int = 64, n_head: int | None = None,
+                n_kv_head: int | None = None) -> GPTConfig:
+    """The tiny course GPT, heads of 16 features: n_head of them (default: at least one per rank)."""
+    n_head = max(4, world_size) if n_head is None else n_head
+    return GPTConfig.tiny(CharDataset("train").vocab_size, block_size=block_size, n_head=n_head, d_model=16 * n_head,
+                          n_kv_head=n_kv_head)
 
 
 def compare(tp_losses, ref_losses, tolerance: float) -> tuple[str, float]:
@@ -54,6 +59,9 @@ def main(argv=None):
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--async-tp", action="store_true",
                         help="overlap the sequence-parallel collectives with the matmuls (needs --sequence-parallel)")
+    parser.add_argument("--n-head", type=int, default=None, help="query heads (default: max(4, ranks))")
+    parser.add_argument("--n-kv-head", type=int, default=None, help="key/value heads (default: n_head)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (the model's block_size)")
     # 1e-3: room for 20 AdamW steps at lr 3e-3, over which the rounding-driven differences
     # (adamw_loss_atol(3e-3) = 7e-5 over a few steps, course_lib.tolerances) may grow; a wrong
     # shard or a missing all-reduce moves the loss by > 1e-2 within the first steps.
@@ -62,8 +70,8 @@ def main(argv=None):
     if args.steps < 1 or args.batch_size < 1:
         parser.error(f"--steps={args.steps} must be >= 1 and --batch-size={args.batch_size} >= 1")
     world = int(os.environ.get("WORLD_SIZE", 1))
-    config = demo_config(world)
     try:  # before joining the group: a bad layout fails on every rank at once, nobody waits
+        config = demo_config(world, args.seq_len, args.n_head, args.n_kv_head)
         check_tensor_parallel(config, world, args.sequence_parallel)
         check_async_tp(args.async_tp, args.sequence_parallel)
     except ValueError as e:
