@@ -119,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
         The first holders write theirs into a zero buffer of all shared rows and one all-reduce, f then
         g (comm.autograd), sums it forward (x + 0 + ... = x) and sums the gradients of every rank's use
         of it backward: the first holder's gradient is the single-process one, the padding's zero."""
-        local, slots, n_slots, first = self.shared
+        local, slots, n_slots, first = (i.to(t.device) if torch.is_tensor(i) else i for i in self.shared)
         buf = t.new_zeros((n_slots, *t.shape[1:])).index_copy(0, slots[first], t[local[first]])
         every = reduce_from_group(copy_to_group(buf, self.group), self.group)
         return t.index_copy(0, local, every[slots])
