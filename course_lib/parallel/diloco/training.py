@@ -13,6 +13,8 @@ result equals simulate.simulate_diloco, which computes the replicas in turn in o
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +56,8 @@ def average(tensors, group, replicas: int, outer_dtype=torch.float32) -> list[to
     replica order (the low precision is the wire's only: Douillard et al. 2025 accumulate in fp32)."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     if outer_dtype == torch.float32:
-        dist.all_reduce(flat, group=group)
+        if replicas > 1:  # one replica (plain DDP, the straggler demo's --ddp) sends nothing: the formula's 0 B
+            dist.all_reduce(flat, group=group)
         total = flat
     else:
         low = flat.to(outer_dtype)
@@ -98,8 +101,22 @@ class DilocoSync:
             outer.step([m.view_as(p) for m, p in zip(mean, outer.params)])
 
 
-def _train(model_config, train_cfg, replicas: int, make_sync, trace: bool) -> DilocoResult:
-    """The rank loop both trainers share: groups, DDP inside a replica, the sync after each step."""
+def slowed(hooks: StepHooks, delay_s: float) -> StepHooks:
+    """hooks whose loss_fn first sleeps delay_s (a straggler: inside the timed step, before the
+    forward; the numbers are unchanged). delay_s = 0 returns hooks itself."""
+    if not delay_s:
+        return hooks
+    loss_fn = hooks.loss_fn
+
+    def late_loss(model, x, y):
+        time.sleep(delay_s)
+        return loss_fn(model, x, y)
+    return dataclasses.replace(hooks, loss_fn=late_loss)
+
+
+def _train(model_config, train_cfg, replicas: int, make_sync, trace: bool, delay_s: float = 0.0) -> DilocoResult:
+    """The rank loop both trainers share: groups, DDP inside a replica, the sync after each step;
+    delay_s: this rank sleeps that long in every step (slowed)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     s = world // replicas
     lists = replica_lists(world, replicas)
@@ -112,6 +129,7 @@ def _train(model_config, train_cfg, replicas: int, make_sync, trace: bool) -> Di
     if s > 1:  # the replica's S ranks: data parallel every step
         dp = apply_data_parallel(model, replica_group, "ddp")
         module, hooks = dp.module, dp.hooks()
+    hooks = slowed(hooks, delay_s)
     optimizer = make_optimizer(model, train_cfg)
     sync = make_sync(model, across)
     result = DilocoResult(replica=rank // s).set_step_work(model_config, train_cfg.batch_size, model_config.block_size)
@@ -131,25 +149,28 @@ def _train(model_config, train_cfg, replicas: int, make_sync, trace: bool) -> Di
     return result
 
 
-def train_local_sgd(model_config, train_cfg, replicas: int, inner_steps: int, trace: bool = False) -> DilocoResult:
+def train_local_sgd(model_config, train_cfg, replicas: int, inner_steps: int, trace: bool = False,
+                    delay_s: float = 0.0) -> DilocoResult:
     """Rank code (the default group): LocalSGD with R replicas averaging their parameters every
-    H = inner_steps steps. train_losses are this rank's share's; final_params its copy's."""
+    H = inner_steps steps. train_losses are this rank's share's; final_params its copy's;
+    delay_s > 0 makes this rank a straggler (it sleeps that long in every step)."""
     check_diloco(dist.get_world_size(), replicas, inner_steps, model_config.n_layer, algorithm="local_sgd")
     return _train(model_config, train_cfg, replicas,
-                  lambda model, group: LocalSGDSync(model, group, replicas, inner_steps), trace)
+                  lambda model, group: LocalSGDSync(model, group, replicas, inner_steps), trace, delay_s)
 
 
 def train_diloco(model_config, train_cfg, replicas: int, inner_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, fragments: int = 1, outer_dtype=torch.float32,
-                 trace: bool = False) -> DilocoResult:
+                 trace: bool = False, delay_s: float = 0.0) -> DilocoResult:
     """Rank code (the default group): DiLoCo, H = inner_steps AdamW steps per replica between
     outer Nesterov steps on the averaged delta (outer.py; the paper's lr 0.7, momentum 0.9 by
-    default); fragments = F > 1 is Streaming DiLoCo, outer_dtype the delta's wire precision."""
+    default); fragments = F > 1 is Streaming DiLoCo, outer_dtype the delta's wire precision;
+    delay_s as train_local_sgd's."""
     check_diloco(dist.get_world_size(), replicas, inner_steps, model_config.n_layer, fragments, outer_lr,
                  outer_momentum, outer_dtype)
     return _train(model_config, train_cfg, replicas,
                   lambda model, group: DilocoSync(model, group, replicas, inner_steps, outer_lr, outer_momentum,
-                                                  fragments, outer_dtype), trace)
+                                                  fragments, outer_dtype), trace, delay_s)
 
 
 def check_run(dims, model_config, train_cfg, replicas, inner_steps, algorithm="diloco", outer_lr=0.7,
