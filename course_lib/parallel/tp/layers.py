@@ -16,9 +16,11 @@ all-reduce forward (g, after the row layer) and one backward (f, before the colu
 
 `rows` / `cols` tables say which features of the full layer each rank holds: table[r] is rank
 r's list of indices. They make non-contiguous splits explicit (the fused QKV weight, where each
-rank takes whole heads of Q, K and V). Each layer reports them as `placements()`, one
-course_lib.parallel.placement record per parameter (split along a dim, or replicated over tp),
-which the full state dict, the global-norm weights and the checkpoint boxes read.
+rank takes whole heads of Q, K and V; with fewer key/value heads than ranks several tables list
+the same KV head: its first holder owns it, ColumnParallelLinear.weights hands it to the others).
+Each layer reports them as `placements()`, one course_lib.parallel.placement record per parameter
+(split along a dim, or replicated over tp), which the full state dict, the global-norm weights and
+the checkpoint boxes read.
 A vocabulary not divisible by tp is padded with zero rows up to a multiple of tp (Megatron does
 the same); the loss ignores the padded logits.
 """
@@ -137,10 +139,11 @@ class ColumnParallelLinear(nn.Module):
         table = self.rows.clone()
         if self.shared is not None:
             seen, pad = set(), padded_size(self.out_features, self.tp)
-            for r, i in ((r, i) for r in range(self.tp) for i in range(table.shape[1])):
-                if int(table[r, i]) in seen:
-                    table[r, i], pad = pad, pad + 1
-                seen.add(int(self.rows[r, i]))
+            for r in range(self.tp):  # rank order: the first holder keeps the index
+                for i in range(table.shape[1]):
+                    if int(table[r, i]) in seen:
+                        table[r, i], pad = pad, pad + 1
+                    seen.add(int(self.rows[r, i]))
         split = Placement.split("tp", 0, table, self.rank, self.out_features)
         return {"weight": split, **({"bias": split} if self.bias is not None else {})}
 
