@@ -308,3 +308,13 @@ def test_demo_trains_a_gqa_model_under_torchrun_like_one_process():
 def test_demo_refuses_bad_heads_before_any_group(args, rule):
     code, err = run_main("course_lib.demos.tensor_parallel", args, env={"WORLD_SIZE": "2"})
     assert code != 0 and rule in err, err
+
+
+def test_the_dtensor_comparison_refuses_grouped_query_attention():
+    """Its whole-head permutation assumes Q, K and V of equal width: refused, not silently wrong."""
+    from course_lib.parallel.tp.dtensor import apply_dtensor_tensor_parallel
+
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=4, n_kv_head=2, d_model=16))
+
+    with pytest.raises(ValueError, match="n_kv_head=2 with n_head=4"):  # before any mesh or group is touched
+        apply_dtensor_tensor_parallel(model, None)

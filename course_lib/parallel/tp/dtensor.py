@@ -51,8 +51,13 @@ def apply_dtensor_tensor_parallel(model: nn.Module, group_or_mesh=None, sequence
         parallelize_module,
     )
 
+    cfg = model.config
+    if cfg.kv_heads != cfg.n_head:  # qkv_rows' whole-head permutation assumes Q, K and V of equal width
+        raise ValueError(f"n_kv_head={cfg.n_kv_head} with n_head={cfg.n_head}: the DTensor comparison supports "
+                         "multi-head attention only (n_kv_head = n_head); the course's apply_tensor_parallel "
+                         "runs grouped-query attention")
     mesh = _as_mesh(group_or_mesh)
-    tp, cfg = mesh.size(), model.config
+    tp = mesh.size()
     check_tensor_parallel(cfg, tp, sequence_parallel)
     for block in model.blocks:
         qkv = block.attn.qkv
