@@ -16,7 +16,9 @@ next catches up within the round), and a quorum helps with a rank that stays slo
     quorum q (of R replicas)            T_round = the q-th smallest of the R replicas' sums + sync
 
 the round ends when q replicas are done and the others' work of that round is dropped (they
-take the averaged model and go on), as in fault-tolerant DiLoCo; q = R is the plain max.
+take the averaged model and go on); q = R is the plain max. The model prices the time only:
+whether the run still learns as well is the algorithm's question (Douillard et al. 2023 report
+DiLoCo robust to replicas becoming unavailable during training).
 """
 
 from __future__ import annotations
