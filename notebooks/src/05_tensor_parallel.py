@@ -23,7 +23,12 @@
 # 4. show that a tensor-parallel GPT trains exactly like the single-process one, and count
 #    its collectives against the formulas;
 # 5. measure what sequence parallelism saves, and why TP stays inside one node;
-# 6. run the same model through PyTorch's DTensor `parallelize_module` and compare.
+# 6. explain how asynchronous TP hides each all-gather and reduce-scatter behind chunks of the
+#    matmul that needs it, check that it computes the same model with the same bytes, and read
+#    from a per-rank timeline how much communication is still exposed, and why on CPU ranks;
+# 7. split attention over more ranks than it has key/value heads (grouped-query attention), and
+#    say what must divide what;
+# 8. run the same model through PyTorch's DTensor `parallelize_module` and compare.
 
 # %%
 # Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
@@ -49,7 +54,7 @@ from course_lib import CommTracer, plot_gantt, run_on_ranks
 from course_lib.dims import ParallelDims
 from course_lib.comm.costmodel import CLUSTERS
 from course_lib.data import CharDataset, get_batch
-from course_lib.estimate import GPT3_175B, activation_bytes, per_gpu_memory
+from course_lib.estimate import GPT3_175B, LLAMA3_405B, LLAMA3_70B, activation_bytes, per_gpu_memory
 from course_lib.model import GPT, GPTConfig
 from course_lib.observe.memory import SavedActivations, measured_state_bytes
 from course_lib.parallel.tp import (ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel,
@@ -57,6 +62,7 @@ from course_lib.parallel.tp import (ColumnParallelLinear, RowParallelLinear, app
 from course_lib.parallel.tp.costs import layer_communication, step_communication
 from course_lib.parallel.tp.dtensor import apply_dtensor_tensor_parallel
 from course_lib.parallel.tp.figures import compute_vs_comm, layer_view, layer_widget, plot_split_matmul
+from course_lib.parallel.tp.overlap import mlp_on_rank, plot_lanes, plot_ring_steps
 from course_lib.parallel.tp.training import run_tensor_parallel
 from course_lib.train import TrainConfig, flat_params, train_reference
 from course_lib.units import fmt_bytes
@@ -373,7 +379,7 @@ for rank, (shape, dloss, dlogits, ar) in enumerate(run_on_ranks(vocabulary_paral
 # every shard (`clip_grad_norm_`). `gather_full_state_dict` puts the shards back together.
 #
 # We train 5 steps at tp = 2, without and with sequence parallelism (section 7), and the same
-# model through PyTorch's DTensor (section 11), next to the single-process run:
+# model through PyTorch's DTensor (section 13), next to the single-process run:
 
 # %%
 reference = train_reference(CONFIG, TRAIN)
@@ -538,8 +544,11 @@ for tp in (2, 4):
 #
 # A one-layer model, one training step on 2 ranks: compute spans (forward, backward, optimizer)
 # with every collective drawn on top of them. The all-reduces sit **inside** the forward and
-# backward: each layer waits for its sum before it can go on, so unlike DDP's gradient buckets
-# (notebook 03) there is nothing to overlap them with in this simple schedule.
+# backward: each layer waits for its sum before it can go on. Unlike DDP's gradient buckets
+# (notebook 03), no independent work is queued behind them: the next matmul needs the result.
+# That does not leave nothing to overlap: section 9 splits a collective and the matmul that
+# depends on it into pieces, so that each piece of communication travels while a piece of the
+# matmul that does not need it runs.
 
 # %% tags=["nbval-ignore-output"]
 one_layer = GPTConfig.tiny(DATA.vocab_size, n_layer=1)
@@ -563,10 +572,210 @@ print(f"rank 0's step: {total * 1e3:.1f} ms, {comm * 1e3:.1f} ms of it inside al
 # between two CPU processes through gloo, and a rank inside one also waits for the other rank
 # to arrive, however long the operating system kept that one off its core. It says how much
 # of this small step the ranks spend waiting on each other, and that every all-reduce blocks
-# the layer after it; section 9 prices a layer's all-reduces on GPU links.
+# the layer after it; section 11 prices a layer's all-reduces on GPU links.
 
 # %% [markdown]
-# ## 9. Why TP stays inside a node
+# ## 9. Asynchronous TP: hide the collective behind the matmul that needs it
+#
+# Under sequence parallelism a column-parallel layer starts with an all-gather of the sequence
+# shards and a row-parallel layer ends with a reduce-scatter. The matmul waits for the whole
+# gather, and the gather waits for nothing else: section 8's blocking pattern. But a matmul
+# treats the rows (tokens) of its input independently,
+# $[X_0; X_1; \dots; X_{p-1}]\,W_r^\top = [X_0W_r^\top; \dots; X_{p-1}W_r^\top]$, so rank $r$ does not
+# need all of $X$ to start: it can multiply the chunk it holds while the next chunk travels.
+# Wang et al. (2023) decompose each such collective and its dependent matmul into $p$ steps around
+# a ring of the $p$ ranks:
+#
+# * **all-gather + matmul** (`all_gather_matmul`): at step $t$ rank $r$ multiplies chunk
+#   $c = (r - t) \bmod p$ and, at the same time, sends that chunk on to rank $r+1$ and receives
+#   chunk $c - 1$ from rank $r-1$. After $p$ steps it has multiplied every chunk;
+# * **matmul + reduce-scatter** (`matmul_reduce_scatter`): at step $t$ rank $r$ computes its
+#   partial result for one chunk while the running sum of the previous chunk travels to $r-1$,
+#   which adds its own partial; after $p$ steps the full sum of chunk $r$ ends on rank $r$.
+#
+# Each ring sends $p-1$ chunks of $M/p$ bytes per rank: exactly the $\frac{p-1}{p}M$ of the ring
+# all-gather or reduce-scatter it replaces (notebook 02), now as point-to-point sends. Only the
+# time changes: a step's exchange is hidden when it takes less time than that step's matmul. The
+# backward of each is the other, applied to the gradients. Megatron-LM does this on GPUs with
+# `--tp-comm-overlap` (through Transformer Engine), and PyTorch as **asynchronous TP**
+# (a `torch.compile` pass over DTensor's tensor parallelism, used by torchtitan).
+# `apply_tensor_parallel(model, group, sequence_parallel=True, async_tp=True)` swaps every block's
+# four linears for these forms (`course_lib.parallel.tp.async_tp`). The schedule on 4 ranks:
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 3.6))
+plot_ring_steps(ax, p=4)
+plt.show()
+
+# %% [markdown]
+# Every rank computes at every step; each exchange runs during a matmul, and the last step has
+# nothing left to receive. First the check that nothing changed but the schedule:
+# 5 steps at tp = 4 with sequence parallelism, plain and asynchronous, against the single process.
+
+# %%
+sp4 = ParallelDims(tp=4, sequence_parallel=True)
+runs4 = {"tp=4 + SP": run_tensor_parallel(sp4, CONFIG, TRAIN, **RANKS),
+         "tp=4 + SP, async": run_tensor_parallel(sp4, CONFIG, TRAIN, async_tp=True, **RANKS)}
+print(f"{'':<18}" + "".join(f"{'step ' + str(s + 1):>9}" for s in range(TRAIN.steps)))
+print(f"{'1 process':<18}" + "".join(f"{v:>9.3f}" for v in reference.train_losses))
+for name, per_rank in runs4.items():
+    print(f"{name:<18}" + "".join(f"{v:>9.3f}" for v in per_rank[0].train_losses))
+    for out in per_rank:  # every rank, every step: fp32 sums in another order (chunk by chunk), ~1e-7 here
+        assert max(abs(a - b) for a, b in zip(out.train_losses, reference.train_losses)) < 1e-5
+    # RMS against a hundredth of one AdamW step (lr), as in section 5: rounding moves a few elements, a bug most
+    assert (per_rank[0].final_params - flat_params(reference.model)).pow(2).mean().sqrt() < TRAIN.lr / 100
+gap = (runs4["tp=4 + SP, async"][0].final_params - runs4["tp=4 + SP"][0].final_params).pow(2).mean().sqrt()
+assert gap < TRAIN.lr / 100
+print("async TP: the same losses and parameters as plain TP and as one process, up to fp32 rounding")
+
+# %% [markdown]
+# Now one tensor-parallel MLP (`fc` column-parallel, GELU, `proj` row-parallel; b = 8, s = 256,
+# d = 256) under sequence parallelism, forward and backward, on 2 ranks, plain and asynchronous
+# (`course_lib.parallel.tp.overlap.mlp_on_rank`). The tracer first: what crosses the link.
+#
+# **Predict.** The plain MLP's forward and backward run 3 all-gathers and 2 reduce-scatters of
+# the $(b, s, d)$ activation, $M$ = 2 MiB in fp32. How many bytes does each rank send with async
+# TP? And on these CPU ranks, will the step get faster?
+#
+# <details><summary>Answer</summary>
+#
+# The same bytes as the ring collectives it replaces: $5 \cdot \frac{p-1}{p} M$ = 5 MiB at
+# p = 2, all as point-to-point sends (the row-parallel bias's small gradient all-reduce stays in
+# both). The step: not necessarily faster, and the exposed communication (the time a rank sits
+# waiting) not necessarily shorter. In principle a rank waits only for the part of an exchange
+# that outlasts a chunk's matmul. But on CPU ranks the "overlap" is two jobs on the same cores:
+# gloo moves the bytes with CPU threads that compete with the matmul for the 2 cores, the matmul
+# runs on smaller pieces, every step costs a little bookkeeping, and a rank also waits whenever
+# the other one is kept off its core. The timeline below shows what happened on this run.
+# </details>
+
+# %%
+MLP_SHAPE = dict(batch=8, seq=256, d_model=256, repeats=5)
+mlp_runs = {a: run_on_ranks(mlp_on_rank, a, **MLP_SHAPE, world_size=2, **RANKS) for a in (False, True)}
+M = MLP_SHAPE["batch"] * MLP_SHAPE["seq"] * MLP_SHAPE["d_model"] * 4  # bytes of one fp32 activation
+for a, per_rank in mlp_runs.items():
+    for rank, res in enumerate(per_rank):
+        traffic = res["traffic"]
+        if not a:  # the ring bytes of the collectives (ring_wire_bytes of section 6), against the formula
+            ring = sum(ring_wire_bytes(op, s["bytes_sent"], 2) for op, s in traffic.items() if op != "all_reduce")
+            assert ring == 5 * (2 - 1) / 2 * M
+        else:  # only point-to-point (plus the bias gradient's all-reduce both have), and the same bytes
+            assert set(traffic) == {"isend", "irecv", "all_reduce"} and traffic["isend"]["bytes_sent"] == ring
+        if rank == 0:
+            print(f"{'async' if a else 'plain'} (rank 0, bytes sent; received for irecv): " + ", ".join(
+                f"{op} {s['calls']} x, {fmt_bytes(s['bytes_sent'] or s['bytes_recv'])}" for op, s in traffic.items()))
+print(f"on each rank: {fmt_bytes(ring)} through send/recv, the ring bytes of the collectives = 5 x (p-1)/p x {fmt_bytes(M)}")
+# the same matmuls, summed chunk by chunk: equal up to fp32 rounding (sums of 256 to 2,048 products, ~1e-7 relative)
+for got, want in zip(mlp_runs[True][0]["grads"], mlp_runs[False][0]["grads"]):
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+# %% [markdown]
+# The tracer's logical payloads of the plain run (an all-gather's shard, a reduce-scatter's full
+# input) become ring bytes through section 6's `ring_wire_bytes`; the async run's sends *are* the
+# bytes on the wire. Now the time: each rank's thread on one row (red: blocked in a collective or
+# waiting for an exchange, the **exposed** communication; blue: everything else), and under it the
+# rank's link (an exchange from its post to the end of its wait), on the same clock.
+
+# %% tags=["nbval-ignore-output"]
+fig, axes = plt.subplots(2, 1, figsize=(10, 5.2), sharex=True)
+median = lambda xs: sorted(xs)[len(xs) // 2]
+exposed, step = {}, {}
+for ax, (a, per_rank) in zip(axes, mlp_runs.items()):
+    exposed[a] = median([e for res in per_rank for e in res["exposed"]])
+    step[a] = median([s for res in per_rank for s in res["step"]])
+    assert 0 < exposed[a] < step[a]
+    main = per_rank[0]["lanes"][0]  # the repeat drawn: the last one
+    shown = sum(e[2] - e[1] for e in main if e[3] == "comm")
+    plot_lanes(per_rank, ax, f"{'async TP' if a else 'plain TP + SP'}: MLP forward + backward, 2 CPU ranks; last "
+                             f"repeat, rank 0 exposed {shown * 1e3:.0f} ms of {(main[-1][2] - main[0][1]) * 1e3:.0f} ms")
+plt.tight_layout()
+plt.show()
+less = exposed[True] < exposed[False]
+faster = step[True] < step[False]
+print(f"medians over ranks and repeats: exposed communication {exposed[False] * 1e3:.1f} ms plain, "
+      f"{exposed[True] * 1e3:.1f} ms async ({'less' if less else 'no less'} with async TP); step "
+      f"{step[False] * 1e3:.1f} ms plain, {step[True] * 1e3:.1f} ms async "
+      f"({'faster' if faster else 'not faster'} with async TP, x{step[False] / step[True]:.2f} on this run)")
+
+# %% [markdown]
+# Read the sentence under the timeline, not a promise: it is this run's measurement on 2 CPU
+# ranks that share 2 cores with each other (and here with other work on the machine). On CPU ranks
+# the "overlap" is two jobs on the same cores: gloo moves the bytes with CPU threads, which take
+# cycles from the matmul they are meant to hide behind, and the matmul on a chunk is less
+# efficient than on the whole input. So a shorter exposed time need not give a shorter step, and
+# both can come out either way from run to run.
+#
+# A GPU changes both halves. The transfer does not need the cores that compute: a GPU has copy
+# engines (DMA) that move data over NVLink on their own, and NCCL's kernels use only a few of its
+# many streaming multiprocessors, so a chunk's matmul and the next chunk's transfer really run at
+# once. The matmul chunks stay large enough to keep the GPU busy when $b s / p$ is in the
+# thousands of tokens. That is where the decomposition pays: Wang et al. (2023) report it on TPU
+# clusters, and Megatron-LM and PyTorch ship it for GPUs. It helps only where the communication
+# was exposed to begin with, and it never changes the bytes.
+#
+# ## 10. Fewer key/value heads than ranks: grouped-query attention
+#
+# Grouped-query attention (Ainslie et al. 2023) lets groups of query heads share one key/value
+# head: `n_kv_head` K and V heads for `n_head` query heads, each shared by
+# `n_head / n_kv_head` of them. It shrinks the KV cache at inference, and most recent large
+# models use it: Llama 3 70B and 405B have 64 and 128 query heads but **8** key/value heads
+# (Grattafiori et al. 2024, Table 3). Tensor parallelism splits attention by heads (section 3),
+# and a rank needs the K and V of its query heads. Two cases:
+#
+# * `tp` divides `n_kv_head`: each rank takes `n_kv_head / tp` whole KV heads with the query
+#   heads of their groups, as before;
+# * `n_kv_head` divides `tp` (more ranks than KV heads): each KV head is **replicated** on the
+#   `tp / n_kv_head` ranks whose query heads read it. Those ranks hold the same K and V rows of
+#   `qkv`; each computes a gradient for them from its own query heads only, so the copies'
+#   gradients are **summed** over those ranks: the single-process gradient, since every one of
+#   that head's query heads contributed to it.
+#
+# The rule: `tp` divides `n_head` (whole query heads per rank), and either `tp` divides
+# `n_kv_head` or `n_kv_head` divides `tp` (which rank reads which KV head is then unambiguous).
+# At tp = 4 with 4 query heads of 16 features and 2 KV heads, the first `qkv` row each rank takes
+# from Q, K and V (`qkv_rows`; Q rows are 0-63, K rows 64-95, V rows 96-127):
+
+# %%
+GQA = GPTConfig.tiny(DATA.vocab_size, n_kv_head=2)
+for rank, rows in enumerate(qkv_rows(GQA.d_model, 4, GQA.n_head, GQA.n_kv_head).tolist()):
+    d_head = GQA.d_model // GQA.n_head
+    print(f"rank {rank}: query head {rows[0] // d_head} (Q rows {rows[0]}-{rows[d_head - 1]}), "
+          f"KV head {(rows[d_head] - GQA.d_model) // d_head} (K rows {rows[d_head]}-{rows[2 * d_head - 1]})")
+
+# %% [markdown]
+# Ranks 0 and 1 hold KV head 0, ranks 2 and 3 KV head 1. Trained 5 steps at tp = 4 with
+# `n_kv_head` = 2 and 1 (one KV head on all 4 ranks), against the single process:
+
+# %%
+gqa_runs = {}
+for kv in (2, 1):
+    cfg = GPTConfig.tiny(DATA.vocab_size, n_kv_head=kv)
+    gqa_runs[kv] = (train_reference(cfg, TRAIN), run_tensor_parallel(ParallelDims(tp=4), cfg, TRAIN, **RANKS))
+print(f"{'':<24}" + "".join(f"{'step ' + str(s + 1):>9}" for s in range(TRAIN.steps)))
+for kv, (single, per_rank) in gqa_runs.items():
+    print(f"{f'n_kv_head={kv}, 1 process':<24}" + "".join(f"{v:>9.3f}" for v in single.train_losses))
+    print(f"{f'n_kv_head={kv}, tp=4':<24}" + "".join(f"{v:>9.3f}" for v in per_rank[0].train_losses))
+    for out in per_rank:  # fp32 sums in another order, as in section 5 (without the copies' gradient sum: far off)
+        assert max(abs(a - b) for a, b in zip(out.train_losses, single.train_losses)) < 1e-5
+    assert (per_rank[0].final_params - flat_params(single.model)).pow(2).mean().sqrt() < TRAIN.lr / 100
+try:  # 3 KV heads on 4 ranks: neither divides the other
+    run_tensor_parallel(ParallelDims(tp=4), GPTConfig.tiny(DATA.vocab_size, n_head=12, d_model=96, n_kv_head=3), TRAIN)
+except ValueError as err:
+    print("ValueError:", err)
+
+# %% [markdown]
+# For Llama 3 70B and 405B, the usual tp = 8 inside a node gives each rank exactly one of the
+# 8 KV heads, with 8 or 16 query heads: no copies. Only beyond tp = 8 would KV heads be
+# replicated, and their K, V weights and activations stop shrinking with `tp`:
+
+# %%
+for name, m in (("Llama 3 70B", LLAMA3_70B), ("Llama 3 405B", LLAMA3_405B)):
+    for tp in (8, 16):
+        kv = f"{m.n_kv_head // tp} KV head(s) of its own" if tp <= m.n_kv_head else f"1 KV head, a copy ({tp // m.n_kv_head} ranks hold each)"
+        print(f"{name}, tp={tp:>2}: per rank {m.n_head // tp:>3} query heads and {kv}")
+
+# %% [markdown]
+# ## 11. Why TP stays inside a node
 #
 # Every layer does $24\,b s h^2$ matmul FLOPs in forward (with $d_{ff} = 4h$), split over `tp`
 # GPUs, and sends 2 all-reduces of $b s h$ elements. Compute grows like $h^2$, communication like
@@ -601,7 +810,7 @@ assert nv[0] > nv[1] and ib[0] < ib[1]
 # That is why Megatron keeps `tp` ≤ 8, the GPUs of one NVLink domain, and uses pipeline and data
 # parallelism (notebooks 06, 10) across nodes (Narayanan et al. 2021).
 #
-# ## 10. Explore: one layer on one rank
+# ## 12. Explore: one layer on one rank
 #
 # Pick `tp` (only the values that divide GPT-3's 96 heads and its MLP width) and sequence
 # parallelism: the per-rank weight shapes, one layer's weights (bf16) and saved activations
@@ -611,7 +820,7 @@ assert nv[0] > nv[1] and ib[0] < ib[1]
 show_interactive(lambda: layer_view(GPT3_175B, 8, False), lambda: layer_widget(GPT3_175B, 8, False))
 
 # %% [markdown]
-# ## 11. The same model through DTensor
+# ## 13. The same model through DTensor
 #
 # PyTorch's `torch.distributed.tensor.parallel.parallelize_module` applies a **plan**,
 # `{submodule name: style}`, to a plain model: `ColwiseParallel` is our column split,
@@ -650,7 +859,7 @@ for sp in (False, True):
 # style works for any module, and the layouts compose with FSDP2 on a 2-D mesh. The course layers
 # win on transparency: every collective is a line you can read, and the tracer sees it.
 #
-# ## 12. Bad input
+# ## 14. Bad input
 #
 # Layouts that cannot work are refused in the notebook process, before any rank starts:
 
@@ -691,6 +900,12 @@ _ = run_on_ranks(misuse, world_size=2, **RANKS)
 #   bytes on the wire in forward, though a tracer's logical payload counts more) and divides the
 #   rest of the activations by `tp`.
 # * TP communicates inside every layer, on the critical path: keep it within NVLink.
+# * Asynchronous TP splits each all-gather (or reduce-scatter) and its matmul into $p$ ring steps:
+#   each chunk's send/recv runs while a chunk already held is multiplied. Same results up to
+#   rounding, same bytes; what it saves is exposed time, and only where the transfer does not
+#   compete with the compute for the same hardware (a GPU's copy engines, not CPU cores).
+# * With fewer key/value heads than ranks (GQA), each KV head is replicated on tp / n_kv_head
+#   ranks and its copies' gradients are summed: tp | n_head, and tp | n_kv_head or n_kv_head | tp.
 #
 # ## Self-check
 #
@@ -703,6 +918,10 @@ _ = run_on_ranks(misuse, world_size=2, **RANKS)
 # 6. A tracer reports an all-gather's input bytes and a reduce-scatter's input bytes. At tp = 4,
 #    a pair of them on an activation of $M$ bytes reports how many bytes, and how many does a
 #    ring put on each rank's link?
+# 7. Which property of a matmul lets asynchronous TP start multiplying before the all-gather has
+#    finished? And why does the course's `async_tp=True` require sequence parallelism?
+# 8. A model has 32 query heads and 4 key/value heads. Which of tp = 2, 8, 16, 64 work, and at
+#    which of them are KV heads replicated, on how many ranks each?
 #
 # <details><summary>Answers</summary>
 #
@@ -718,6 +937,16 @@ _ = run_on_ranks(misuse, world_size=2, **RANKS)
 #    over ranks is the single-process gradient. Without SP every rank saw all tokens.
 # 6. Logical: $M/4 + M = 1.25M$. On the wire: $\frac{3}{4}M + \frac{3}{4}M = 1.5M$, exactly a ring
 #    all-reduce's $2\cdot\frac{3}{4}M$.
+# 7. Rows are independent: the output rows of sequence chunk $c$ need only the input rows of
+#    chunk $c$, so each chunk can be multiplied as soon as it has arrived (and, for the
+#    reduce-scatter, each chunk's partial sums sent as soon as they are computed). Without
+#    sequence parallelism there is no all-gather to split: the column-parallel layer's input is
+#    already whole on every rank, and the row-parallel layer's output is all-reduced. Sequence
+#    parallelism turns those into an all-gather and a reduce-scatter along the sequence, which
+#    come apart chunk by chunk.
+# 8. tp = 2: it divides both 32 and 4, so each rank takes 2 whole KV heads, no copies. tp = 8 and
+#    16: they divide 32, and 4 divides them, so each KV head is replicated on 8/4 = 2 and
+#    16/4 = 4 ranks. tp = 64 does not divide 32: a rank would get half a query head, refused.
 # </details>
 #
 # ## References
@@ -734,10 +963,22 @@ _ = run_on_ranks(misuse, world_size=2, **RANKS)
 #   (2022). *Reducing Activation Recomputation in Large Transformer Models.* arXiv:2205.05198.
 #   Sequence parallelism, selective activation recomputation, and the activation formula of
 #   notebook 01.
-# * Llama Team, AI @ Meta (2024). *The Llama 3 Herd of Models.* arXiv:2407.21783. The
-#   128,256-token vocabulary of section 4.
+# * Grattafiori, A., Dubey, A., Jauhri, A., et al. (Llama Team, AI @ Meta) (2024). *The Llama 3
+#   Herd of Models.* arXiv:2407.21783. The 128,256-token vocabulary of section 4; 8 key/value
+#   heads in the 70B and 405B models (Table 3), section 10.
+# * Wang, S., Wei, J., Sabne, A., Davis, A., Ilbeyi, B., Hechtman, B., et al. (2023). *Overlap
+#   Communication with Dependent Computation via Decomposition in Large Deep Learning Models.*
+#   ASPLOS '23, pp. 93-106, doi:10.1145/3567955.3567959. The collective and its dependent matmul
+#   decomposed into overlapped ring steps (section 9).
+# * Ainslie, J., Lee-Thorp, J., de Jong, M., Zemlyanskiy, Y., Lebrón, F., Sanghai, S. (2023). *GQA:
+#   Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints.* EMNLP 2023,
+#   arXiv:2305.13245. Grouped-query attention (section 10).
 # * Megatron-LM (NVIDIA), `--make-vocab-size-divisible-by` (default 128) and the vocabulary
-#   padding to a multiple of it times `tp`: github.com/NVIDIA/Megatron-LM.
+#   padding to a multiple of it times `tp`; `--tp-comm-overlap`, tensor parallelism's
+#   communication overlapped with its matmuls through Transformer Engine: github.com/NVIDIA/Megatron-LM.
+# * PyTorch's asynchronous tensor parallelism: a `torch.compile` pass that decomposes DTensor's
+#   all-gather + matmul and matmul + reduce-scatter on GPUs (torchtitan's
+#   `enable_async_tensor_parallel`): github.com/pytorch/torchtitan.
 #
 # Further reading:
 #
