@@ -1,0 +1,202 @@
+"""Fault-tolerant replica groups (issue 43, after torchft's per-step quorum): R data-parallel
+replicas of one rank each; a replica killed mid-run drops out and the others go on; a restarted
+one joins and is healed from a healthy peer over the network.
+
+Every step t, each live replica writes alive/t/<slot> = <its process rank> into the run's
+TCPStore (hosted by the parent, so no replica's death takes it down) and waits, at most
+quorum_timeout_s, for every replica of the last quorum. The first to finish waiting writes the
+quorum of step t (every replica alive/t/ names: the late and the dead are out, an announced
+joiner is in) with compare_set, so all replicas read the same quorum, whoever wrote it.
+
+The gradient mean runs over the quorum only. gloo cannot shrink a process group in place, and a
+new group (comm.process_groups.new_groups) is collective over the whole world, which a dead
+process can never join; torchft builds a fresh communicator per quorum. Here the mean is done by
+hand with point-to-point calls on the world group among live processes only (gloo connects every
+pair at start; a dead peer breaks only the calls that name it): each member sends its flat
+gradient to the leader (the quorum's lowest slot), which sums in slot order, divides by |Q| and
+sends the mean back. O(|Q|) at the leader, fine for R = 2-3; each pair sees one send and one
+receive of the same size, so NCCL's point-to-point rules hold (COURSE_NCCL_RULES=1).
+
+Healing: at the step a replica joins, the quorum's lowest slot that was in the last quorum sends
+it its parameters and AdamW state (replay.state_tensors: whole-tensor boxes, every replica holds
+everything) in one send; the joiner receives and loads them, then steps with the others.
+
+Simplification, plainly: a process cannot enter a running gloo world, so "restart" is a spare
+process started with the others (world = R + 1), holding its own different random weights and no
+optimizer state, idle until rejoin_step, when it takes the killed replica's slot (and rows). The
+kill is real: kill_slot's process SIGKILLs itself (course_lib.platform.kill_self_hard) at the
+start of kill_step, before announcing itself. A live replica that finds itself outside a quorum
+(it was later than quorum_timeout_s) raises: this small version does not heal a fenced replica.
+torchft (pytorch/torchft) has a lighthouse decide each quorum, builds a communicator per quorum
+and votes (should_commit) before the optimizer step, so a replica dying inside a step costs that
+step only; here the parent's store plays the lighthouse, and a death between the quorum and the
+mean (not at a step's start) makes the leader's receive fail: no commit vote, no retry.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import pickle
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from course_lib.observe import nccl_rules
+from course_lib.parallel.ft.replay import (FtConfig, build, check_ft, flat_state, load_flat_state, local_gradient,
+                                           mean_in_slot_order, set_gradient)
+from course_lib.platform import kill_self_hard, start_method
+from course_lib.runtime.pool import FORKSERVER_PRELOAD
+
+POLL_S = 0.005
+
+
+@dataclass
+class ReplicaResult:
+    """What one process returns: its slot, the steps it completed with their quorums ({t: {slot:
+    process rank}}) and its losses, its final parameters; for healing, the flat state it received
+    (before: what it held just before) or sent, keyed by step."""
+
+    slot: int
+    rank: int
+    quorums: dict
+    losses: dict
+    final_params: torch.Tensor
+    received: dict
+    before_heal: dict
+    sent: dict
+
+
+def decide_quorum(store, t: int, expected, replicas: int, timeout_s: float) -> dict[int, int]:
+    """Wait (at most timeout_s) for alive/t/<s> of every expected slot, then propose every slot
+    announced for t; the first proposal wins (compare_set), every caller returns it."""
+    keys = [f"alive/{t}/{s}" for s in expected]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    present = {s: int(store.get(f"alive/{t}/{s}")) for s in range(replicas) if store.check([f"alive/{t}/{s}"])}
+    won = store.compare_set(f"quorum/{t}", "", json.dumps(present))
+    return {int(s): r for s, r in json.loads(won).items()}
+
+
+def quorum_mean(grad: torch.Tensor, quorum: dict[int, int], slot: int) -> torch.Tensor:
+    """The mean of the quorum's gradients, through the leader (its lowest slot), point-to-point."""
+    slots = sorted(quorum)
+    leader = quorum[slots[0]]
+    if slot != slots[0]:
+        dist.send(grad, leader)
+        mean = torch.empty_like(grad)
+        dist.recv(mean, leader)
+        return mean
+    grads = [grad]
+    for s in slots[1:]:
+        g = torch.empty_like(grad)
+        dist.recv(g, quorum[s])
+        grads.append(g)
+    mean = mean_in_slot_order(grads)
+    for s in slots[1:]:
+        dist.send(mean, quorum[s])
+    return mean
+
+
+def replica(cfg: FtConfig, store, rank: int) -> ReplicaResult:
+    """Rank code: one replica (or the spare, rank R) for the whole run."""
+    spare = rank == cfg.replicas
+    slot = cfg.kill_slot if spare else rank
+    model, optimizer = build(cfg, cfg.seed + 1 if spare else cfg.seed)  # the spare's state is not the run's
+    res = ReplicaResult(slot, rank, {}, {}, torch.empty(0), {}, {}, {})
+    first = cfg.rejoin_step if spare else 1
+    if spare:
+        store.set(f"alive/{first}/{slot}", str(rank))  # announce: ready to join at rejoin_step
+    last = {s: s for s in range(cfg.replicas)}  # the quorum before step 1: everyone
+    for t in range(first, cfg.steps + 1):
+        if not spare and slot == cfg.kill_slot and t == cfg.kill_step:
+            kill_self_hard()
+        if spare and t == first:  # a joiner waits for the quorum the live replicas decide
+            store.wait([f"quorum/{t}"], timedelta(seconds=600))
+            quorum = {int(s): r for s, r in json.loads(store.get(f"quorum/{t}")).items()}
+        else:
+            store.set(f"alive/{t}/{slot}", str(rank))
+            quorum = decide_quorum(store, t, last, cfg.replicas, cfg.quorum_timeout_s)
+        if quorum.get(slot) != rank:
+            raise RuntimeError(f"replica {slot} (rank {rank}) is not in step {t}'s quorum {quorum}: it was later "
+                               f"than quorum_timeout_s={cfg.quorum_timeout_s}")
+        heal(model, optimizer, quorum, last, slot, t, res, joining=spare and t == first)
+        loss, grad = local_gradient(model, cfg, t, slot)
+        set_gradient(model, quorum_mean(grad, quorum, slot))
+        optimizer.step()
+        res.quorums[t], res.losses[t], last = dict(quorum), loss, quorum
+    res.final_params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return res
+
+
+def heal(model, optimizer, quorum, last, slot, t, res, joining: bool) -> None:
+    """Each joiner (in quorum, not in the last one, or the same slot on a new process) receives
+    the whole state from the lowest slot that stayed."""
+    stayed = sorted(s for s in quorum if last.get(s) == quorum[s])
+    joiners = sorted(s for s in quorum if last.get(s) != quorum[s])
+    for j in joiners:
+        if slot == j and joining:
+            res.before_heal[t] = flat_state(model, optimizer)
+            buf = torch.empty_like(res.before_heal[t])
+            dist.recv(buf, quorum[stayed[0]])
+            load_flat_state(model, optimizer, buf)
+            res.received[t] = flat_state(model, optimizer)
+        elif slot == stayed[0]:
+            res.sent[t] = flat_state(model, optimizer)
+            dist.send(res.sent[t], quorum[j])
+
+
+def _process(cfg: FtConfig, port: int, rank: int) -> None:
+    """A replica's process: join the store and the gloo world, run, leave the result in the store."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=cfg.world,
+                                timeout=timedelta(seconds=600))
+        nccl_rules.install_from_env()
+        store.set(f"result/{rank}", pickle.dumps(replica(cfg, store, rank)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        store.set(f"error/{rank}", traceback.format_exc())
+
+
+@dataclass
+class FtRun:
+    results: list  # ReplicaResult per process rank, None for the killed process
+    exitcodes: list  # per process rank: 0, or -SIGKILL for the killed one
+
+
+def run_ft(cfg: FtConfig, timeout_s: float = 120) -> FtRun:
+    """Parent: check cfg, host the store, start cfg.world processes, wait (at most timeout_s) for
+    all to end; RuntimeError with the tracebacks if a replica raised, TimeoutError if one hung."""
+    check_ft(cfg)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = multiprocessing.get_context(start_method())  # forkserver, as run_on_ranks: torch imported once
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD) + [__name__])
+    procs = [ctx.Process(target=_process, args=(cfg, store.port, r), daemon=True, name=f"ft-rank-{r}")
+             for r in range(cfg.world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(store.check([f"error/{r}"]) for r in range(cfg.world)):  # the others may wait on it: stop soon
+            deadline = min(deadline, time.monotonic() + 2.0)
+        time.sleep(0.05)
+    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = {r: store.get(f"error/{r}").decode() for r in range(cfg.world) if store.check([f"error/{r}"])}
+    if errors:
+        raise RuntimeError("replicas failed:\n" + "\n".join(f"[rank {r}] {e}" for r, e in errors.items()))
+    if stuck:
+        raise TimeoutError(f"ranks {stuck} still ran after timeout_s={timeout_s}")
+    results = [pickle.loads(store.get(f"result/{r}")) if store.check([f"result/{r}"]) else None
+               for r in range(cfg.world)]
+    return FtRun(results, [p.exitcode for p in procs])
