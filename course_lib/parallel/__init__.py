@@ -15,6 +15,7 @@
     cp/        context parallelism: ring, all-gather and Ulysses attention (notebook 09)
     hybrid/    the ordered composition of the axes on one mesh (notebook 10)
     diloco/    LocalSGD and DiLoCo: replicas that meet every H steps
+    ft/        fault-tolerant replica groups: a per-step quorum, a restarted replica healed from a peer
     topology.py  a cluster's links and each mesh axis's traffic on them
 
 Convention: a strategy is `apply_<x>(model, group_or_mesh, ...)`, which turns the plain
