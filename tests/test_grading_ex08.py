@@ -7,6 +7,12 @@ many bytes held) and its disguise (gradients stashed by the hooks), a step that 
 by N (AdamW hides a gradient scaled by N, the gradient check does not), shard bounds rounded
 down, a full gradient kept beside its shard, and parameters never gathered back whole.
 The checks run on 2 ranks here; the exercise notebook runs them on 2 and 4.
+
+Part 2 (Muon's owner step): the stub fails, the solution passes on 2 and 3 ranks, the course's
+sharded Muon is refused, and six wrong answers fail with a message naming the mistake: each rank
+orthogonalising its own block, every rank gathering and orthogonalising every matrix (right
+numbers, too many bytes), owners dealt out in turn regardless of size, the update scattered to
+the wrong rows, the update without Muon's sqrt(d0/d1) scale, and the momentum forgotten.
 """
 
 import pathlib
@@ -16,7 +22,7 @@ import pytest
 from course_lib import RankError, grading, run_on_ranks
 from course_lib.grading import ex08_zero2_step as ex08
 
-from _student import load_as_student
+from _student import assert_rejected, load_as_student, mutated
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOLUTION = (ROOT / "exercises" / "solutions" / "ex08_zero2_step.py").read_text()
@@ -162,3 +168,94 @@ def test_the_formulas():
 def test_a_world_size_that_does_not_divide_the_batch_is_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match="n=5 ranks must divide the batch of 12"):
         ex08.run_training(object, 5)
+
+
+# ---------------------------------------------------------------- part 2: Muon's owner step
+OWNER_BRANCH = """        if rank == owner:
+            pieces = [torch.empty_like(u) for _ in range(n)]"""
+NON_OWNER_BRANCH = """        else:
+            dist.gather(u.contiguous(), gather_list=None, dst=root, group=group)
+            dist.scatter(block, scatter_list=None, src=root, group=group)
+"""
+SCATTER_LIST = "scatter_list=[piece.contiguous() for piece in o.chunk(n)]"
+MUON_MUTANTS = {
+    # each rank runs Newton-Schulz on its own block: a different (wrong) update
+    "own_block": (mutated(SOLUTION, [(OWNER_BRANCH, "        block = newton_schulz(u, ns_steps)\n        if False:\n"
+                                                     "            pieces = None"), (NON_OWNER_BRANCH, "")]),
+                  "same_as_one_process", "not of its own block"),
+    # the "gather" method: every rank assembles and orthogonalises every matrix; right numbers
+    "everywhere": (mutated(SOLUTION, [(OWNER_BRANCH, "        full = torch.empty(n * c, d1)\n"
+                                                     "        all_gather_single(full, u.contiguous(), group=group)\n"
+                                                     "        o = torch.nn.functional.pad(newton_schulz(full[:d0],"
+                                                     " ns_steps), (0, 0, 0, n * c - d0))\n"
+                                                     "        block = o[rank * c:(rank + 1) * c]\n        if False:\n"
+                                                     "            pieces = None"), (NON_OWNER_BRANCH, "")]),
+                   "bytes", "only a matrix's owner may gather it whole"),
+    "round_robin": (mutated(SOLUTION, [("    load, owners = [0] * world_size, [0] * len(shapes)\n",
+                                        "    return [i % world_size for i in range(len(shapes))]\n")]),
+                    "owners", "can pile the big ones on one rank"),
+    "wrong_rows": (mutated(SOLUTION, [(SCATTER_LIST, "scatter_list=[p.contiguous() for p in reversed(o.chunk(n))]")]),
+                   "same_as_one_process", r"rank r's rows must be rows r\*c"),
+    "unscaled": (mutated(SOLUTION, [("alpha=-lr * math.sqrt(max(1, d0 / d1))", "alpha=-lr")]),
+                 "same_as_one_process",
+                 r"your update is 0.577 times Muon's: Muon scales it by sqrt\(max\(1, d0/d1\)\)"),
+    "no_momentum": (mutated(SOLUTION, [("        b.lerp_(g, 1 - momentum)", "        pass"),
+                                       ("u = g.lerp(b, momentum) if nesterov else b", "u = g")]),
+                    "same_as_one_process", r"momentum rows must follow B <- mu B \+ \(1 - mu\) G"),
+}
+
+
+def _muon_check(kind):
+    if kind == "owners":
+        return lambda student: ex08.check_assign_owners(student.assign_owners)
+    check = ex08.check_muon_same_as_one_process if kind == "same_as_one_process" else ex08.check_muon_bytes
+    return lambda student: check(ex08.run_muon(student.muon_owner_step, 2))
+
+
+def test_part2_the_plain_stub_fails(tmp_path, monkeypatch):
+    student = _load(tmp_path, monkeypatch)
+    with pytest.raises(NotImplementedError):
+        ex08.check_assign_owners(student.assign_owners)
+    with pytest.raises(RankError, match="NotImplementedError"):
+        ex08.run_muon(student.muon_owner_step, 2)
+
+
+def test_part2_the_solution_passes_on_2_and_3_ranks(tmp_path, monkeypatch, capsys):
+    student = _load(tmp_path, monkeypatch, SOLUTION, refuse=ex08.REFUSE)
+    ex08.check_assign_owners(student.assign_owners)
+    for n in ex08.MUON_WORLD_SIZES:
+        out = ex08.run_muon(student.muon_owner_step, n)
+        ex08.check_muon_same_as_one_process(out)
+        ex08.check_muon_bytes(out)
+        # a rank that owns nothing receives its rows of each update in bf16 (the check allows fp32)
+        assert out[0]["last rank owns all"]["recv"] == [2 * sum(-(-d0 // n) * d1 for d0, d1 in ex08.MUON_SHAPES)] * 3
+    printed = capsys.readouterr().out
+    cases, shapes = len(ex08.OWNER_CASES), len(ex08.MUON_SHAPES)
+    assert "FAIL" not in printed and printed.count("PASS") == 2 * cases + 2 * (2 * shapes * 2) + 1 + 2, printed
+
+
+@pytest.mark.parametrize("source", ["from course_lib.parallel.zero.muon import ShardedMuon\n",
+                                    "from course_lib.estimate.muon import assign_owners\n",
+                                    "import course_lib.estimate.muon as m\n"])
+def test_part2_the_course_sharded_muon_is_refused(tmp_path, monkeypatch, source):
+    with pytest.raises(grading.CheckFailed, match="already holds this exercise's answer"):
+        _load(tmp_path, monkeypatch, "raise RuntimeError('ran')\n" + source, refuse=ex08.REFUSE)
+
+
+@pytest.mark.parametrize("name", sorted(MUON_MUTANTS))
+def test_part2_a_wrong_answer_fails_with_its_mistake_named(tmp_path, monkeypatch, capsys, name):
+    source, kind, phrase = MUON_MUTANTS[name]
+    assert_rejected(tmp_path, monkeypatch, capsys, "ex08_zero2_step", source, _muon_check(kind), phrase,
+                    refuse=ex08.REFUSE)
+
+
+def test_part2_gathering_everywhere_gets_the_numbers_right(tmp_path, monkeypatch):
+    """So only the bytes can tell it from owner-compute."""
+    student = _load(tmp_path, monkeypatch, MUON_MUTANTS["everywhere"][0], refuse=ex08.REFUSE)
+    ex08.check_muon_same_as_one_process(ex08.run_muon(student.muon_owner_step, 2))
+
+
+def test_part2_round_robin_fails_only_on_the_balance():
+    owners = [i % 2 for i in range(12)]  # what the mutant returns on the first case: valid, unbalanced
+    work = [ex08.ns_work(s) for s in ex08.OWNER_CASES[0][1]]
+    assert 2 * max(sum(w for w, o in zip(work, owners) if o == r) for r in range(2)) > sum(work) + max(work)

@@ -1,9 +1,13 @@
-"""Exercise 08, reference solution: a ZeRO-2 optimizer, each gradient reduce-scattered as backward makes it."""
+"""Exercise 08, reference solution: a ZeRO-2 optimizer, each gradient reduce-scattered as backward makes it;
+part 2, Muon's owner-compute step."""
+
+import math
 
 import torch
 import torch.distributed as dist
 
 from course_lib.comm.compat import all_gather_single, reduce_scatter_single
+from course_lib.techniques.muon import newton_schulz
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -63,3 +67,45 @@ class Zero2AdamW:
             p.copy_(full[:p.numel()].view_as(p))
             m.grad = None  # after the update the rank keeps no gradient at all
         return shards
+
+
+# ---------------------------------------------------------------- part 2: Muon's owner step
+def ns_work(shape) -> int:
+    """Newton-Schulz's work on a (d0, d1) matrix, up to a constant: min(d0, d1)^2 * max(d0, d1)."""
+    return min(shape) ** 2 * max(shape)
+
+
+def assign_owners(shapes, world_size: int) -> list[int]:
+    # Largest first, each onto the rank with the least work so far: the big matrices spread out
+    # before the small ones fill the gaps.
+    load, owners = [0] * world_size, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_work(shapes[i]), i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += ns_work(shapes[i])
+    return owners
+
+
+@torch.no_grad()
+def muon_owner_step(weights, grads, momenta, shapes, owners, group=None, *, lr, momentum=0.95, nesterov=True,
+                    weight_decay=0.1, ns_steps=5) -> None:
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    for w, g, b, (d0, d1), owner in zip(weights, grads, momenta, shapes, owners):
+        c = w.shape[0]
+        b.lerp_(g, 1 - momentum)  # B <- mu B + (1 - mu) G, row by row: my rows need my rows only
+        u = g.lerp(b, momentum) if nesterov else b
+        root = owner if group is None else dist.get_global_rank(group, owner)
+        block = torch.empty(c, d1, dtype=torch.bfloat16)
+        if rank == owner:
+            pieces = [torch.empty_like(u) for _ in range(n)]
+            dist.gather(u.contiguous(), gather_list=pieces, dst=root, group=group)
+            o = newton_schulz(torch.cat(pieces)[:d0], ns_steps)  # the whole matrix, padding rows dropped
+            o = torch.nn.functional.pad(o, (0, 0, 0, n * c - d0))
+            # contiguous: for a tall matrix newton_schulz returns a transposed view, and a
+            # collective sends a tensor's storage as it lies
+            dist.scatter(block, scatter_list=[piece.contiguous() for piece in o.chunk(n)], src=root, group=group)
+        else:
+            dist.gather(u.contiguous(), gather_list=None, dst=root, group=group)
+            dist.scatter(block, scatter_list=None, src=root, group=group)
+        w.mul_(1 - lr * weight_decay)
+        w.add_(block, alpha=-lr * math.sqrt(max(1, d0 / d1)))  # Muon's lr for a tall matrix

@@ -17,6 +17,14 @@
 # 4. `Zero2AdamW.step()`: AdamW on the pieces, every parameter whole again on every rank, and
 #    no gradient left behind.
 #
+# **Part 2** (about 20 minutes) shards a different optimizer, Muon (Jordan et al. 2024), which
+# needs each weight matrix whole (notebook 08, §13):
+#
+# 5. `assign_owners(shapes, world_size)`: which rank orthogonalises which matrix, with the
+#    Newton-Schulz work balanced over the ranks;
+# 6. `muon_owner_step(...)`: each rank holds a row block of every matrix's momentum; the
+#    matrix's owner gathers the blocks, runs Newton-Schulz once, and sends each rank its rows.
+#
 # The stub's docstring states the rules. Re-read notebook 08 first: §2 (the flat buffer and
 # its padding), §3 (one sharded step, checked against one process), §4 (what each rank should
 # hold), §5 (why stage 2 must act *during* backward) and §7 (why a reduce-scatter plus an
@@ -50,8 +58,8 @@
 # **How grading works.** Each check cell prints `PASS  ...` when your code is right and raises
 # `CheckFailed` (or your own error) when it is not. Your optimizer runs on 2 and 4 real ranks
 # and is compared with `torch.optim.AdamW` in one process on the whole batch; the bytes each
-# rank holds are measured while backward runs. Edit `student.py`, then *Kernel → Restart and
-# run all*.
+# rank holds are measured while backward runs. Part 2's step runs on 2 and 3 real ranks against
+# the single-process Muon. Edit `student.py`, then *Kernel → Restart and run all*.
 
 # %%
 # Google Colab only (elsewhere this cell does nothing): fetch the course at its pinned revision, set it up
@@ -136,6 +144,60 @@ for n, out in runs.items():
     ex08.check_collectives(out)
 
 # %% [markdown]
+# ## Part 2: Muon's owner step
+#
+# **Think first.** A model's hidden matrices, in the order it lists them, are per layer
+# `qkv` (48 x 16), `proj` (16 x 16), `fc` (64 x 16) and `fc2` (16 x 64). Newton-Schulz's work
+# on a matrix is proportional to $\min(d_0, d_1)^2 \max(d_0, d_1)$: here 48, 16, 64 and 64 units
+# per layer. On 2 ranks, dealing the matrices out in turn (matrix $i$ to rank $i \bmod 2$):
+# how much work does each rank get over 3 layers, and how much would the busiest rank have at best?
+#
+# <details><summary>Answer</summary>
+#
+# In turn: rank 0 gets every `qkv` and `fc`, $3(48 + 64) = 336$ units; rank 1 every `proj` and
+# `fc2`, $3(16 + 64) = 240$. The total is 576, so the best possible is 288 each, and 336 is 17%
+# more, and the step waits for the busiest rank. A split of 288 each exists: three `fc2` and
+# two `qkv` on one rank ($3 \cdot 64 + 2 \cdot 48$), the rest on the other.
+# </details>
+#
+# **Think first, too.** The "gather" way runs Newton-Schulz on every rank: each all-gathers the
+# whole momentum matrix. For a $d_0 \times d_1$ fp32 matrix on $N$ ranks, how many bytes does a
+# rank receive per step that way, and how many when only the owner gathers it and sends back
+# bf16 rows (for a rank that is not the owner)?
+#
+# <details><summary>Answer</summary>
+#
+# Gather everywhere: $4 N c\, d_1$ bytes into every rank ($c = \lceil d_0/N \rceil$ rows each).
+# Owner-compute: the owner receives $4 N c\, d_1$; every other rank only its rows of the
+# update, $2 c\, d_1$: $2N$ times fewer bytes, and Newton-Schulz runs once instead of $N$ times.
+# </details>
+
+# %% [markdown]
+# ## Check 7: `assign_owners`
+# Every matrix has one owner, and the busiest rank's work stays within
+# $\sum_i w_i / N + (1 - 1/N) \max_i w_i$ on model-like lists of shapes.
+
+# %%
+ex08.check_assign_owners(student.assign_owners)
+
+# %% [markdown]
+# ## Checks 8-9: the owner step on real ranks
+# Four matrices (one tall, one whose 17 rows leave padding, one wide, one square), 3 steps on
+# 2 and 3 ranks, with the owners spread over the ranks and then all on the last rank. The rows
+# the ranks end with, side by side, must be the single-process Muon's weights and momentum
+# after the same 3 steps. With every matrix on the last rank, the other ranks may receive
+# their own rows of each update and no more.
+
+# %%
+muon_runs = {n: ex08.run_muon(student.muon_owner_step, n) for n in ex08.MUON_WORLD_SIZES}
+for n, out in muon_runs.items():
+    ex08.check_muon_same_as_one_process(out)
+
+# %%
+for n, out in muon_runs.items():
+    ex08.check_muon_bytes(out)
+
+# %% [markdown]
 # ## Having written it, compare
 #
 # All checks passed? Then you have written ZeRO's core. Now compare with the course's own
@@ -147,8 +209,13 @@ for n, out in runs.items():
 #   **buckets** and reduce-scattered asynchronously while backward goes on, with a cap on
 #   buckets in flight;
 # * `course_lib/parallel/zero/sharded_optimizer.py`: the sharded step for any element-wise
-#   optimizer.
+#   optimizer;
+# * `course_lib/parallel/zero/muon.py` and `course_lib/estimate/muon.py`: sharded Muon three
+#   ways (gather everywhere, owners in turn, owners balanced by size), its bytes and its load
+#   imbalance.
 #
 # Two questions to take back: your hook blocks backward until each reduce-scatter returns;
 # what would you change so that it overlaps with the rest of backward, and what does that cost
-# in memory? And what does stage 3 add to this step (notebook 08, §6)?
+# in memory? And what does stage 3 add to this step (notebook 08, §6)? For part 2: your owner
+# step does one matrix after another, each waiting for its gather; how would you overlap one
+# matrix's Newton-Schulz with the next one's gather?
