@@ -546,9 +546,9 @@ for tp in (2, 4):
 # with every collective drawn on top of them. The all-reduces sit **inside** the forward and
 # backward: each layer waits for its sum before it can go on. Unlike DDP's gradient buckets
 # (notebook 03), no independent work is queued behind them: the next matmul needs the result.
-# That does not leave nothing to overlap: section 9 splits a collective and the matmul that
-# depends on it into pieces, so that each piece of communication travels while a piece of the
-# matmul that does not need it runs.
+# That does not leave nothing to overlap: under sequence parallelism, section 9 splits each
+# all-gather or reduce-scatter and the matmul that depends on it into pieces, so that each piece
+# of communication travels while a piece of the matmul that does not need it runs.
 
 # %% tags=["nbval-ignore-output"]
 one_layer = GPTConfig.tiny(DATA.vocab_size, n_layer=1)
@@ -578,8 +578,9 @@ print(f"rank 0's step: {total * 1e3:.1f} ms, {comm * 1e3:.1f} ms of it inside al
 # ## 9. Asynchronous TP: hide the collective behind the matmul that needs it
 #
 # Under sequence parallelism a column-parallel layer starts with an all-gather of the sequence
-# shards and a row-parallel layer ends with a reduce-scatter. The matmul waits for the whole
-# gather, and the gather waits for nothing else: section 8's blocking pattern. But a matmul
+# shards and a row-parallel layer ends with a reduce-scatter. The matmul cannot start until the
+# whole gather has arrived: section 8's blocking pattern, with an all-gather in the place of the
+# all-reduce. But a matmul
 # treats the rows (tokens) of its input independently,
 # $[X_0; X_1; \dots; X_{p-1}]\,W_r^\top = [X_0W_r^\top; \dots; X_{p-1}W_r^\top]$, so rank $r$ does not
 # need all of $X$ to start: it can multiply the chunk it holds while the next chunk travels.
