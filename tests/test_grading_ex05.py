@@ -13,7 +13,7 @@ import pytest
 from course_lib import RankError, grading
 from course_lib.grading import ex05_tensor_parallel as checks
 
-from _student import load_as_student
+from _student import assert_rejected, load_as_student, mutated
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXERCISE = "ex05_tensor_parallel"
@@ -34,6 +34,8 @@ def test_the_stubs_fail(monkeypatch):
         checks.check_f_and_g(stub, world_sizes=(2,))
     with pytest.raises(RankError, match="NotImplementedError"):
         checks.check_mlp(stub, world_sizes=(2,))
+    with pytest.raises(RankError, match="NotImplementedError"):
+        checks.check_uneven_mlp(stub, cases=((2, 7),))
 
 
 def test_the_solution_passes(monkeypatch, capsys):
@@ -43,6 +45,7 @@ def test_the_solution_passes(monkeypatch, capsys):
     checks.check_qkv_rows(solution)
     checks.check_mlp(solution)
     checks.check_gpt(solution)
+    checks.check_uneven_mlp(solution)
     out = capsys.readouterr().out
     assert out.count("PASS") > 50 and "FAIL" not in out
 
@@ -186,3 +189,43 @@ def test_a_wrong_answer_fails_its_check(tmp_path, monkeypatch, wrong, check, mat
            "gpt": lambda: checks.check_gpt(student)}[check]
     with pytest.raises(grading.CheckFailed, match=match):
         run()
+
+
+# uneven_mlp (a hidden width tp does not divide): each wrong answer is the solution with its
+# fragments replaced (every old fragment must occur in the solution), graded on the case that
+# separates it from the right answer.
+SHARE = ("    start = rank * base + min(rank, extra)\n"
+         "    return list(range(start, start + base + (rank < extra)))")
+UNEVEN_WRONG = {
+    # hidden // tp features per rank: the remainder is dropped
+    "floor share drops the remainder": ([(SHARE, "    return list(range(rank * base, (rank + 1) * base))")],
+                                        (2, 7), "computed on no rank"),
+    # equal blocks, and the last rank takes what is left over (2, 2, 2, 4 for 10 on 4)
+    "last rank takes the remainder": ([(SHARE, "    start = rank * base\n"
+                                               "    return list(range(start, start + base + (extra if rank == tp - 1 else 0)))")],
+                                      (4, 10), "differ by more than one"),
+    # blocks of ceil(H / tp), the last one cut short (3, 3, 3, 1 for 10 on 4)
+    "ceil blocks": ([(SHARE, "    size = -(-hidden // tp)\n"
+                             "    return list(range(min(rank * size, hidden), min((rank + 1) * size, hidden)))")],
+                    (4, 10), "differ by more than one"),
+    # proj split as if tp divided H: the library-style equal blocks of in_features // tp
+    "proj split evenly": ([("        self.proj = _RowShard(proj, mine, group)",
+                            "        self.proj = RowParallelLinear(proj, group)")],
+                          (2, 7), "proj's columns are not the hidden features its fc computes"),
+    # the proj bias added on every rank before the sum
+    "proj bias on every rank": ([("        y = g(F.linear(h, self.weight), self.group)\n"
+                                  "        return y + self.bias if self.bias is not None else y",
+                                  "        return g(F.linear(h, self.weight, self.bias), self.group)")],
+                                (4, 10), "proj bias is counted 4 times"),
+    # fc's shard applied without f: x's gradient is only this rank's part
+    "fc without f": ([("        return self.proj(F.gelu(self.fc(x)))",
+                       "        return self.proj(F.gelu(F.linear(x, self.fc.weight, self.fc.bias)))")],
+                     (2, 7), "input gradient equals the single process's"),
+}
+
+
+@pytest.mark.parametrize("wrong", list(UNEVEN_WRONG))
+def test_a_wrong_uneven_mlp_fails_with_its_message(tmp_path, monkeypatch, capsys, wrong):
+    replacements, case, phrase = UNEVEN_WRONG[wrong]
+    assert_rejected(tmp_path, monkeypatch, capsys, EXERCISE, mutated(SOLUTION, replacements),
+                    lambda student: checks.check_uneven_mlp(student, cases=(case,)), phrase, refuse=checks.REFUSE)

@@ -122,3 +122,25 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         raise NotImplementedError("exercise 05: write RowParallelLinear.forward")
+
+
+def uneven_mlp(fc: nn.Linear, proj: nn.Linear, group=None) -> nn.Module:
+    """This rank's share of the MLP `proj(GELU(fc(x)))` when tp (the size of `group`) does not
+    divide the hidden width H = fc.out_features (for example H = 10 on 4 ranks; tp <= H).
+
+    fc and proj are full nn.Linear layers, identical on every rank of `group`
+    (fc: d -> H, proj: H -> d, both with a bias). Return an nn.Module with two attributes:
+
+      * `.fc`, with nn.Parameters `.weight` (k, d) and `.bias` (k,): the rows of fc for the k
+        hidden features this rank computes, copied from fc;
+      * `.proj`, with nn.Parameters `.weight` (d, k): proj's columns for those same hidden
+        features, and `.bias` (d,): a copy of proj's whole bias.
+
+    Every hidden feature is computed on exactly one rank, and the ranks' shares differ in size
+    by at most one. Its forward(x) takes the full input (the same on every rank) and returns
+    the full proj(GELU(fc(x))) on every rank; backward gives x, every weight and every bias the
+    full layers' gradients (each shard: the matching slice). One all-reduce in forward and one in
+    backward, each of x's size (d = 16 in the check). Training the shards leaves fc and proj as
+    they were. You may reuse f, g and your layers above where they fit.
+    """
+    raise NotImplementedError("exercise 05: write uneven_mlp")

@@ -87,3 +87,41 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         y = g(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
+
+
+def _hidden_share(hidden: int, tp: int, rank: int) -> list[int]:
+    """Rank `rank`'s contiguous block of `hidden` features: the first hidden % tp ranks one more."""
+    base, extra = divmod(hidden, tp)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (rank < extra)))
+
+
+class _RowShard(nn.Module):
+    """proj's columns `cols` (this rank's hidden features, in fc's order); the bias whole, added once after g."""
+
+    def __init__(self, full: nn.Linear, cols, group):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(full.weight.detach()[:, torch.as_tensor(cols)].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, h):
+        y = g(F.linear(h, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class _UnevenMLP(nn.Module):
+    def __init__(self, fc: nn.Linear, proj: nn.Linear, group):
+        super().__init__()
+        mine = _hidden_share(fc.out_features, dist.get_world_size(group), dist.get_rank(group))
+        self.fc = ColumnParallelLinear(fc, group, rows=mine)
+        self.proj = _RowShard(proj, mine, group)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+def uneven_mlp(fc: nn.Linear, proj: nn.Linear, group=None) -> nn.Module:
+    """fc -> GELU -> proj over the group when tp does not divide the hidden width fc.out_features:
+    balanced contiguous blocks of hidden features (sizes differ by at most one), proj's matching columns."""
+    return _UnevenMLP(fc, proj, group)

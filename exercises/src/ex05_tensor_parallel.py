@@ -18,6 +18,10 @@
 #    output features.
 # 4. `RowParallelLinear(full, group=None)`: a rank's share, split by input features, whose
 #    output is the full layer's.
+# 5. `uneven_mlp(fc, proj, group=None)`: the MLP `proj(GELU(fc(X)))` split over `tp` ranks when
+#    `tp` does **not** divide its hidden width, which notebook 05 never does (the vocabulary is
+#    padded there instead; here nothing may be padded). Decide which hidden features each rank
+#    takes, what its `proj` shard must hold to match, and what the one all-reduce then sums.
 #
 # **Think first**, on paper, for `Z = GELU(X A) B` on 2 ranks: which matrix is split by columns,
 # which by rows, where the one all-reduce of the forward pass goes, and where the one of the
@@ -96,6 +100,17 @@ checks.check_mlp(student)
 
 # %%
 checks.check_gpt(student)
+
+# %% [markdown]
+# ## Check 5: a hidden width `tp` does not divide
+# `uneven_mlp` on a hidden width of 7 on 2 ranks and 10 on 4. What each rank's shards hold is
+# read off them by comparing them with the full layers: every hidden feature on exactly one
+# rank, shares that differ by at most one feature, `proj`'s columns the features `fc`
+# computes. Then the output, the gradient of `X` and every weight and bias gradient against
+# the single process, and one all-reduce forward and one backward.
+
+# %%
+checks.check_uneven_mlp(student)
 
 # %% [markdown]
 # All checks passed? Then you have written Megatron's tensor parallelism for the transformer
