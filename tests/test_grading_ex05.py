@@ -12,6 +12,7 @@ import pytest
 
 from course_lib import RankError, grading
 from course_lib.grading import ex05_tensor_parallel as checks
+from course_lib.grading import ex05_uneven as uneven
 
 from _student import assert_rejected, load_as_student, mutated
 
@@ -35,7 +36,7 @@ def test_the_stubs_fail(monkeypatch):
     with pytest.raises(RankError, match="NotImplementedError"):
         checks.check_mlp(stub, world_sizes=(2,))
     with pytest.raises(RankError, match="NotImplementedError"):
-        checks.check_uneven_mlp(stub, cases=((2, 7),))
+        uneven.check_uneven_mlp(stub, cases=((2, 7),))
 
 
 def test_the_solution_passes(monkeypatch, capsys):
@@ -45,7 +46,7 @@ def test_the_solution_passes(monkeypatch, capsys):
     checks.check_qkv_rows(solution)
     checks.check_mlp(solution)
     checks.check_gpt(solution)
-    checks.check_uneven_mlp(solution)
+    uneven.check_uneven_mlp(solution)
     out = capsys.readouterr().out
     assert out.count("PASS") > 50 and "FAIL" not in out
 
@@ -228,4 +229,4 @@ UNEVEN_WRONG = {
 def test_a_wrong_uneven_mlp_fails_with_its_message(tmp_path, monkeypatch, capsys, wrong):
     replacements, case, phrase = UNEVEN_WRONG[wrong]
     assert_rejected(tmp_path, monkeypatch, capsys, EXERCISE, mutated(SOLUTION, replacements),
-                    lambda student: checks.check_uneven_mlp(student, cases=(case,)), phrase, refuse=checks.REFUSE)
+                    lambda student: uneven.check_uneven_mlp(student, cases=(case,)), phrase, refuse=checks.REFUSE)

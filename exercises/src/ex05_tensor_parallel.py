@@ -57,6 +57,7 @@ if "google.colab" in sys.modules:
 
 # %%
 from course_lib.grading import ex05_tensor_parallel as checks
+from course_lib.grading import ex05_uneven
 from course_lib.grading import load_student
 
 # Your module may not import the library's tensor parallelism (checks.REFUSE lists it):
@@ -110,7 +111,7 @@ checks.check_gpt(student)
 # the single process, and one all-reduce forward and one backward.
 
 # %%
-checks.check_uneven_mlp(student)
+ex05_uneven.check_uneven_mlp(student)
 
 # %% [markdown]
 # All checks passed? Then you have written Megatron's tensor parallelism for the transformer
