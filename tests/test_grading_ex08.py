@@ -20,6 +20,7 @@ import pathlib
 import pytest
 
 from course_lib import RankError, grading, run_on_ranks
+from course_lib.grading import ex08_muon
 from course_lib.grading import ex08_zero2_step as ex08
 
 from _student import assert_rejected, load_as_student, mutated
@@ -207,30 +208,30 @@ MUON_MUTANTS = {
 
 def _muon_check(kind):
     if kind == "owners":
-        return lambda student: ex08.check_assign_owners(student.assign_owners)
-    check = ex08.check_muon_same_as_one_process if kind == "same_as_one_process" else ex08.check_muon_bytes
-    return lambda student: check(ex08.run_muon(student.muon_owner_step, 2))
+        return lambda student: ex08_muon.check_assign_owners(student.assign_owners)
+    check = ex08_muon.check_muon_same_as_one_process if kind == "same_as_one_process" else ex08_muon.check_muon_bytes
+    return lambda student: check(ex08_muon.run_muon(student.muon_owner_step, 2))
 
 
 def test_part2_the_plain_stub_fails(tmp_path, monkeypatch):
     student = _load(tmp_path, monkeypatch)
     with pytest.raises(NotImplementedError):
-        ex08.check_assign_owners(student.assign_owners)
+        ex08_muon.check_assign_owners(student.assign_owners)
     with pytest.raises(RankError, match="NotImplementedError"):
-        ex08.run_muon(student.muon_owner_step, 2)
+        ex08_muon.run_muon(student.muon_owner_step, 2)
 
 
 def test_part2_the_solution_passes_on_2_and_3_ranks(tmp_path, monkeypatch, capsys):
     student = _load(tmp_path, monkeypatch, SOLUTION, refuse=ex08.REFUSE)
-    ex08.check_assign_owners(student.assign_owners)
-    for n in ex08.MUON_WORLD_SIZES:
-        out = ex08.run_muon(student.muon_owner_step, n)
-        ex08.check_muon_same_as_one_process(out)
-        ex08.check_muon_bytes(out)
+    ex08_muon.check_assign_owners(student.assign_owners)
+    for n in ex08_muon.MUON_WORLD_SIZES:
+        out = ex08_muon.run_muon(student.muon_owner_step, n)
+        ex08_muon.check_muon_same_as_one_process(out)
+        ex08_muon.check_muon_bytes(out)
         # a rank that owns nothing receives its rows of each update in bf16 (the check allows fp32)
-        assert out[0]["last rank owns all"]["recv"] == [2 * sum(-(-d0 // n) * d1 for d0, d1 in ex08.MUON_SHAPES)] * 3
+        assert out[0]["last rank owns all"]["recv"] == [2 * sum(-(-d0 // n) * d1 for d0, d1 in ex08_muon.MUON_SHAPES)] * 3
     printed = capsys.readouterr().out
-    cases, shapes = len(ex08.OWNER_CASES), len(ex08.MUON_SHAPES)
+    cases, shapes = len(ex08_muon.OWNER_CASES), len(ex08_muon.MUON_SHAPES)
     assert "FAIL" not in printed and printed.count("PASS") == 2 * cases + 2 * (2 * shapes * 2) + 1 + 2, printed
 
 
@@ -252,10 +253,10 @@ def test_part2_a_wrong_answer_fails_with_its_mistake_named(tmp_path, monkeypatch
 def test_part2_gathering_everywhere_gets_the_numbers_right(tmp_path, monkeypatch):
     """So only the bytes can tell it from owner-compute."""
     student = _load(tmp_path, monkeypatch, MUON_MUTANTS["everywhere"][0], refuse=ex08.REFUSE)
-    ex08.check_muon_same_as_one_process(ex08.run_muon(student.muon_owner_step, 2))
+    ex08_muon.check_muon_same_as_one_process(ex08_muon.run_muon(student.muon_owner_step, 2))
 
 
 def test_part2_round_robin_fails_only_on_the_balance():
     owners = [i % 2 for i in range(12)]  # what the mutant returns on the first case: valid, unbalanced
-    work = [ex08.ns_work(s) for s in ex08.OWNER_CASES[0][1]]
+    work = [ex08_muon.ns_work(s) for s in ex08_muon.OWNER_CASES[0][1]]
     assert 2 * max(sum(w for w, o in zip(work, owners) if o == r) for r in range(2)) > sum(work) + max(work)

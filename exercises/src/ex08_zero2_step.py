@@ -72,6 +72,7 @@ if "google.colab" in sys.modules:
     sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
+from course_lib.grading import ex08_muon
 from course_lib.grading import ex08_zero2_step as ex08
 from course_lib.grading import load_student
 
@@ -178,7 +179,7 @@ for n, out in runs.items():
 # $\sum_i w_i / N + (1 - 1/N) \max_i w_i$ on model-like lists of shapes.
 
 # %%
-ex08.check_assign_owners(student.assign_owners)
+ex08_muon.check_assign_owners(student.assign_owners)
 
 # %% [markdown]
 # ## Checks 8-9: the owner step on real ranks
@@ -189,13 +190,13 @@ ex08.check_assign_owners(student.assign_owners)
 # their own rows of each update and no more.
 
 # %%
-muon_runs = {n: ex08.run_muon(student.muon_owner_step, n) for n in ex08.MUON_WORLD_SIZES}
+muon_runs = {n: ex08_muon.run_muon(student.muon_owner_step, n) for n in ex08_muon.MUON_WORLD_SIZES}
 for n, out in muon_runs.items():
-    ex08.check_muon_same_as_one_process(out)
+    ex08_muon.check_muon_same_as_one_process(out)
 
 # %%
 for n, out in muon_runs.items():
-    ex08.check_muon_bytes(out)
+    ex08_muon.check_muon_bytes(out)
 
 # %% [markdown]
 # ## Having written it, compare
