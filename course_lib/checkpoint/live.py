@@ -26,6 +26,7 @@ its sends (trainers) or receives (generators) in ONE dist.batch_isend_irecv and 
 sees one send and one receive of the same count and dtype, issued together: NCCL's matching and
 rendezvous rules hold (observe/nccl_rules.py), so the same code runs under COURSE_NCCL_RULES=1.
 The plan is pure (no torch.distributed): `plan_transfer` refuses bad input in the parent.
+(One line over 300: the plan and its execution read best side by side.)
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ each check holds the learner's code to what the exercise states.
 
 `REFUSE` names what already holds the answer (and this module, which holds the checks): the
 exercise notebook passes it to `load_student`, which refuses a student module that imports them.
+(Over 300 lines: each check's failure names the mistake in the learner's terms, which takes a few
+lines per mistake; splitting them from the checks would hide which check says what.)
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ obey, to values derived by hand for fixed cases, and to real runs.
 
 REFUSE names the library functions that already hold the answer (load_student refuses a
 student module that imports them).
+(A few lines over 300: the watched shards that log every read live beside the checks that read
+them.)
 """
 
 from __future__ import annotations

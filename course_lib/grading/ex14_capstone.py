@@ -34,6 +34,8 @@ The definitions the checks apply:
   it fits, and best_time / its time (< fraction) is the number.
 
 Each check prints `PASS  ...`; a failure raises CheckFailed naming the rule, never the answer.
+(Over 300 lines: the two variants of the problem are checked by the same functions, each with its
+own messages.)
 """
 
 from __future__ import annotations
