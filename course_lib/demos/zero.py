@@ -167,12 +167,19 @@ def muon_demo(method: str, steps: int = 5, batch_size: int = 8) -> dict:
             "formula": muon_traffic(shapes, n, method)[rank], "ns_flops": opt.muon.ns_flops // steps, "shapes": shapes}
 
 
+def _loss_table(first: dict, title: str, ours: str) -> list[str]:
+    """The title, then each step's loss (mean over the ranks) beside the single process's."""
+    w = len(ours) + 1
+    lines = [title, f"{'step':>4} {ours:>{w}} {'single process':>15}"]
+    for i, (a, b) in enumerate(zip(first["losses"], first["reference"]), start=1):
+        lines.append(f"{i:>4} {a:>{w}.5f} {b:>15.5f}")
+    return lines
+
+
 def format_muon(per_rank: list[dict], method: str) -> str:
     first = per_rank[0]
-    lines = [f"Muon ({method}) + AdamW on {len(per_rank)} ranks vs one process (same data)",
-             f"{'step':>4} {'sharded (mean of ranks)':>24} {'single process':>15}"]
-    for i, (a, b) in enumerate(zip(first["losses"], first["reference"]), start=1):
-        lines.append(f"{i:>4} {a:>24.5f} {b:>15.5f}")
+    lines = _loss_table(first, f"Muon ({method}) + AdamW on {len(per_rank)} ranks vs one process (same data)",
+                        "sharded (mean of ranks)")
     lines.append(f"Muon bytes per step ({len(first['shapes'])} matrices), traced / formula (estimate.muon):")
     for r, out in enumerate(per_rank):
         sent = sum(v["bytes_sent"] for v in out["bytes"].values())
@@ -199,10 +206,8 @@ def check_muon(per_rank: list[dict]) -> tuple[bool, str]:
 
 def format_demo(per_rank: list[dict], stage: int) -> str:
     first = per_rank[0]
-    lines = [f"ZeRO stage {stage} on {len(per_rank)} ranks vs one process (same data, same AdamW)",
-             f"{'step':>4} {'ZeRO (mean of ranks)':>21} {'single process':>15}"]
-    for i, (a, b) in enumerate(zip(first["losses"], first["reference"]), start=1):
-        lines.append(f"{i:>4} {a:>21.5f} {b:>15.5f}")
+    lines = _loss_table(first, f"ZeRO stage {stage} on {len(per_rank)} ranks vs one process (same data, same AdamW)",
+                        "ZeRO (mean of ranks)")
     lines.append("bytes each rank holds, measured / formula (notebook 01):")
     heads = ("params", "grads", "optimizer", first.get("tier", "host"))
     lines.append(f"{'rank':>4} " + " ".join(f"{k:>23}" for k in heads))

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from course_lib._validate import check_int
+
 
 def _per_rank(name: str, value, ranks: int) -> list[float]:
     values = [value] * ranks if isinstance(value, (int, float)) and not isinstance(value, bool) else list(value)
@@ -45,10 +47,9 @@ def _delays(delays_s: Sequence[Sequence[float]]) -> list[list[float]]:
 
 def constant_delays(ranks: int, slow_rank: int, delay_s: float, steps: int) -> list[list[float]]:
     """delays_s with rank `slow_rank` late by delay_s at every one of `steps` steps, the others never."""
-    if not (isinstance(ranks, int) and ranks >= 1 and isinstance(steps, int) and steps >= 1):
-        raise ValueError(f"ranks={ranks!r} and steps={steps!r} must be ints >= 1")
-    if not (isinstance(slow_rank, int) and 0 <= slow_rank < ranks):
-        raise ValueError(f"slow_rank={slow_rank!r} must be an int in [0, {ranks})")
+    check_int("ranks", ranks, rule="an int >= 1")
+    check_int("steps", steps, rule="an int >= 1")
+    check_int("slow_rank", slow_rank, minimum=0, maximum=ranks - 1, rule=f"an int in [0, {ranks})")
     if not (isinstance(delay_s, (int, float)) and delay_s >= 0):
         raise ValueError(f"delay_s={delay_s!r} must be >= 0")
     return [[float(delay_s) if r == slow_rank else 0.0] * steps for r in range(ranks)]
@@ -68,8 +69,7 @@ def round_seconds(compute_s, delays_s: Sequence[Sequence[float]], sync_s: float 
     rows = _delays(delays_s)
     c = _per_rank("compute_s", compute_s, len(rows))
     q = len(rows) if quorum is None else quorum
-    if not (isinstance(q, int) and not isinstance(q, bool) and 1 <= q <= len(rows)):
-        raise ValueError(f"quorum={quorum!r} must be an int in [1, {len(rows)}] (the replicas)")
+    check_int("quorum", q, maximum=len(rows), rule=f"an int in [1, {len(rows)}] (the replicas)")
     sums = sorted(len(r) * ci + sum(r) for ci, r in zip(c, rows))
     return sums[q - 1] + _per_rank("sync_s", sync_s, 1)[0]
 
@@ -79,8 +79,7 @@ def wall_seconds(compute_s, delays_s: Sequence[Sequence[float]], inner_steps: in
     """The whole run: rounds of H = inner_steps steps (the last may be shorter and still ends with
     a sync), each round_seconds. H = 1 with sync_s = the all-reduce time is DDP."""
     rows = _delays(delays_s)
-    if not (isinstance(inner_steps, int) and not isinstance(inner_steps, bool) and inner_steps >= 1):
-        raise ValueError(f"inner_steps={inner_steps!r} must be an int >= 1")
+    check_int("inner_steps", inner_steps, rule="an int >= 1")
     steps = len(rows[0])
     return sum(round_seconds(compute_s, [r[t:t + inner_steps] for r in rows], sync_s, quorum)
                for t in range(0, steps, inner_steps))

@@ -42,10 +42,8 @@ def check_diloco(world_size: int, replicas: int, inner_steps: int, n_layer: int,
     if world_size % replicas:
         raise ValueError(f"world size {world_size} must be divisible by replicas={replicas}: "
                          f"every replica has the same number of ranks")
-    if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
-        raise ValueError(f"inner_steps={inner_steps!r} must be an int >= 1 (H: the replicas meet every H steps)")
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(f"fragments={fragments!r} must be an int >= 1")
+    check_int("inner_steps", inner_steps, rule="an int >= 1 (H: the replicas meet every H steps)")
+    check_int("fragments", fragments, rule="an int >= 1")
     if n_layer % fragments:
         raise ValueError(f"fragments={fragments} must divide n_layer={n_layer}: each fragment takes "
                          f"n_layer / fragments blocks (blocks i with i % fragments == f)")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from course_lib._validate import check_int
+
 ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.AdamW's per-parameter state (foreach off)
 
 
@@ -47,11 +49,9 @@ class FtConfig:
 
 def check_ft(cfg: FtConfig) -> None:
     """The parent's checks, before any process starts."""
-    if not isinstance(cfg.replicas, int) or cfg.replicas < 2:
-        raise ValueError(f"replicas={cfg.replicas!r} must be an int >= 2: a quorum outlives a failure only "
-                         "if another replica is alive")
-    if not isinstance(cfg.steps, int) or cfg.steps < 1:
-        raise ValueError(f"steps={cfg.steps!r} must be an int >= 1")
+    check_int("replicas", cfg.replicas, minimum=2,
+              rule="an int >= 2: a quorum outlives a failure only if another replica is alive")
+    check_int("steps", cfg.steps, rule="an int >= 1")
     if cfg.quorum_timeout_s <= 0:
         raise ValueError(f"quorum_timeout_s={cfg.quorum_timeout_s} must be > 0")
     if (cfg.kill_slot is None) != (cfg.kill_step is None):
