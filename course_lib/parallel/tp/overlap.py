@@ -25,6 +25,7 @@ from course_lib.observe import patching
 from course_lib.observe.timeline import Timeline, plot_gantt
 from course_lib.observe.tracer import CommTracer
 from course_lib.parallel.tp.apply import apply_tensor_parallel
+from course_lib.runtime.device import rank_device
 
 RING_OPS = frozenset({"batch_isend_irecv"})
 
@@ -98,9 +99,12 @@ def mlp_on_rank(async_tp: bool, batch: int, seq: int, d_model: int, repeats: int
     "grads" of the first run (fc's and proj's weight gradients), "exposed" and "step" (seconds
     per repeat), "lanes": the last repeat's (main, link) events}."""
     config = GPTConfig.tiny(n_layer=1, d_model=d_model, block_size=seq)  # the vocabulary plays no part here
-    mlp = apply_tensor_parallel(GPT(config, seed=seed), None, sequence_parallel=True, async_tp=async_tp).blocks[0].mlp
-    gen = torch.Generator().manual_seed(seed)
-    x, g = torch.randn(batch, seq, d_model, generator=gen), torch.randn(batch, seq, d_model, generator=gen)
+    dev = rank_device()  # NCCL communicates tensors on the rank's GPU only (the CPU on gloo ranks)
+    mlp = apply_tensor_parallel(GPT(config, seed=seed).to(dev), None, sequence_parallel=True,
+                                async_tp=async_tp).blocks[0].mlp
+    gen = torch.Generator().manual_seed(seed)  # drawn on the CPU (the same numbers everywhere), then moved
+    x, g = (torch.randn(batch, seq, d_model, generator=gen).to(dev),
+            torch.randn(batch, seq, d_model, generator=gen).to(dev))
     p, r = dist.get_world_size(), dist.get_rank()
     x, g = x.chunk(p, dim=1)[r].contiguous().requires_grad_(True), g.chunk(p, dim=1)[r]
 
