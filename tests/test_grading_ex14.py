@@ -1,238 +1,199 @@
-"""Exercise 14's checkers (course_lib.grading.ex14_capstone), called directly, no ranks: the plain
-stub fails, the reference solution passes, a module that uses the planner is refused (by its
-syntax tree, and at call time by a route the tree does not show), and plausible wrong answers
-fail without the message giving the answer. (The real 8-rank run of check 6 is graded by the
-exercise notebook under the solutions.)"""
+"""Exercise 13's checkers (course_lib.grading.ex13_debugging) separate right from wrong code.
 
-import importlib.util
+The untouched stubs fail, the reference solution passes, a student module that imports the
+catalogue of broken runs (the answers) or the library's data parallelism is refused before it
+runs, and the broken runs themselves, with the plausible half-fixes, fail the check that should
+catch them.
+"""
+
 import pathlib
-from dataclasses import replace
+import re
 
 import pytest
 
-from course_lib import grading
-from course_lib.dims import ParallelDims as Dims
-from course_lib.grading import CheckFailed
-from course_lib.grading import ex14_capstone as grade
+from course_lib import RankError, grading
+from course_lib.grading import ex13_debugging as checks
+
+from _student import load_as_student
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXERCISE = "ex13_debugging"
+SOLUTION = (ROOT / "exercises" / "solutions" / f"{EXERCISE}.py").read_text()
 
 
-@pytest.fixture(scope="module")
-def problem():
-    return grade.stated_problem()
+def _load(tmp_path, monkeypatch, source: str):
+    """Load `source` as the learner's student.py, as the exercise notebook does (with its refusals)."""
+    return load_as_student(tmp_path, monkeypatch, EXERCISE, source, refuse=checks.REFUSE)
 
 
-@pytest.fixture(scope="module")
-def facts(problem):
-    return grade.facts(problem)
-
-
-def load(monkeypatch, which: str):
-    if which == "solution":
-        monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
-    else:
-        monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    return grading.load_student("ex14_capstone", refuse=grade.REFUSE)
-
-
-def test_the_plain_stub_fails(monkeypatch, problem):
-    stub = load(monkeypatch, "stub")
-    for function in (stub.choose_layout, stub.binding_constraint, stub.rejected_layout):
-        with pytest.raises(NotImplementedError):
-            grade.ask(function, problem)
-
-
-def test_the_solution_passes(monkeypatch, capsys, problem):
-    solution = load(monkeypatch, "solution")
-    layout = grade.ask(solution.choose_layout, problem)
-    grade.check_runnable(layout, problem)
-    grade.check_fits(layout, problem)
-    grade.check_fast(layout, problem)
-    grade.check_binding(grade.ask(solution.binding_constraint, problem), problem)
-    grade.check_rejected(grade.ask(solution.rejected_layout, problem), layout, problem)
-    grade.check_choices(solution.choose_layout, problem)
-    grade.check_bindings(solution.binding_constraint, problem)
-    grade.check_rejections(solution.rejected_layout, solution.choose_layout, problem)
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "grading exercises/ex14_capstone/student.py"  # the file graded, then the checks
-    assert len(out) == 1 + 7 + 3 * 6 and all(line.startswith("PASS  ") for line in out[1:])
-    assert not any("bytes" in line or "seconds" in line for line in out if "binding" in line)  # no unit, no answer
-
-
-def test_the_stated_problem_is_bound_by_memory(problem, facts):
-    """The exercise's premise: the fastest layout the 3D trainer runs does not fit, and more than
-    one layout meets the throughput budget (the capstone stays open)."""
-    assert facts["binding"][0] == "memory" and facts["binding"][1] > problem.cluster.memory_bytes
-    passing = [lay for lay in grade.runnable_layouts(problem)
-               if grade.predicted(problem, lay)[1] <= problem.cluster.memory_bytes
-               and facts["best_time"] / grade.predicted(problem, lay)[0] >= problem.fraction]
-    assert len(passing) >= 2
-
-
-def test_the_solution_agrees_when_memory_does_not_bind(monkeypatch, capsys, problem):
-    roomy = replace(problem, cluster=replace(problem.cluster, memory_bytes=1 << 30))
-    binding = grade.facts(roomy)["binding"]
-    assert binding[0] in grade.GROUPS  # a group of step-time terms, not memory
-    solution = load(monkeypatch, "solution")
-    grade.check_binding(grade.ask(solution.binding_constraint, roomy), roomy)
-    with pytest.raises(CheckFailed, match="binding constraint"):
-        grade.check_binding(("memory", 1 << 30), roomy)
-
-
-def test_a_module_that_uses_the_planner_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
+def test_the_stubs_fail(monkeypatch):
     monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    (tmp_path / "ex14_capstone").mkdir()
-    student = tmp_path / "ex14_capstone" / "student.py"
-    for source, name in [
-        ("from course_lib.estimate.planner import plan\n", "course_lib.estimate.planner.plan"),
-        ("import course_lib.estimate.planner_figures as f\n", "course_lib.estimate.planner_figures"),
-        ("import course_lib.estimate.planner\n", "course_lib.estimate.planner"),
-        ("from course_lib.grading.ex14_capstone import facts\n", "course_lib.grading.ex14_capstone.facts"),
-    ]:
-        student.write_text(source + "\ndef choose_layout(*args):\n    return None\n")
-        with pytest.raises(CheckFailed, match=f"line 1 uses {name}"):
-            grading.load_student("ex14_capstone", refuse=grade.REFUSE)
+    stub = grading.load_student(EXERCISE, refuse=checks.REFUSE)
+    with pytest.raises(NotImplementedError):
+        checks.check_names(stub)
+    for check in (lambda: checks.check_sync(stub, world_sizes=(2,)), lambda: checks.check_stop(stub),
+                  lambda: checks.check_accumulate(stub)):
+        with pytest.raises(RankError, match="NotImplementedError"):
+            check()
 
 
-def test_the_planner_reached_at_call_time_is_refused(problem):
-    def sneaky(config, cluster, global_batch, seq, recipe):
-        import importlib
-
-        planner = importlib.import_module("course_lib.estimate." + "planner")  # no literal to refuse
-        return planner.plan(config, cluster, global_batch, seq, recipe).best.layout
-
-    with pytest.raises(CheckFailed, match="the planner is not available"):
-        grade.ask(sneaky, problem)
-    from course_lib.estimate import planner
-    assert planner.plan.__name__ == "plan"  # restored after the call
+def test_the_solution_passes(monkeypatch, capsys):
+    monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
+    solution = grading.load_student(EXERCISE, refuse=checks.REFUSE)
+    checks.check_names(solution)
+    checks.check_sync(solution)
+    checks.check_stop(solution)
+    checks.check_accumulate(solution)
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 1 + (4 + 6) + 6 + 2 * 4 and "FAIL" not in out
 
 
-def test_a_layout_that_does_not_fit_fails(problem, facts):
-    too_big = Dims(dp=8)  # the fastest of all, memory ignored
-    grade.check_runnable(too_big, problem)
-    with pytest.raises(CheckFailed, match="it fits"):
-        grade.check_fits(too_big, problem)
+def test_the_answers_are_catalogue_names(monkeypatch):
+    from course_lib.debugging import BUG_NAMES
+    from course_lib.grading.stored import digest
+
+    assert checks.BUG_NAMES == BUG_NAMES
+    monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
+    names = grading.load_student(EXERCISE, refuse=checks.REFUSE).name_the_bugs()
+    assert digest(names) == checks.ANSWER and all(n in BUG_NAMES for n in names.values())
+    # one digest for the three: no line of this module maps a single run to its name
+    assert "ANSWERS" not in vars(checks) and len(checks.ANSWER) == 64
 
 
-@pytest.mark.parametrize("layout, message", [
-    (Dims(dp=2, tp=2, pp=2, microbatches=8), "fitting layout's predicted throughput"),  # fits, slow
+@pytest.mark.parametrize("line", [
+    "from course_lib.demos.broken_run import main",
+    "import course_lib.demos.broken_run as demo",
+    "from course_lib.parallel.dp import DataParallel",
+    "from course_lib.grading.ex13_debugging import ANSWERS",
+    "from course_lib.grading import ex13_debugging\nex13_debugging.average_over_ranks(None)",
+    "from torch.nn.parallel import DistributedDataParallel",
+    "from course_lib.debugging import silent",
+    "import course_lib.debugging",
+    "from course_lib.debugging.catalogue import BUGS",
 ])
-def test_a_slow_layout_fails(problem, layout, message):
-    grade.check_fits(layout, problem)
-    with pytest.raises(CheckFailed, match=message):
-        grade.check_fast(layout, problem)
+def test_a_module_importing_the_answer_is_refused(tmp_path, monkeypatch, line):
+    with pytest.raises(grading.CheckFailed, match="already holds this exercise's answer"):
+        _load(tmp_path, monkeypatch, SOLUTION + "\n" + line + "\n")
 
 
-@pytest.mark.parametrize("layout, message", [
-    (Dims(dp=4, pp=2, microbatches=2, zero=1, reshard_after_forward=False), "reshard_after_forward=False with zero=1"),
-    (Dims(dp=4, pp=2, microbatches=2, recompute="selective"), "whole blocks"),
-    (Dims(dp=4, tp=2, sequence_parallel=True), "no sequence parallelism"),
-    (Dims(dp=2, pp=2, microbatches=2), "all 8 devices"),
-    (Dims(dp=4, pp=2, microbatches=8), "per-replica batch"),
-    ("dp4 pp2", "not a course_lib.dims.ParallelDims"),
+def test_what_the_exercise_may_use_is_allowed():
+    source = "import torch\nimport torch.distributed as dist\nfrom course_lib.observe import flight_recorder\n"
+    assert grading.refused_uses(source, checks.REFUSE) == []
+    assert grading.refused_uses(SOLUTION, checks.REFUSE) == []
+
+
+# Wrong answers: the solution with one definition replaced (appended definitions win).
+WRONG_NAMES = '''
+def name_the_bugs():
+    return {"run 1": "sum_not_avg", "run 2": "nan_on_one_rank", "run 3": "never_sync"}
+'''
+NOT_A_NAME = '''
+def name_the_bugs():
+    return {"run 1": "sum instead of mean", "run 2": "skip_collective", "run 3": "never_sync"}
+'''
+SUM_NOT_AVG = '''
+def average_gradients(model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+'''
+DIVIDED_TWICE = SUM_NOT_AVG.replace("dist.all_reduce(flat)", "dist.all_reduce(flat)\n    flat /= dist.get_world_size() ** 2")
+# the reduced buffer never copied back: torch.cat made a copy, p.grad keeps the rank's own gradient
+NOT_COPIED_BACK = '''
+def average_gradients(model):
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+'''
+# run 1 mended the way the broken run was written: correct numbers, one call per parameter
+ONE_CALL_PER_PARAMETER = '''
+def average_gradients(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+'''
+LOCAL_DECISION = '''
+def should_stop(local_loss, target):
+    return local_loss < target
+'''
+ANY_RANK_BELOW = '''
+def should_stop(local_loss, target):
+    t = torch.tensor([local_loss])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.item() < target
+'''
+RANK_0_DECIDES = '''
+def should_stop(local_loss, target):
+    flag = torch.tensor([float(local_loss < target)])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+'''
+NEVER_SYNC = '''
+def accumulation_step(model, optimizer, micro_batches):
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        loss = model(x, y)[1] / len(micro_batches)
+        loss.backward()
+        total += loss.item()
+        if i == len(micro_batches):
+            average_gradients(model)
+    optimizer.step()
+    return total
+'''
+SYNC_EVERY_MICROBATCH = NEVER_SYNC.replace("if i == len(micro_batches):", "if True:")
+NOT_DIVIDED = NEVER_SYNC.replace("model(x, y)[1] / len(micro_batches)", "model(x, y)[1]").replace(
+    "if i == len(micro_batches):", "if i == len(micro_batches) - 1:")
+# the loss it reports is divided, the one it backpropagates is not: gradients n x, and AdamW's update
+# (a ratio of moments) is nearly the same, so the losses agree
+BACKWARD_UNDIVIDED = NOT_DIVIDED.replace("total += loss.item()", "total += loss.item() / len(micro_batches)")
+# divided by a constant 2 (right for the run's 2 micro-batches only)
+DIVIDED_BY_TWO = NEVER_SYNC.replace("model(x, y)[1] / len(micro_batches)", "model(x, y)[1] / 2").replace(
+    "if i == len(micro_batches):", "if i == len(micro_batches) - 1:")
+
+WRONG = {"wrong names": WRONG_NAMES, "not a name": NOT_A_NAME, "sum not avg": SUM_NOT_AVG,
+         "divided twice": DIVIDED_TWICE, "local decision": LOCAL_DECISION, "any rank below": ANY_RANK_BELOW,
+         "rank 0 decides": RANK_0_DECIDES, "never sync": NEVER_SYNC, "sync every micro-batch": SYNC_EVERY_MICROBATCH,
+         "micro-batch losses not divided": NOT_DIVIDED, "not copied back": NOT_COPIED_BACK,
+         "one call per parameter": ONE_CALL_PER_PARAMETER, "backward undivided": BACKWARD_UNDIVIDED,
+         "divided by two": DIVIDED_BY_TWO}
+
+
+@pytest.mark.parametrize("wrong, check, match", [
+    ("wrong names", "names", "At least one name does not explain its run's evidence"),
+    ("not a name", "names", "is not a name from the catalogue"),
+    ("sum not avg", "sync", r"your gradients differ \(norm 2 x .*a sum, not a mean"),
+    ("divided twice", "sync", r"your gradients differ \(norm 0.5 x"),
+    ("not copied back", "sync", r"your gradients differ \(norm .*never reached p.grad"),
+    ("one call per parameter", "sync", "collective calls average_gradients makes in each of 3 steps"),
+    ("local decision", "stop", "every rank's decision"),
+    ("any rank below", "stop", "every rank's decision"),
+    ("rank 0 decides", "stop", "every rank's decision"),
+    ("never sync", "accumulate", "parameters differ from rank 0's"),
+    ("sync every micro-batch", "accumulate", "bytes each rank all-reduces per step"),
+    ("micro-batch losses not divided", "accumulate", r"2 micro-batches: the gradient step 1 applies .*norm 2 x"),
+    ("backward undivided", "accumulate", r"2 micro-batches: the gradient step 1 applies .*went into backward undivided"),
+    ("divided by two", "accumulate", r"4 micro-batches: the gradient step 1 applies .*norm 2 x"),
 ])
-def test_a_layout_the_trainer_cannot_run_fails(problem, layout, message):
-    with pytest.raises(CheckFailed, match=message):
-        grade.check_runnable(layout, problem)
-
-
-@pytest.mark.parametrize("answer, message", [
-    (("communication", 0.02), "is not what stops a faster layout"),  # the biggest term, not the constraint
-    (("bubble", 0.0), "is not what stops a faster layout"),
-    (("memory", 120 * 1024), "below the estimator's"),  # the device's memory: binds, but not the threshold
-    (("memory", "221.8 KiB"), "must be a number"),
-    (("latency", 1.0), "must be one of"),
-    ("memory", "must return \\(name, number\\)"),
-])
-def test_a_wrong_binding_constraint_fails(problem, facts, answer, message):
-    with pytest.raises(CheckFailed, match=message) as err:
-        grade.check_binding(answer, problem)
-    assert str(facts["binding"][1]) not in str(err.value)  # the message never gives the answer
-
-
-def test_a_wrong_rejection_fails(monkeypatch, problem):
-    chosen = grade.ask(load(monkeypatch, "solution").choose_layout, problem)
-    too_big = Dims(dp=8)
-    excess = grade.predicted(problem, too_big)[1] - problem.cluster.memory_bytes
-    grade.check_rejected((too_big, "memory", excess), chosen, problem)
-    grade.check_rejected((too_big, "memory", excess + grade.BYTES_ATOL), chosen, problem)  # read off fmt_bytes
-    slow = Dims(dp=2, tp=2, pp=2, microbatches=8)
-    share = grade.facts(problem)["best_time"] / grade.predicted(problem, slow)[0]
-    grade.check_rejected((slow, "throughput", round(share, 2)), chosen, problem)  # read off a percentage
-    cases = [
-        ((too_big, "memory", 2 * excess), "above the estimator's"),
-        ((too_big, "throughput", 0.5), "fits but misses"),
-        ((slow, "memory", 1000), "exceeds the device's memory"),
-        ((slow, "throughput", share + 0.1), "above the estimator's"),
-        ((chosen, "memory", 0), "the one you chose"),
-        ((Dims(dp=4, pp=2, microbatches=2, zero=1, reshard_after_forward=False), "memory", 0), "3D trainer could run"),
-        ((too_big, "too slow", 1.0), "must be one of"),
-        ((too_big, "memory"), "must return \\(layout, reason, number\\)"),
-    ]
-    for answer, message in cases:
-        with pytest.raises(CheckFailed, match=message):
-            grade.check_rejected(answer, chosen, problem)
-
-
-SOLUTION = (pathlib.Path(__file__).resolve().parents[1] / "exercises" / "solutions" / "ex14_capstone.py").read_text()
-CHOSEN = "    return next(layout for layout, _, memory in rows if memory <= cluster.memory_bytes)"
-FASTEST = """    fastest, _, memory = candidates(config, cluster, global_batch, seq, recipe)[0]
-    if memory > cluster.memory_bytes:
-        return "memory", memory"""
-# Plausible wrong answers, each one change to the reference solution's source:
-# name -> (old fragment, new fragment, which check, a phrase its message holds)
-WRONG = {
-    # the stated problem's answer read off facts(problem) or a stored output and typed in
-    "binding typed in": (FASTEST, '    return "memory", {threshold}', "bindings",
-                         "a global batch of 32 on 160 KiB devices: the number at which it would stop binding"),
-    "the device's memory as the threshold": ('return "memory", memory', 'return "memory", cluster.memory_bytes',
-                                             "bindings", "the stated problem: the number .* below the estimator's"),
-    "memory always binds": ("    if memory > cluster.memory_bytes:\n        return", "    if True:\n        return",
-                            "bindings", "devices of 1 GiB: the binding constraint: 'memory' is not what stops"),
-    "memory ignored": ("    if memory > cluster.memory_bytes:\n        return", "    if False:\n        return",
-                       "bindings", "the stated problem: the binding constraint: 'communication' is not what stops"),
-    "layout typed in": (CHOSEN, '    return ParallelDims(dp=4, pp=2, microbatches=2, zero=1, recompute="full")',
-                        "choices", "devices of 1 GiB: it reaches at least 75%.*a faster layout fits"),
-    "fastest, memory ignored": (CHOSEN, "    return rows[0][0]", "choices", "it fits: .*bytes per rank"),
-    "smallest memory": (CHOSEN, "    return min(rows, key=lambda row: row[2])[0]", "choices",
-                        "it reaches at least 75%.*a faster layout fits"),
-    "memory excess negated": ('return layout, "memory", memory - cluster.memory_bytes',
-                              'return layout, "memory", cluster.memory_bytes - memory', "rejections",
-                              "the stated problem: by how many bytes per rank it exceeds it: .* below"),
-    "throughput share inverted": ('return layout, "throughput", best / seconds',
-                                  'return layout, "throughput", seconds / best', "rejections",
-                                  "devices of 1 GiB: the share of the best throughput it reaches: .* above"),
-    "a slow layout rejected for memory": ('return layout, "throughput", best / seconds', 'return layout, "memory", 0',
-                                          "rejections", "devices of 1 GiB: the rejected layout exceeds the device's "
-                                                        "memory: by the estimator it fits"),
-}
-
-
-def _module(tmp_path, source, name):
-    path = tmp_path / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("name", WRONG)
-def test_a_plausible_wrong_answer_fails(tmp_path, problem, facts, name):
-    import re
-
-    old, new, check, phrase = WRONG[name]
-    assert old in SOLUTION  # the mutant really changes the solution
-    wrong = _module(tmp_path, SOLUTION.replace(old, new.format(threshold=facts["binding"][1])), "wrong_ex14")
-    run = {"choices": lambda: grade.check_choices(wrong.choose_layout, problem),
-           "bindings": lambda: grade.check_bindings(wrong.binding_constraint, problem),
-           "rejections": lambda: grade.check_rejections(wrong.rejected_layout, wrong.choose_layout, problem)}[check]
-    with pytest.raises(CheckFailed, match=re.compile(phrase, re.DOTALL)):
+def test_a_wrong_answer_fails_its_check(tmp_path, monkeypatch, wrong, check, match):
+    student = _load(tmp_path, monkeypatch, SOLUTION + WRONG[wrong])
+    run = {"names": lambda: checks.check_names(student), "sync": lambda: checks.check_sync(student, world_sizes=(2,)),
+           "stop": lambda: checks.check_stop(student), "accumulate": lambda: checks.check_accumulate(student)}[check]
+    with pytest.raises(grading.CheckFailed, match=re.compile(match, re.DOTALL)):  # the hint is on its own line
         run()
 
 
-def test_the_variants_have_different_answers(problem):
-    """Each variant changes what a typed-in answer would get wrong: the threshold, the binding group,
-    the layouts within the budget."""
-    answers = [grade.facts(q)["binding"] for _, q in grade.variants(problem)]
-    assert len({a for a in answers}) == 3 and answers[2][0] in grade.GROUPS
+def test_the_broken_runs_hang_or_differ_and_the_hang_is_named(tmp_path):
+    """Run 2's broken rule hangs: the flight recorder names the rank left waiting and the call."""
+    from course_lib.runtime import HangAnalysed, run_recorded
+
+    with pytest.raises(HangAnalysed) as info:
+        run_recorded(checks.train_until, checks.run_2_should_stop, world_size=2, backend="gloo", timeout_s=12,
+                     stuck_after_s=4, dump_dir=tmp_path)
+    assert info.value.analysis.splitlines()[0] == (
+        "rank 0 never entered all_reduce #145 on group [0, 1] that rank 1 waits in "
+        "(its last call: all_reduce #144 on group [0, 1], completed)")
