@@ -1,4 +1,4 @@
-"""Exercise 13's checkers (course_lib.grading.ex13_debugging) separate right from wrong code.
+"""Exercise 14's checkers (course_lib.grading.ex14_debugging) separate right from wrong code.
 
 The untouched stubs fail, the reference solution passes, a student module that imports the
 catalogue of broken runs (the answers) or the library's data parallelism is refused before it
@@ -12,12 +12,12 @@ import re
 import pytest
 
 from course_lib import RankError, grading
-from course_lib.grading import ex13_debugging as checks
+from course_lib.grading import ex14_debugging as checks
 
 from _student import load_as_student
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXERCISE = "ex13_debugging"
+EXERCISE = "ex14_debugging"
 SOLUTION = (ROOT / "exercises" / "solutions" / f"{EXERCISE}.py").read_text()
 
 
@@ -64,8 +64,8 @@ def test_the_answers_are_catalogue_names(monkeypatch):
     "from course_lib.demos.broken_run import main",
     "import course_lib.demos.broken_run as demo",
     "from course_lib.parallel.dp import DataParallel",
-    "from course_lib.grading.ex13_debugging import ANSWERS",
-    "from course_lib.grading import ex13_debugging\nex13_debugging.average_over_ranks(None)",
+    "from course_lib.grading.ex14_debugging import ANSWERS",
+    "from course_lib.grading import ex14_debugging\nex14_debugging.average_over_ranks(None)",
     "from torch.nn.parallel import DistributedDataParallel",
     "from course_lib.debugging import silent",
     "import course_lib.debugging",

@@ -1,4 +1,4 @@
-"""Exercise 14's checkers (course_lib.grading.ex14_capstone), called directly, no ranks: the plain
+"""Exercise 15's checkers (course_lib.grading.ex15_capstone), called directly, no ranks: the plain
 stub fails, the reference solution passes, a module that uses the planner is refused (by its
 syntax tree, and at call time by a route the tree does not show), and plausible wrong answers
 fail without the message giving the answer. (The real 8-rank run of check 6 is graded by the
@@ -13,7 +13,7 @@ import pytest
 from course_lib import grading
 from course_lib.dims import ParallelDims as Dims
 from course_lib.grading import CheckFailed
-from course_lib.grading import ex14_capstone as grade
+from course_lib.grading import ex15_capstone as grade
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def load(monkeypatch, which: str):
         monkeypatch.setenv(grading.GRADE_WITH_ENV, "solutions")
     else:
         monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    return grading.load_student("ex14_capstone", refuse=grade.REFUSE)
+    return grading.load_student("ex15_capstone", refuse=grade.REFUSE)
 
 
 def test_the_plain_stub_fails(monkeypatch, problem):
@@ -53,7 +53,7 @@ def test_the_solution_passes(monkeypatch, capsys, problem):
     grade.check_bindings(solution.binding_constraint, problem)
     grade.check_rejections(solution.rejected_layout, solution.choose_layout, problem)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "grading exercises/ex14_capstone/student.py"  # the file graded, then the checks
+    assert out[0] == "grading exercises/ex15_capstone/student.py"  # the file graded, then the checks
     assert len(out) == 1 + 7 + 3 * 6 and all(line.startswith("PASS  ") for line in out[1:])
     assert not any("bytes" in line or "seconds" in line for line in out if "binding" in line)  # no unit, no answer
 
@@ -81,17 +81,17 @@ def test_the_solution_agrees_when_memory_does_not_bind(monkeypatch, capsys, prob
 def test_a_module_that_uses_the_planner_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(grading, "EXERCISES_DIR", tmp_path)
     monkeypatch.delenv(grading.GRADE_WITH_ENV, raising=False)
-    (tmp_path / "ex14_capstone").mkdir()
-    student = tmp_path / "ex14_capstone" / "student.py"
+    (tmp_path / "ex15_capstone").mkdir()
+    student = tmp_path / "ex15_capstone" / "student.py"
     for source, name in [
         ("from course_lib.estimate.planner import plan\n", "course_lib.estimate.planner.plan"),
         ("import course_lib.estimate.planner_figures as f\n", "course_lib.estimate.planner_figures"),
         ("import course_lib.estimate.planner\n", "course_lib.estimate.planner"),
-        ("from course_lib.grading.ex14_capstone import facts\n", "course_lib.grading.ex14_capstone.facts"),
+        ("from course_lib.grading.ex15_capstone import facts\n", "course_lib.grading.ex15_capstone.facts"),
     ]:
         student.write_text(source + "\ndef choose_layout(*args):\n    return None\n")
         with pytest.raises(CheckFailed, match=f"line 1 uses {name}"):
-            grading.load_student("ex14_capstone", refuse=grade.REFUSE)
+            grading.load_student("ex15_capstone", refuse=grade.REFUSE)
 
 
 def test_the_planner_reached_at_call_time_is_refused(problem):
@@ -174,7 +174,7 @@ def test_a_wrong_rejection_fails(monkeypatch, problem):
             grade.check_rejected(answer, chosen, problem)
 
 
-SOLUTION = (pathlib.Path(__file__).resolve().parents[1] / "exercises" / "solutions" / "ex14_capstone.py").read_text()
+SOLUTION = (pathlib.Path(__file__).resolve().parents[1] / "exercises" / "solutions" / "ex15_capstone.py").read_text()
 CHOSEN = "    return next(layout for layout, _, memory in rows if memory <= cluster.memory_bytes)"
 FASTEST = """    fastest, _, memory = candidates(config, cluster, global_batch, seq, recipe)[0]
     if memory > cluster.memory_bytes:
@@ -223,7 +223,7 @@ def test_a_plausible_wrong_answer_fails(tmp_path, problem, facts, name):
 
     old, new, check, phrase = WRONG[name]
     assert old in SOLUTION  # the mutant really changes the solution
-    wrong = _module(tmp_path, SOLUTION.replace(old, new.format(threshold=facts["binding"][1])), "wrong_ex14")
+    wrong = _module(tmp_path, SOLUTION.replace(old, new.format(threshold=facts["binding"][1])), "wrong_ex15")
     run = {"choices": lambda: grade.check_choices(wrong.choose_layout, problem),
            "bindings": lambda: grade.check_bindings(wrong.binding_constraint, problem),
            "rejections": lambda: grade.check_rejections(wrong.rejected_layout, wrong.choose_layout, problem)}[check]

@@ -1,6 +1,6 @@
 """PyTorch's flight recorder beside the course's (course_lib.debugging.torch_recorder): one hang,
 both recorders on, both analyses name the same ranks and calls; what each sees that the other
-does not (notebook 13 prints the same fields)."""
+does not (notebook 14 prints the same fields)."""
 
 import gc
 import logging

@@ -1,4 +1,4 @@
-"""The capstone (notebook 14): plan, train a 3D (or MoE) layout with mixed precision, activation
+"""The capstone (notebook 15): plan, train a 3D (or MoE) layout with mixed precision, activation
 checkpointing and ZeRO, checkpoint it, lose ranks, resume at another world size, and check the
 whole loss curve against the single process; then compare prediction with measurement.
 

@@ -1,4 +1,4 @@
-"""Debugging distributed training (notebook 13): a catalogue of broken runs, each a small rank
+"""Debugging distributed training (notebook 14): a catalogue of broken runs, each a small rank
 function with its one-line bug and its mended twin, the symptom, the tool that finds it, the fix.
 
     catalogue.py   Bug, Evidence, BUGS (name -> Bug), BUG_NAMES, check_bug, catalogue_table

@@ -1,4 +1,4 @@
-"""PyTorch's own flight recorder beside the course's (notebook 13): one broken run, both recorders
+"""PyTorch's own flight recorder beside the course's (notebook 14): one broken run, both recorders
 on, both analyses in one comparable form.
 
     side = compare_recorders("skip_collective")     one hang of the catalogue, the parent's timeout its one clock

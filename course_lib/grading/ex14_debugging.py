@@ -1,4 +1,4 @@
-"""Exercise 13: three broken data-parallel runs, their evidence, and the checks of the learner's fixes.
+"""Exercise 14: three broken data-parallel runs, their evidence, and the checks of the learner's fixes.
 
 Every run trains the course GPT on N gloo ranks, each rank taking its 1/N share of the global
 batch the single process draws (`share_rows`), so a correct run equals the single process:
@@ -53,7 +53,7 @@ REFUSE = ("course_lib.debugging",  # the catalogue: each entry's bug and its men
           "course_lib.demos.broken_run",
           "course_lib.parallel.dp",  # DataParallel's gradient averaging: run 1's answer
           "torch.nn.parallel",  # DistributedDataParallel and its no_sync
-          "course_lib.grading.ex13_debugging")  # the checks and the stored answers
+          "course_lib.grading.ex14_debugging")  # the checks and the stored answers
 # The catalogue's names (course_lib.debugging.BUG_NAMES, in its order; a test keeps them equal), written
 # out so that this module does not import the answers' own module.
 BUG_NAMES = ("skip_collective", "reorder_collectives", "wrong_group", "microbatches_below_stages", "zero_token_expert",

@@ -1,4 +1,4 @@
-"""Checkers of exercise 14 (the capstone's layout: choose it, say what binds, reject one).
+"""Checkers of exercise 15 (the capstone's layout: choose it, say what binds, reject one).
 
 The learner writes three functions of the stated problem (`PROBLEM`: a model, a cluster of 8
 ranks with tight memory, a global batch, a precision recipe and a throughput budget):
@@ -59,7 +59,7 @@ from course_lib.train import TrainConfig
 # The planner and the widget of notebook 11: where they live; their re-exports and any helper
 # that wraps them are refused by derivation (course_lib/grading/refusal.py).
 # This module is refused too: facts() computes the answers the checks compare with.
-REFUSE = ("course_lib.estimate.planner", "course_lib.estimate.planner_figures", "course_lib.grading.ex14_capstone")
+REFUSE = ("course_lib.estimate.planner", "course_lib.estimate.planner_figures", "course_lib.grading.ex15_capstone")
 
 # Step-time terms (course_lib.estimate.step_time.TERMS) grouped by what a layout can trade
 GROUPS = {"compute": ("compute", "recompute"), "overhead": ("overhead",),

@@ -16,7 +16,7 @@ module can reach after it has been loaded, before any check runs:
 The walk reads bytecode (`dis`), so an import inside a function body counts as well as one at
 the top. What it cannot see is a name computed at run time inside a function (`getattr` on a
 string built from pieces): an exercise that must rule that out too replaces its answer's entry
-points while the checks run (see ex14_capstone.ask).
+points while the checks run (see ex15_capstone.ask).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Exercise 14: the capstone's layout, your choice and your reasons. Fill in the three functions,
-then run the check cells of ex14_capstone.ipynb.
+"""Exercise 15: the capstone's layout, your choice and your reasons. Fill in the three functions,
+then run the check cells of ex15_capstone.ipynb.
 
 Every function gets a problem: `config` (the course GPT), `cluster` (its n_gpus,
 memory_bytes per device, links and measured rates), `global_batch` (sequences per step), `seq`
@@ -30,7 +30,7 @@ def choose_layout(config, cluster, global_batch: int, seq: int, recipe: str = "f
     """The layout you would run: one the 3D trainer runs (above), that fits the device's memory by
     the estimator, and whose predicted throughput is at least the notebook's FRACTION of the
     best fitting layout's."""
-    raise NotImplementedError("exercise 14: write choose_layout")
+    raise NotImplementedError("exercise 15: write choose_layout")
 
 
 def binding_constraint(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> tuple[str, float]:
@@ -45,7 +45,7 @@ def binding_constraint(config, cluster, global_batch: int, seq: int, recipe: str
                                       "communication" (tp, pp, ep and exposed dp), "bubble",
                                       "optimizer"; the number is that group's seconds
     """
-    raise NotImplementedError("exercise 14: write binding_constraint")
+    raise NotImplementedError("exercise 15: write binding_constraint")
 
 
 def rejected_layout(config, cluster, global_batch: int, seq: int, recipe: str = "fp32") -> tuple[ParallelDims, str, float]:
@@ -56,4 +56,4 @@ def rejected_layout(config, cluster, global_batch: int, seq: int, recipe: str = 
         "throughput"   it fits but is too slow; number: the best fitting layout's predicted step
                        time over its own (below FRACTION)
     """
-    raise NotImplementedError("exercise 14: write rejected_layout")
+    raise NotImplementedError("exercise 15: write rejected_layout")

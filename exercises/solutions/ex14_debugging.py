@@ -1,4 +1,4 @@
-"""Exercise 13, reference solution: three broken runs named and mended."""
+"""Exercise 14, reference solution: three broken runs named and mended."""
 
 import torch
 import torch.distributed as dist

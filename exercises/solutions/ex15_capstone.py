@@ -1,4 +1,4 @@
-"""Exercise 14, reference solution: list the layouts the course's 3D trainer can run, price each
+"""Exercise 15, reference solution: list the layouts the course's 3D trainer can run, price each
 with the estimator's formulas, choose the fastest that fits, and read off what binds and what
 was given up. (One solution of several: any layout within the throughput budget passes.)"""
 

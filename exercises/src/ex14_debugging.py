@@ -1,14 +1,14 @@
 # %% [markdown]
-# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex13_debugging.ipynb)
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex14_debugging.ipynb)
 
 # %% [markdown]
-# # Exercise 13: three broken runs
+# # Exercise 14: three broken runs
 #
 # **Goal.** Three data-parallel training runs of the course GPT on 2 ranks went wrong: one
 # hangs, two finish with numbers that are quietly wrong. For each you get the evidence a
 # practitioner would collect (loss curves against the single process, gradient norms, per-rank
 # checksums, the flight recorder's dumps), then the code that ran. In
-# `exercises/ex13_debugging/student.py`:
+# `exercises/ex14_debugging/student.py`:
 #
 # 1. `name_the_bugs()`: name each run's bug, with one of the catalogue's names (below);
 # 2. write the fix of each run as the small function the run needs:
@@ -17,7 +17,7 @@
 #    mending: run 1's code makes one collective call per parameter, and yours must make **one
 #    call per step** for the whole model, however many parameters it has.
 #
-# Re-read notebook 13: §1 (how a run fails, and which tool finds what), §2 (reading the flight
+# Re-read notebook 14: §1 (how a run fails, and which tool finds what), §2 (reading the flight
 # recorder's analysis of a hang), §4 and §5 (what a wrong gradient norm and diverging checksums
 # mean), §7 (loss parity) and §8 (the whole catalogue, symptom by symptom).
 #
@@ -67,7 +67,7 @@ import tempfile
 
 import matplotlib.pyplot as plt
 
-from course_lib.grading import ex13_debugging as checks
+from course_lib.grading import ex14_debugging as checks
 from course_lib.grading import load_student
 from course_lib.observe.flight_recorder import analyse, load_dumps
 from course_lib.runtime import HangAnalysed, run_on_ranks, run_recorded
@@ -75,7 +75,7 @@ from course_lib.train import TrainConfig
 
 # Your module may not import the catalogue of broken runs and their mended twins, nor the
 # library's data parallelism (checks.REFUSE lists them): the checks must pass on your own code.
-student = load_student("ex13_debugging", refuse=checks.REFUSE)
+student = load_student("ex14_debugging", refuse=checks.REFUSE)
 STEPS = 20  # steps of each run's evidence
 CLIPPED = TrainConfig(steps=STEPS, batch_size=8, lr=3e-3, grad_clip=1.0, progress=False)
 UNCLIPPED = TrainConfig(steps=STEPS, batch_size=8, lr=3e-3, grad_clip=0.0, progress=False)
@@ -242,13 +242,13 @@ checks.check_accumulate(student)
 # All checks passed? Then you have found and fixed three of the bugs practitioners lose the
 # most days to. Compare your fixes with the course's own:
 #
-# * the catalogue of broken runs and their mended twins (notebook 13, §8), where each of the
+# * the catalogue of broken runs and their mended twins (notebook 14, §8), where each of the
 #   three entries you named has a one-line bug and its fix, and the torchrun demo
 #   `course_lib.demos.broken_run` that runs any of them from the command line;
 # * `course_lib/parallel/dp/`: how the course's data parallelism averages (bucketed, one
 #   all-reduce per bucket) and how its `no_sync` defers the all-reduce to the last micro-batch.
 #
-# Two questions to take back to notebook 13: in run 2, why would "stop when *any* rank's loss is
+# Two questions to take back to notebook 14: in run 2, why would "stop when *any* rank's loss is
 # below the target" (an all-reduce with `MIN`) also cure the hang, and why is it still the wrong
 # fix? And in run 3, what would the flight recorder's call counts have looked like had the
 # condition been `i < len(micro_batches)` (the bug `sync_every_microbatch`)?

@@ -1,12 +1,12 @@
 # %% [markdown]
-# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex14_capstone.ipynb)
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/exercises/ex15_capstone.ipynb)
 
 # %% [markdown]
-# # Exercise 14: choose the capstone's layout, and say why
+# # Exercise 15: choose the capstone's layout, and say why
 #
 # **Goal.** A layout is a decision, and a decision comes with reasons. For the problem printed
 # below (a model, 8 devices and their memory, a global batch, a throughput budget), write three
-# functions in `exercises/ex14_capstone/student.py`:
+# functions in `exercises/ex15_capstone/student.py`:
 #
 # 1. `choose_layout(...)`: the layout you would run, one the course's 3D trainer composes,
 #    within this problem's limits (dp x tp x pp, 1F1B, ZeRO 0 or 1, whole-block recomputation
@@ -59,10 +59,10 @@ if "google.colab" in sys.modules:
     sys.path.insert(0, home); from course_lib.colab import arrive; arrive(home, "exercises")
 
 # %%
-from course_lib.grading import ex14_capstone as grade
+from course_lib.grading import ex15_capstone as grade
 from course_lib.grading import load_student
 
-student = load_student("ex14_capstone", refuse=grade.REFUSE)
+student = load_student("ex15_capstone", refuse=grade.REFUSE)
 problem = grade.stated_problem()
 FRACTION = problem.fraction
 print(problem.describe())

@@ -354,7 +354,7 @@ for name, change in without.items():
 # 2, 4 and 8 ranks. A layout outside it is priced by extrapolation: a group of 3 with the
 # measured group of 4 (a ring of 4 makes more hops), a world of 6 ranks with the cores shared
 # as 8 ranks shared them (each of 6 gets more of a core). Both push its prediction high; a
-# world larger than the calibration's pushes it low. Notebook 14's report names each such
+# world larger than the calibration's pushes it low. Notebook 15's report names each such
 # departure for your config. To predict another world, calibrate on it.
 # </details>
 #

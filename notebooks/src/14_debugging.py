@@ -1,8 +1,8 @@
 # %% [markdown]
-# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/13_debugging.ipynb)
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/14_debugging.ipynb)
 
 # %% [markdown]
-# # 13 · Debugging distributed training
+# # 14 · Debugging distributed training
 #
 # The strategies of notebooks 03-12 each came with a proof: the parallel run equals the single
 # process. Real runs break that promise in two ways, and practitioners lose more days to them
@@ -740,6 +740,6 @@ if side is not None:
 # * Jiang, Z. et al. (2024). *MegaScale: Scaling Large Language Model Training to More Than
 #   10,000 GPUs*, NSDI: how a production team detects stragglers and hangs.
 #
-# **Next:** exercise 13 (`exercises/ex13_debugging.ipynb`) hands you three broken runs (one
+# **Next:** exercise 14 (`exercises/ex14_debugging.ipynb`) hands you three broken runs (one
 # hang, two silent) with their evidence: name each bug and write its fix, graded on real
-# ranks. Then notebook 14, the capstone, puts every strategy of the course in one run.
+# ranks. Then notebook 15, the capstone, puts every strategy of the course in one run.

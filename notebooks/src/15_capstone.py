@@ -1,8 +1,8 @@
 # %% [markdown]
-# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/14_capstone.ipynb)
+# [**Open in Colab**](https://colab.research.google.com/github/OWNER/distributed-training-from-first-principles/blob/v0.1.0/notebooks/15_capstone.ipynb)
 
 # %% [markdown]
-# # 14 · Capstone: plan, train, break and resume a model end to end
+# # 15 · Capstone: plan, train, break and resume a model end to end
 #
 # Every earlier notebook built one piece. Here they run together, as they would on a real
 # cluster: choose a model and a budget, ask the planner (notebook 11) for layouts, pick one and
@@ -119,7 +119,7 @@ assert p.best.dims.tp == 1 and memory["total"] < cluster.memory_bytes
 # dp2 x tp2 x pp2 on purpose, because it exercises all three dimensions, the point of this
 # capstone; on a real model (notebook 11's 70B) the same planner puts tp = 8 inside a node.
 # A layout is chosen for a reason you can state: here "cover every dimension", there "fit
-# memory, then fastest". (Exercise 14 asks you to choose one yourself, under tight memory,
+# memory, then fastest". (Exercise 15 asks you to choose one yourself, under tight memory,
 # and to say what binds.)
 # </details>
 #
@@ -523,4 +523,4 @@ assert fp32_run.max_difference < 1e-4 and bf16_within and moe_within
 #   measurements on up to 3072 GPUs.
 #
 # Next: choose a layout yourself, say what binds it and what you rejected, in
-# `exercises/ex14_capstone.ipynb`.
+# `exercises/ex15_capstone.ipynb`.

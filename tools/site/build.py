@@ -7,7 +7,7 @@ Nothing is executed: Sphinx with myst-nb renders the stored outputs (conf.py bes
 `nb_execution_mode = "off"`). This script lays out a source tree under build/site-src/ first:
 
 * every notebook and its graded exercise as a page, in the map's order (00, ex00, 01, ex01, ...,
-  14, ex14, A1), with an index page whose table of contents names them;
+  15, ex15, A1), with an index page whose table of contents names them;
 * on every page, right under its title, a box saying how to run it (`make lab`, the dev
   container, Colab: the notebook's "Open in Colab" link moves into the box, and its Colab set-up
   cell is left out) and linking the notebook to its exercise and back;
