@@ -5,6 +5,7 @@
     torchrun --nproc-per-node=2 -m course_lib.demos.diloco --replicas 2 --inner-steps 2 --local-sgd --check
     torchrun --nproc-per-node=2 -m course_lib.demos.diloco --replicas 2 --inner-steps 4 --slow-rank 1 --delay-ms 50
     torchrun --nproc-per-node=2 -m course_lib.demos.diloco --ddp --slow-rank 1 --delay-ms 50
+    torchrun --nproc-per-node=2 -m course_lib.demos.diloco --replicas 3 --inner-steps 2 --kill-replica 1 --at-step 3 --check
 
 The N ranks form R replicas of N / R ranks (DDP inside a replica), each training its own copy of
 the course GPT with AdamW and meeting every H steps (course_lib.parallel.diloco): LocalSGD
@@ -23,6 +24,11 @@ LocalSGD with R = 1: the gradients are all-reduced every step, so it equals the 
 Rank 0 then prints each rank's mean step time and wall time beside the straggler model's
 prediction (course_lib.estimate.stragglers: max over replicas of their rounds' step times; the
 rest is the syncs and the loop). --check checks the numbers only, never a time.
+
+--kill-replica K --at-step S kills replica K's process for real at the start of step S; the
+others keep training and their next sync's quorum excludes it; a restarted replica rejoins,
+healed from a healthy peer. Its design (the replicas are children of the ranks, not torchrun's
+workers, whose death would end the job) and its --check are course_lib/demos/diloco_kill.py's.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import CharDataset
+from course_lib.demos import diloco_kill
 from course_lib.demos.verdict import compare_losses, run_demo
 from course_lib.dims import ParallelDims
 from course_lib.estimate.stragglers import constant_delays, round_seconds
@@ -61,6 +68,7 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--check", action="store_true", help="compare with the single-process simulation")
+    diloco_kill.add_flags(p)
     args = p.parse_args(argv)
     if args.ddp:
         if args.replicas is not None or args.inner_steps is not None or args.local_sgd or args.streaming != 1 \
@@ -85,6 +93,8 @@ def build(args, world: int):
         raise ValueError(f"--delay-ms={args.delay_ms} needs --slow-rank: which rank is late")
     if args.slow_rank is not None and args.steps < 2:
         raise ValueError(f"--steps={args.steps} must be >= 2 with --slow-rank: the times are read from step 2 on")
+    if diloco_kill.wanted(args):
+        return {"ft": diloco_kill.build_ft(args), "world": world}, None, None
     if args.local_sgd and (args.streaming != 1 or args.bf16_outer):
         raise ValueError("--local-sgd averages the whole model in fp32: no --streaming, no --bf16-outer")
     config = GPTConfig.tiny(CharDataset("train").vocab_size, block_size=32, n_layer=4, d_model=32)
@@ -97,7 +107,10 @@ def build(args, world: int):
 
 
 def run(args, options, config, train):
-    """Rank code: every rank's DilocoResult (traced), gathered on every rank."""
+    """Rank code: every rank's DilocoResult (traced), gathered on every rank (with --kill-replica:
+    the replicas' FtRun on rank 0)."""
+    if "ft" in options:
+        return diloco_kill.run(options["ft"])
     delay_s = args.delay_ms / 1000 if dist.get_rank() == args.slow_rank else 0.0
     if args.local_sgd:
         mine = train_local_sgd(config, train, args.replicas, args.inner_steps, trace=True, delay_s=delay_s)
@@ -112,6 +125,8 @@ def run(args, options, config, train):
 
 def report(results, args, options, config, train) -> int:
     """Rank 0: the losses and bytes, and with --check the verdict (0 or 1)."""
+    if "ft" in options:
+        return diloco_kill.report(results, options["ft"], options["world"], args.check)
     r, s = args.replicas, len(results) // args.replicas
     losses = [[sum(results[i * s + j].train_losses[k] for j in range(s)) / s for k in range(train.steps)]
               for i in range(r)]

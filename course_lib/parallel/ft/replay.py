@@ -7,6 +7,7 @@ data, the state a healthy peer sends to a rejoining one, and the one-process rep
     batch(cfg, step, slot) replica `slot`'s rows of step `step`'s global batch
     state_tensors(...)     parameters and AdamW state in one fixed order: what healing sends
     replay(cfg, quorums)   the same data and the same quorum sequence in one process
+                           (replay_diloco for algorithm "diloco": local.py's run)
 
 The replay is the reference of a fault-tolerant run: at step t with quorum Q_t (the replicas
 alive), the gradient is (1/|Q_t|) sum over s in Q_t of g_s, each g_s the mean-loss gradient of
@@ -24,6 +25,7 @@ from torch import nn
 
 from course_lib._validate import check_int
 
+ALGORITHMS = ("ddp", "diloco")
 ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.AdamW's per-parameter state (foreach off)
 
 
@@ -40,6 +42,10 @@ class FtConfig:
     kill_step: int | None = None  # ... at the start of this step (before it announces itself)
     rejoin_step: int | None = None  # the restarted replica (a spare process) joins at this step
     quorum_timeout_s: float = 3.0  # how long the live replicas wait for one that was in the last quorum
+    algorithm: str = "ddp"  # "ddp": the gradient's mean every step; "diloco": local.py's outer sync every H steps
+    inner_steps: int = 1  # H: DiLoCo's inner AdamW steps between syncs (1 for "ddp")
+    outer_lr: float = 0.7  # DiLoCo's outer Nesterov step (Douillard et al. 2023's values)
+    outer_momentum: float = 0.9
 
     @property
     def world(self) -> int:
@@ -54,6 +60,15 @@ def check_ft(cfg: FtConfig) -> None:
     check_int("steps", cfg.steps, rule="an int >= 1")
     if cfg.quorum_timeout_s <= 0:
         raise ValueError(f"quorum_timeout_s={cfg.quorum_timeout_s} must be > 0")
+    if cfg.algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={cfg.algorithm!r} must be one of {ALGORITHMS}")
+    check_int("inner_steps", cfg.inner_steps, rule="an int >= 1 (H: the replicas meet every H steps)")
+    if cfg.algorithm == "ddp" and cfg.inner_steps != 1:
+        raise ValueError(f"inner_steps={cfg.inner_steps} with algorithm='ddp': data parallelism meets every step")
+    if not (isinstance(cfg.outer_lr, (int, float)) and cfg.outer_lr > 0):
+        raise ValueError(f"outer_lr={cfg.outer_lr!r} must be > 0")
+    if not (isinstance(cfg.outer_momentum, (int, float)) and 0 <= cfg.outer_momentum < 1):
+        raise ValueError(f"outer_momentum={cfg.outer_momentum!r} must be in [0, 1)")
     if (cfg.kill_slot is None) != (cfg.kill_step is None):
         raise ValueError(f"kill_slot={cfg.kill_slot} and kill_step={cfg.kill_step}: give both or neither")
     if cfg.kill_slot is None:
@@ -68,6 +83,9 @@ def check_ft(cfg: FtConfig) -> None:
     if cfg.rejoin_step is not None and not cfg.kill_step < cfg.rejoin_step <= cfg.steps:
         raise ValueError(f"rejoin_step={cfg.rejoin_step} must be in kill_step + 1..steps = {cfg.kill_step + 1}.."
                          f"{cfg.steps}: a replica rejoins after its failure and before the run ends")
+    if cfg.rejoin_step is not None and cfg.rejoin_step % cfg.inner_steps:
+        raise ValueError(f"rejoin_step={cfg.rejoin_step} must be a multiple of inner_steps={cfg.inner_steps}: "
+                         f"a replica joins at a sync, when every replica holds the outer copy")
 
 
 def build(cfg: FtConfig, seed: int):
@@ -135,9 +153,16 @@ def load_flat_state(model, optimizer, flat: torch.Tensor) -> None:
         at += t.numel()
 
 
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def replay(cfg: FtConfig, quorums: dict[int, list[int]]) -> dict:
     """One process: for t = 1..steps, the mean over quorums[t]'s replicas of their gradients, then
-    AdamW. {"final_params": flat, "losses": {t: {slot: loss}}}."""
+    AdamW. {"final_params": flat, "losses": {t: {slot: loss}}}. For algorithm "diloco",
+    replay_diloco (quorums then name the sync steps only)."""
+    if cfg.algorithm == "diloco":
+        return replay_diloco(cfg, quorums)
     model, optimizer = build(cfg, cfg.seed)
     losses = {}
     for t in range(1, cfg.steps + 1):
@@ -147,4 +172,43 @@ def replay(cfg: FtConfig, quorums: dict[int, list[int]]) -> dict:
             grads.append(g)
         set_gradient(model, mean_in_slot_order(grads))
         optimizer.step()
-    return {"final_params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "losses": losses}
+    return {"final_params": flat_params(model), "losses": losses}
+
+
+def replay_diloco(cfg: FtConfig, quorums: dict[int, list[int]]) -> dict:
+    """DiLoCo's fault-tolerant run in one process (local.py runs it on processes): every alive
+    replica takes an AdamW step on its rows at every step (the killed slot from kill_step on is
+    not alive; a joiner is alive after its sync). At a sync step t (t % H == 0) the replicas of
+    quorums[t] that were alive give Delta_s = theta_0 - theta_s, averaged in slot order;
+    torch.optim.SGD(nesterov=True) steps theta_0 with the mean as its gradient (the ranks' step
+    is written by hand, parallel.diloco.outer.NesterovOuter); every alive replica <- theta_0; a
+    joiner then takes the lowest contributor's parameters and AdamW state. {"final_params":
+    theta_0 after the last sync, "replica_params": {slot: flat} of the replicas alive at the
+    end, "losses": {t: {slot: loss}}}."""
+    pairs = [build(cfg, cfg.seed) for _ in range(cfg.replicas)]
+    outer, _ = build(cfg, cfg.seed)  # theta_0
+    # torch refuses nesterov=True without momentum; with mu = 0 Nesterov's step is plain SGD's
+    outer_opt = torch.optim.SGD(outer.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                nesterov=cfg.outer_momentum > 0)
+    alive, losses = set(range(cfg.replicas)), {}
+    for t in range(1, cfg.steps + 1):
+        if t == cfg.kill_step:
+            alive.discard(cfg.kill_slot)
+        losses[t] = {}
+        for s in sorted(alive):
+            losses[t][s], _ = local_gradient(pairs[s][0], cfg, t, s)
+            pairs[s][1].step()
+        if t % cfg.inner_steps:
+            continue
+        stayed = [s for s in sorted(quorums[t]) if s in alive]
+        set_gradient(outer, mean_in_slot_order([flat_params(outer) - flat_params(pairs[s][0]) for s in stayed]))
+        outer_opt.step()
+        with torch.no_grad():
+            for s in stayed:
+                for p, p0 in zip(pairs[s][0].parameters(), outer.parameters()):
+                    p.copy_(p0)
+        for j in sorted(set(quorums[t]) - alive):
+            load_flat_state(*pairs[j], flat_state(*pairs[stayed[0]]))
+            alive.add(j)
+    return {"final_params": flat_params(outer), "losses": losses,
+            "replica_params": {s: flat_params(pairs[s][0]) for s in sorted(alive)}}

@@ -21,6 +21,9 @@ Healing: at the step a replica joins, the quorum's lowest slot that was in the l
 it its parameters and AdamW state (replay.state_tensors: whole-tensor boxes, every replica holds
 everything) in one send; the joiner receives and loads them, then steps with the others.
 
+The quorum, the mean over it and healing are quorum.py's (local.py's DiLoCo replicas share
+them); run_ft_hosted spreads the processes over torchrun's ranks (the diloco demo).
+
 Simplification, plainly: a process cannot enter a running gloo world, so "restart" is a spare
 process started with the others (world = R + 1), holding its own different random weights and no
 optimizer state, idle until rejoin_step, when it takes the killed replica's slot (and rows). The
@@ -35,7 +38,6 @@ mean (not at a step's start) makes the leader's receive fail: no commit vote, no
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import pickle
 import time
@@ -47,61 +49,12 @@ import torch
 import torch.distributed as dist
 
 from course_lib.observe import nccl_rules
+from course_lib.parallel.ft.local import diloco_replica
+from course_lib.parallel.ft.quorum import ReplicaResult, decide_quorum, heal, quorum_mean, read_quorum
 from course_lib.parallel.ft.replay import (FtConfig, build, check_ft, flat_state, load_flat_state, local_gradient,
-                                           mean_in_slot_order, set_gradient)
+                                           set_gradient)
 from course_lib.platform import kill_self_hard, start_method
 from course_lib.runtime.pool import FORKSERVER_PRELOAD
-
-POLL_S = 0.005
-
-
-@dataclass
-class ReplicaResult:
-    """What one process returns: its slot, the steps it completed with their quorums ({t: {slot:
-    process rank}}) and its losses, its final parameters; for healing, the flat state it received
-    (before: what it held just before) or sent, keyed by step."""
-
-    slot: int
-    rank: int
-    quorums: dict
-    losses: dict
-    final_params: torch.Tensor
-    received: dict
-    before_heal: dict
-    sent: dict
-
-
-def decide_quorum(store, t: int, expected, replicas: int, timeout_s: float) -> dict[int, int]:
-    """Wait (at most timeout_s) for alive/t/<s> of every expected slot, then propose every slot
-    announced for t; the first proposal wins (compare_set), every caller returns it."""
-    keys = [f"alive/{t}/{s}" for s in expected]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-    present = {s: int(store.get(f"alive/{t}/{s}")) for s in range(replicas) if store.check([f"alive/{t}/{s}"])}
-    won = store.compare_set(f"quorum/{t}", "", json.dumps(present))
-    return {int(s): r for s, r in json.loads(won).items()}
-
-
-def quorum_mean(grad: torch.Tensor, quorum: dict[int, int], slot: int) -> torch.Tensor:
-    """The mean of the quorum's gradients, through the leader (its lowest slot), point-to-point."""
-    slots = sorted(quorum)
-    leader = quorum[slots[0]]
-    if slot != slots[0]:
-        dist.send(grad, leader)
-        mean = torch.empty_like(grad)
-        dist.recv(mean, leader)
-        return mean
-    grads = [grad]
-    for s in slots[1:]:
-        g = torch.empty_like(grad)
-        dist.recv(g, quorum[s])
-        grads.append(g)
-    mean = mean_in_slot_order(grads)
-    for s in slots[1:]:
-        dist.send(mean, quorum[s])
-    return mean
-
 
 def replica(cfg: FtConfig, store, rank: int) -> ReplicaResult:
     """Rank code: one replica (or the spare, rank R) for the whole run."""
@@ -117,38 +70,21 @@ def replica(cfg: FtConfig, store, rank: int) -> ReplicaResult:
         if not spare and slot == cfg.kill_slot and t == cfg.kill_step:
             kill_self_hard()
         if spare and t == first:  # a joiner waits for the quorum the live replicas decide
-            store.wait([f"quorum/{t}"], timedelta(seconds=600))
-            quorum = {int(s): r for s, r in json.loads(store.get(f"quorum/{t}")).items()}
+            quorum = read_quorum(store, t)
         else:
             store.set(f"alive/{t}/{slot}", str(rank))
             quorum = decide_quorum(store, t, last, cfg.replicas, cfg.quorum_timeout_s)
         if quorum.get(slot) != rank:
             raise RuntimeError(f"replica {slot} (rank {rank}) is not in step {t}'s quorum {quorum}: it was later "
                                f"than quorum_timeout_s={cfg.quorum_timeout_s}")
-        heal(model, optimizer, quorum, last, slot, t, res, joining=spare and t == first)
+        heal(lambda: flat_state(model, optimizer), lambda flat: load_flat_state(model, optimizer, flat),
+             quorum, last, slot, t, res, joining=spare and t == first)
         loss, grad = local_gradient(model, cfg, t, slot)
         set_gradient(model, quorum_mean(grad, quorum, slot))
         optimizer.step()
         res.quorums[t], res.losses[t], last = dict(quorum), loss, quorum
     res.final_params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return res
-
-
-def heal(model, optimizer, quorum, last, slot, t, res, joining: bool) -> None:
-    """Each joiner (in quorum, not in the last one, or the same slot on a new process) receives
-    the whole state from the lowest slot that stayed."""
-    stayed = sorted(s for s in quorum if last.get(s) == quorum[s])
-    joiners = sorted(s for s in quorum if last.get(s) != quorum[s])
-    for j in joiners:
-        if slot == j and joining:
-            res.before_heal[t] = flat_state(model, optimizer)
-            buf = torch.empty_like(res.before_heal[t])
-            dist.recv(buf, quorum[stayed[0]])
-            load_flat_state(model, optimizer, buf)
-            res.received[t] = flat_state(model, optimizer)
-        elif slot == stayed[0]:
-            res.sent[t] = flat_state(model, optimizer)
-            dist.send(res.sent[t], quorum[j])
 
 
 def _process(cfg: FtConfig, port: int, rank: int) -> None:
@@ -159,7 +95,8 @@ def _process(cfg: FtConfig, port: int, rank: int) -> None:
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=cfg.world,
                                 timeout=timedelta(seconds=600))
         nccl_rules.install_from_env()
-        store.set(f"result/{rank}", pickle.dumps(replica(cfg, store, rank)))
+        loop = diloco_replica if cfg.algorithm == "diloco" else replica
+        store.set(f"result/{rank}", pickle.dumps(loop(cfg, store, rank)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         store.set(f"error/{rank}", traceback.format_exc())
 
@@ -170,33 +107,82 @@ class FtRun:
     exitcodes: list  # per process rank: 0, or -SIGKILL for the killed one
 
 
+def host_store():
+    """The run's TCPStore, served by this process (the parent's, or a torchrun rank's): no
+    replica's death takes it down."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+def start_processes(cfg: FtConfig, port: int, ranks) -> dict:
+    """Start the replica processes `ranks` of the run (children of this process)."""
+    ctx = multiprocessing.get_context(start_method())  # forkserver, as run_on_ranks: torch imported once
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD) + [__name__])
+    procs = {r: ctx.Process(target=_process, args=(cfg, port, r), daemon=True, name=f"ft-rank-{r}") for r in ranks}
+    for p in procs.values():
+        p.start()
+    return procs
+
+
+def wait_processes(procs: dict, store, world: int, timeout_s: float) -> list[int]:
+    """Wait (at most timeout_s, 2 s more once any process reported an error: the others may wait
+    on it) for procs to end; kill the stuck ones and return their ranks."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
+        if any(store.check([f"error/{r}"]) for r in range(world)):
+            deadline = min(deadline, time.monotonic() + 2.0)
+        time.sleep(0.05)
+    stuck = [r for r, p in procs.items() if p.is_alive()]
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return stuck
+
+
+def collect(store, world: int, exitcodes: list, stuck: list, timeout_s: float) -> FtRun:
+    """The results from the store; RuntimeError with the tracebacks if a replica raised,
+    TimeoutError if one hung."""
+    errors = {r: store.get(f"error/{r}").decode() for r in range(world) if store.check([f"error/{r}"])}
+    if errors:
+        raise RuntimeError("replicas failed:\n" + "\n".join(f"[rank {r}] {e}" for r, e in errors.items()))
+    if stuck:
+        raise TimeoutError(f"ranks {sorted(stuck)} still ran after timeout_s={timeout_s}")
+    results = [pickle.loads(store.get(f"result/{r}")) if store.check([f"result/{r}"]) else None
+               for r in range(world)]
+    return FtRun(results, exitcodes)
+
+
 def run_ft(cfg: FtConfig, timeout_s: float = 120) -> FtRun:
     """Parent: check cfg, host the store, start cfg.world processes, wait (at most timeout_s) for
     all to end; RuntimeError with the tracebacks if a replica raised, TimeoutError if one hung."""
     check_ft(cfg)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    ctx = multiprocessing.get_context(start_method())  # forkserver, as run_on_ranks: torch imported once
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD) + [__name__])
-    procs = [ctx.Process(target=_process, args=(cfg, store.port, r), daemon=True, name=f"ft-rank-{r}")
-             for r in range(cfg.world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if any(store.check([f"error/{r}"]) for r in range(cfg.world)):  # the others may wait on it: stop soon
-            deadline = min(deadline, time.monotonic() + 2.0)
-        time.sleep(0.05)
-    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = {r: store.get(f"error/{r}").decode() for r in range(cfg.world) if store.check([f"error/{r}"])}
-    if errors:
-        raise RuntimeError("replicas failed:\n" + "\n".join(f"[rank {r}] {e}" for r, e in errors.items()))
-    if stuck:
-        raise TimeoutError(f"ranks {stuck} still ran after timeout_s={timeout_s}")
-    results = [pickle.loads(store.get(f"result/{r}")) if store.check([f"result/{r}"]) else None
-               for r in range(cfg.world)]
-    return FtRun(results, [p.exitcode for p in procs])
+    store = host_store()
+    procs = start_processes(cfg, store.port, range(cfg.world))
+    stuck = wait_processes(procs, store, cfg.world, timeout_s)
+    return collect(store, cfg.world, [procs[r].exitcode for r in range(cfg.world)], stuck, timeout_s)
+
+
+def run_ft_hosted(cfg: FtConfig, timeout_s: float = 120) -> FtRun | None:
+    """Rank code (the default group, e.g. torchrun's workers): run_ft's run with its cfg.world
+    processes spread over the ranks. Rank 0 hosts the store; rank i starts the processes r with
+    r % W == i as its own children, so a SIGKILLed replica is a child of a rank, never a rank
+    (torchrun's agent ends the whole job when one of its workers dies). One machine: the store
+    and the replicas' gloo world are on 127.0.0.1. Rank 0 returns the FtRun, the others None;
+    check cfg (check_ft) before any rank waits."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = host_store() if rank == 0 else None
+    port = [store.port if store is not None else None]
+    dist.broadcast_object_list(port, src=0)  # an object collective: exempt from the device rule
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port[0], is_master=False, timeout=timedelta(seconds=60))
+    procs = start_processes(cfg, port[0], [r for r in range(cfg.world) if r % world == rank])
+    stuck = wait_processes(procs, store, cfg.world, timeout_s)
+    mine = ({r: p.exitcode for r, p in procs.items()}, stuck)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)  # every process has ended: rank 0 may read the store
+    if rank:
+        return None
+    codes = {r: c for part, _ in everyone for r, c in part.items()}
+    return collect(store, cfg.world, [codes[r] for r in range(cfg.world)], [r for _, s in everyone for r in s],
+                   timeout_s)
