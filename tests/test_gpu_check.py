@@ -53,6 +53,8 @@ def test_the_plan_uses_every_gpu_and_says_why_it_skips():
     one, eight = gpu_check.plan(1), gpu_check.plan(8)
     assert {s.name for s in one} == {s.name for s in eight}  # every demo planned, run or skipped
     assert [s.skip for s in one if s.skip] == ["sequence parallelism splits the sequence over >= 2 tp ranks",
+                                               "async TP decomposes sequence parallelism's collectives over >= 2 "
+                                               "tp ranks",
                                                "zbv places two chunks per rank in a V over >= 2 ranks",
                                                "it kills rank 1 of >= 2 and restarts the group",
                                                "it fails on purpose: the debugging notebook runs it",

@@ -291,14 +291,15 @@ def test_composed_with_dp_pp_and_zero_equals_the_single_process(dims):
 def test_demo_trains_a_gqa_model_under_torchrun_like_one_process():
     root = pathlib.Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "course_lib.demos.tensor_parallel", "--steps", "3", "--sequence-parallel",
-           "--n-head", "4", "--n-kv-head", "1", "--seq-len", "32"]
+           "-m", "course_lib.demos.tensor_parallel", "--steps", "3", "--sequence-parallel", "--async-tp",
+           "--n-head", "8", "--n-kv-head", "2", "--seq-len", "32", "--check"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "n_kv_head=1" in proc.stdout and "block_size=32" in proc.stdout, proc.stdout
-    # the demo's own tolerance, 1e-3, above adamw_loss_atol(3e-3) = 7e-5 (tests/_tolerances): its exit code says
-    assert "max |loss - single-process loss|" in proc.stdout and ": OK" in proc.stdout, proc.stdout
+    assert "n_head=8" in proc.stdout and "n_kv_head=2" in proc.stdout and "block_size=32" in proc.stdout, proc.stdout
+    assert "async TP (overlapped)" in proc.stdout, proc.stdout
+    # the demo's own tolerance, 1e-3, above adamw_loss_atol(3e-3) = 7e-5 (tests/_tolerances): --check's exit code says
+    assert proc.stdout.rstrip().endswith("(tolerance 1.0e-03): OK"), proc.stdout
 
 
 @pytest.mark.parametrize("args,rule", [(["--n-kv-head", "3"], "n_kv_head=3 must divide n_head=4"),

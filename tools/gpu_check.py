@@ -69,9 +69,13 @@ def plan(gpus: int, scratch: str = "/tmp/course-gpu-check") -> list[Step]:
     dp3, tp3, pp3 = {1: (1, 1, 1), 2: (2, 1, 1), 4: (1, 2, 2), 8: (2, 2, 2)}[d3]
     steps = [
         Step("allreduce", gpus, ["--sizes-mb", "1", "64", "256", "--iters", "5"]),
-        Step("tensor_parallel", tp, ["--steps", "5"]),  # it always checks against the single process
-        Step("tensor_parallel", tp, ["--steps", "5", "--sequence-parallel"],
+        Step("tensor_parallel", tp, ["--steps", "5", "--check"]),
+        Step("tensor_parallel", tp, ["--steps", "5", "--sequence-parallel", "--check"],
              skip=None if tp >= 2 else "sequence parallelism splits the sequence over >= 2 tp ranks"),
+        # async TP's send/recv ring on NCCL, with one KV head read by every tp rank (GQA at tp > n_kv_head)
+        Step("tensor_parallel", tp, ["--steps", "5", "--sequence-parallel", "--async-tp", "--n-kv-head", "1",
+                                     "--check"],
+             skip=None if tp >= 2 else "async TP decomposes sequence parallelism's collectives over >= 2 tp ranks"),
         Step("pipeline", pp, ["--schedule", "1f1b", "--microbatches", "4", "--steps", "3", "--check"]),
         Step("pipeline", pp, ["--schedule", "pipedream_2bw", "--microbatches", "2", "--steps", "3", "--check"]),
         Step("expert_parallel", ep, ["--n-experts", "8", "--steps", "3", "--check"]),
@@ -86,9 +90,9 @@ def plan(gpus: int, scratch: str = "/tmp/course-gpu-check") -> list[Step]:
                               "--microbatches", "2", "--steps", "3", "--check"]),
     ]
     if pp >= 2:  # a V needs two ranks to fold over
-        steps.insert(4, Step("pipeline", pp, ["--schedule", "zbv", "--microbatches", "4", "--steps", "3", "--check"]))
+        steps.insert(5, Step("pipeline", pp, ["--schedule", "zbv", "--microbatches", "4", "--steps", "3", "--check"]))
     else:
-        steps.insert(4, Step("pipeline", 1, skip="zbv places two chunks per rank in a V over >= 2 ranks"))
+        steps.insert(5, Step("pipeline", 1, skip="zbv places two chunks per rank in a V over >= 2 ranks"))
     if gpus >= 2:  # a rank killed at step 25, torchrun restarts the group, the run resumes from step 20
         steps.append(Step("elastic", _pow2_at_most(gpus, 4), ["--steps", "40", "--checkpoint-every", "10",
                           "--checkpoint-dir", f"{scratch}/elastic", "--kill-rank", "1", "--kill-at-step", "25",
