@@ -1,7 +1,8 @@
 """Live resharding (course_lib.checkpoint.live): trainer ranks' state moved to generator ranks by
 point-to-point, bit for bit equal to slicing the full tensors, for ZeRO-3 flat shards -> tensor
 parallel, per-parameter dim-0 rows -> tensor parallel, tensor parallel -> both, and uneven shapes; traffic equal to the plan's bytes; the
-plan's bytes equal to an element count made independently; bad input refused in the parent."""
+plan's bytes (and its destination-only formula, wanted_bytes) equal to an element count made independently;
+bad input refused in the parent."""
 
 import sys
 
@@ -114,7 +115,9 @@ def test_plan_bytes_equal_the_element_count_and_cover_once(a, b):
     shapes, units = shapes_of(state), gpt_zero3_units(gpt())
     placements = gpt_tp_placements(gpt(), b)
     plan = plan_transfer(flat_holdings(shapes, a, units), split_holdings(shapes, placements))
-    assert plan.pair_bytes() == counted_bytes(state, units, a, placements, b)
+    counted = counted_bytes(state, units, a, placements, b)
+    assert plan.pair_bytes() == counted
+    assert plan.wanted_bytes() == sum(counted.values())  # the destination-only formula: each element once
     for d in range(b):  # every wanted element of generator d written exactly once
         for n in shapes:
             want = element_owners(plan.dst, shapes, n)[d]
@@ -214,6 +217,7 @@ def _check_run(plan, results, expected):
     a = plan.src.world
     sent = {s: sum(v for (ss, _), v in plan.pair_bytes().items() if ss == s) for s in range(a)}
     recv = {d: sum(v for (_, dd), v in plan.pair_bytes().items() if dd == d) for d in range(plan.dst.world)}
+    assert sum(sent.values()) == plan.wanted_bytes()
     for s in range(a):
         assert results[s]["traffic"] == {"bytes_sent": sent[s], "bytes_recv": 0}
     for d in range(plan.dst.world):

@@ -26,7 +26,7 @@ its sends (trainers) or receives (generators) in ONE dist.batch_isend_irecv and 
 sees one send and one receive of the same count and dtype, issued together: NCCL's matching and
 rendezvous rules hold (observe/nccl_rules.py), so the same code runs under COURSE_NCCL_RULES=1.
 The plan is pure (no torch.distributed): `plan_transfer` refuses bad input in the parent.
-(One line over 300: the plan and its execution read best side by side.)
+(A few lines over 300: the plan and its execution read best side by side.)
 """
 
 from __future__ import annotations
@@ -190,6 +190,11 @@ class TransferPlan:
     def pair_bytes(self) -> dict:
         """{(trainer rank, generator rank): bytes} of every pair that moves anything."""
         return {k: self.itemsize * sum(m.box.volume for m in v) for k, v in self.moves.items()}
+
+    def wanted_bytes(self) -> int:
+        """The formula, from the destination layout alone: itemsize x every element each generator
+        rank holds (its boxes, padding excluded), summed over generator ranks; each arrives once."""
+        return self.itemsize * sum(h.box.volume for held in self.dst.held for h in held)
 
 
 def plan_transfer(src: Holdings, dst: Holdings, dtype=torch.float32) -> TransferPlan:
