@@ -13,7 +13,7 @@ A notebook whose outputs contain a widget but which is missing here fails the te
 from course_lib.checkpoint import viz as checkpoint_interval_viz
 from course_lib.comm import ringviz
 from course_lib.data import VOCAB_SIZE
-from course_lib.estimate import calculator, calculator_widget, planner_figures
+from course_lib.estimate import calculator, calculator_widget, diloco_figures, planner_figures
 from course_lib.model import GPTConfig
 from course_lib.parallel.cp import figures as cp_figures
 from course_lib.parallel.dp import bucketviz
@@ -39,6 +39,7 @@ WIDGETS = {
     "10_3d_parallelism": [lambda: hybrid_figures.mesh_widget()],
     "11_performance_model": [lambda: planner_figures.planner_widget()],
     "12_checkpoints_elastic": [lambda: checkpoint_interval_viz.interval_widget(30.0, 16384)],
+    "13_failures_and_distance": [lambda: diloco_figures.diloco_widget("Llama-3 8B", 4, 100, 10, 1.0)],
 }
 
 # Text controls: what the keyboard types, then what the mouse-and-keyboard pass types
