@@ -1,6 +1,7 @@
 """LocalSGD, DiLoCo and Streaming DiLoCo (course_lib.parallel.diloco) on gloo ranks: equal to the
-single-process simulation over several outer steps at 2 and 4 replicas, their traffic equal to
-the formula (course_lib.estimate.traffic.diloco), and bad input refused before any rank starts."""
+single-process simulation over several outer steps at 2 and 4 replicas, also with each replica
+FSDP-sharded over its ranks (shard=True), their traffic equal to the formula
+(course_lib.estimate.traffic.diloco), and bad input refused before any rank starts."""
 
 from functools import lru_cache
 
@@ -12,7 +13,7 @@ from course_lib.dims import ParallelDims
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel import diloco
 from course_lib.parallel.diloco import (NesterovOuter, ddp_bytes_per_step, diloco_sync_bytes, fragment_param_counts,
-                                        fragment_params, run_diloco, simulate_diloco)
+                                        fragment_params, run_diloco, sharded_fragment_counts, simulate_diloco)
 from course_lib.parallel.diloco import training
 from course_lib.parallel.diloco.simulate import param_rms_tolerance
 from course_lib.train import TrainConfig
@@ -36,7 +37,16 @@ RUNS = {  # name: (world size, replicas, options)
     "streaming2-4": (4, 4, dict(fragments=2)),
     "streaming2-bf16-2": (2, 2, dict(fragments=2, outer_dtype=torch.bfloat16)),
     "streaming2-bf16-4": (4, 4, dict(fragments=2, outer_dtype=torch.bfloat16)),
+    # two replicas of two ranks, each replica FSDP-sharded (the vocabulary's 97 rows: one padded row)
+    "diloco-2x2fsdp": (4, 2, dict(shard=True)),
+    "local_sgd-2x2fsdp": (4, 2, dict(algorithm="local_sgd", shard=True)),
+    "streaming2-bf16-2x2fsdp": (4, 2, dict(fragments=2, outer_dtype=torch.bfloat16, shard=True)),
 }
+
+
+def algorithm(options) -> dict:
+    """The options the simulation takes: sharding changes where the numbers live, not the algorithm."""
+    return {k: v for k, v in options.items() if k != "shard"}
 
 
 @lru_cache(maxsize=None)
@@ -44,7 +54,7 @@ def _run(name):
     world, replicas, options = RUNS[name]
     ranks = run_diloco(ParallelDims(dp=world), CONFIG, TRAIN, replicas=replicas, inner_steps=H, trace=True,
                        timeout_s=300, **options)
-    return ranks, simulate_diloco(CONFIG, TRAIN, replicas, H, **options)
+    return ranks, simulate_diloco(CONFIG, TRAIN, replicas, H, **algorithm(options))
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -53,7 +63,7 @@ def test_equals_the_single_process_simulation(name):
     ranks, sim = _run(name)
     s = world // replicas
     assert [r.replica for r in ranks] == [i // s for i in range(world)]
-    tol = param_rms_tolerance(TRAIN.lr, H, **options)
+    tol = param_rms_tolerance(TRAIN.lr, H, **algorithm(options))
     for rank, r in enumerate(ranks):
         ref = sim[r.replica]
         assert r.final_params.shape == ref.final_params.shape
@@ -69,11 +79,13 @@ def test_equals_the_single_process_simulation(name):
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_bytes_per_step_equal_the_formula(name):
-    """The tracer's bytes across replicas after every step, on every rank, exactly."""
-    _, replicas, options = RUNS[name]
+    """The tracer's bytes across replicas after every step, on every rank, exactly (sharded: each
+    rank's rows only)."""
+    world, replicas, options = RUNS[name]
     ranks, _ = _run(name)
     e = 2 if options.get("outer_dtype") == torch.bfloat16 else 4
-    want = diloco_sync_bytes(CONFIG, replicas, H, TRAIN.steps, options.get("fragments", 1), e)
+    shards = world // replicas if options.get("shard") else 1
+    want = diloco_sync_bytes(CONFIG, replicas, H, TRAIN.steps, options.get("fragments", 1), e, shards)
     for r in ranks:
         assert r.sync_bytes == want
 
@@ -112,6 +124,32 @@ def test_fragment_counts_match_the_model(fragments, tie, bias):
     parts = fragment_params(model, fragments)
     assert [sum(p.numel() for p in ps) for ps in parts] == fragment_param_counts(config, fragments)
     assert sum(len(ps) for ps in parts) == len(list(model.parameters()))  # every parameter once
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+@pytest.mark.parametrize("fragments", [1, 2])
+@pytest.mark.parametrize("tie, bias", [(True, True), (False, False)])
+def test_sharded_counts_are_each_ranks_rows(shards, fragments, tie, bias):
+    """P_f^(S) = the elements of rank j's rows (ceil(d0 / S) of each tensor of d0 rows) of fragment
+    f's tensors, read off the model; S = 1 is the unsharded count, and S > 1 is at least 1/S of it
+    (the padding rows travel too)."""
+    config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=4, n_head=2, d_model=32, tie_weights=tie,
+                       bias=bias)
+    parts = fragment_params(GPT(config), fragments)
+    rows = [sum(-(-p.shape[0] // shards) * (p.numel() // p.shape[0]) for p in ps) for ps in parts]
+    assert sharded_fragment_counts(config, fragments, shards) == rows
+    whole = fragment_param_counts(config, fragments)
+    assert all(r * shards >= w for r, w in zip(rows, whole)) and (shards > 1 or rows == whole)
+
+
+def test_fsdp_replicas_send_half_the_model_each():
+    """The sharded runs above send exactly each rank's rows: 2 ranks per replica, so the two ranks
+    of a replica together send the unsharded sync's bytes plus the padding row of the vocabulary."""
+    ranks, _ = _run("diloco-2x2fsdp")
+    whole = diloco_sync_bytes(CONFIG, 2, H, TRAIN.steps)
+    padding = (2 * -(-VOCAB_SIZE // 2) - VOCAB_SIZE) * CONFIG.d_model * 4  # one zero row of tok_emb per sync
+    for k, b in enumerate(whole):
+        assert ranks[0].sync_bytes[k] + ranks[1].sync_bytes[k] == b + (padding if b else 0)
 
 
 def test_outer_step_is_torch_nesterov_sgd():
@@ -157,6 +195,8 @@ BAD = [
     (dict(algorithm="fedavg"), "algorithm='fedavg' must be one of"),
     (dict(algorithm="local_sgd", fragments=2), "algorithm='local_sgd' averages the whole model"),
     (dict(outer_dtype=torch.float16), "outer_dtype=torch.float16 must be one of"),
+    (dict(replicas=4, shard=True), "shard=True needs replicas of >= 2 ranks to shard over: world size 4 / replicas=4"),
+    (dict(replicas=2, shard=1), "shard=1 must be True or False"),
 ]
 
 

@@ -32,7 +32,20 @@ def test_streaming_bf16_under_torchrun_matches_the_simulation():
     assert "bytes across replicas, every rank and step, equal to the formula: OK" in proc.stdout
 
 
+def test_fsdp_sharded_replicas_under_torchrun_match_the_simulation():
+    """Two replicas of two ranks, each FSDP-sharded: 4 ranks (2 replicas need 2 ranks each to shard)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+           "course_lib.demos.diloco", "--replicas", "2", "--inner-steps", "2", "--shard", "--steps", "4", "--check"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DiLoCo on 4 ranks: 2 replicas of 2 rank(s) (each FSDP-sharded" in proc.stdout
+    assert proc.stdout.count("): OK") == 3  # both replicas' losses and the parameters
+    assert "bytes across replicas, every rank and step, equal to the formula: OK" in proc.stdout
+
+
 @pytest.mark.parametrize("argv, words", [
+    (["--replicas", "2", "--inner-steps", "2", "--shard"], "shard=True needs replicas of >= 2 ranks"),
     (["--replicas", "3", "--inner-steps", "2"], "world size 2 must be divisible by replicas=3"),
     (["--replicas", "2", "--inner-steps", "0"], "inner_steps=0 must be an int >= 1"),
     (["--replicas", "2", "--inner-steps", "4", "--streaming", "3"], "fragments=3 must divide n_layer=4"),
@@ -92,6 +105,7 @@ def test_kill_replica_under_torchrun_survivors_go_on_and_the_replay_agrees():
     (["--kill-replica", "1", "--at-step", "3", "--rejoin-step", "5"], "rejoin_step=5 must be a multiple of inner_steps=2"),
     (["--kill-replica", "1", "--at-step", "3", "--local-sgd"], "not with --local-sgd"),
     (["--kill-replica", "1", "--at-step", "3", "--streaming", "2"], "not with --streaming"),
+    (["--kill-replica", "1", "--at-step", "3", "--shard"], "not with --shard"),
 ])
 def test_bad_kill_flags_are_refused_before_any_rank_waits(argv, words):
     code, err = run_main("course_lib.demos.diloco", ["--replicas", "2", "--inner-steps", "2", *argv],

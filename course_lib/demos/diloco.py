@@ -3,6 +3,7 @@
     torchrun --nproc-per-node=4 -m course_lib.demos.diloco --replicas 4 --inner-steps 4 --check
     torchrun --nproc-per-node=4 -m course_lib.demos.diloco --replicas 2 --inner-steps 4 --streaming 2 --bf16-outer
     torchrun --nproc-per-node=2 -m course_lib.demos.diloco --replicas 2 --inner-steps 2 --local-sgd --check
+    torchrun --nproc-per-node=4 -m course_lib.demos.diloco --replicas 2 --inner-steps 2 --shard --check
     torchrun --nproc-per-node=2 -m course_lib.demos.diloco --replicas 2 --inner-steps 4 --slow-rank 1 --delay-ms 50
     torchrun --nproc-per-node=2 -m course_lib.demos.diloco --ddp --slow-rank 1 --delay-ms 50
     torchrun --nproc-per-node=2 -m course_lib.demos.diloco --replicas 3 --inner-steps 2 --kill-replica 1 --at-step 3 --check
@@ -63,6 +64,7 @@ def parse(argv=None):
     p.add_argument("--streaming", type=int, default=1, help="F fragments synced at staggered steps")
     p.add_argument("--local-sgd", action="store_true", help="average the parameters instead (LocalSGD)")
     p.add_argument("--bf16-outer", action="store_true", help="send the deltas as bf16 (summed in fp32)")
+    p.add_argument("--shard", action="store_true", help="FSDP inside each replica; the outer step on shards")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--steps", type=int, default=8)
@@ -72,9 +74,9 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.ddp:
         if args.replicas is not None or args.inner_steps is not None or args.local_sgd or args.streaming != 1 \
-                or args.bf16_outer:
+                or args.bf16_outer or args.shard:
             p.error("--ddp is one replica syncing every step: no --replicas, --inner-steps, --local-sgd, "
-                    "--streaming or --bf16-outer")
+                    "--streaming, --bf16-outer or --shard")
         args.replicas, args.inner_steps, args.local_sgd = 1, 1, True  # LocalSGD with R = 1 is DDP
     elif args.replicas is None or args.inner_steps is None:
         p.error("--replicas and --inner-steps are required (or --ddp)")
@@ -102,7 +104,7 @@ def build(args, world: int):
     options = dict(algorithm="local_sgd") if args.local_sgd else dict(
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, fragments=args.streaming,
         outer_dtype=torch.bfloat16 if args.bf16_outer else torch.float32)
-    check_run(ParallelDims(dp=world), config, train, args.replicas, args.inner_steps, **options)
+    check_run(ParallelDims(dp=world), config, train, args.replicas, args.inner_steps, shard=args.shard, **options)
     return options, config, train
 
 
@@ -113,11 +115,12 @@ def run(args, options, config, train):
         return diloco_kill.run(options["ft"])
     delay_s = args.delay_ms / 1000 if dist.get_rank() == args.slow_rank else 0.0
     if args.local_sgd:
-        mine = train_local_sgd(config, train, args.replicas, args.inner_steps, trace=True, delay_s=delay_s)
+        mine = train_local_sgd(config, train, args.replicas, args.inner_steps, trace=True, delay_s=delay_s,
+                               shard=args.shard)
     else:
         mine = train_diloco(config, train, args.replicas, args.inner_steps, options["outer_lr"],
                             options["outer_momentum"], options["fragments"], options["outer_dtype"], trace=True,
-                            delay_s=delay_s)
+                            delay_s=delay_s, shard=args.shard)
     results = [None] * dist.get_world_size()
     dist.all_gather_object(results, mine)
     return results
@@ -131,10 +134,12 @@ def report(results, args, options, config, train) -> int:
     losses = [[sum(results[i * s + j].train_losses[k] for j in range(s)) / s for k in range(train.steps)]
               for i in range(r)]
     e = 2 if options.get("outer_dtype") == torch.bfloat16 else 4
-    formula = diloco_sync_bytes(config, r, args.inner_steps, train.steps, options.get("fragments", 1), e)
+    formula = diloco_sync_bytes(config, r, args.inner_steps, train.steps, options.get("fragments", 1), e,
+                                shards=s if args.shard else 1)
     name = "DDP" if args.ddp else "LocalSGD" if args.local_sgd else (
         "Streaming DiLoCo" if args.streaming > 1 else "DiLoCo")
-    print(f"{name} on {len(results)} ranks: {r} replicas of {s} rank(s), H = {args.inner_steps}", flush=True)
+    sharded = " (each FSDP-sharded: the outer step on each rank's rows)" if args.shard else ""
+    print(f"{name} on {len(results)} ranks: {r} replicas of {s} rank(s){sharded}, H = {args.inner_steps}", flush=True)
     print(f"{'step':>4} " + " ".join(f"{'replica ' + str(i):>10}" for i in range(r))
           + f" {'sent across (rank 0)':>21} {'formula':>10}")
     for k in range(train.steps):

@@ -31,7 +31,7 @@ from course_lib.parallel.ft import FtConfig, check_ft, replay_diloco, run_ft_hos
 from course_lib.platform import HARD_KILL
 from course_lib.tolerances import adamw_loss_atol
 
-CONFLICTS = ("ddp", "local_sgd", "bf16_outer", "slow_rank")
+CONFLICTS = ("ddp", "local_sgd", "bf16_outer", "shard", "slow_rank")
 TIMEOUT_S = 120  # the replicas' whole run; a run takes seconds (3 s of it the quorum's wait for the dead)
 
 
