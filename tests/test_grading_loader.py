@@ -156,9 +156,10 @@ def test_the_refused_names_are_where_the_answers_live():
     """Every exercise's list resolves (a name that moved or was misspelt would refuse nothing),
     and none of them is a re-export of another: the list says where, the walk finds the rest."""
     from course_lib.grading import (ex05_tensor_parallel, ex08_zero2_step, ex09_context_parallel, ex11_step_time,
-                                    ex12_reshard, ex14_debugging, ex15_capstone)
+                                    ex12_reshard, ex13_diloco, ex14_debugging, ex15_capstone)
     lists = [ex05_tensor_parallel.REFUSE, ex06.REFUSE, ex08_zero2_step.REFUSE, ex09_context_parallel.REFUSE,
-             ex10.REFUSE, ex11_step_time.REFUSED, ex12_reshard.REFUSE, ex14_debugging.REFUSE, ex15_capstone.REFUSE]
+             ex10.REFUSE, ex11_step_time.REFUSED, ex12_reshard.REFUSE, ex13_diloco.REFUSE, ex14_debugging.REFUSE,
+             ex15_capstone.REFUSE]
     for names in lists:
         modules, objects = refusal.resolve(names)
         for name in names:

@@ -73,6 +73,15 @@ check_equal(f"{_label}: the read plans break no rule, the new shards hold each e
             (_errors, _out), ([], _want))
 grade.check_reads(_label, student, _watched, _numel, _new)
 
+# %% ex13_diloco
+import random
+
+_rng = random.Random(HIDDEN_SEED)
+_n = _rng.randint(2, 4)
+# 3 to 5 rounds, each with a random non-empty quorum (often with replicas missing)
+_quorums = [tuple(sorted(_rng.sample(range(_n), _rng.randint(1, _n)))) for _ in range(_rng.randint(3, 5))]
+grade.made_up_rounds(student, _n, _quorums, label=f"hidden: {_n} replicas, quorums {_quorums}, seed {HIDDEN_SEED}")
+
 # %% ex09_context_parallel
 import random
 
