@@ -281,7 +281,7 @@ print(f"over the run: DDP {fmt_bytes(ddp['bytes_sent'])}, DiLoCo {fmt_bytes(sum(
 # all-reduce sums the replicas' deltas in its own order), and AdamW magnifies rounding
 # (notebook 04), so the parameters are compared in RMS against a bound derived from AdamW's
 # step size and the outer step's gain (`param_rms_tolerance`, its reasons in its docstring);
-# a sign error in the outer step moves them by about 13 lr.
+# a sign error in the outer step moved them by about 13 lr when the library was checked.
 
 # %%
 t0 = time.perf_counter()
@@ -334,9 +334,9 @@ print(f"on this run and this tiny model, {order[0]} ended lowest and {order[-1]}
 # so their steps are noisier; at each sync DiLoCo's outer Nesterov step can move the shared
 # copy further than the average of the replicas (its gain $\eta_{out}/(1-\mu)$ = 7 once the
 # momentum builds up). 16 steps of a 54k-parameter model say nothing about large runs:
-# Douillard et al. (2023) report DiLoCo with 8 replicas and $H = 500$ matching fully
-# synchronous training on C4 while communicating 500 times less, for models of up to 400M
-# parameters. The claim to test on your own model is that one, at your $H$.
+# Douillard et al. (2023) report DiLoCo on 8 workers performing as well as fully
+# synchronous optimization on C4 while communicating 500 times less. The claim to check on
+# your own model is that one, at your $H$.
 # </details>
 
 # %% [markdown]
@@ -522,8 +522,8 @@ print(f"one sync: {t_sync:.1f} s; share = T / (H x 1 s + T) < 10% needs H > 9 T 
 #
 # A sync moves $2 \cdot \frac34 \cdot 32$ GB at 1.25 GB/s, about 38.5 s; it is under 10% of a
 # round of $H$ one-second steps once $H > 9 \times 38.5 \approx 347$: the slider's 500. DDP
-# ($H = 1$) would spend about 97% of its time communicating. bf16 deltas halve $T$, and the paper's
-# $H = 500$ is in this range.
+# ($H = 1$) would spend about 97% of its time communicating. bf16 deltas halve $T$. The
+# 500-fold reduction of Douillard et al. (2023) is a sync every 500 steps: this range.
 # </details>
 
 # %% [markdown]
