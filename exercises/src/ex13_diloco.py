@@ -21,9 +21,10 @@
 # The stub's docstring states the contract (arguments, what must hold on return). Keep it
 # small: one collective per round is enough.
 #
-# **Re-read in notebook 13:** LocalSGD and DiLoCo (the pseudo-gradient, and the outer Nesterov
-# step that uses it), and fault-tolerant replica groups (the quorum of each step). In notebook
-# 02, the all-reduce.
+# **Re-read in notebook 13:** "LocalSGD and DiLoCo" (the pseudo-gradient, and the outer
+# Nesterov step that uses it), "Fault-tolerant replica groups" (the quorum, and the mean over
+# the quorum only) and, in "Stragglers", the quorum that drops a late replica's work. In
+# notebook 02, the all-reduce.
 #
 # **Think first.** Take the paper's outer optimizer, lr_out = 0.7 and mu = 0.9, and a first
 # round (b = 0). Replicas that all moved the same way, by a delta D (theta_r = theta_0 - D):
