@@ -15,8 +15,8 @@ four axes). torchtitan orders its mesh pp, dp, cp, tp the same way.
 
 What each degree splits (B = global batch, L = layers, E = experts, T = sequence):
 
-    tp   the weights of every matrix (heads, d_ff, vocabulary): tp | n_head, d_ff, n_kv_head (or n_kv_head | tp);
-         with sequence parallelism also the activations outside attention/MLP: tp | T (T/cp)
+    tp   the weights of every matrix (heads, d_ff, vocabulary): tp | n_head, d_ff, n_kv_head (or, the course's GPT,
+         n_kv_head | tp: copies_kv); with sequence parallelism also the activations outside attention/MLP: tp | T (T/cp)
     pp   the layers: pp * v stages (v virtual stages per rank), split as evenly as
          split_layers says (the first L mod S stages one block more): L >= pp * v
     dp   the batch: B / (dp * ep) rows per replica, in m micro-batches
@@ -30,8 +30,7 @@ The rules come in two kinds, kept apart: `check_model` is what any run of this l
 estimator costs exactly what it accepts); `check_composable` is what the course's runtime
 (course_lib.parallel.hybrid) cannot compose yet. ParallelDims.check is both, plus the world size. Each
 rule is one ValueError naming the value and the rule, raised before any rank starts. (Over 300 lines on
-purpose: the rule book, vocabulary and geometry in one file both sides read.)
-"""
+purpose: the rule book, vocabulary and geometry in one file both sides read.)"""
 
 from __future__ import annotations
 
@@ -63,11 +62,16 @@ CP_METHODS = ("ring", "allgather", "ulysses")  # how context-parallel attention 
 # ---------------------------------------------------------------- the rules, one function each
 def check_tp(tp: int, n_head: int, d_ff: int, n_kv_head: int | None = None, replicate_kv: bool = False) -> None:
     """Whole heads and MLP columns per tensor-parallel rank: tp | n_head, tp | d_ff, tp | n_kv_head, or with
-    replicate_kv n_kv_head | tp (course_lib.parallel.tp copies each KV head to tp/n_kv_head ranks)."""
+    replicate_kv n_kv_head | tp (course_lib.parallel.tp copies each KV head to tp/n_kv_head ranks: copies_kv)."""
     check_int("tp", tp)
     for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head), ("d_ff", d_ff)):
         if value is not None and value % tp and not (name == "n_kv_head" and replicate_kv and tp % value == 0):
             raise ValueError(f"tp={tp} must divide {name}={value}{' or be a multiple of it' * (replicate_kv and name == 'n_kv_head')}")
+
+
+def copies_kv(shape) -> bool:
+    """Whether tp may copy KV heads (n_kv_head | tp): for the course's GPT (a GPTConfig), which its runtime runs."""
+    return hasattr(shape.config, "kv_heads")
 
 
 def check_context_parallel(cp: int, seq: int | None, n_head: int, method: str = "ring",
@@ -114,8 +118,7 @@ def check_virtual_stages(schedule: str, v: int) -> None:
 
 
 def check_pipeline_choice(schedule: str, pp: int, m: int, v: int = 1) -> None:
-    """A schedule's own rules on its name and degrees (m micro-batches, v chunks per rank), before
-    anything is built (parallel.pp.check_schedule simulates a built one)."""
+    """A schedule's own rules (m micro-batches, v chunks per rank), before it is built (parallel.pp.check_schedule: after)."""
     for name, value in (("pp", pp), ("microbatches", m), ("virtual_stages", v)):
         check_int(name, value)
     check_one_of("schedule", schedule, SCHEDULES)
@@ -159,8 +162,7 @@ def check_batch(batch_size: int, replicas: int, microbatches: int) -> int:
         raise ValueError(f"batch_size={batch_size} must be divisible by dp*ep = {replicas}: "
                          f"every replica takes an equal share")
     if (share := batch_size // replicas) % microbatches:
-        raise ValueError(f"microbatches={microbatches} must divide the per-replica batch "
-                         f"batch_size/(dp*ep) = {share}")
+        raise ValueError(f"microbatches={microbatches} must divide the per-replica batch batch_size/(dp*ep) = {share}")
     return share
 
 
@@ -193,8 +195,7 @@ def coordinates(rank: int, sizes: dict[str, int], order=TOPOLOGY_AWARE) -> dict[
         raise ValueError(f"rank={rank} must be in [0, {world})")
     out = {}
     for d in reversed(order):
-        out[d] = rank % sizes[d]
-        rank //= sizes[d]
+        rank, out[d] = divmod(rank, sizes[d])
     return {d: out[d] for d in MESH_ORDER if d in out}
 
 
@@ -320,11 +321,10 @@ class ParallelDims:
         shape = model_config.shape
         seq = shape.block_size if seq_len is None else check_int("seq_len", seq_len)
         check_pipeline_choice(self.schedule, self.pp, self.microbatches, self.virtual_stages)
-        check_sequence_parallel(self.sequence_parallel, self.tp)
         split_layers(shape.n_layer, self.pp * self.virtual_stages)
         check_context_parallel(self.cp, seq, shape.n_head, self.cp_method, self.cp_load_balance, shape.n_kv_head)
         check_sequence_parallel(self.sequence_parallel, self.tp, seq // self.cp)  # tp splits a cp shard
-        check_tp(self.tp, shape.n_head, shape.ff_dim, shape.n_kv_head, hasattr(shape.config, "kv_heads"))  # a GPTConfig: TP copies KV
+        check_tp(self.tp, shape.n_head, shape.ff_dim, shape.n_kv_head, copies_kv(shape))
         check_experts(self.ep, shape.n_experts)
         check_batch(batch_size, self.replicas, self.microbatches)
         return self

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from course_lib import estimate as E
-from course_lib.dims import ParallelDims, check_tp
+from course_lib.dims import ParallelDims, check_tp, copies_kv
 from course_lib.estimate.params import model_shape
 from course_lib.estimate.calculator import (GPUS, PRESET_TOKENS, Settings, build_config, evaluate, fmt_tokens,
                                             gpu_label, parse_tokens, plot_scenarios, summary_text)
@@ -71,7 +71,7 @@ def valid_options(values: dict) -> dict[str, list]:
     shape, tps = model_shape(config), []
     for tp in _divisors(head, 128):
         try:
-            check_tp(tp, shape.n_head, shape.ff_dim, shape.n_kv_head)
+            check_tp(tp, shape.n_head, shape.ff_dim, shape.n_kv_head, copies_kv(shape))
             tps.append(tp)
         except ValueError:
             pass

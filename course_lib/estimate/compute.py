@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from course_lib.estimate.params import GPTConfig, ff_dim, model_shape, param_breakdown, positive_int
+from course_lib.estimate.params import GPTConfig, ff_dim, kv_dim, model_shape, param_breakdown, positive_int
 
 
 
@@ -31,8 +31,8 @@ def flops_per_token(config, seq: int | None = None, causal: bool = False, traini
     s = positive_int("seq", s)
     p = param_breakdown(config)
     d, f, L, V = base.d_model, ff_dim(base), base.n_layer, base.vocab_size
-    if isinstance(base, GPTConfig):
-        attn_mm, mlp_mm = 4 * d * d, 2 * d * f
+    if isinstance(base, GPTConfig):  # q and proj d x d, k and v d x kv (kv = d without grouped-query attention)
+        attn_mm, mlp_mm = 2 * d * d + 2 * d * kv_dim(base), 2 * d * f
     else:
         attn_mm, mlp_mm = p["attention"], p["mlp"]
     n_mm = L * (attn_mm + top_k * mlp_mm + p["router"]) + V * d

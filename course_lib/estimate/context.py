@@ -23,7 +23,7 @@ from dataclasses import replace
 from course_lib.comm.measured import collective_time
 from course_lib.dims import ParallelDims, check_context_parallel
 from course_lib.estimate.memory import activation_bytes
-from course_lib.estimate.params import MoEConfig, kv_dim, model_shape, positive_int
+from course_lib.estimate.params import MoEConfig, kv_rows_per_rank, model_shape, positive_int
 from course_lib.estimate.traffic import cp_traffic, wire_bytes
 
 
@@ -58,7 +58,7 @@ def ring_exposed(config, dims: ParallelDims, micro_batch: int, seq: int, link, f
     attention compute of the busiest rank does not cover.
 
     One hop sends the rank's K||V block, kv = 2 b (T/cp) n_kv d_head e / tp bytes (the tp rank's
-    heads), t_kv = collective_time(link, "send", kv, 2), while the rank attends its queries to
+    heads; 2 b (T/cp) d_head e at tp > n_kv_head, its one copied head), t_kv = collective_time(link, "send", kv, 2), while the rank attends its queries to
     the block it holds: t_f = f * 4 b (T/cp)^2 d / tp / flops (QK^T and PV of one block pair,
     2 FLOPs a multiply-add). f, the visible part of a block pair under the causal mask: 1/2
     with zig-zag chunks (every off-diagonal pair half visible), 1 for the busiest contiguous
@@ -74,7 +74,7 @@ def ring_exposed(config, dims: ParallelDims, micro_batch: int, seq: int, link, f
         return {"forward": 0.0, "backward": 0.0}
     base = model_shape(config).base
     q = seq // cp
-    kv = 2 * micro_batch * q * kv_dim(base) * act_bytes / dims.tp
+    kv = 2 * micro_batch * q * (dims.tp * kv_rows_per_rank(config, dims.tp)) * act_bytes / dims.tp  # a copied head's
     t_kv = collective_time(link, "send", kv, 2)
     visible = 0.5 if causal and dims.cp_load_balance else 1.0
     t_f = visible * 4 * micro_batch * q * q * base.d_model / dims.tp / flops

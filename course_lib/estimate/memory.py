@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib._validate import check_int
-from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_context_parallel, check_tp
-from course_lib.estimate.params import cdiv, kv_dim, ff_dim, as_count, model_shape, positive_int
+from course_lib.dims import RECOMPUTE, ZERO_STAGES, check_context_parallel, check_tp, copies_kv
+from course_lib.estimate.params import cdiv, ff_dim, as_count, kv_rows_per_rank, model_shape, positive_int
 from course_lib.model.config import GPTConfig
 
 @dataclass(frozen=True)
@@ -200,6 +200,8 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
     s*b*h*(34 + 5*a*s/h) per layer. Tensor parallelism divides the terms inside the
     parallel regions by tp (with sequence_parallel=True, all of them): sbh(10 + 24/t + 5as/(ht)).
+    Grouped-query attention: K and V are kv = n_kv_head * d_head wide (kv/tp per rank); at
+    tp > n_kv_head a rank keeps its one copied KV head, d_head wide (params.kv_rows_per_rank).
 
     recompute: "selective" keeps Q, K, V but recomputes the s^2 attention terms (Korthikanti's
     34sbh); "full" (activation checkpointing) keeps each layer's input e*n*d and recomputes the
@@ -246,7 +248,7 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
         attention = "naive" if getattr(base, "attn_impl", "fused") == "naive" else "fused"
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} must be one of {ATTENTION}")
-    check_tp(tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None))
+    check_tp(tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None), copies_kv(shape))
     # cp | s (the zig-zag's 2cp | s is the layout's, not the bytes'), cp | heads for Ulysses
     check_context_parallel(cp, seq, base.n_head, cp_method, False, getattr(base, "n_kv_head", None))
     if dropout is None:
@@ -259,10 +261,11 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
     stats = cdiv(n * 4 * (2 if gpt else 1), rep)  # fp32 mean + rstd (LayerNorm) or rstd (RMSNorm), per norm
     mask = mask_bytes if dropout else 0
 
+    kv = tp * kv_rows_per_rank(shape, tp)  # kv_dim(base), or tp copied heads' worth at tp > n_kv_head
     t = {"norm1 input": cdiv(e * n * d, rep) + stats, "qkv input": cdiv(e * n * d, rep),
-         "q, k, v": e * n * (d + 2 * kv_dim(base)) // tp}
+         "q, k, v": e * n * (d + 2 * kv) // tp}
     if cp > 1 and cp_method == "allgather":
-        t["gathered k, v"] = e * b * (s - q) * 2 * kv_dim(base) // tp
+        t["gathered k, v"] = e * b * (s - q) * 2 * kv // tp
     quadratic = []  # the s^2 terms selective recomputation drops
     if attention == "naive":
         t["softmax output"] = e * a * q * s * b // tp
@@ -289,7 +292,7 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
         t["qkv input"], t["attention proj input"] = cdiv(n * d, rep), n * d // tp
         t["mlp input"] = cdiv(n * d, rep) * top_k
         t["mlp hidden"] = ((hidden - 1) * e * n * f // tp + n * f // tp) * top_k  # the down/proj input: 1 byte
-        t["fp8 weight copies"] = (d * (d + 2 * kv_dim(base)) + d * d + top_k * (hidden // 2 + 1) * d * f) // tp
+        t["fp8 weight copies"] = (d * (d + 2 * kv) + d * d + top_k * (hidden // 2 + 1) * d * f) // tp
         t["fp8 scales (fp32)"] = 4 * 2 * 4  # 4 linears (fused), a scale for input and weight each
     t = {k: v for k, v in t.items() if v}
     full_layer = sum(t.values())

@@ -139,6 +139,22 @@ def kv_dim(base) -> int:
     return base.kv_dim if isinstance(base, GPTConfig) else base.n_kv_head * (base.d_model // base.n_head)
 
 
+def kv_rows_per_rank(config, tp: int) -> int:
+    """Rows of K (and as many of V) one of tp tensor-parallel ranks holds: kv_dim / tp when tp | n_kv_head,
+    else one whole KV head, d_head rows, copied on tp / n_kv_head ranks (n_kv_head | tp: the course's GPT,
+    course_lib.dims.copies_kv; the runtime keeps zeros where a copy is not its group's first, so the
+    memory is held either way)."""
+    shape = model_shape(config)
+    return cdiv(shape.n_kv_head, tp) * (shape.d_model // shape.n_head)
+
+
+def kv_copy_rows(config, tp: int) -> int:
+    """K and V rows per block held across a tp group beyond one copy of each: 2 (tp kv_rows_per_rank - kv_dim),
+    0 unless KV heads are copied (tp > n_kv_head)."""
+    shape = model_shape(config)
+    return 2 * (tp * kv_rows_per_rank(config, tp) - shape.n_kv_head * (shape.d_model // shape.n_head))
+
+
 def ff_dim(base) -> int:
     return base.ff_dim if isinstance(base, GPTConfig) else base.d_ff
 

@@ -2,6 +2,7 @@
 dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it).
 
     rank_param_counts(config, tp, pp, ep, stage)   parameters one rank of a pipeline stage holds
+    attention_per_rank(config, tp)                  one block's attention on one tp rank (KV heads copied too)
     gpu_memory(dims, shape, batch, ...)             bytes on the busiest GPU (or on one stage's) of
                                                     a ParallelDims already checked (check_model)
     per_gpu_memory(config, ...)                     the same from degrees given as keywords
@@ -13,9 +14,10 @@ dp x ep x tp x pp mesh (notebook 01, section 6; the calculator draws it).
 from __future__ import annotations
 
 from course_lib._validate import check_int
-from course_lib.dims import V_SCHEDULES, ParallelDims, check_experts, check_tp, split_layers
+from course_lib.dims import V_SCHEDULES, ParallelDims, check_experts, check_tp, copies_kv, split_layers
 from course_lib.estimate.memory import RECIPES, activation_bytes, model_state_bytes
-from course_lib.estimate.params import cdiv, ff_dim, model_shape, param_breakdown, positive_int
+from course_lib.estimate.params import (cdiv, ff_dim, kv_copy_rows, kv_rows_per_rank, model_shape, param_breakdown,
+                                       positive_int)
 from course_lib.model.config import GPTConfig
 
 
@@ -36,6 +38,9 @@ def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int 
                     IS the embedding, held once)
 
     Llama-like models have no biases (b = 0) and split their k, v heads over tp as well.
+    Grouped-query attention (kv = n_kv_head * d_head wide K and V): qkv holds d/tp + 2 kv/tp rows;
+    at tp > n_kv_head (the course's GPT copies each KV head on tp / n_kv_head ranks) d/tp + 2 d_head
+    rows, each rank its group's head (attention_per_rank).
     """
     shape = model_shape(config)
     base = shape.base
@@ -43,7 +48,7 @@ def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int 
     d = base.d_model
     whole_bias = d if isinstance(base, GPTConfig) and base.bias else 0  # a row-parallel bias: not split
     layers = len(split_layers(base.n_layer, pp)[stage])
-    attention = (p["attention"] - whole_bias) // tp + whole_bias
+    attention = attention_per_rank(config, tp)
     mlp = (p["mlp"] - whole_bias) // tp + whole_bias
     dense = layers * (attention + p["norms"] + p["router"])
     vocab_rows = cdiv(base.vocab_size, tp) * d
@@ -53,6 +58,18 @@ def rank_param_counts(config, tp: int = 1, pp: int = 1, ep: int = 1, stage: int 
         dense += p["final_norm"] + (vocab_rows if p["head"] or pp > 1 else 0)
     expert = layers * (shape.mlps // ep) * mlp
     return {"dense": dense, "expert": expert}
+
+
+def attention_per_rank(config, tp: int) -> int:
+    """One block's attention parameters on one tp rank: (attention - proj bias) / tp + the proj bias
+    (whole on every rank); at tp > n_kv_head (KV heads copied, params.kv_copy_rows) Q's and proj's
+    (2d^2 + bd) / tp, the rank's copied KV head 2 d_head (d + b), and the proj bias bd."""
+    base, p = model_shape(config).base, param_breakdown(config)
+    whole_bias = base.d_model if isinstance(base, GPTConfig) and base.bias else 0
+    if not kv_copy_rows(config, tp):
+        return (p["attention"] - whole_bias) // tp + whole_bias
+    d, b = base.d_model, int(base.bias)
+    return (2 * d * d + b * d) // tp + 2 * kv_rows_per_rank(config, tp) * (d + b) + whole_bias
 
 
 def per_gpu_memory(config, batch: int = 1, seq: int | None = None, recipe: str = "bf16_mixed", zero_stage: int = 0,
@@ -96,7 +113,7 @@ def check_degrees(dims: ParallelDims, shape) -> None:
     pp stages a block, ep | n_experts. What the runtime splits, the estimator costs."""
     for name in ("dp", "tp", "pp", "ep", "cp"):
         positive_int(name, getattr(dims, name))
-    check_tp(dims.tp, shape.n_head, shape.ff_dim, shape.n_kv_head)
+    check_tp(dims.tp, shape.n_head, shape.ff_dim, shape.n_kv_head, copies_kv(shape))
     split_layers(shape.n_layer, dims.pp)  # uneven when pp does not divide n_layer
     check_experts(dims.ep, shape.n_experts)
 
@@ -170,9 +187,10 @@ def zero_units(config, dims, rank: int = 0, by_chunk: bool = False) -> list:
         zero 3   one unit per chunk and group: [matrices(c), vectors(c)] for each chunk c
 
     A chunk's parameters are rank_param_counts' for its stage of pp * v; its vectors per block
-    (GPT, b = 1 with biases): 2(d + bd) norms, qkv 3bd/tp, proj bd, per expert fc bf/tp and
-    proj bd (Llama-like: the 2 RMSNorms, 2d), and the final norm on the last stage. Empty units
-    are left out. by_chunk=True: stage 3's units as one list per chunk."""
+    (GPT, b = 1 with biases): 2(d + bd) norms, qkv b(d/tp + 2 kv_rows_per_rank: 3bd/tp without
+    grouped-query attention), proj bd, per expert fc bf/tp and proj bd (Llama-like: the 2
+    RMSNorms, 2d), and the final norm on the last stage. Empty units are left out.
+    by_chunk=True: stage 3's units as one list per chunk."""
     shape = model_shape(config)
     base = shape.base
     n_stages = dims.pp * dims.virtual_stages
@@ -181,7 +199,8 @@ def zero_units(config, dims, rank: int = 0, by_chunk: bool = False) -> list:
     b = int(getattr(base, "bias", False)) if isinstance(base, GPTConfig) else 0
     d, f = base.d_model, ff_dim(base)
     norms = param_breakdown(config)["norms"]
-    per_block = norms + 3 * b * d // tp + b * d + (shape.mlps // ep) * (b * f // tp + b * d)
+    qkv_bias = b * (d // tp + 2 * kv_rows_per_rank(config, tp))
+    per_block = norms + qkv_bias + b * d + (shape.mlps // ep) * (b * f // tp + b * d)
     final = param_breakdown(config)["final_norm"]
     split = split_layers(base.n_layer, n_stages)
     tied = bool(getattr(base, "tie_weights", False)) and n_stages > 1
@@ -258,6 +277,5 @@ def _block_params(config, tp: int, ep: int) -> int:
     base = shape.base
     p = param_breakdown(config)
     whole_bias = base.d_model if isinstance(base, GPTConfig) and base.bias else 0
-    attention = (p["attention"] - whole_bias) // tp + whole_bias
     mlp = (p["mlp"] - whole_bias) // tp + whole_bias
-    return attention + p["norms"] + p["router"] + (shape.mlps // ep) * mlp
+    return attention_per_rank(config, tp) + p["norms"] + p["router"] + (shape.mlps // ep) * mlp

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from course_lib._validate import check_int
-from course_lib.dims import RECOMPUTE, ZERO_STAGES, ParallelDims, check_context_parallel, check_experts, check_tp
+from course_lib.dims import (RECOMPUTE, ZERO_STAGES, ParallelDims, check_context_parallel, check_experts, check_tp,
+                             copies_kv)
 from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.params import model_shape
 from course_lib.estimate.step_time import ALL_TERMS, _memory_per_rank, _step_time, check_layout, composed
@@ -98,7 +99,7 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
     n, kv = cluster.n_gpus, shape.n_kv_head
     out = []
     for tp in divisors(n):
-        if tp > max_tp or not _obeys(check_tp, tp, shape.n_head, shape.ff_dim, kv):
+        if tp > max_tp or not _obeys(check_tp, tp, shape.n_head, shape.ff_dim, kv, copies_kv(shape)):
             continue
         for cp, method in [(c, m) for c in (divisors(n // tp) if cps is None else cps) for m in cp_methods
                            if (n // tp) % c == 0 and (c > 1 or m == cp_methods[0])

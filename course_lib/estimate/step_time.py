@@ -11,7 +11,9 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
                                                    forward = F/3, backward = 2F/3
                 recipe "fp8": (F - F8) / (n_gpus * R) + F8 / (n_gpus * R8), F8 the blocks' linear
                 matmuls (fp8_flops_per_token; attention scores, router and head stay bf16), R8
-                = cluster.achievable_fp8_flops (clusters.gpu_cluster: 75% of the FP8 peak)
+                = cluster.achievable_fp8_flops (clusters.gpu_cluster: 75% of the FP8 peak);
+                KV heads copied at tp > n_kv_head: + 6 L C d B seq / (n_gpus * R), C the K and V
+                rows held beyond one copy (params.kv_copy_rows: each copy multiplies too; not in F)
     overhead    (layers on the rank + 1) * m * c   c = cluster.layer_overhead: a layer's fixed
                                                    cost per micro-batch, whatever its size
     recompute   + forward again ("full") or + the attention scores' forward ("selective")
@@ -70,7 +72,7 @@ from course_lib.estimate.cluster import Cluster
 from course_lib.estimate.compute import flops_per_token
 from course_lib.estimate.context import attention_imbalance, ring_exposed
 from course_lib.estimate.memory import RECIPES
-from course_lib.estimate.params import GPTConfig, model_shape, param_breakdown
+from course_lib.estimate.params import GPTConfig, kv_copy_rows, model_shape, param_breakdown
 from course_lib.estimate.per_gpu import FSDP_UNITS, composed_zero_memory, gpu_memory, zero_units
 from course_lib.estimate.traffic import (ddp_buckets, seconds, step_traffic,  # noqa: F401 (ddp_buckets: re-exported)
                                           tp_traffic)
@@ -229,6 +231,8 @@ def _step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, se
     if recipe == "fp8":  # the blocks' linears at the FP8 rate, the rest at bf16's
         f8 = fp8_flops_per_token(config) * tokens
         compute = (flops - f8) / (n_gpus * rate) + f8 / (n_gpus * fp8_rate(C))
+    if copied := kv_copy_rows(config, L.tp):  # KV heads copied at tp > n_kv_head: every copy's K, V matmuls run
+        compute += 3 * 2 * base.n_layer * copied * base.d_model * tokens / (n_gpus * rate)
     if causal:  # the busiest cp rank's causal attention: imbalance x an even share (cp = 1: x 1, nothing added)
         attn = 3 * 4 * base.n_layer * seq * base.d_model * 0.5 * tokens  # flops_per_token's causal term
         compute += attn * (attention_imbalance(seq, L.cp, L.cp_load_balance) - 1) / (n_gpus * rate)

@@ -20,7 +20,9 @@ and one tp rank (the course's runtime, counted by course_lib.observe.CommTracer)
          (sent M / tp) or a reduce-scatter of M (sent M), 2L + 1 of each in forward; backward
          2L + 1 reduce-scatters, 2(2L + 1) all-gathers (the gradient of each forward reduce-
          scatter, and the re-gather of each saved sequence shard), and the gradients of the
-         replicated parameters that saw a shard (norms, row-parallel biases, the position table)
+         replicated parameters that saw a shard (norms, row-parallel biases, the position table).
+         KV heads copied at tp > n_kv_head: per block 2 all-reduces of qkv's K and V rows
+         (weight and bias) forward and 2 backward
     pp   2(S - 1) point-to-point messages of M (an activation forward, a gradient backward per
          boundary), the tied embedding's gradient between the end stages (one message each
          way), and the loss broadcast from the last stage
@@ -77,7 +79,7 @@ def step_traffic(config, dims, batch_size: int, seq: int | None = None, act_byte
     g = act_bytes if grad_bytes is None else grad_bytes
     if local_params is None:  # the average rank's
         local_params = replica_group_params(config, dims) / (dims.pp * dims.ep * dims.tp)
-    return {"tp": tp_traffic(config, dims, batch_size, seq, act_bytes),
+    return {"tp": tp_traffic(config, dims, batch_size, seq, act_bytes, param_bytes=param_bytes),
             "pp": pp_traffic(config, dims, batch_size, seq, act_bytes, g),
             "ep": ep_traffic(config, dims, batch_size, seq, act_bytes, g),
             "dp": dp_traffic(config, dims, batch_size, seq, local_params, g, param_bytes),

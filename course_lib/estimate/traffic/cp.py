@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from course_lib.estimate.params import kv_dim
+from course_lib.estimate.params import kv_rows_per_rank
 from course_lib.estimate.traffic.records import Collective, _shape
 
 
@@ -11,7 +11,7 @@ def cp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     and backward (course_lib.parallel.cp.attention). Each of the cp ranks of a replica holds s/cp
     tokens of its mb sequences; C = mb (s/cp) kv e / tp is its keys (or values) of one micro-batch
     (kv the key/value width: d_model, or n_kv_head * d_head under grouped-query attention; tp
-    splits the heads) and Q = mb (s/cp) d e / tp its queries. Per block and micro-batch, on every
+    splits the heads, or at tp > n_kv_head each rank holds one copied head: kv / tp = d_head) and Q = mb (s/cp) d e / tp its queries. Per block and micro-batch, on every
     cp rank (dims.cp_method; the layout, contiguous or zig-zag, moves no byte):
 
         allgather  forward one all-gather of K||V (2C in, 2 cp C out); backward its gradient, one
@@ -30,7 +30,7 @@ def cp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     method = dims.cp_method
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
     L, m, n, R = base.n_layer, dims.microbatches, dims.tp, dims.replicas
-    C, Q = mb * (s // cp) * kv_dim(base) * act_bytes // n, mb * (s // cp) * base.d_model * act_bytes // n
+    C, Q = mb * (s // cp) * kv_rows_per_rank(config, n) * act_bytes, mb * (s // cp) * base.d_model * act_bytes // n
     fwd = 1 + int(dims.recompute == "full")  # forwards per block and micro-batch
 
     def rec(what, op, nbytes, per_block, sent, group=cp, priced=None, why=""):

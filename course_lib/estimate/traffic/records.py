@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from course_lib._validate import check_int
 from course_lib.comm.measured import CollectiveTable, collective_time
 from course_lib.dims import check_batch, layers_per_rank
-from course_lib.estimate.params import model_shape, param_breakdown, param_count
+from course_lib.estimate.params import kv_copy_rows, model_shape, param_breakdown, param_count
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,12 @@ def tp_replicated_params(config) -> int:
 def replica_group_params(config, dims) -> int:
     """Parameters held by the pp*ep*tp ranks of one data-parallel copy, summed: a tp-replicated
     tensor counted tp times, dense tensors ep times, the tied matrix once more when the first
-    and last stage differ, the vocabulary padding of tensor parallelism included."""
+    and last stage differ, the vocabulary padding of tensor parallelism included, and the copies of
+    KV heads at tp > n_kv_head (kv_copy_rows per block, each row d weights and a bias)."""
     base = model_shape(config).base
     vpad, d, tied = padded_vocab(config, dims.tp), base.d_model, getattr(base, "tie_weights", False)
     n = total_params(config) + (vpad - base.vocab_size) * d * (1 if tied else 2)
     n += (dims.tp - 1) * tp_replicated_params(config) if dims.tp > 1 else 0
+    n += dims.ep * base.n_layer * kv_copy_rows(config, dims.tp) * (d + int(getattr(base, "bias", False)))
     n += (dims.ep - 1) * dense_params(config) + dims.ep * (vpad * d if dims.pp > 1 and tied else 0)
     return n

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 from course_lib.dims import layers_per_rank
-from course_lib.estimate.params import param_breakdown
+from course_lib.estimate.params import kv_copy_rows, model_shape, param_breakdown
 from course_lib.estimate.traffic.records import Collective, _pipeline_rank, _shape
 
 
 def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes: int = 4,
-               rank: int | None = None) -> list[Collective]:
+               rank: int | None = None, param_bytes: int | None = None) -> list[Collective]:
     """Tensor (and sequence) parallelism's collectives (module docstring). Under bf16 autocast
     the row-parallel matmuls' outputs are bf16, and under SP so are the gradients flowing back
     into them and out of the column-parallel matmuls' (bf16) inputs: those messages are 2 bytes
     an element; the rest (norm outputs, the embedding, the loss) stays at act_bytes.
     rank: the calls of that pipeline rank as the course's runtime makes them (its own blocks,
     the end it holds, one all-reduce repeated per recomputed block), priced as made: the
-    step-time model's reading on a measured table. None: rank 0's calls, priced as above."""
+    step-time model's reading on a measured table. None: rank 0's calls, priced as above.
+    KV heads copied at tp > n_kv_head (the course's GPT, course_lib.parallel.tp.layers): per block
+    and forward (again when recomputed) one all-reduce of every K and V row of qkv's weight
+    (2 kv d elements, kv = n_kv_head d_head) and one of its bias (2 kv), from their first holders
+    (the others add zeros), and one of each backward (every copy's gradient summed to the first
+    holder): param_bytes an element (default act_bytes; the runtime's weights are fp32)."""
     if dims.tp == 1:
         return []
     base, s, mb, l0 = _shape(config, dims, batch_size, seq)
@@ -44,21 +49,28 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
                           measured_only=measured_only)
 
     loss = rec("the vocabulary-parallel loss: max, sum, target", "all_reduce", mb * s * 4, lambda l, a, z: 3 * z)
+    b, shape = int(getattr(base, "bias", False)), model_shape(config)
+    pb = act_bytes if param_bytes is None else param_bytes
+    shared = 2 * shape.n_kv_head * (shape.d_model // shape.n_head) if kv_copy_rows(config, n) else 0  # K, V rows
+    copies = [rec(f"copied KV heads: qkv's K and V {part} from their first holders (n_kv_head < tp)", "all_reduce",
+                  shared * width * pb, lambda l, a, z: (2 + full) * l)
+              for part, width in (("weight rows", base.d_model), ("biases", b)) if width and shared]
     if not dims.sequence_parallel:
-        return [rec("g after attn.proj and mlp.proj", "all_reduce", Mb, lambda l, a, z: (2 + full) * l,
-                    lambda l, a, z: (2 + 2 * full) * l, megatron),
-                rec("f before qkv, fc and the head; g after the embedding", "all_reduce", M,
-                    lambda l, a, z: 2 * l + a + z),
-                loss]
+        return copies + [
+            rec("g after attn.proj and mlp.proj", "all_reduce", Mb, lambda l, a, z: (2 + full) * l,
+                lambda l, a, z: (2 + 2 * full) * l, megatron),
+            rec("f before qkv, fc and the head; g after the embedding", "all_reduce", M,
+                lambda l, a, z: 2 * l + a + z),
+            loss]
     # backward all-reduces of replicated gradients that saw one shard: per block 2 norms (+ their
     # biases and the 2 row-parallel biases), the final norm, the position table (a GPT's)
-    b, d_e = int(getattr(base, "bias", False)), base.d_model * act_bytes
+    d_e = base.d_model * act_bytes
     pos = param_breakdown(base)["position"] * act_bytes
     small0 = l0 * (2 + 4 * b) + (1 + b) * (dims.pp == 1) + (pos > 0)
     if rank is not None:  # the final norm on the last stage, the position table on the first
         small0 = own[0] * (2 + 4 * b) + (1 + b) * own[2] + (pos > 0) * own[1]
     small_bytes = (L * (2 + 4 * b) + 1 + b) * d_e + pos
-    return [
+    return copies + [
         rec("all-gathers into qkv, fc and the head, and of the embedding's output gradient", "all_gather", M,
             lambda l, a, z: (2 + 2 * full) * l + a + z),
         rec("all-gathers of the gradients of attn.proj's and mlp.proj's reduce-scatters", "all_gather", Mb,
