@@ -35,6 +35,9 @@ WRONG = {
     # only the present replicas update their outer copy: the absent one falls out of step
     "absent replica keeps its outer state": ([(STEP, "        a.sub_(outer_lr * (delta + mu * b) if present else 0)")],
                                              r"replica 1 \(outside the quorum\) leaves the round with another"),
+    # new tensors bound to the local name: the caller's theta_0 never moves
+    "theta_0 rebound, not updated": ([(STEP, "        a = a - outer_lr * (delta + mu * b)")],
+                                      "theta_0 did not change"),
 }
 
 
@@ -71,6 +74,13 @@ def test_a_replica_that_skips_the_round_is_named(tmp_path, monkeypatch, capsys):
     source = mutated(SOLUTION, [("    vote = ", "    if not present:\n        return\n    vote = ")])
     assert_rejected(tmp_path, monkeypatch, capsys, EX, source, grade.check_made_up_rounds,
                     "outside the quorum, does not leave the round at the new theta_0", refuse=grade.REFUSE)
+
+
+def test_a_float32_buffer_is_not_a_mistake(tmp_path, monkeypatch, capsys):
+    """The deltas carried in a float32 buffer round to ~1e-8 here: within the check's tolerance."""
+    source = mutated(SOLUTION, [("    if not present:", "    flat = flat.float()\n    if not present:")])
+    grade.check_made_up_rounds(_load(tmp_path, monkeypatch, source))
+    assert capsys.readouterr().out.count("PASS") == 2
 
 
 def test_the_training_check_rejects_localsgd(tmp_path, monkeypatch, capsys):
