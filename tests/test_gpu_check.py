@@ -57,6 +57,7 @@ def test_the_plan_uses_every_gpu_and_says_why_it_skips():
                                                "tp ranks",
                                                "zbv places two chunks per rank in a V over >= 2 ranks",
                                                "it kills rank 1 of >= 2 and restarts the group",
+                                               "trainer and generator are two groups of ranks: >= 2 GPUs",
                                                "it fails on purpose: the debugging notebook runs it",
                                                "configs/capstone_tiny.toml lays out 8 ranks; 1 GPU(s) here"]
     assert [s.name for s in eight if s.skip] == ["broken_run"]

@@ -99,6 +99,12 @@ def plan(gpus: int, scratch: str = "/tmp/course-gpu-check") -> list[Step]:
                           "--check"], torchrun=["--max-restarts", "2"]))
     else:
         steps.append(Step("elastic", 2, skip="it kills rank 1 of >= 2 and restarts the group"))
+    if gpus >= 2:  # ranks 0..A-1 train ZeRO-3, the last B generate with tensor parallelism
+        gen = _pow2_at_most(gpus // 2, 4)
+        steps.append(Step("weight_sync", gpus, ["--trainer", f"zero3:dp{gpus - gen}", "--generator", f"tp:{gen}",
+                                                "--check"]))
+    else:
+        steps.append(Step("weight_sync", 2, skip="trainer and generator are two groups of ranks: >= 2 GPUs"))
     steps.append(Step("broken_run", gpus, skip="it fails on purpose: the debugging notebook runs it"))
     capstone = ["--config", "configs/capstone_tiny.toml", "--checkpoint-dir", f"{scratch}/capstone"]
     if gpus >= 8:  # configs/capstone_tiny.toml lays out 8 ranks, then resumes on 4
