@@ -24,7 +24,8 @@ What each degree splits (B = global batch, L = layers, E = experts, T = sequence
     cp   the sequence T of every row: T / cp tokens per rank (cp | T; 2cp | T with causal load
          balancing, rank r holding chunks r and 2cp-1-r); the cp ranks of a replica read the
          SAME rows, so replicas stay dp * ep; they hold whole weights, so the gradients are
-         reduced (and ZeRO shards the state) over dp * ep * cp ranks
+         reduced (and ZeRO shards the state) over dp * ep * cp ranks. K, V travel un-repeated (their
+         n_kv_head heads); Ulysses' all-to-all needs cp | n_head/tp and the tp rank's KV heads
 
 The rules come in two kinds, kept apart: `check_model` is what any run of this layout needs (the
 estimator costs exactly what it accepts); `check_composable` is what the course's runtime
@@ -75,27 +76,27 @@ def copies_kv(shape) -> bool:
 
 
 def check_context_parallel(cp: int, seq: int | None, n_head: int, method: str = "ring",
-                           load_balance: bool = True, n_kv_head: int | None = None) -> None:
+                           load_balance: bool = True, n_kv_head: int | None = None, tp: int = 1) -> None:
     """Context parallelism splits the sequence of T = seq tokens over cp ranks in equal shards:
     cp | T, and with causal load balancing ("zig-zag": rank r holds chunks r and 2cp-1-r of 2cp)
-    2cp | T. Ulysses re-shards from sequence to heads with an all-to-all: cp | n_head (and
-    n_kv_head). None for seq: not known yet, checked later."""
+    2cp | T. Ulysses re-shards a tp rank's heads with an all-to-all, K and V un-repeated (grouped-query
+    attention): cp | n_head/tp and cp | its KV heads, n_kv_head/tp or one copied head at tp > n_kv_head
+    (copies_kv; so cp = 1 there). None for seq: not known yet, checked later."""
     check_int("cp", cp)
     check_one_of("cp_method", method, CP_METHODS)
     check_bool("load_balance", load_balance)
     if cp == 1:
         return
-    if seq is not None:
-        chunks = 2 * cp if load_balance else cp
-        if seq % chunks:
-            why = (f"2*cp = {chunks} chunks (load_balance=True: rank r holds chunks r and 2cp-1-r)"
-                   if load_balance else f"cp = {cp} equal shards")
-            raise ValueError(f"seq_len={seq} must be divisible by {why}")
-    if method == "ulysses":
-        for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head)):
-            if value is not None and value % cp:
-                raise ValueError(f"cp={cp} must divide {name}={value} for method='ulysses' (its all-to-all "
-                                 f"gives each rank whole heads of the whole sequence)")
+    if seq is not None and seq % (2 * cp if load_balance else cp):
+        why = (f"2*cp = {2 * cp} chunks (load_balance=True: rank r holds chunks r and 2cp-1-r)"
+               if load_balance else f"cp = {cp} equal shards")
+        raise ValueError(f"seq_len={seq} must be divisible by {why}")
+    for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head)) if method == "ulysses" else ():
+        if value is not None and max(1, value // tp) % cp:
+            where = (f"{name}={value}" if tp == 1 else f"the {name}/tp = {value}/{tp} = {value // tp} heads of a tensor-"
+                     f"parallel rank" if value >= tp else f"the one KV head a tp={tp} > {name}={value} rank copies")
+            raise ValueError(f"cp={cp} must divide {where} for method='ulysses' (its all-to-all gives each "
+                             f"rank whole heads of the whole sequence)")
 
 
 def check_sequence_parallel(sequence_parallel: bool, tp: int, seq: int | None = None) -> None:
@@ -322,9 +323,10 @@ class ParallelDims:
         seq = shape.block_size if seq_len is None else check_int("seq_len", seq_len)
         check_pipeline_choice(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         split_layers(shape.n_layer, self.pp * self.virtual_stages)
-        check_context_parallel(self.cp, seq, shape.n_head, self.cp_method, self.cp_load_balance, shape.n_kv_head)
-        check_sequence_parallel(self.sequence_parallel, self.tp, seq // self.cp)  # tp splits a cp shard
         check_tp(self.tp, shape.n_head, shape.ff_dim, shape.n_kv_head, copies_kv(shape))
+        check_context_parallel(self.cp, seq, shape.n_head, self.cp_method, self.cp_load_balance, shape.n_kv_head,
+                               self.tp)  # Ulysses: a tp rank's heads
+        check_sequence_parallel(self.sequence_parallel, self.tp, seq // self.cp)  # tp splits a cp shard
         check_experts(self.ep, shape.n_experts)
         check_batch(batch_size, self.replicas, self.microbatches)
         return self
@@ -340,12 +342,6 @@ class ParallelDims:
             if getattr(cfg, "dropout", 0.0):
                 raise ValueError(f"cp={self.cp} with dropout={cfg.dropout}: context-parallel attention has no "
                                  f"attention dropout; use dropout=0")
-            for name in ("n_head", "n_kv_head") if self.cp_method == "ulysses" else ():
-                heads = getattr(cfg, name, None)  # Ulysses re-shards the heads a tp rank holds
-                if heads is not None and (heads // self.tp) % self.cp:
-                    raise ValueError(f"cp={self.cp} must divide the {name}/tp = {heads}/{self.tp} = "
-                                     f"{heads // self.tp} heads of a tensor-parallel rank for cp_method='ulysses' "
-                                     f"(its all-to-all gives each cp rank whole heads of the whole sequence)")
         if self.zero not in COMPOSED_ZERO_STAGES:
             raise ValueError(f"zero={self.zero} must be one of {COMPOSED_ZERO_STAGES}")
         check_bool("reshard_after_forward", self.reshard_after_forward)

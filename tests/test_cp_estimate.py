@@ -46,8 +46,8 @@ def test_every_activation_term_falls_by_cp_exactly(config, attention, method):
     one = activation_bytes(config, b, seq, 2, attention=attention, tp=2, sequence_parallel=True)
     for cp in (2, 4):
         kv_heads = getattr(config, "kv_heads", None) or config.n_kv_head  # GPTConfig: None means n_head
-        if method == "ulysses" and (config.n_head % cp or kv_heads % cp):
-            continue  # Ulysses needs cp | heads (and KV heads)
+        if method == "ulysses" and ((config.n_head // 2) % cp or (kv_heads // 2) % cp):
+            continue  # Ulysses needs cp | a tp = 2 rank's heads (and KV heads)
         got = activation_bytes(config, b, seq, 2, attention=attention, tp=2, sequence_parallel=True, cp=cp,
                                cp_method=method)
         extra = dict(got["layer_terms"])

@@ -150,10 +150,8 @@ def test_single_process_flops_count_gqa_k_and_v_kv_wide():
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_the_copies_records_hold_beside_context_parallel(method):
     """tp = 2 > n_kv_head = 1 beside cp = 2: tp's traced calls and bytes (the copies' all-reduces
-    included) equal tp_traffic's. cp's own bytes are not compared: the course's attention repeats K
-    and V to its query heads before the context-parallel seam (model/gpt.py), so its ring sends
-    d/tp-wide blocks whatever n_kv_head, where cp_traffic counts the rank's KV heads (one copied head,
-    d_head wide, here) as a grouped-query-aware implementation sends them."""
+    included) equal tp_traffic's. cp's own bytes (the rank's one copied KV head, d_head wide, sent
+    un-repeated) equal cp_traffic's in tests/test_cp_gqa.py."""
     cfg = replace(config(1), n_layer=2, block_size=16)
     dims = ParallelDims(tp=2, cp=2, cp_method=method)
     results = run_hybrid(dims, cfg, ONE_STEP, trace=True, timeout_s=240)

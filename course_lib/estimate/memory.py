@@ -250,7 +250,7 @@ def activation_bytes(config, batch: int, seq: int | None = None, dtype_bytes: in
         raise ValueError(f"attention={attention!r} must be one of {ATTENTION}")
     check_tp(tp, base.n_head, ff_dim(base), getattr(base, "n_kv_head", None), copies_kv(shape))
     # cp | s (the zig-zag's 2cp | s is the layout's, not the bytes'), cp | heads for Ulysses
-    check_context_parallel(cp, seq, base.n_head, cp_method, False, getattr(base, "n_kv_head", None))
+    check_context_parallel(cp, seq, base.n_head, cp_method, False, getattr(base, "n_kv_head", None), tp)
     if dropout is None:
         dropout = base.dropout > 0
     gpt = isinstance(base, GPTConfig)

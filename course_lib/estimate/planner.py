@@ -103,7 +103,7 @@ def search(config, cluster: Cluster, global_batch: int, seq: int | None = None, 
             continue
         for cp, method in [(c, m) for c in (divisors(n // tp) if cps is None else cps) for m in cp_methods
                            if (n // tp) % c == 0 and (c > 1 or m == cp_methods[0])
-                           and _obeys(check_context_parallel, c, seq, shape.n_head, m, True, kv)]:
+                           and _obeys(check_context_parallel, c, seq, shape.n_head, m, True, kv, tp)]:
             for pp in divisors(n // (tp * cp)):
                 if shape.n_layer % pp:
                     continue

@@ -118,8 +118,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split([n_q * self.d_head, n_kv * self.d_head, n_kv * self.d_head], dim=-1)
         # (B, T, heads * d_head) -> (B, heads, T, d_head): every head attends independently.
         q, k, v = (t.view(B, T, -1, self.d_head).transpose(1, 2) for t in (q, k, v))
-        if n_q != n_kv:  # grouped: query head h reads K, V head h // (n_q / n_kv), repeated to match
-            k, v = (t.repeat_interleave(n_q // n_kv, dim=1) for t in (k, v))
+        # k, v stay n_kv heads wide: `attend` repeats them to the query heads (layers.repeat_kv), after
+        # any communication of a strategy that swaps it (context parallelism sends K, V un-repeated)
         y = self.attend(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # concatenate the heads
         return self.resid_drop(self.proj(y))

@@ -39,10 +39,21 @@ class MLP(nn.Module):
         return self.drop(self.proj(self.act(self.fc(x))))
 
 
+def repeat_kv(t: torch.Tensor, n_q: int) -> torch.Tensor:
+    """Grouped-query attention's K (or V), (B, n_kv, T, hd), repeated to n_q heads: query head h
+    reads K head h // (n_q / n_kv) (Ainslie et al. 2023). Unchanged when n_kv = n_q."""
+    n_kv = t.shape[1]
+    if n_q % n_kv:
+        raise ValueError(f"{n_kv} key/value heads must divide the {n_q} query heads")
+    return t if n_kv == n_q else t.repeat_interleave(n_q // n_kv, dim=1)
+
+
 class CausalAttention(nn.Module):
     """out = softmax(q k^T / sqrt(d) + M) v for every batch row and head, where d = head_dim
     and the mask M is -inf above the diagonal (query t sees keys 0..t; q and k cover the same
-    positions). q, k, v: (B, n_head, T, head_dim) -> out: (B, n_head, T, head_dim).
+    positions). q: (B, n_head, T, head_dim), k, v: (B, n_kv, T, head_dim), repeated here to the
+    query heads (repeat_kv; n_kv = n_head without grouped-query attention) -> out: (B, n_head, T,
+    head_dim).
 
     impl "naive" materialises the (B, n_head, T, T) scores; "fused" calls one kernel
     (F.scaled_dot_product_attention, which on a GPU never stores them). Dropout, if any, acts
@@ -58,6 +69,7 @@ class CausalAttention(nn.Module):
         self.attn_drop = nn.Dropout(dropout)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         if self.impl == "fused":
             p = self.dropout if self.training else 0.0
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)

@@ -11,8 +11,10 @@ def cp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
     and backward (course_lib.parallel.cp.attention). Each of the cp ranks of a replica holds s/cp
     tokens of its mb sequences; C = mb (s/cp) kv e / tp is its keys (or values) of one micro-batch
     (kv the key/value width: d_model, or n_kv_head * d_head under grouped-query attention; tp
-    splits the heads, or at tp > n_kv_head each rank holds one copied head: kv / tp = d_head) and Q = mb (s/cp) d e / tp its queries. Per block and micro-batch, on every
-    cp rank (dims.cp_method; the layout, contiguous or zig-zag, moves no byte):
+    splits the heads, or at tp > n_kv_head each rank holds one copied head: kv / tp = d_head) and Q = mb (s/cp) d e / tp its queries.
+    K and V travel un-repeated, as course_lib.parallel.cp sends them (it repeats them to the query heads
+    after the communication; Ulysses needs cp | the rank's KV heads, dims.check_context_parallel).
+    Per block and micro-batch, on every cp rank (dims.cp_method; the layout, contiguous or zig-zag, moves no byte):
 
         allgather  forward one all-gather of K||V (2C in, 2 cp C out); backward its gradient, one
                    reduce-scatter of dK||dV (2 cp C in)

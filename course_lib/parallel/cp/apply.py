@@ -64,7 +64,7 @@ def check_apply(config, cp: int, seq_len: int | None = None, method: str = "ring
     before any rank starts): the rule book's context-parallel rules (course_lib.dims) for a
     sequence of seq_len tokens (default block_size), and a dense GPT without attention dropout."""
     check_context_parallel(cp, config.block_size if seq_len is None else seq_len, config.n_head, method,
-                           load_balance)
+                           load_balance, getattr(config, "n_kv_head", None))
     if getattr(config, "n_experts", 0):
         # the routers' load-balancing loss is a product of means over the batch's tokens: over a
         # shard it is not the single process's (and not the mean of the shards' values)

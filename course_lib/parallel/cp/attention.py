@@ -4,7 +4,9 @@ attention that belong to its queries. Attention is the only op of a transformer 
 mixes positions, so it is the only one that communicates.
 
 Three ways to let a rank's queries see the other ranks' keys (B batch, H heads, s = T/cp tokens
-per rank, hd head dim; one "block" = B·H·s·hd elements; counts per layer per rank):
+per rank, hd head dim; one "block" = B·H·s·hd elements, one K or V block B·H_kv·s·hd with H_kv
+key/value heads under grouped-query attention, sent un-repeated and repeated to the H query
+heads after the communication; counts per layer per rank):
 
     method      forward                                     backward
     allgather   1 all_gather_single of K||V (2 blocks in,   1 reduce_scatter_single of dK||dV
@@ -25,7 +27,7 @@ rank itself, so it sends (cp-1)/cp of the blocks named. cp = 1 communicates noth
                the block it holds, merged by log-sum-exp (blocks.py); sends overlap compute
                and never hold more than two blocks; blocks wholly after the queries are skipped.
     ulysses    (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from (all heads, my tokens) to
-               (H/cp heads, all tokens), plain attention, all-to-all back. Needs cp | H.
+               (H/cp heads, all tokens), plain attention, all-to-all back. Needs cp | H, H_kv.
 
 All three equal single-process causal attention restricted to the rank's rows, forward and
 backward (tests/test_cp_attention.py).
@@ -39,6 +41,7 @@ import torch.nn as nn
 
 from course_lib.comm.autograd import gather_along_dim
 from course_lib.dims import CP_METHODS
+from course_lib.model.layers import repeat_kv
 from course_lib.parallel.cp.blocks import block_attention, merge_partials  # noqa: F401  (the interface)
 from course_lib.parallel.cp.layout import SequenceLayout
 from course_lib.parallel.cp.ring import ring_attention
@@ -53,9 +56,9 @@ def allgather_attention(q, k, v, q_pos, group, layout: SequenceLayout, scale=Non
     rank's dK||dV for the whole sequence and leaves each rank its own shard. On gloo, torch's
     reduce-scatter is itself an all-reduce followed by a slice (same result, more bytes on the
     wire); the tracer counts the one reduce_scatter_single call."""
-    kv = gather_along_dim(torch.stack([k, v]), SEQ_DIM + 1, group)  # (2, B, H, T, hd), shards in rank order
-    k_pos = layout.all_positions()
-    out, _ = block_attention(q, kv[0], kv[1], q_pos, k_pos, scale)
+    kv = gather_along_dim(torch.stack([k, v]), SEQ_DIM + 1, group)  # (2, B, H_kv, T, hd), shards in rank order
+    k_pos = layout.all_positions()  # K, V gathered KV-wide, repeated to the query heads here, after the gather
+    out, _ = block_attention(q, repeat_kv(kv[0], q.shape[1]), repeat_kv(kv[1], q.shape[1]), q_pos, k_pos, scale)
     return out
 
 
@@ -68,9 +71,10 @@ def _check(q, k, v, q_pos, group, layout, method, positions_checked: bool = Fals
     cp = dist.get_world_size(group)
     if cp != layout.cp:
         raise ValueError(f"the group has {cp} ranks but layout.cp={layout.cp}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have one shape (B, H, s, hd); got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+    if not (k.shape == v.shape and q.shape[::2] == k.shape[::2] and q.shape[-1] == k.shape[-1]
+            and q.shape[1] % k.shape[1] == 0):
+        raise ValueError(f"q (B, H, s, hd) and k, v (B, H_kv, s, hd) with H_kv | H (grouped-query attention) "
+                         f"must agree; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[SEQ_DIM] != layout.shard_len or tuple(q_pos.shape) != (layout.shard_len,):
         raise ValueError(f"this rank's shard holds {layout.shard_len} tokens (seq_len={layout.seq_len} over "
                          f"cp={layout.cp}); got q with {q.shape[SEQ_DIM]} and q_pos of shape {tuple(q_pos.shape)}")
@@ -81,20 +85,21 @@ def _check(q, k, v, q_pos, group, layout, method, positions_checked: bool = Fals
         raise ValueError(f"q_pos must be layout.positions({rank}) (the other ranks' positions are read off the "
                          f"layout, so the two must agree)")
     if method == "ulysses":
-        layout.check(q.shape[1], method)
+        layout.check(q.shape[1], method, k.shape[1])
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, group,
                       layout: SequenceLayout, method: str = "ring", *, positions_checked: bool = False) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence's keys.
 
-    q, k, v: (B, H, s, hd), this rank's shard (s = layout.shard_len tokens at positions q_pos =
-    layout.positions(rank)); group: the cp ranks (layout.cp of them). Returns out (B, H, s, hd),
+    q: (B, H, s, hd), k, v: (B, H_kv, s, hd), this rank's shard (s = layout.shard_len tokens at
+    positions q_pos = layout.positions(rank); H_kv | H key/value heads, each shared by H / H_kv
+    query heads, sent un-repeated and repeated after the communication); group: the cp ranks (layout.cp of them). Returns out (B, H, s, hd),
     the rows of full causal attention at q_pos; differentiable in q, k, v. The calls each method
     makes are in the module docstring. positions_checked: see _check."""
     _check(q, k, v, q_pos, group, layout, method, positions_checked)
     if layout.cp == 1:
-        return block_attention(q, k, v, q_pos, q_pos)[0]
+        return block_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), q_pos, q_pos)[0]
     if method == "allgather":
         return allgather_attention(q, k, v, q_pos, group, layout)
     if method == "ring":

@@ -22,8 +22,12 @@ dK||dV for the block: at each step the rank adds its queries' contribution to th
 holds and passes the accumulator on; after the cp-th step the accumulator of block r sits on
 rank r-1, and one more hop brings it home. dQ stays local.
 
+Grouped-query attention: the K||V blocks (and the dK||dV accumulators) travel H_kv heads wide, the
+rank's own key/value heads, and are repeated to the H query heads only where a block is computed
+(repeat_kv; its gradient folded back by fold_kv), so the ring moves H_kv/H of multi-head bytes.
+
 Calls per layer per rank, each a torch.distributed.batch_isend_irecv of one isend to rank r+1
-and one irecv from rank r-1 of a K||V-sized tensor (2 blocks of B·H·s·hd elements):
+and one irecv from rank r-1 of a K||V-sized tensor (2 blocks of B·H_kv·s·hd elements):
     forward   cp-1 exchanges of K||V
     backward  cp-1 exchanges of K||V (posted before the step's compute, overlapping it) and
               cp exchanges of dK||dV (posted after the step's compute, overlapping the next
@@ -35,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from course_lib.model.layers import repeat_kv
 from course_lib.parallel.cp.blocks import (NEG_INF, block_attention, block_attention_backward, default_scale,
                                            merge_partials, visible_rectangle)
 
@@ -72,6 +77,12 @@ def ring_work(layout) -> list[int]:
             for r in range(layout.cp)]
 
 
+def fold_kv(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """The adjoint of repeat_kv: a gradient (B, H, s, hd) on the repeated heads summed over each
+    K/V head's group of H / n_kv query heads -> (B, n_kv, s, hd)."""
+    return grad if grad.shape[1] == n_kv else grad.unflatten(1, (n_kv, -1)).sum(2)
+
+
 def _wait(reqs) -> None:
     for req in reqs:
         req.wait()
@@ -80,15 +91,15 @@ def _wait(reqs) -> None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_pos, group, layout, scale):
-        cp, me = layout.cp, dist.get_rank(group)
-        kv = torch.stack([k, v])
+        cp, me, n_q = layout.cp, dist.get_rank(group), q.shape[1]
+        kv = torch.stack([k, v])  # H_kv heads: the blocks go round un-repeated (grouped-query attention)
         out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], NEG_INF)
         for step, (src, q_lo, k_hi) in enumerate(ring_schedule(layout, me)):
             buf, reqs = _exchange(kv, group, KV_TAG) if step < cp - 1 else (None, [])
             k_pos = layout.positions(src)
             if q_lo < len(q_pos) and k_hi > 0:  # else every key is after every query: skipped
-                o_b, l_b = block_attention(q[..., q_lo:, :], kv[0, ..., :k_hi, :], kv[1, ..., :k_hi, :],
-                                           q_pos[q_lo:], k_pos[:k_hi], scale)
+                o_b, l_b = block_attention(q[..., q_lo:, :], repeat_kv(kv[0, ..., :k_hi, :], n_q),
+                                           repeat_kv(kv[1, ..., :k_hi, :], n_q), q_pos[q_lo:], k_pos[:k_hi], scale)
                 out[..., q_lo:, :], lse[..., q_lo:] = merge_partials(out[..., q_lo:, :], lse[..., q_lo:], o_b, l_b)
             _wait(reqs)
             kv = buf
@@ -100,7 +111,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, q_pos, out, lse = ctx.saved_tensors
         group, layout, scale = ctx.group, ctx.layout, ctx.scale
-        cp, me = layout.cp, dist.get_rank(group)
+        cp, me, n_q = layout.cp, dist.get_rank(group), q.shape[1]
         dout = dout.contiguous()
         delta = (dout * out).sum(-1)  # D = rowsum(dO ∘ O), once for all blocks
         dq = torch.zeros_like(q)
@@ -113,8 +124,8 @@ class _RingAttention(torch.autograd.Function):
             grads = None
             if q_lo < len(q_pos) and k_hi > 0:
                 grads = block_attention_backward(
-                    q[..., q_lo:, :], kv[0, ..., :k_hi, :], kv[1, ..., :k_hi, :], q_pos[q_lo:], k_pos[:k_hi],
-                    lse[..., q_lo:], dout[..., q_lo:, :], delta[..., q_lo:], scale)
+                    q[..., q_lo:, :], repeat_kv(kv[0, ..., :k_hi, :], n_q), repeat_kv(kv[1, ..., :k_hi, :], n_q),
+                    q_pos[q_lo:], k_pos[:k_hi], lse[..., q_lo:], dout[..., q_lo:, :], delta[..., q_lo:], scale)
                 dq[..., q_lo:, :] += grads[0]
             # The accumulator of this step's block arrived during the compute above (posted by
             # rank r-1 at the end of its previous step): the gradient hop overlaps compute too.
@@ -122,8 +133,8 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:
                 dkv = received
             if grads is not None:
-                dkv[0, ..., :k_hi, :] += grads[1]
-                dkv[1, ..., :k_hi, :] += grads[2]
+                dkv[0, ..., :k_hi, :] += fold_kv(grads[1], kv.shape[2])  # the repeat's adjoint: a
+                dkv[1, ..., :k_hi, :] += fold_kv(grads[2], kv.shape[2])  # sum over each head's group
             # Pass the accumulator on; after the last step this hop takes block r+1's home.
             received, grad_reqs = _exchange(dkv, group, GRAD_TAG)
             _wait(kv_reqs)
@@ -134,9 +145,9 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, q_pos, group, layout, scale=None):
-    """Causal attention of this rank's queries (q, k, v: (B, H, s, hd) at positions q_pos, the
+    """Causal attention of this rank's queries (q: (B, H, s, hd), k, v: (B, H_kv, s, hd) at positions q_pos, the
     layout's positions of this rank) by the ring; the calls are in the module docstring."""
     if dist.get_world_size(group) == 1:
-        return block_attention(q, k, v, q_pos, q_pos, scale)[0]
+        return block_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), q_pos, q_pos, scale)[0]
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), q_pos, group, layout,
                                 default_scale(q, scale))

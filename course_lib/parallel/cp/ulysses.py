@@ -10,10 +10,12 @@ rank's tokens back with all heads:
 The gathered sequence is in rank order, not position order under the zig-zag layout; the
 attention masks by absolute position (layout.all_positions()), so the order does not matter.
 
-Calls per layer per rank: forward 2 all_to_all_single (Q||K||V stacked: 3 blocks; then O:
-1 block), backward 2 (dO: 1 block; dQ||dK||dV: 3 blocks), one block = B·H·s·hd elements, of
-which (cp-1)/cp leave the rank. Autograd differentiates through course_lib.comm.autograd's
-all_to_all_single, whose backward is the inverse routing. Needs cp | H.
+Calls per layer per rank: forward 2 all_to_all_single (Q||K||V: B·(H + 2 H_kv)·s·hd elements,
+H_kv the rank's key/value heads under grouped-query attention; then O: B·H·s·hd), backward 2
+(dO, then dQ||dK||dV, the same sizes), of which (cp-1)/cp leave the rank. Autograd
+differentiates through course_lib.comm.autograd's all_to_all_single, whose backward is the
+inverse routing. Needs cp | H and cp | H_kv (each rank whole K/V heads; K, V are repeated to the
+query heads after the all-to-all, so they travel H_kv wide).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.comm.autograd import all_to_all_single
+from course_lib.model.layers import repeat_kv
 from course_lib.parallel.cp.blocks import block_attention
 
 
@@ -48,11 +51,18 @@ def heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
 
 
 def ulysses_attention(q, k, v, group, layout, scale=None):
-    """Causal attention of this rank's tokens (q, k, v: (B, H, s, hd)) by the two all-to-alls."""
+    """Causal attention of this rank's tokens (q: (B, H, s, hd), k, v: (B, H_kv, s, hd)) by the
+    two all-to-alls. One all-to-all carries Q, K and V: the row for rank j is its H/cp query heads
+    and the H_kv/cp key/value heads they read (head h reads K/V head h // (H/H_kv), so rank j's
+    query heads read exactly K/V heads j H_kv/cp ...); K, V are repeated to the query heads after it."""
     cp = dist.get_world_size(group)
-    if q.shape[1] % cp:
-        raise ValueError(f"cp={cp} must divide n_head={q.shape[1]} for method='ulysses'")
-    qkv = seq_to_heads(torch.stack([q, k, v]), cp, group)  # (3, B, H/cp, T, hd)
+    n_q, n_kv = q.shape[1], k.shape[1]
+    for name, heads in (("n_head", n_q), ("n_kv_head", n_kv)):
+        if heads % cp:
+            raise ValueError(f"cp={cp} must divide the rank's {name}={heads} for method='ulysses'")
+    rows = [t.unflatten(-3, (cp, t.shape[-3] // cp)) for t in (q, k, v)]  # (B, cp, heads/cp, s, hd)
+    qkv = seq_to_heads(torch.cat(rows, dim=-3).flatten(-4, -3), cp, group)  # (B, (H + 2 H_kv)/cp, T, hd)
+    q, k, v = qkv.split([n_q // cp, n_kv // cp, n_kv // cp], dim=-3)
     pos = layout.all_positions()
-    out, _ = block_attention(qkv[0], qkv[1], qkv[2], pos, pos, scale)
+    out, _ = block_attention(q, repeat_kv(k, n_q // cp), repeat_kv(v, n_q // cp), pos, pos, scale)
     return heads_to_seq(out, cp, group)
