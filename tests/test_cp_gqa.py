@@ -110,15 +110,17 @@ def test_traced_cp_bytes_equal_cp_traffic_counting_kv_heads(plain, n_kv):
 
 
 # ------------------------------------------------------------------ tp x cp = 2 x 2 (run_hybrid)
-HYBRID = [(n_kv, m) for n_kv in (2, 1) for m in ("ring", "allgather")]  # tp 2: one KV head per rank, copied at kv 1
+# (n_head, n_kv_head, method): at n_head 4, tp 2 leaves each rank one KV head (n_kv_head 2: its own;
+# 1: a copy), which the ring passes round or the all-gather gathers d_head wide; Ulysses composes
+# where the cp ranks split a tp rank's KV heads: n_head 8, n_kv_head 4, two KV heads per tp rank
+HYBRID = [(4, n_kv, m) for n_kv in (2, 1) for m in ("ring", "allgather")] + [(8, 4, "ulysses")]
 
 
-@pytest.mark.parametrize("n_kv, method", HYBRID)
-def test_tp2_cp2_with_fewer_kv_heads_equals_the_single_process_and_cp_bytes_equal_the_records(n_kv, method):
-    """tp = 2 leaves each rank one KV head (n_kv_head 2: its own; n_kv_head 1: a copy), which the
-    cp ranks pass round or gather d_head wide. tests/test_hybrid_cp.py's comparison (its tolerances
-    and reasons); the cp axis's traced bytes over the 4 ranks are steps x cp_traffic's, exactly."""
-    cfg = replace(config(n_kv), n_layer=2, d_model=32)
+@pytest.mark.parametrize("n_head, n_kv, method", HYBRID)
+def test_tp2_cp2_with_fewer_kv_heads_equals_the_single_process_and_cp_bytes_equal_the_records(n_head, n_kv, method):
+    """tests/test_hybrid_cp.py's comparison (its tolerances and reasons); the cp axis's traced bytes
+    over the 4 ranks are steps x cp_traffic's, exactly."""
+    cfg = replace(config(n_kv), n_layer=2, d_model=32, n_head=n_head)
     dims = ParallelDims(tp=2, cp=2, cp_method=method)
     results = run_hybrid(dims, cfg, HY_TRAIN, trace=True, timeout_s=240)
     _assert_equal_to_single(results, train_single(cfg, HY_TRAIN))
@@ -128,8 +130,9 @@ def test_tp2_cp2_with_fewer_kv_heads_equals_the_single_process_and_cp_bytes_equa
     on_cp = records["cp"] + records["dp"]
     assert sum(r.traffic["cp"]["bytes_sent"] for r in results) == HY_TRAIN.steps * sum(r.world_bytes for r in on_cp)
     assert results[0].traffic["cp"]["calls"] == HY_TRAIN.steps * sum(r.calls for r in on_cp)
-    kv_bytes = 2 * HY_TRAIN.batch_size * (SEQ // 2) * cfg.d_head * 4  # one K||V block: one KV head, fp32
-    assert {r.nbytes for r in records["cp"] if r.nbytes} == {kv_bytes * (2 if method == "allgather" else 1)}
+    kv_bytes = 2 * HY_TRAIN.batch_size * (SEQ // 2) * max(1, n_kv // 2) * cfg.d_head * 4  # K||V, fp32
+    if method != "ulysses":  # a tp rank's KV heads (its one copied head at n_kv_head 1), not its query heads
+        assert {r.nbytes for r in records["cp"] if r.nbytes} == {kv_bytes * (2 if method == "allgather" else 1)}
 
 
 # ------------------------------------------------------------------ the rule: one place, three callers
