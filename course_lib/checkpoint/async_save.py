@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
-from course_lib.checkpoint.format import begin, finish, stage, write_staged
+from course_lib.checkpoint.format import finish, stage, write_staged
 
 
 class AsyncCheckpointer:
@@ -35,7 +35,6 @@ class AsyncCheckpointer:
         start = time.perf_counter()
         self.wait()
         group = group if group is not None else self.group
-        begin(final, group)
         self._staged = stage(final, pieces, objects, rank_objects, group, extra)
         self._error = None
 
