@@ -52,23 +52,38 @@ def flat_view(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     return tensor.view(-1)
 
 
-def exchange(send_buf, dst, recv_buf, src, group=None) -> None:
+def exchange(send_buf, dst, recv_buf, src, group=None, on_arrival=None) -> list:
     """Send to dst while receiving from src (group ranks); both directions overlap. Empty or
-    None buffers are skipped, so a rank can only send or only receive.
+    None buffers are skipped, so a rank can only send or only receive. on_arrival(), if given,
+    runs as soon as the receive has landed, while the send may still be on its way (the ring
+    adds the piece it received meanwhile); exchange returns when both are done.
 
-    When dst and src are the same peer (a ring of 2, a tree's or Rabenseifner's partner), the
-    lower rank issues its send first and the higher its receive: NCCL runs a pair's calls in
-    issue order, so if both sent first, each send would wait for a receive queued behind the
-    other's send (course_lib/observe/nccl_rules.py)."""
-    works = []
+    Returns the finished works. A loop of exchanges (the ring) keeps them until its next
+    exchange: a gloo work dropped the moment it completes waits for gloo's network thread to
+    let go of its buffer, which cost the 4-rank ring about 10 ms of CPU time per 64 MiB
+    all-reduce (benchmarks/bench_collectives.py's machine, 2 cores).
+
+    The receive is posted first: gloo sends a message's bytes only once the receiver has posted
+    its receive (it tells the sender so), and ours then reaches src before we spend time posting
+    our own send. Except when dst and src are the same peer (a ring of 2, a tree's or
+    Rabenseifner's partner): then the lower rank issues its send first and the higher its
+    receive, since NCCL runs a pair's calls in issue order and if both received first, each
+    receive would wait for a send queued behind the other's receive
+    (course_lib/observe/nccl_rules.py)."""
     sending = send_buf is not None and send_buf.numel()
     receiving = recv_buf is not None and recv_buf.numel()
-    receive_first = receiving and sending and dst == src and dist.get_rank(group) > dst
-    if receive_first:
-        works.append(dist.irecv(recv_buf, global_rank(group, src), group=group))
+    send_first = sending and dst == src and dist.get_rank(group) < dst
+    received = sent = None
+    if receiving and not send_first:
+        received = dist.irecv(recv_buf, global_rank(group, src), group=group)
     if sending:
-        works.append(dist.isend(send_buf, global_rank(group, dst), group=group))
-    if receiving and not receive_first:
-        works.append(dist.irecv(recv_buf, global_rank(group, src), group=group))
-    for w in works:
-        w.wait()
+        sent = dist.isend(send_buf, global_rank(group, dst), group=group)
+    if receiving and send_first:
+        received = dist.irecv(recv_buf, global_rank(group, src), group=group)
+    if received is not None:
+        received.wait()
+    if on_arrival is not None:
+        on_arrival()
+    if sent is not None:
+        sent.wait()
+    return [work for work in (received, sent) if work is not None]
