@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.parallel.diloco.outer import NesterovOuter
-from course_lib.parallel.ft.quorum import ReplicaResult, decide_quorum, heal, quorum_mean, read_quorum, stayed_and_joiners
+from course_lib.parallel.ft.quorum import ReplicaResult, heal, join_quorum, quorum_mean, stayed_and_joiners
 from course_lib.parallel.ft.replay import FtConfig, build, flat_params, flat_state, load_flat_state, local_gradient
 from course_lib.platform import kill_self_hard
 
@@ -60,14 +60,7 @@ def diloco_replica(cfg: FtConfig, store, rank: int) -> ReplicaResult:
             optimizer.step()
         if t % cfg.inner_steps:
             continue
-        if joining:
-            quorum = read_quorum(store, t)
-        else:
-            store.set(f"alive/{t}/{slot}", str(rank))
-            quorum = decide_quorum(store, t, last, cfg.replicas, cfg.quorum_timeout_s)
-        if quorum.get(slot) != rank:
-            raise RuntimeError(f"replica {slot} (rank {rank}) is not in step {t}'s quorum {quorum}: it was later "
-                               f"than quorum_timeout_s={cfg.quorum_timeout_s}")
+        quorum = join_quorum(store, t, slot, rank, last, cfg.replicas, cfg.quorum_timeout_s, joining)
         stayed, _ = stayed_and_joiners(quorum, last)
         if slot in stayed:
             delta = torch.cat([d.reshape(-1) for d in outer.deltas()])

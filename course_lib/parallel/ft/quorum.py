@@ -59,6 +59,22 @@ def read_quorum(store, t: int) -> dict[int, int]:
     return {int(s): r for s, r in json.loads(store.get(f"quorum/{t}")).items()}
 
 
+def join_quorum(store, t: int, slot: int, rank: int, last, replicas: int, timeout_s: float,
+                joining: bool) -> dict[int, int]:
+    """Step t's quorum as seen by replica `slot` (process `rank`): a joiner waits for the one the live
+    replicas decide; a live replica announces itself, then decides. A live replica left out (it was
+    later than timeout_s) raises: this small version does not heal a fenced replica."""
+    if joining:
+        quorum = read_quorum(store, t)
+    else:
+        store.set(f"alive/{t}/{slot}", str(rank))
+        quorum = decide_quorum(store, t, last, replicas, timeout_s)
+    if quorum.get(slot) != rank:
+        raise RuntimeError(f"replica {slot} (rank {rank}) is not in step {t}'s quorum {quorum}: it was later "
+                           f"than quorum_timeout_s={timeout_s}")
+    return quorum
+
+
 def quorum_mean(flat: torch.Tensor, quorum: dict[int, int], slot: int) -> torch.Tensor:
     """The mean of the quorum's tensors, through the leader (its lowest slot), point-to-point."""
     slots = sorted(quorum)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from course_lib.observe import nccl_rules
 from course_lib.parallel.ft.local import diloco_replica
-from course_lib.parallel.ft.quorum import ReplicaResult, decide_quorum, heal, quorum_mean, read_quorum
+from course_lib.parallel.ft.quorum import ReplicaResult, heal, join_quorum, quorum_mean
 from course_lib.parallel.ft.replay import (FtConfig, build, check_ft, flat_state, load_flat_state, local_gradient,
                                            set_gradient)
 from course_lib.platform import kill_self_hard, start_method
@@ -69,14 +69,7 @@ def replica(cfg: FtConfig, store, rank: int) -> ReplicaResult:
     for t in range(first, cfg.steps + 1):
         if not spare and slot == cfg.kill_slot and t == cfg.kill_step:
             kill_self_hard()
-        if spare and t == first:  # a joiner waits for the quorum the live replicas decide
-            quorum = read_quorum(store, t)
-        else:
-            store.set(f"alive/{t}/{slot}", str(rank))
-            quorum = decide_quorum(store, t, last, cfg.replicas, cfg.quorum_timeout_s)
-        if quorum.get(slot) != rank:
-            raise RuntimeError(f"replica {slot} (rank {rank}) is not in step {t}'s quorum {quorum}: it was later "
-                               f"than quorum_timeout_s={cfg.quorum_timeout_s}")
+        quorum = join_quorum(store, t, slot, rank, last, cfg.replicas, cfg.quorum_timeout_s, spare and t == first)
         heal(lambda: flat_state(model, optimizer), lambda flat: load_flat_state(model, optimizer, flat),
              quorum, last, slot, t, res, joining=spare and t == first)
         loss, grad = local_gradient(model, cfg, t, slot)
