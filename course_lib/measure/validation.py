@@ -3,20 +3,31 @@
     spearman(xs, ys)                 rank correlation (ties get their mean rank)
     compare(config, cluster, runs)   per run: predicted terms beside the measured time; summary
     load_validation(path)            the stored measurement (benchmarks/bench_planner.py wrote it)
+    summarize(predicted, measured)   rank correlation, median |error|, signed median, share over/under
+    round_seconds(step_seconds)      a layout's time per round (its fastest step after the first);
+    measured_seconds(step_seconds)   and over the rounds (their median)
+    round_order(n, k, rounds)        the order of n layouts in round k (moved and turned round by round)
+    bootstrap_rounds(n, statistic)   statistic(rounds drawn with replacement), many times: the spread
+    interval(values, level)          the central `level` share of values (low, high)
+    wait_until_idle(cores, max_wait_s)  before measuring: wait (bounded) for the load to fall below cores
     train_as(kind, dims, config, train_cfg)  rank code: train the layout `dims` with one of the
                                              course's trainers
 
 A run is {"label", "layout": course_lib.dims.ParallelDims fields, "measured": seconds}, all on
 one global batch (the stored "batch"). The summary holds the rank
-correlation, the median and largest |predicted - measured| / measured, and the planner's pick
-(the run predicted fastest) against the fastest measured.
+correlation, the median and largest |predicted - measured| / measured, the signed median and the
+shares predicted slower and faster (summarize), and the planner's pick (the run predicted
+fastest) against the fastest measured.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import random
 import statistics
+import time
 
 from course_lib.dims import ParallelDims
 from course_lib.estimate.step_time import step_time
@@ -67,9 +78,91 @@ def compare(config, cluster, runs, batch_size: int, seq: int | None = None, reci
                      "error": (t["total"] - run["measured"]) / run["measured"], "terms": t})
     pred, meas = [r["predicted"] for r in rows], [r["measured"] for r in rows]
     pick = min(rows, key=lambda r: r["predicted"])
-    errors = [abs(r["error"]) for r in rows]
-    return {"rows": rows, "spearman": spearman(pred, meas), "median_error": statistics.median(errors),
-            "max_error": max(errors), "pick": pick["label"], "pick_over_best": pick["measured"] / min(meas)}
+    return summarize(pred, meas) | {"rows": rows, "pick": pick["label"],
+                                    "pick_over_best": pick["measured"] / min(meas)}
+
+
+def summarize(predicted, measured) -> dict:
+    """{"spearman", "median_error" (median |p - m| / m), "max_error", "signed_median_error"
+    (median (p - m) / m: below 0 when the model predicts faster than runs), "over_share" and
+    "under_share" (the share of runs predicted slower, and faster, than measured)}. A model whose
+    errors are all of one sign has a systematic error that a small median hides."""
+    if len(predicted) != len(measured) or not measured:
+        raise ValueError(f"need equally long non-empty lists, got {len(predicted)} and {len(measured)}")
+    signed = [(p - m) / m for p, m in zip(predicted, measured)]
+    errors = [abs(e) for e in signed]
+    return {"spearman": spearman(predicted, measured), "median_error": statistics.median(errors),
+            "max_error": max(errors), "signed_median_error": statistics.median(signed),
+            "over_share": sum(e > 0 for e in signed) / len(signed),
+            "under_share": sum(e < 0 for e in signed) / len(signed)}
+
+
+def round_seconds(step_seconds) -> list[float]:
+    """A layout's time in each round: step_seconds[round][step] (the slowest rank's time of each
+    step), the fastest step after the first (the first builds caches and groups)."""
+    if any(len(steps) < 2 for steps in step_seconds):
+        raise ValueError("every round needs >= 2 steps: the first is not timed")
+    return [min(steps[1:]) for steps in step_seconds]
+
+
+def measured_seconds(step_seconds) -> float:
+    """A layout's measured time: the median over rounds of round_seconds. The median, not the
+    fastest round: a step is predicted from calibration rounds taken the same way (calibrate.
+    median_of_rounds), and the fastest of each separately is a machine no step ran on."""
+    return statistics.median(round_seconds(step_seconds))
+
+
+def round_order(n: int, k: int, rounds: int) -> list[int]:
+    """The order of n layouts in round k of `rounds`: started at a different layout each round
+    (offsets spread over the whole list) and walked backwards in odd rounds. In the same order
+    every round, the layouts late in it would always meet the machine late in a round (and the
+    same neighbour before them); this way a load spike or a drift within a round falls on
+    different layouts in different rounds, and the median over rounds evens it out."""
+    if n < 1 or rounds < 1 or not 0 <= k < rounds:
+        raise ValueError(f"need n >= 1, rounds >= 1 and 0 <= k < rounds, got n={n}, k={k}, rounds={rounds}")
+    offset = k * n // rounds
+    order = [(i + offset) % n for i in range(n)]
+    return order[::-1] if k % 2 else order
+
+
+def bootstrap_rounds(n_rounds: int, statistic, samples: int = 200, seed: int = 0) -> list:
+    """[statistic(rounds)] for `samples` lists of n_rounds round indices drawn with replacement
+    (seeded). The spread of a statistic computed from the median of n rounds, as another run of
+    n rounds on the same machine would give it (Efron and Tibshirani, 1993): one run can then say
+    how far a second would land."""
+    if n_rounds < 2 or samples < 1:
+        raise ValueError(f"need n_rounds >= 2 (one round has no spread) and samples >= 1, got {n_rounds}, {samples}")
+    rng = random.Random(seed)
+    return [statistic([rng.randrange(n_rounds) for _ in range(n_rounds)]) for _ in range(samples)]
+
+
+def interval(values, level: float = 0.9) -> tuple[float, float]:
+    """(low, high): the central `level` share of values (nearest-rank quantiles)."""
+    if not values or not 0 < level <= 1:
+        raise ValueError(f"need values and 0 < level <= 1, got {len(values)} values, level={level}")
+    xs = sorted(values)
+    tail = (1 - level) / 2
+    return xs[int(tail * (len(xs) - 1) + 0.5)], xs[int((1 - tail) * (len(xs) - 1) + 0.5)]
+
+
+def idle_enough(load1: float, cores: int) -> bool:
+    """The machine counts as idle when its 1-minute load average is below its core count: fewer
+    runnable processes than cores, so the ranks about to run are not sharing them with others."""
+    return load1 < cores
+
+
+def wait_until_idle(cores: int, max_wait_s: float = 60, poll_s: float = 5, load=os.getloadavg,
+                    sleep=time.sleep, clock=time.monotonic) -> dict:
+    """Before measuring: poll the 1-minute load average every poll_s until idle_enough, for at most
+    max_wait_s. Returns {"idle", "load" (the last one read), "waited_s"}; the caller warns when
+    "idle" is False (the measurement then ran beside other work)."""
+    start = clock()
+    while True:
+        load1 = load()[0]
+        waited = clock() - start
+        if idle_enough(load1, cores) or waited >= max_wait_s:
+            return {"idle": idle_enough(load1, cores), "load": load1, "waited_s": waited}
+        sleep(min(poll_s, max_wait_s - waited))
 
 
 def load_validation(path=None) -> dict:
