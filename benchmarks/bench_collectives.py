@@ -11,6 +11,14 @@ size (paired call by call, median and interquartile spread, also printed) is rec
 benchmarks/summary.py, with the target >= 0.9 from 16 MiB up (issue #47: within 10% of gloo's C++
 ring where bytes dominate; 1 MiB is latency-bound, shown as info), and the model's prediction
 over the measured ring time at the largest size as info.
+
+Then the emulated-rank alpha-beta-gamma model (course_lib.estimate.emulated) on 2 and 4 ranks
+(--model-world-sizes): its constants fitted by micro-benchmarks (course_lib.measure.emulated_fit:
+an exchange of every pair at once, a timed add, a concurrent copy) that alternate round by round
+with the course's ring, tree and all-to-all, so both see the same load; its prediction beside
+each measured median, and the largest |error| over sizes, ranks and algorithms recorded against
+the target "emulated alpha-beta-gamma model error within 25% at 1-64 MiB" (issue #47). The ring's
+row of the first table shows the same model's prediction for --world-size when it is one of them.
 """
 
 from __future__ import annotations
@@ -32,8 +40,14 @@ from summary import add_quick, quick_mode, record  # noqa: E402
 from course_lib import comm, run_on_ranks  # noqa: E402
 from course_lib.comm import costmodel  # noqa: E402
 from course_lib.comm.collectives import PIECE_BYTES  # noqa: E402
+from course_lib.estimate import emulated  # noqa: E402
+from course_lib.measure import emulated_fit  # noqa: E402
+from course_lib.platform import usable_cores  # noqa: E402
+from course_lib.units import fmt_bytes  # noqa: E402
 
 TARGET = 0.9  # gloo time / course time from 16 MiB up (see the docstring)
+MODEL_TARGET = 0.25  # |emulated model - measured| / measured, every size, rank count and algorithm (issue #47)
+MODEL_ALGORITHMS = ("ring", "tree", "all_to_all")
 PING_PONG_SIZES = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
 
 NOTE = """\
@@ -73,17 +87,54 @@ def _bench(sizes_mb, iters):
     return out
 
 
+def _emulated(world_size, sizes_mb, rounds):
+    """(EmulatedConstants, {algorithm: {size_mb: measured median seconds}}) on `world_size` ranks:
+    the micro-benchmarks and the collectives alternating round by round (emulated_fit.interleaved)."""
+    raw = run_on_ranks(emulated_fit.interleaved, usable_cores(), sizes_mb, MODEL_ALGORITHMS, rounds,
+                       world_size=world_size, check_collectives=False, timeout_s=600)
+    return emulated_fit.fit_constants(raw, usable_cores()), raw[0]["measured"]
+
+
+def _print_emulated(fitted) -> float:
+    """Print the emulated model against the measured collectives; return the largest |error|."""
+    print(f"\nemulated alpha-beta-gamma model (course_lib.estimate.emulated) on {usable_cores()} cores: "
+          "T = sum of x(m) over the busiest rank's messages + r S gamma sigma; constants fitted in the same run")
+    print(f"{'ranks':>5} {'algorithm':>11} {'size':>8} {'measured':>11} {'model':>11} {'error':>6}   "
+          f"{'x(m) sum':>9} {'adds':>8} {'sharing':>8}")
+    worst = 0.0
+    for n, (c, measured) in fitted.items():
+        for name, by_size in measured.items():
+            for mb, t in by_size.items():
+                piece = PIECE_BYTES if name == "ring" else None
+                parts = emulated.terms(name, mb * 2**20, n, c, piece)
+                pred = sum(parts.values())
+                worst = max(worst, abs(pred - t) / t)
+                print(f"{n:>5} {name:>11} {mb:>4g} MiB {t * 1e3:>8.2f} ms {pred * 1e3:>8.2f} ms "
+                      f"{(pred - t) / t * 100:>+5.0f}%   " + " ".join(f"{v * 1e3:>5.2f} ms" for v in parts.values()))
+        line = ", ".join(f"{fmt_bytes(s)} {t * 1e3:.2f} ms" for s, t in zip(c.sizes, c.seconds))
+        print(f"  {n} ranks: exchange x(m): {line}; gamma = 1/{1 / c.gamma / 1e9:.2f} GB/s; "
+              f"copy per rank {c.copy_cores / 1e9:.2f} GB/s ({c.cores} copying) vs {c.copy_all / 1e9:.2f} GB/s "
+              f"(all {n}): sigma = {emulated.sharing(n, c):.2f}")
+    print(f"largest |error| {worst * 100:.0f}% (target {MODEL_TARGET * 100:.0f}%); error = (model - measured) / measured")
+    return worst
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--model-world-sizes", type=int, nargs="*", default=[2, 4],
+                        help="rank counts on which the emulated alpha-beta-gamma model is checked (none: skip)")
+    parser.add_argument("--model-rounds", type=int, default=5)
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, world_size=2, sizes_mb=[1], iters=1)
+    add_quick(parser, argv, world_size=2, sizes_mb=[1], iters=1, model_world_sizes=[2], model_rounds=1)
     args = parser.parse_args(argv)
-    if args.world_size < 2 or args.iters < 1 or any(s <= 0 for s in args.sizes_mb):
-        parser.error(f"need --world-size >= 2 (got {args.world_size}), --iters >= 1 (got {args.iters}) "
-                     f"and every --sizes-mb > 0 (got {args.sizes_mb})")
+    if (args.world_size < 2 or args.iters < 1 or any(s <= 0 for s in args.sizes_mb)
+            or any(m < 2 for m in args.model_world_sizes) or args.model_rounds < 1):
+        parser.error(f"need --world-size >= 2 (got {args.world_size}), --iters >= 1 (got {args.iters}), "
+                     f"every --sizes-mb > 0 (got {args.sizes_mb}), every --model-world-sizes >= 2 "
+                     f"(got {args.model_world_sizes}) and --model-rounds >= 1 (got {args.model_rounds})")
     n = args.world_size
     quick = quick_mode(args)
 
@@ -99,12 +150,13 @@ def main(argv=None):
         print(f"no alpha-beta model this run ({err}); the model's columns are left out")
     results = run_on_ranks(_bench, args.sizes_mb, args.iters, world_size=n, check_collectives=False,
                            timeout_s=600)[0]
+    fitted = {m: _emulated(m, args.sizes_mb, args.model_rounds) for m in args.model_world_sizes}
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"ring all-reduce on {n} ranks (gloo, CPU, {os.cpu_count()} cores, load average {load:.1f}), float32; "
           f"median of {min(len(v['course']) for v in results.values())}+ calls, each timed as its slowest rank")
     print(f"{'size':>8} {'course ring':>12} {'gloo built-in':>14} {'speed ratio (IQR)':>19}   "
-          f"{'model (ring)':>12} {'model error':>12}")
+          f"{'model (ring)':>12} {'model error':>12}   {'emulated model':>14} {'error':>6}")
     rows = []
     for mb, times in results.items():
         course, gloo = statistics.median(times["course"]), statistics.median(times["gloo"])
@@ -112,7 +164,11 @@ def main(argv=None):
             f"{costmodel.predict_time('ring', mb * 2**20, n, link) * 1e3:>9.2f} ms "
             f"{(costmodel.predict_time('ring', mb * 2**20, n, link) - course) / course * 100:>+11.0f}%")
         lo, mid, hi = quartiles([g / c for g, c in zip(times["gloo"], times["course"])])  # paired call by call
-        print(f"{mb:>4g} MiB {course * 1e3:>9.2f} ms {gloo * 1e3:>11.2f} ms {mid:>6.2f}x ({lo:.2f}-{hi:.2f})   {model}")
+        own = ""
+        if n in fitted:
+            pred = emulated.predict("ring", mb * 2**20, n, fitted[n][0], PIECE_BYTES)
+            own = f"   {pred * 1e3:>11.2f} ms {(pred - course) / course * 100:>+5.0f}%"
+        print(f"{mb:>4g} MiB {course * 1e3:>9.2f} ms {gloo * 1e3:>11.2f} ms {mid:>6.2f}x ({lo:.2f}-{hi:.2f})   {model}{own}")
         rows.append((f"gloo all_reduce / course ring, {mb:g} MiB, {n} ranks", mid, (lo, hi), TARGET if mb >= 16 else None))
     largest = max(results)
     course = statistics.median(results[largest]["course"])
@@ -126,9 +182,15 @@ def main(argv=None):
               f"ping-pong of every rank pair at once in this run; "
               f"ring time = 2(N-1)*alpha + 2(N-1)/N*S/beta; error = (model - measured) / measured")
     print(NOTE.format(steps=2 * (n - 1), piece=PIECE_BYTES / 2**20))
+    if fitted:
+        worst = _print_emulated(fitted)
+        rows.append((f"emulated alpha-beta-gamma model error within 25% at {min(args.sizes_mb):g}-"
+                     f"{max(args.sizes_mb):g} MiB: largest |model - measured| / measured ({', '.join(MODEL_ALGORITHMS)}; "
+                     f"{', '.join(map(str, fitted))} ranks)", worst, None, MODEL_TARGET))
     if not args.no_record:
         for what, ratio, spread, target in rows:
-            record("bench_collectives", what, ratio, target=target, better="higher", spread=spread)
+            better = "lower" if target == MODEL_TARGET else "higher"
+            record("bench_collectives", what, ratio, target=target, better=better, spread=spread)
     return 0
 
 

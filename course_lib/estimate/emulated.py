@@ -1,0 +1,139 @@
+"""The alpha-beta-gamma cost model of collectives on emulated ranks (processes sharing a CPU).
+
+Formulas only: the constants come from micro-benchmarks (course_lib.measure.emulated_fit) and
+the result is seconds. A collective of S bytes per rank on N ranks running on C cores takes
+
+    T = sum over the busiest rank's messages m of x(m)  +  r S gamma sigma
+
+    x(m)    seconds of one exchange of m bytes (a rank sends m and receives m at once, as every
+            step of the course's collectives does), measured with every pair of ranks exchanging
+            at the same time, as in a collective: between two measured sizes it is the alpha-beta
+            line through them, x(m) = alpha_i + m / beta_i, beyond either end the end line. On a
+            network one line would do (Hockney 1994); between processes a message is memory
+            copies through the kernel's socket buffers, a message far larger than those buffers
+            crosses in many refills, each waiting for a process to be scheduled, and with more
+            ranks than cores the copies of all ranks take turns on the same cores: beta changes
+            with m and with N. Hence a measured table of lines, not one line.
+    messages  the busiest rank's sequential messages (messages()): the ring 2(N-1) steps of one
+            chunk S/N, cut into pieces of at most piece_bytes (the course's ring sends 2 MiB
+            pieces); recursive doubling log2 p messages of S; Rabenseifner S/2, S/4, ... S/p and
+            back; an all-to-all N-1 messages of S/N; N != p adds the fold-in's 2 messages of S.
+            With one alpha-beta line and whole chunks the sum is costmodel's a alpha + b S / beta.
+            Where beta falls with m, one more piece can make a larger tensor faster: why the
+            ring cuts its chunks.
+    r       bytes ADDED by the busiest rank per byte of S (reduction_terms): the ring (N-1)/N,
+            recursive doubling log2 p, Rabenseifner (p-1)/p, the parameter server N-1, an
+            all-to-all 0. gamma: seconds per byte added, by one rank with a core to itself. On a
+            GPU the add hides under the transfer and the cluster model leaves it out; on a CPU
+            the cores that copy the bytes also add them, one after the other.
+    sigma   the cores' shared memory bandwidth (sharing()): 1 when N <= C; else copy_cores /
+            copy_all, one rank's copy rate when C ranks copy at once over its rate when all N do:
+            with more ranks than cores the adds of all ranks take turns on the same cores and
+            memory channels (the exchanges' turns are in x(m) already, measured all at once).
+
+On a real network x(m) is one line with the link's alpha and beta, gamma is the accelerator's
+(small beside the transfer, and overlapped with it) and sigma is 1: every rank has its own device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from course_lib._validate import check_int
+
+
+@dataclass(frozen=True)
+class EmulatedConstants:
+    """sizes/seconds: measured exchanges (bytes ascending, seconds per exchange); gamma: seconds
+    per byte added; cores: the cores the ranks share; copy_cores / copy_all: one rank's copy
+    bytes/s with `cores` ranks copying at once / with every rank copying at once."""
+
+    sizes: tuple
+    seconds: tuple
+    gamma: float
+    cores: int
+    copy_cores: float = 1.0
+    copy_all: float = 1.0
+
+    def __post_init__(self):
+        if len(self.sizes) < 2 or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"need >= 2 distinct ascending sizes, one time each; got sizes={self.sizes}, "
+                             f"seconds={self.seconds}")
+        if any(t <= 0 for t in self.seconds) or self.gamma < 0 or self.copy_cores <= 0 or self.copy_all <= 0:
+            raise ValueError(f"need seconds, copy rates > 0 and gamma >= 0, got {self}")
+        check_int("cores", self.cores)
+
+
+def exchange_time(m: float, c: EmulatedConstants) -> float:
+    """x(m): seconds of one exchange of m bytes (the alpha-beta line through the two measured
+    sizes around m; beyond either end, the end line). 0 for an empty message."""
+    if m <= 0:
+        return 0.0
+    s, t = c.sizes, c.seconds
+    i = 0
+    while i < len(s) - 2 and m > s[i + 1]:
+        i += 1
+    slope = (t[i + 1] - t[i]) / (s[i + 1] - s[i])  # 1 / beta_i
+    return max(t[i] + (m - s[i]) * slope, 0.0)
+
+
+def messages(algorithm: str, nbytes: float, world_size: int, piece_bytes: float | None = None) -> list:
+    """[(count, bytes)]: the busiest rank's sequential messages (see the module docstring)."""
+    n, s = check_int("world_size", world_size), float(nbytes)
+    if n == 1:
+        return []
+    p = 1 << (n.bit_length() - 1)
+    fold = [(2, s)] if n != p else []
+    chunk = s / n
+    pieces = 1 if not piece_bytes else max(1, math.ceil(chunk / piece_bytes))
+    table = {
+        "ring": [(2 * (n - 1) * pieces, chunk / pieces)],
+        "reduce_scatter": [((n - 1) * pieces, chunk / pieces)],
+        "all_gather": [((n - 1) * pieces, chunk / pieces)],
+        "all_to_all": [(n - 1, chunk)],
+        "tree": [(int(math.log2(p)), s)] + fold,
+        "rabenseifner": [(2, s / 2**k) for k in range(1, int(math.log2(p)) + 1)] + fold,
+        "ps": [(2 * (n - 1), s)],
+        "sharded_ps": [(2 * (n - 1), chunk)],
+    }
+    if algorithm not in table:
+        raise ValueError(f"algorithm={algorithm!r} is unknown: use one of {', '.join(table)}")
+    return table[algorithm]
+
+
+def reduction_terms(algorithm: str, world_size: int) -> float:
+    """r: bytes the busiest rank adds per byte of S (see the module docstring)."""
+    n = check_int("world_size", world_size)
+    if n == 1:
+        return 0.0
+    p = 1 << (n.bit_length() - 1)
+    fold = 1.0 if n != p else 0.0  # a rank < N - p adds its folded-in partner's whole tensor first
+    terms = {"ring": (n - 1) / n, "reduce_scatter": (n - 1) / n, "sharded_ps": (n - 1) / n, "ps": float(n - 1),
+             "tree": math.log2(p) + fold, "rabenseifner": (p - 1) / p + fold, "all_gather": 0.0, "all_to_all": 0.0}
+    if algorithm not in terms:
+        raise ValueError(f"algorithm={algorithm!r} is unknown: use one of {', '.join(terms)}")
+    return terms[algorithm]
+
+
+def sharing(world_size: int, c: EmulatedConstants) -> float:
+    """sigma: 1 when ranks <= cores, else how much slower one rank copies when all copy at once
+    than when `cores` ranks do (at least 1)."""
+    if world_size <= c.cores:
+        return 1.0
+    return max(1.0, c.copy_cores / c.copy_all)
+
+
+def terms(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,
+          piece_bytes: float | None = None) -> dict:
+    """The model's parts in seconds: {"messages": sum of x(m), "gamma": r S gamma, "sharing": what
+    sigma adds to the adds}; predict() is their sum."""
+    sent = sum(k * exchange_time(m, c) for k, m in messages(algorithm, nbytes, world_size, piece_bytes))
+    added = reduction_terms(algorithm, world_size) * nbytes * c.gamma
+    return {"messages": sent, "gamma": added, "sharing": added * (sharing(world_size, c) - 1.0)}
+
+
+def predict(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,
+            piece_bytes: float | None = None) -> float:
+    """Seconds for one `algorithm` collective of `nbytes` per rank on `world_size` emulated ranks."""
+    return sum(terms(algorithm, nbytes, world_size, c, piece_bytes).values())

@@ -1,0 +1,133 @@
+"""The emulated-rank alpha-beta-gamma model (course_lib.estimate.emulated) and the fit of its
+constants (course_lib.measure.emulated_fit): the formula's properties and the fit's recovery of
+known constants from synthetic timings. No measured time is asserted."""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib.comm import costmodel
+from course_lib.estimate import emulated
+from course_lib.estimate.emulated import EmulatedConstants
+from course_lib.measure import emulated_fit
+
+ALGORITHMS = ("ring", "tree", "rabenseifner", "ps", "sharded_ps", "all_to_all", "reduce_scatter", "all_gather")
+MiB = 1 << 20
+ALPHA, BETA = 2.0**-14, 2.0**30  # powers of two: the line's times below are exact in binary
+SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26)
+# The model's sums run in another order than costmodel.predict_time's a*alpha + b*S/beta: equal
+# up to a few float64 roundings (about 1e-16 each), so 1e-12 relative.
+REL = 1e-12
+
+
+def line(gamma=0.0, cores=8, copy_cores=2.0, copy_all=1.0):
+    """Constants whose exchange table is exactly the alpha-beta line alpha + m / beta."""
+    return EmulatedConstants(sizes=SIZES, seconds=tuple(ALPHA + s / BETA for s in SIZES), gamma=gamma, cores=cores,
+                             copy_cores=copy_cores, copy_all=copy_all)
+
+
+def convex(cores=2):
+    """A table like the measured ones: a fixed cost, and beta falling with the message size."""
+    seconds = (5e-5, 1e-4, 6e-4, 1.2e-2, 8e-2)
+    return EmulatedConstants(sizes=SIZES, seconds=seconds, gamma=1e-10, cores=cores, copy_cores=10e9, copy_all=4e9)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_reduces_to_alpha_beta(algorithm, n):
+    """gamma = 0, ranks <= cores, whole messages, a table that is one line: costmodel's alpha-beta."""
+    c, link = line(cores=8), costmodel.LinkModel(ALPHA, BETA)
+    for s in (1 * MiB, 16 * MiB, 64 * MiB):
+        assert emulated.predict(algorithm, s, n, c) == pytest.approx(costmodel.predict_time(algorithm, s, n, link), rel=REL)
+
+
+def test_gamma_adds_r_bytes_times_gamma():
+    for algorithm in ALGORITHMS:
+        for n in (2, 3, 4):
+            r = emulated.reduction_terms(algorithm, n)
+            extra = emulated.predict(algorithm, 16 * MiB, n, line(gamma=1e-10)) - emulated.predict(algorithm, 16 * MiB, n, line())
+            assert extra == pytest.approx(r * 16 * MiB * 1e-10, rel=1e-9)  # a difference of two sums: cancellation
+    assert emulated.reduction_terms("ring", 4) == 3 / 4
+    assert emulated.reduction_terms("tree", 4) == 2.0
+    assert emulated.reduction_terms("tree", 3) == 2.0  # log2(2) rounds + the fold-in's add
+    assert emulated.reduction_terms("all_to_all", 4) == 0.0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_monotone_in_size(algorithm, n):
+    """Whole messages: monotone for any rising table. Cut into pieces: monotone when the table is
+    one line (each piece pays alpha again); where beta falls with the size, one more piece can
+    make a larger tensor faster (why the ring cuts its chunks), so that case is not asked."""
+    sizes = sorted({int(k * MiB / 8) for k in range(1, 8 * 80)} | {2 * MiB * n + d for d in (-1, 0, 1)})
+    for c, piece in ((convex(), None), (line(gamma=1e-10, cores=2), None), (line(gamma=1e-10, cores=2), 2 * MiB)):
+        times = [emulated.predict(algorithm, s, n, c, piece) for s in sizes]
+        assert all(a <= b for a, b in zip(times, times[1:])), (algorithm, n, piece)
+
+
+def test_sharing_only_when_ranks_outnumber_cores():
+    c = convex(cores=2)
+    for n in (1, 2):
+        assert emulated.sharing(n, c) == 1.0
+        assert emulated.terms("ring", 64 * MiB, n, c)["sharing"] == 0.0
+    for n in (3, 4):
+        assert emulated.sharing(n, c) == 10e9 / 4e9
+        assert emulated.terms("ring", 64 * MiB, n, c)["sharing"] > 0
+        assert emulated.terms("all_to_all", 64 * MiB, n, c)["sharing"] == 0.0  # nothing added
+    # copy rates change nothing while every rank has a core
+    other = EmulatedConstants(c.sizes, c.seconds, c.gamma, 4, copy_cores=1.0, copy_all=1e9)
+    same = EmulatedConstants(c.sizes, c.seconds, c.gamma, 4, copy_cores=1e9, copy_all=1.0)
+    assert emulated.predict("tree", 64 * MiB, 4, other) == emulated.predict("tree", 64 * MiB, 4, same)
+    # a machine whose cores share nothing (all copy as fast as a few): sigma 1, never below
+    assert emulated.sharing(4, EmulatedConstants(c.sizes, c.seconds, c.gamma, 2, copy_cores=1.0, copy_all=3.0)) == 1.0
+
+
+def test_exchange_table_is_piecewise_alpha_beta():
+    c = convex()
+    for s, t in zip(c.sizes, c.seconds):
+        assert emulated.exchange_time(s, c) == t
+    mid = (SIZES[2] + SIZES[3]) / 2  # halfway between two measured sizes: halfway between their times
+    assert emulated.exchange_time(mid, c) == pytest.approx((6e-4 + 1.2e-2) / 2, rel=1e-12)  # float rounding only
+    beyond = emulated.exchange_time(2 * SIZES[-1], c)  # the last line continued
+    assert beyond == pytest.approx(8e-2 + (8e-2 - 1.2e-2) / (SIZES[-1] - SIZES[-2]) * SIZES[-1], rel=1e-12)
+    assert emulated.exchange_time(0, c) == 0.0
+
+
+def test_messages():
+    assert emulated.messages("ring", 64 * MiB, 4, 2 * MiB) == [(48, 2 * MiB)]
+    assert emulated.messages("ring", 64 * MiB, 4) == [(6, 16 * MiB)]
+    assert emulated.messages("ring", 1 * MiB, 4, 2 * MiB) == [(6, MiB / 4)]
+    assert emulated.messages("tree", 8 * MiB, 4) == [(2, 8 * MiB)]
+    assert emulated.messages("tree", 8 * MiB, 3) == [(1, 8 * MiB), (2, 8 * MiB)]
+    assert emulated.messages("rabenseifner", 8 * MiB, 4) == [(2, 4 * MiB), (2, 2 * MiB)]
+    assert emulated.messages("all_to_all", 8 * MiB, 4) == [(3, 2 * MiB)]
+    assert emulated.messages("ring", 8 * MiB, 1) == []
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="ascending"):
+        EmulatedConstants(sizes=(2, 1), seconds=(1.0, 2.0), gamma=0.0, cores=2)
+    with pytest.raises(ValueError, match="gamma"):
+        EmulatedConstants(sizes=(1, 2), seconds=(1.0, 2.0), gamma=-1.0, cores=2)
+    with pytest.raises(ValueError, match="algorithm='butterfly'"):
+        emulated.predict("butterfly", MiB, 4, convex())
+
+
+def test_fit_recovers_known_constants():
+    gamma, fixed = 1.5e-10, 3e-6
+    adds = [fixed + s * gamma for s in emulated_fit.ADD_SIZES]
+    assert emulated_fit.fit_gamma(emulated_fit.ADD_SIZES, adds) == pytest.approx(gamma, rel=1e-9)  # normal equations' rounding
+    table = [ALPHA + s / BETA for s in emulated_fit.EXCHANGE_SIZES]
+    raw = [{"exchange": table, "add": adds, "copy_cores": 12e9, "copy_all": 5e9},
+           {"exchange": None, "add": None, "copy_cores": 8e9, "copy_all": 3e9},
+           {"exchange": None, "add": None, "copy_cores": None, "copy_all": 4e9},
+           {"exchange": None, "add": None, "copy_cores": None, "copy_all": 4e9}]
+    c = emulated_fit.fit_constants(raw, cores=2)
+    assert c.sizes == emulated_fit.EXCHANGE_SIZES and c.seconds == tuple(table)
+    assert c.gamma == pytest.approx(gamma, rel=1e-9)
+    assert (c.copy_cores, c.copy_all, c.cores) == (10e9, 4e9, 2)
+    assert emulated.sharing(4, c) == 2.5
+    # the fitted constants give back the alpha-beta line they were made from
+    link = costmodel.LinkModel(ALPHA, BETA)
+    got = emulated.predict("all_to_all", 16 * MiB, 2, c)
+    assert got == pytest.approx(costmodel.predict_time("all_to_all", 16 * MiB, 2, link), rel=REL)
