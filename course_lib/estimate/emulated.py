@@ -23,7 +23,8 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
             ring cuts its chunks.
     r       bytes ADDED by the busiest rank per byte of S (reduction_terms): the ring (N-1)/N,
             recursive doubling log2 p, Rabenseifner (p-1)/p, the parameter server N-1, an
-            all-to-all 0. gamma: seconds per byte added, by one rank with a core to itself. On a
+            all-to-all 0. gamma: seconds per byte added, by one rank with a core to itself (the
+            gamma per reduced byte of Thakur, Rabenseifner & Gropp 2005 and Chan et al. 2007). On a
             GPU the add hides under the transfer and the cluster model leaves it out; on a CPU
             the cores that copy the bytes also add them, one after the other.
     sigma   the cores' shared memory bandwidth (sharing()): 1 when N <= C; else copy_cores /
