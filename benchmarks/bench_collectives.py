@@ -98,9 +98,9 @@ def _emulated(world_size, sizes_mb, rounds):
 def _print_emulated(fitted) -> float:
     """Print the emulated model against the measured collectives; return the largest |error|."""
     print(f"\nemulated alpha-beta-gamma model (course_lib.estimate.emulated) on {usable_cores()} cores: "
-          "T = sum of x(m) over the busiest rank's messages + r S gamma sigma; constants fitted in the same run")
+          "T = t0 + sum of x(m) over the busiest rank's messages + r S gamma sigma; constants fitted in the same run")
     print(f"{'ranks':>5} {'algorithm':>11} {'size':>8} {'measured':>11} {'model':>11} {'error':>6}   "
-          f"{'x(m) sum':>9} {'adds':>8} {'sharing':>8}")
+          f"{'t0':>8} {'x(m) sum':>9} {'adds':>8} {'sharing':>8}")
     worst = 0.0
     for n, (c, measured) in fitted.items():
         for name, by_size in measured.items():
@@ -112,7 +112,7 @@ def _print_emulated(fitted) -> float:
                 print(f"{n:>5} {name:>11} {mb:>4g} MiB {t * 1e3:>8.2f} ms {pred * 1e3:>8.2f} ms "
                       f"{(pred - t) / t * 100:>+5.0f}%   " + " ".join(f"{v * 1e3:>5.2f} ms" for v in parts.values()))
         line = ", ".join(f"{fmt_bytes(s)} {t * 1e3:.2f} ms" for s, t in zip(c.sizes, c.seconds))
-        print(f"  {n} ranks: exchange x(m): {line}; gamma = 1/{1 / c.gamma / 1e9:.2f} GB/s; "
+        print(f"  {n} ranks: t0 = {c.start * 1e3:.2f} ms; exchange x(m): {line}; gamma = 1/{1 / c.gamma / 1e9:.2f} GB/s; "
               f"copy per rank {c.copy_cores / 1e9:.2f} GB/s ({c.cores} copying) vs {c.copy_all / 1e9:.2f} GB/s "
               f"(all {n}): sigma = {emulated.sharing(n, c):.2f}")
     print(f"largest |error| {worst * 100:.0f}% (target {MODEL_TARGET * 100:.0f}%); error = (model - measured) / measured")

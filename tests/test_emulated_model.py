@@ -82,6 +82,17 @@ def test_sharing_only_when_ranks_outnumber_cores():
     assert emulated.sharing(4, EmulatedConstants(c.sizes, c.seconds, c.gamma, 2, copy_cores=1.0, copy_all=3.0)) == 1.0
 
 
+def test_start_is_paid_once_per_call():
+    c = convex()
+    started = EmulatedConstants(c.sizes, c.seconds, c.gamma, c.cores, c.copy_cores, c.copy_all, start=1e-3)
+    for algorithm in ALGORITHMS:
+        for n in (2, 4):
+            parts, plain = emulated.terms(algorithm, 16 * MiB, n, started), emulated.terms(algorithm, 16 * MiB, n, c)
+            assert parts["start"] == 1e-3 and plain["start"] == 0.0
+            assert {k: v for k, v in parts.items() if k != "start"} == {k: v for k, v in plain.items() if k != "start"}
+    assert emulated.predict("ring", 16 * MiB, 1, started) == 0.0  # one rank: no collective, no start
+
+
 def test_exchange_table_is_piecewise_alpha_beta():
     c = convex()
     for s, t in zip(c.sizes, c.seconds):
@@ -118,16 +129,16 @@ def test_fit_recovers_known_constants():
     adds = [fixed + s * gamma for s in emulated_fit.ADD_SIZES]
     assert emulated_fit.fit_gamma(emulated_fit.ADD_SIZES, adds) == pytest.approx(gamma, rel=1e-9)  # normal equations' rounding
     table = [ALPHA + s / BETA for s in emulated_fit.EXCHANGE_SIZES]
-    raw = [{"exchange": table, "add": adds, "copy_cores": 12e9, "copy_all": 5e9},
+    raw = [{"exchange": table, "add": adds, "copy_cores": 12e9, "copy_all": 5e9, "start": 2e-4},
            {"exchange": None, "add": None, "copy_cores": 8e9, "copy_all": 3e9},
            {"exchange": None, "add": None, "copy_cores": None, "copy_all": 4e9},
            {"exchange": None, "add": None, "copy_cores": None, "copy_all": 4e9}]
     c = emulated_fit.fit_constants(raw, cores=2)
     assert c.sizes == emulated_fit.EXCHANGE_SIZES and c.seconds == tuple(table)
     assert c.gamma == pytest.approx(gamma, rel=1e-9)
-    assert (c.copy_cores, c.copy_all, c.cores) == (10e9, 4e9, 2)
+    assert (c.copy_cores, c.copy_all, c.cores, c.start) == (10e9, 4e9, 2, 2e-4)
     assert emulated.sharing(4, c) == 2.5
     # the fitted constants give back the alpha-beta line they were made from
     link = costmodel.LinkModel(ALPHA, BETA)
-    got = emulated.predict("all_to_all", 16 * MiB, 2, c)
+    got = emulated.predict("all_to_all", 16 * MiB, 2, c) - c.start
     assert got == pytest.approx(costmodel.predict_time("all_to_all", 16 * MiB, 2, link), rel=REL)

@@ -3,7 +3,11 @@
 Formulas only: the constants come from micro-benchmarks (course_lib.measure.emulated_fit) and
 the result is seconds. A collective of S bytes per rank on N ranks running on C cores takes
 
-    T = sum over the busiest rank's messages m of x(m)  +  r S gamma sigma
+    T = t0  +  sum over the busiest rank's messages m of x(m)  +  r S gamma sigma
+
+    t0      a call's start: one step of a 4-byte ring timed as a collective is (from a barrier to
+            the slowest rank's end): ranks leave a barrier one by one as each gets a core, a
+            wake-up or two that a cluster's GPUs, always running, do not pay. 0 in costmodel.
 
     x(m)    seconds of one exchange of m bytes (a rank sends m and receives m at once, as every
             step of the course's collectives does), measured with every pair of ranks exchanging
@@ -48,7 +52,7 @@ from course_lib._validate import check_int
 class EmulatedConstants:
     """sizes/seconds: measured exchanges (bytes ascending, seconds per exchange); gamma: seconds
     per byte added; cores: the cores the ranks share; copy_cores / copy_all: one rank's copy
-    bytes/s with `cores` ranks copying at once / with every rank copying at once."""
+    bytes/s with `cores` ranks copying at once / with every rank copying at once; start: t0."""
 
     sizes: tuple
     seconds: tuple
@@ -56,13 +60,15 @@ class EmulatedConstants:
     cores: int
     copy_cores: float = 1.0
     copy_all: float = 1.0
+    start: float = 0.0
 
     def __post_init__(self):
         if len(self.sizes) < 2 or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"need >= 2 distinct ascending sizes, one time each; got sizes={self.sizes}, "
                              f"seconds={self.seconds}")
-        if any(t <= 0 for t in self.seconds) or self.gamma < 0 or self.copy_cores <= 0 or self.copy_all <= 0:
-            raise ValueError(f"need seconds, copy rates > 0 and gamma >= 0, got {self}")
+        if (any(t <= 0 for t in self.seconds) or self.gamma < 0 or self.start < 0 or self.copy_cores <= 0
+                or self.copy_all <= 0):
+            raise ValueError(f"need seconds, copy rates > 0 and gamma, start >= 0, got {self}")
         check_int("cores", self.cores)
 
 
@@ -127,11 +133,12 @@ def sharing(world_size: int, c: EmulatedConstants) -> float:
 
 def terms(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,
           piece_bytes: float | None = None) -> dict:
-    """The model's parts in seconds: {"messages": sum of x(m), "gamma": r S gamma, "sharing": what
-    sigma adds to the adds}; predict() is their sum."""
+    """The model's parts in seconds: {"start": t0, "messages": sum of x(m), "gamma": r S gamma,
+    "sharing": what sigma adds to the adds}; predict() is their sum."""
     sent = sum(k * exchange_time(m, c) for k, m in messages(algorithm, nbytes, world_size, piece_bytes))
     added = reduction_terms(algorithm, world_size) * nbytes * c.gamma
-    return {"messages": sent, "gamma": added, "sharing": added * (sharing(world_size, c) - 1.0)}
+    return {"start": c.start if world_size > 1 else 0.0, "messages": sent, "gamma": added,
+            "sharing": added * (sharing(world_size, c) - 1.0)}
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,

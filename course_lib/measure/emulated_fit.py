@@ -20,6 +20,7 @@ The micro-benchmarks:
     gamma   x.add_(y) on rank 0 alone at three sizes beyond the caches; gamma = the slope
     sigma   calibrate.copy_bandwidth on the first `cores` ranks at once, then on every rank at once:
             the mean rate per rank of each
+    t0      interleaved() only: one 4-byte ring step timed exactly as the collectives are
 
 Every time is a median over calls, not a minimum: the collectives it predicts are reported as
 medians (benchmarks/bench_collectives.py), and on a shared machine the fastest call of a
@@ -126,7 +127,8 @@ def fit_constants(raw: list, cores: int, sizes=EXCHANGE_SIZES, add_sizes=ADD_SIZ
     copy_all = [r["copy_all"] for r in raw]
     return EmulatedConstants(sizes=tuple(sizes), seconds=tuple(raw[0]["exchange"]),
                              gamma=fit_gamma(add_sizes, raw[0]["add"]), cores=cores,
-                             copy_cores=statistics.fmean(copy_cores), copy_all=statistics.fmean(copy_all))
+                             copy_cores=statistics.fmean(copy_cores), copy_all=statistics.fmean(copy_all),
+                             start=raw[0].get("start", 0.0))
 
 
 def _collective(name: str, x: torch.Tensor):
@@ -142,8 +144,9 @@ def _collective(name: str, x: torch.Tensor):
 
 def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"), rounds: int = 5,
                 sizes=EXCHANGE_SIZES, seconds: float = 0.2) -> dict:
-    """Rank code, on every rank: probe()'s dict plus "measured" ({algorithm: {size_mb: median
-    seconds}}, each call timed as its slowest rank). The exchanges and the collectives alternate
+    """Rank code, on every rank: probe()'s dict plus "start" (the model's t0: median seconds of one
+    step of a 4-byte ring from a barrier to the slowest rank's end) and "measured" ({algorithm:
+    {size_mb: median seconds}}, each call timed as its slowest rank, from a barrier). The exchanges and the collectives alternate
     round by round (one exchange pass, then every collective once at every size), so the model's
     inputs and what it predicts see the same load from elsewhere on the machine."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -152,11 +155,18 @@ def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"),
     buffers, right, left = _buffers(sizes), (rank + 1) % n, (rank - 1) % n
     tensors = {mb: torch.randn(int(mb * 2**20) // 4) for mb in sizes_mb}
     calls = {(name, mb): _collective(name, x) for mb, x in tensors.items() for name in algorithms}
-    passes, times = [], {key: [] for key in calls}
+    passes, times, starts = [], {key: [] for key in calls}, []
     elapsed = torch.zeros(1, dtype=torch.float64)
+    tiny_out, tiny_in = torch.zeros(1), torch.zeros(1)
     for round_ in range(rounds + 1):  # round 0 is a warm-up
         dist.barrier()
         one = _pass(buffers, right, left)
+        dist.barrier()  # t0: one step of a 4-byte ring, timed as the collectives below are
+        t0 = time.perf_counter()
+        exchange(tiny_out, right, tiny_in, left)
+        elapsed[0] = time.perf_counter() - t0
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        starts.append(elapsed.item())
         for key, fn in calls.items():
             dist.barrier()  # (the sums grow N-fold a call: N**(2 (rounds+1)) stays far inside float32)
             t0 = time.perf_counter()
@@ -169,5 +179,6 @@ def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"),
             passes.append(one)
     out = probe_rates(cores, seconds=seconds)
     out["exchange"] = [statistics.median(p[i] for p in passes) for i in range(len(sizes))] if rank == 0 else None
+    out["start"] = statistics.median(starts[1:])
     out["measured"] = {name: {mb: statistics.median(times[(name, mb)]) for mb in sizes_mb} for name in algorithms}
     return out
