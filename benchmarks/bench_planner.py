@@ -31,7 +31,12 @@ how stable it is:
 * it prints each round's own figures and a bootstrap over the rounds (calibration and layouts
   drawn together): the 90% interval of the rank correlation and of the median error estimates
   how far another run of as many rounds would land, so "within +-0.03 across runs" is judged
-  from one run (a target inside the interval is "inconclusive" in the summary);
+  from one run (a target inside the interval is "inconclusive" in the summary). A draw with
+  replacement repeats rounds, so it holds fewer distinct rounds than the run: the interval leans
+  to worse figures than the run's own (in two loaded runs the run's rank correlation sat at the
+  interval's top) and errs wide, never narrow. Seen there too: each round's own signed median
+  moved by tens of percent (the calibration and the layouts meet different load), which is
+  what the medians over rounds even out;
 * errors of both signs: the signed median error and the share of layouts predicted slower and
   faster than they ran (a model under-predicting every layout has a systematic error a small
   median hides).
