@@ -34,9 +34,9 @@ how stable it is:
   from one run (a target inside the interval is "inconclusive" in the summary). A draw with
   replacement repeats rounds, so it holds fewer distinct rounds than the run: the interval leans
   to worse figures than the run's own (in two loaded runs the run's rank correlation sat at the
-  interval's top): read it as a warning of the spread, not a measurement of it. Seen there too: each round's own signed median
-  moved by tens of percent (the calibration and the layouts meet different load), which is
-  what the medians over rounds even out;
+  interval's top): read it as a warning of the spread, not a measurement of it. Seen there
+  too: each round's own signed median moved by tens of percent (the calibration and the
+  layouts meet different load), which is what the medians over rounds even out;
 * errors of both signs: the signed median error and the share of layouts predicted slower and
   faster than they ran (a model under-predicting every layout has a systematic error a small
   median hides).
