@@ -126,7 +126,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--model-world-sizes", type=int, nargs="*", default=[2, 4],
                         help="rank counts on which the emulated alpha-beta-gamma model is checked (none: skip)")
-    parser.add_argument("--model-rounds", type=int, default=5)
+    parser.add_argument("--model-rounds", type=int, default=9,
+                        help="interleaved rounds of the model check (5 left one load burst in the medians at load ~10)")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
     add_quick(parser, argv, world_size=2, sizes_mb=[1], iters=1, model_world_sizes=[2], model_rounds=1)
     args = parser.parse_args(argv)
