@@ -312,7 +312,8 @@ def test_collective_checks_are_priced_once_per_checked_call(tiny_config):
     busiest = sum(r.priced_calls for r in tp)
     assert busiest > checked["calls"]["tp"]  # the busiest rank makes more tp calls than rank 0
     assert checked["checks"] == pytest.approx(busiest * per_pair + collective_time(
-        cluster.intra, "all_gather", CHECK_BYTES * 4, 4), rel=1e-12)  # + the norm's, over all 4 ranks
+        cluster.intra, "all_gather", CHECK_BYTES * 4, 4) + per_pair, rel=1e-12)  # + the norm's, over all
+    # 4 ranks, and the loss broadcast's over the 2 stages (inside the step, so priced and checked)
 
 
 def test_stored_validation_compares_every_layout():

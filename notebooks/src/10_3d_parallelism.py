@@ -223,8 +223,10 @@ for dim in ("tp", "pp", "dp"):
 # %% [markdown]
 # The records behind those rows: what each collective is, how many calls rank 0 makes in one
 # step (it holds the first stage, so the loss's all-reduces, on the last stage, are not its),
-# and the bytes all ranks send (the row sums above). The pipeline's loss broadcast and dp's
-# all-reduce of the loss are the trainer's log of the loss, outside the step.
+# and the bytes all ranks send (the row sums above). dp's all-reduce of the loss is the
+# trainer's log of the loss, after the step. The pipeline's loss broadcast is not: the schedule
+# sends the last stage's mean loss to every rank before the step ends, so it is part of the
+# step's time.
 
 # %%
 from course_lib.estimate.traffic import step_traffic

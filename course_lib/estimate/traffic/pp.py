@@ -26,6 +26,8 @@ def pp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
         g = rows * base.d_model * (act_bytes if grad_bytes is None else grad_bytes)
         out.append(Collective("pp", "the tied embedding's gradient between the end stages", "send", g, 2, 2,
                               R * n * 2 * g))
-    out.append(Collective("pp", "the loss, broadcast from the last stage", "broadcast", 4, dims.pp, 1, R * n * 4,
-                          report=True))
+    # the mean loss, broadcast from the last stage at the end of the schedule (run_schedule returns it to
+    # every rank): inside the step the trainer times, on the path of every rank that waits for it, so
+    # priced (a binomial tree: records.broadcast_hops); not the trainer's loss log, which comes after
+    out.append(Collective("pp", "the loss, broadcast from the last stage", "broadcast", 4, dims.pp, 1, R * n * 4))
     return out

@@ -61,11 +61,22 @@ def wire_bytes(c: Collective) -> float:
     return 0.0 if c.group <= 1 else c.calls * WIRE[c.op](c.group) * c.nbytes
 
 
+def broadcast_hops(n: int) -> int:
+    """Messages one after another from a broadcast's root to its last rank: ceil(log2 n), a
+    binomial tree (gloo's broadcast: in round i the ranks that hold the data send it to the
+    ranks 2^i away; MPICH's short-message broadcast is the same tree, Thakur et al. 2005)."""
+    return (n - 1).bit_length() if n > 1 else 0
+
+
 def seconds(c: Collective, link) -> float:
     """The step-time model's seconds of this record on `link` (a LinkModel or a measured
-    CollectiveTable): priced calls, each collective_time(link, op, nbytes, group)."""
+    CollectiveTable): priced calls, each collective_time(link, op, nbytes, group); a broadcast
+    (no column of the measured table, no alpha-beta formula of its own) as broadcast_hops(group)
+    point-to-point messages of nbytes: ceil(log2 n) (alpha + S / beta) on a LinkModel."""
     if c.report or not c.priced_calls or (c.measured_only and not isinstance(link, CollectiveTable)):
         return 0.0
+    if c.op == "broadcast":
+        return c.priced_calls * broadcast_hops(c.group) * collective_time(link, "send", c.nbytes, 2)
     return c.priced_calls * collective_time(link, c.op, c.nbytes, c.group)
 
 
