@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import re
+import threading
 from datetime import timedelta
 
 import pytest
@@ -109,6 +110,32 @@ def test_the_first_proposal_is_everyones_quorum():
     store.set("alive/2/0", "0")
     store.set("alive/2/1", "2")
     assert decide_quorum(store, 2, {0: 0}, 2, timeout_s=5) == {0: 0, 1: 2}
+
+
+def test_a_process_known_to_have_ended_is_not_waited_for():
+    """The parent writes ended/<rank> when it sees a replica's process exit (wait_processes): the
+    quorum closes at once instead of after quorum_timeout_s (600 s here; the join's 60 s bound only
+    keeps a wrong implementation from holding the suite for ten minutes)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set("alive/3/0", "0")
+    store.set("alive/3/2", "2")
+    store.set("ended/1", "-9")  # slot 1's process, SIGKILLed
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(decide_quorum(store, 3, {0: 0, 1: 1, 2: 2}, 3, 600.0)),
+                              daemon=True)
+    waiter.start()
+    waiter.join(60)
+    assert got == [{0: 0, 2: 2}]
+    # a slot whose process is alive is still waited for (until it announces itself)
+    store.set("alive/4/0", "0")
+    waiter = threading.Thread(target=lambda: got.append(decide_quorum(store, 4, {0: 0, 2: 2}, 3, 600.0)),
+                              daemon=True)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and len(got) == 1
+    store.set("alive/4/2", "2")
+    waiter.join(60)
+    assert got[1] == {0: 0, 2: 2}
 
 
 @pytest.mark.parametrize("kwargs, message", [

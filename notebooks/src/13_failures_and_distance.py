@@ -132,9 +132,11 @@ assert slowest > 100 * fastest
 # `course_lib.parallel.ft` follows torchft (PyTorch, 2025): $R$ data-parallel replicas (one
 # process each here; a replica group of many GPUs in production) and, **at every step, a
 # quorum**. Each live replica writes "alive at step $t$" into a shared store (a TCPStore hosted
-# by the parent, which plays torchft's lighthouse) and waits a bounded time for the members of
-# the last quorum. The first to finish waiting writes step $t$'s quorum with a compare-and-set,
-# so every replica reads the same one. The gradient is averaged over the quorum only.
+# by the parent, which plays torchft's lighthouse) and waits for the members of the last quorum:
+# not for a process the parent has seen exit (torchft's lighthouse learns a death from missed
+# heartbeats), and at most a bounded time for one that is alive but late. The first to finish
+# waiting writes step $t$'s quorum with a compare-and-set, so every replica reads the same one.
+# The gradient is averaged over the quorum only.
 #
 # We run 3 replicas for 10 steps. At the start of step 4, replica 1's process is **killed with
 # SIGKILL** (no clean-up, like a GPU falling off the bus). At step 7 a replacement process takes
@@ -147,8 +149,8 @@ assert slowest > 100 * fastest
 # must the whole run equal?
 
 # %%
-# quorum_timeout_s: how long the live replicas wait for a missing one; 10 s, so that a replica merely slowed
-# by a busy machine is not taken for a dead one (the wait is paid once, at step 4)
+# quorum_timeout_s: how long the live replicas wait for a late one that is still running; 10 s, so that a
+# replica merely slowed by a busy machine is not taken for a dead one. A killed one is not waited for.
 FT = FtConfig(replicas=3, steps=10, kill_slot=1, kill_step=4, rejoin_step=7, quorum_timeout_s=10.0)
 ft = run_ft(FT, timeout_s=180)
 print("process exit codes:", ft.exitcodes, "(-9: killed by SIGKILL)")
@@ -211,8 +213,9 @@ print(f"max |final parameters - replay| = {diff:.1g}")
 # %% [markdown]
 # <details><summary>Answer</summary>
 #
-# The survivors complete **every** step, 1 to 10: at step 4 they wait `quorum_timeout_s` for
-# slot 1, which never announces itself, and decide the quorum {0, 2}; steps 4-6 average two
+# The survivors complete **every** step, 1 to 10: at step 4 slot 1 never announces itself and
+# the parent has seen its process end, so they decide the quorum {0, 2} without waiting out
+# `quorum_timeout_s`; steps 4-6 average two
 # gradients instead of three. At step 7 the quorum is {0, 1, 2} again, slot 1 now being the
 # spare's process. The whole run equals the one-process replay of the same data and quorum
 # sequence, and differs from a run that never failed: during the outage the global batch was

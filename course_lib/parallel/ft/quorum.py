@@ -41,12 +41,16 @@ class ReplicaResult:
     sent: dict
 
 
-def decide_quorum(store, t: int, expected, replicas: int, timeout_s: float) -> dict[int, int]:
-    """Wait (at most timeout_s) for alive/t/<s> of every expected slot, then propose every slot
-    announced for t; the first proposal wins (compare_set), every caller returns it."""
-    keys = [f"alive/{t}/{s}" for s in expected]
+def decide_quorum(store, t: int, expected: dict[int, int], replicas: int, timeout_s: float) -> dict[int, int]:
+    """Wait (at most timeout_s) until every slot s of `expected` (the last quorum, {slot: process
+    rank}) has written alive/t/<s> or its process is known to have ended (ended/<rank>, written
+    by the process's parent as torchft's lighthouse learns a death from missed heartbeats: no
+    one waits out the timeout for a process that is gone), then propose every slot announced
+    for t; the first proposal wins (compare_set), every caller returns it. The timeout bounds
+    the wait for a replica that is alive but late."""
     deadline = time.monotonic() + timeout_s
-    while not store.check(keys) and time.monotonic() < deadline:
+    while not all(store.check([f"alive/{t}/{s}"]) or store.check([f"ended/{r}"]) for s, r in expected.items()) \
+            and time.monotonic() < deadline:
         time.sleep(POLL_S)
     present = {s: int(store.get(f"alive/{t}/{s}")) for s in range(replicas) if store.check([f"alive/{t}/{s}"])}
     won = store.compare_set(f"quorum/{t}", "", json.dumps(present))

@@ -4,7 +4,9 @@ one joins and is healed from a healthy peer over the network.
 
 Every step t, each live replica writes alive/t/<slot> = <its process rank> into the run's
 TCPStore (hosted by the parent, so no replica's death takes it down) and waits, at most
-quorum_timeout_s, for every replica of the last quorum. The first to finish waiting writes the
+quorum_timeout_s, for every replica of the last quorum whose process has not ended (the parent
+writes ended/<rank> when it sees a child exit, as torchft's lighthouse notices missed
+heartbeats). The first to finish waiting writes the
 quorum of step t (every replica alive/t/ names: the late and the dead are out, an announced
 joiner is in) with compare_set, so all replicas read the same quorum, whoever wrote it.
 
@@ -119,9 +121,14 @@ def start_processes(cfg: FtConfig, port: int, ranks) -> dict:
 
 def wait_processes(procs: dict, store, world: int, timeout_s: float) -> list[int]:
     """Wait (at most timeout_s, 2 s more once any process reported an error: the others may wait
-    on it) for procs to end; kill the stuck ones and return their ranks."""
-    deadline = time.monotonic() + timeout_s
+    on it) for procs to end; kill the stuck ones and return their ranks. Each process seen ended
+    is written into the store (ended/<rank>): the quorum stops waiting for it (decide_quorum)."""
+    deadline, ended = time.monotonic() + timeout_s, set()
     while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
+        for r, p in procs.items():
+            if r not in ended and not p.is_alive():
+                store.set(f"ended/{r}", str(p.exitcode))
+                ended.add(r)
         if any(store.check([f"error/{r}"]) for r in range(world)):
             deadline = min(deadline, time.monotonic() + 2.0)
         time.sleep(0.05)
