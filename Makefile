@@ -57,10 +57,17 @@ python-path:
 
 # pytest for course_lib, and nbval over every notebook and every graded exercise notebook
 # (graded with the reference solutions; tests/test_grading.py proves the stubs fail), on this
-# machine's own CPU path, as a learner's kernel runs them. One session after the other: run side
-# by side on 2 cores they took 1667 s (CI at aef3a5a), against 680 s + 567 s one after the other
-# (measured alone at 264bbd0): ranks that meet in collectives wait for each other's turn on a
-# core, so oversubscribing the cores slows every rank of both sessions.
+# machine's own CPU path, as a learner's kernel runs them. The sessions run one after the other
+# (side by side on 2 cores, before OMP_WAIT_POLICY=PASSIVE above, they took 1667 s against
+# 680 s + 567 s), and within each session PYTEST_WORKERS test files (notebooks) run at a time
+# (pytest-xdist, --dist loadfile: a file's module fixtures and rank pools stay in one worker).
+# Why 2 on a 2-core machine: one file alone keeps the cores busy about 57% of its time (ranks
+# wait in rendezvous, stores, timeouts and process start); measured here at 3169716, nbval of every
+# notebook and exercise 308 s with 2 workers against 561 s with one (CI at c19200a), six of the
+# slowest test files 152 s against 210 s. Results do not depend on it: each rank pool still
+# splits its own share of the cores. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 # NOTEBOOK_PATH=CAPABILITY:THREADS runs the notebooks on that CPU path instead, NOTEBOOK_DIRS
 # picks the folders (CI: one portable path; .ci/run).
 NOTEBOOK_PATH ?=
@@ -68,11 +75,11 @@ NOTEBOOK_DIRS ?= notebooks exercises
 NOTEBOOK_PATH_ENV = $(if $(NOTEBOOK_PATH),ATEN_CPU_CAPABILITY=$(firstword $(subst :, ,$(NOTEBOOK_PATH))) OMP_NUM_THREADS=$(lastword $(subst :, ,$(NOTEBOOK_PATH))),)
 test: $(STAMP)
 	@echo "== pytest tests under NCCL's rules (COURSE_NCCL_RULES=1; gloo_only tests deselected, conftest.py)"; \
-	COURSE_NCCL_RULES=1 OMP_WAIT_POLICY=PASSIVE COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=15 tests; status=$$?; \
+	COURSE_NCCL_RULES=1 OMP_WAIT_POLICY=PASSIVE COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q $(XDIST) --durations=15 tests; status=$$?; \
 	echo "== pytest tests marked gloo_only, without NCCL's rules"; \
-	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=5 -m gloo_only tests || status=1; \
+	COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q $(XDIST) --durations=5 -m gloo_only tests || status=1; \
 	echo "== nbval $(NOTEBOOK_DIRS)$(if $(NOTEBOOK_PATH), on CPU path $(NOTEBOOK_PATH),)"; \
-	$(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q --durations=10 \
+	$(NOTEBOOK_PATH_ENV) COURSE_GRADE_WITH=solutions $(PY) -m pytest -p no:cacheprovider -q $(XDIST) --durations=10 \
 		$(NOTEBOOK_DIRS) $(NBVAL) || status=1; \
 	exit $$status
 
@@ -124,14 +131,14 @@ gpu-check: $(STAMP)
 # depends on the CPU fails here, not on a learner's machine (CONTRIBUTING.md, "Notebooks";
 # tests/test_portability.py checks that the paths cover both kernels and both thread counts and
 # that they change low-precision results here). Each entry is CAPABILITY:THREADS. The paths run
-# one after the other, for the reason `make test`'s sessions do.
+# one after the other, for the reason `make test`'s sessions do (each with PYTEST_WORKERS notebooks at a time).
 PORTABLE_PATHS ?= default:1 avx2:2
 PORTABLE_DIRS ?= notebooks exercises
 test-portability: $(STAMP)
 	@status=0; for p in $(PORTABLE_PATHS); do \
 		echo "== nbval with ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:}"; \
 		ATEN_CPU_CAPABILITY=$${p%:*} OMP_NUM_THREADS=$${p#*:} COURSE_GRADE_WITH=solutions \
-			$(PY) -m pytest -p no:cacheprovider -q $(PORTABLE_DIRS) $(NBVAL) || status=1; \
+			$(PY) -m pytest -p no:cacheprovider -q $(XDIST) $(PORTABLE_DIRS) $(NBVAL) || status=1; \
 	done; exit $$status
 
 # For maintainers: the whole suite against the newest releases of every dependency (torch stays
