@@ -22,6 +22,8 @@
 #   Rabenseifner's halving-doubling by messages and bytes, and check the counts with a tracer;
 # * fit the α-β model $T(S) = \alpha + S/\beta$ to measurements, and use it to predict a
 #   collective's time on a real cluster;
+# * explain why that model under-predicts ranks that share a machine's cores, and predict them
+#   with an α-β-γ model whose every term you measure;
 # * decide from α, β, $N$ and $S$ whether a tree or a ring is faster, and explain why NCCL
 #   uses both.
 
@@ -577,6 +579,94 @@ print("bytes sent by all ranks    " + "".join(f"{total[n]:>13.1f}" for n in tota
 assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 
 # %% [markdown]
+# ### A model for ranks that share cores: α-β-γ
+#
+# The α-β model describes a cluster, where every rank has its own link. Emulated ranks break
+# three of its assumptions, and each broken assumption can be measured, in the same run as the
+# collectives it is to predict (`course_lib.measure.emulated_fit`), and added back
+# (`course_lib.estimate.emulated`; the γ term is the one of Thakur, Rabenseifner & Gropp 2005 and
+# Chan et al. 2007):
+#
+# $$T = t_0 + \sum_{m\ \in\ \text{busiest rank's messages}} x(m) + r\,S\,\gamma\,\sigma$$
+#
+# * **x(m)**, one step as a collective takes it: every rank sends $m$ bytes to its right
+#   neighbour while receiving $m$ from its left, all ranks at once, measured at sizes from
+#   64 KiB to 64 MiB and interpolated between them. Not a ping-pong of one awake pair, and not
+#   one line: a message far larger than the kernel's socket buffers crosses in many refills,
+#   each waiting for a process to get a core, so the cost per byte changes with $m$ and with
+#   the number of ranks. (This is why the course's ring sends its chunks in pieces of 2 MiB.)
+# * **γ**, seconds per byte *added*, and **r**, the bytes the busiest rank adds per byte of
+#   $S$: ring $(N-1)/N$, recursive doubling $\log_2 N$, all-to-all 0. On a GPU the addition
+#   hides under the transfer; on a CPU the cores that copy the bytes also add them.
+# * **σ**, the cores' shared memory: with more ranks than cores the additions of all ranks take
+#   turns on the same cores and memory channels. σ = one rank's copy rate with as many ranks
+#   copying as there are cores, over its rate with all $N$ copying (1 when $N \le$ cores).
+# * **t₀**, a call's start: one step of a 4-byte ring, timed as the collectives are (from a
+#   barrier to the slowest rank's end: ranks leave a barrier one by one as each gets a core).
+#
+# *Predict first:* at 16 MiB on 4 ranks, which term of the ring's time is largest: the
+# exchanges, the additions or the start? And for the all-to-all?
+#
+# <details><summary>Answer</summary>
+#
+# The exchanges, for both: the ring's busiest rank sends $2(N-1)/N \cdot S$ = 24 MiB in
+# 2 MiB pieces, each piece a step that every rank must be scheduled for, and adds only
+# $(N-1)/N \cdot S$ = 12 MiB (γ is a memory-speed add). The all-to-all adds nothing at all, so
+# its time is its $N-1$ exchanges plus the start. The table below shows the split measured here.
+# </details>
+
+# %% tags=["nbval-ignore-output"]
+from course_lib.comm.collectives import PIECE_BYTES
+from course_lib.estimate import emulated
+from course_lib.measure import emulated_fit
+from course_lib.platform import usable_cores
+
+CORES, MODEL_MB, MODEL_ALGOS = usable_cores(), [1, 16], ("ring", "tree", "all_to_all")
+# x(m) up to the largest message sent (the tree's whole tensor), not to 64 MiB: less memory per rank
+X_SIZES = tuple(m for m in emulated_fit.EXCHANGE_SIZES if m <= max(MODEL_MB) * 2**20)
+# the micro-benchmarks and the collectives alternate, round by round: both see the same machine
+raw = run_on_ranks(emulated_fit.interleaved, CORES, MODEL_MB, MODEL_ALGOS, 3, sizes=X_SIZES, world_size=4,
+                   timeout_s=120, check_collectives=False)
+fit = emulated_fit.fit_constants(raw, CORES, sizes=X_SIZES)
+print(f"4 ranks on {CORES} cores: t0 = {fit.start * 1e3:.2f} ms, gamma = 1 / ({1 / fit.gamma / 1e9:.1f} GB/s), "
+      f"sigma = {emulated.sharing(4, fit):.2f}")
+print(f"{'':>17}{'measured':>10}{'alpha-beta-gamma':>18}{'= t0 + x(m) sum + adds':>27}{'cluster alpha-beta':>20}")
+errors = {}
+for name in MODEL_ALGOS:
+    for mb in MODEL_MB:
+        t, nbytes = raw[0]["measured"][name][mb], mb * 2**20
+        parts = emulated.terms(name, nbytes, 4, fit, PIECE_BYTES if name == "ring" else None)
+        abg, ab = sum(parts.values()), costmodel.predict_time(name, nbytes, 4, link)
+        errors[name, mb] = ((abg - t) / t, (ab - t) / t)
+        print(f"{name:>10} {mb:>2} MiB{t * 1e3:>8.1f} ms{abg * 1e3:>9.1f} ms ({errors[name, mb][0]:+4.0%})"
+              f"{parts['start'] * 1e3:>8.2f} +{parts['messages'] * 1e3:>6.1f} +{(parts['gamma'] + parts['sharing']) * 1e3:>5.1f} ms"
+              f"{ab * 1e3:>10.1f} ms ({errors[name, mb][1]:+4.0%})")
+better = sum(abs(e[0]) < abs(e[1]) for e in errors.values())
+print(f"(error = (model - measured) / measured) alpha-beta-gamma is the closer model in {better} of {len(errors)} cases")
+
+# %% [markdown]
+# How to read it: both models use constants measured seconds earlier in the same processes,
+# so their errors compare fairly; the last line counts the cases each wins in this run. Your
+# numbers move with the machine and its load, and a model of emulated ranks is never exact:
+# a load burst during a collective is in its measurement and not in the model's inputs, and
+# some costs are in neither term (the tree allocates a fresh buffer the size of the tensor at
+# every call, and first-touching fresh memory is not a step of a ring). What the columns show
+# on any machine with fewer cores than ranks: the exchanges are the bulk of the time, and they
+# cost more per byte than the ping-pong's β says, which is why the cluster model falls short.
+#
+# **What changes on a real network.** Each GPU has its own links, so $x(m)$ is one line, the
+# link's $\alpha + m/\beta$; the addition runs on the GPU, overlapped with the next transfer, so
+# γ all but disappears; nothing is shared, so σ = 1; and a call starts with a kernel launch, not
+# a process wake-up. The α-β-γ model collapses into the α-β model of the table above, which is
+# why the next section predicts a cluster with α-β alone.
+#
+# **Which model serves what in this course.** The α-β model predicts a cluster from its links'
+# α and β (section 8 and the estimators of notebooks 05-11). The α-β-γ model explains, term by
+# term, the collectives on this machine's emulated ranks. The planner of notebook 11 uses
+# neither for the ranks it measures: it looks up a table of collective times measured on them,
+# which needs no model of where the time goes.
+
+# %% [markdown]
 # ## 8. Predicting a real cluster
 #
 # Plug in published link figures (sources in `costmodel.CLUSTERS`'s comments): NVLink 3 on
@@ -688,6 +778,9 @@ plt.show()
 # * The α-β model: T = (sequential messages)·α + (bytes on the busiest link)/β. Small
 #   tensors are latency-bound (fewer steps win: tree), large ones bandwidth-bound (fewer
 #   bytes per link win: ring).
+# * Ranks sharing a machine's cores are not a cluster: each step costs a measured exchange
+#   $x(m)$, every byte added costs γ, more ranks than cores share the memory (σ), and every call
+#   pays a start $t_0$. The α-β-γ model adds these up; on a real network it falls back to α-β.
 #
 # ## Self-check
 #
@@ -700,6 +793,8 @@ plt.show()
 #    server design can do that a ring cannot.
 # 5. In the α-β model, for N a power of two, Rabenseifner is never slower than the ring. Give
 #    one reason NCCL still uses rings.
+# 6. On 4 emulated ranks sharing 2 cores, which term of the α-β-γ model would you expect to
+#    vanish if each rank had a core of its own, and which would stay?
 #
 # <details><summary>Answers</summary>
 #
@@ -714,6 +809,9 @@ plt.show()
 # 5. The model gives every pair of ranks its own full-speed link; halving-doubling sends to
 #    distant ranks whose messages share links on a real network, while a ring uses only
 #    neighbour links.
+# 6. σ becomes 1 (no rank waits for another's copies on a shared core); the exchanges $x(m)$,
+#    γ and $t_0$ stay, though smaller: the bytes still cross the kernel's socket buffers, are
+#    still added by the CPU, and a call still starts with processes leaving a barrier.
 # </details>
 
 # %% [markdown]
@@ -737,6 +835,8 @@ plt.show()
 #   power of two, and their α-β costs (sections 4 and 7).
 # * Hockney (1994). *The communication challenge for MPP: Intel Paragon and Meiko CS-2*,
 #   Parallel Computing 20(3): the model $T(S) = \alpha + S/\beta$ of section 7.
+# * Thakur, Rabenseifner & Gropp (2005), above, and Chan, Heimlich, Purkayastha & van de Geijn
+#   (2007), below: the γ per reduced byte of section 7's α-β-γ model.
 # * Sanders, Speck & Träff (2009). *Two-tree algorithms for full bandwidth broadcast, reduction
 #   and scan*, Parallel Computing, and Jeaugey (2019). *Massively Scale Your Deep Learning
 #   Training with NCCL 2.4*, NVIDIA Technical Blog: the double binary trees of section 9.
