@@ -249,3 +249,4 @@ def test_static_ring_figure_has_one_panel_per_step():
     assert len(titled) == 2 * (3 - 1) + 1
     assert "reduce-scatter" in titled[1].get_title() and "all-gather" in titled[-1].get_title()
     plt.close(fig)
+

@@ -142,3 +142,35 @@ def test_fit_recovers_known_constants():
     link = costmodel.LinkModel(ALPHA, BETA)
     got = emulated.predict("all_to_all", 16 * MiB, 2, c) - c.start
     assert got == pytest.approx(costmodel.predict_time("all_to_all", 16 * MiB, 2, link), rel=REL)
+
+
+def test_tree_messages_in_pieces():
+    """The course's recursive doubling sends its whole tensor in 2 MiB pieces (trees._add_from),
+    the fold-in too; the answer goes back to a folded-in rank in one message."""
+    assert emulated.messages("tree", 8 * MiB, 4, 2 * MiB) == [(8, 2 * MiB)]
+    assert emulated.messages("tree", 1 * MiB, 4, 2 * MiB) == [(2, MiB)]
+    assert emulated.messages("tree", 8 * MiB, 3, 2 * MiB) == [(4, 2 * MiB), (4, 2 * MiB), (1, 8 * MiB)]
+
+
+def test_small_collectives_are_sampled_more_often():
+    """A 1 MiB call is timed 8 times a round, a 16 MiB call once (emulated_fit.repeats)."""
+    assert [emulated_fit.repeats(mb) for mb in (0.25, 1, 2, 4, 8, 16, 64)] == [8, 8, 4, 2, 1, 1, 1]
+
+
+def test_interleaved_returns_every_measurement():
+    """interleaved() on 2 ranks at small sizes: one median per algorithm and size, the exchange
+    table on rank 0 only, and t0 (every value checked for being there and positive, not for its
+    size: that is the benchmark's job)."""
+    from course_lib import run_on_ranks
+
+    sizes = (1 << 12, 1 << 16)
+    raw = run_on_ranks(emulated_fit.interleaved, 2, [0.0625, 1], ("ring", "tree", "all_to_all"), 2, sizes, 0.01,
+                       world_size=2, timeout_s=120, check_collectives=False)
+    assert len(raw[0]["exchange"]) == len(sizes) and raw[1]["exchange"] is None
+    for r in raw:
+        assert r["start"] > 0
+        assert {name: sorted(by) for name, by in r["measured"].items()} == {
+            name: [0.0625, 1] for name in ("ring", "tree", "all_to_all")}
+        assert all(0 < t < float("inf") for by in r["measured"].values() for t in by.values())
+    c = emulated_fit.fit_constants(raw, 2, sizes=sizes, add_sizes=emulated_fit.ADD_SIZES)
+    assert c.start == raw[0]["start"]

@@ -1,7 +1,7 @@
-"""The ring sends each step's chunk in pieces (course_lib.comm.collectives.PIECE_BYTES, IN_FLIGHT
-posted at once). Tensors large enough to need several 1 MiB pieces would make these tests slow, so
-the rank code lowers PIECE_BYTES for one call: the same code path, on tensors of a few hundred
-bytes. Every tensor is made on the rank's device (checked under COURSE_NCCL_RULES=1).
+"""The ring sends each step's chunk in pieces, and recursive doubling its whole tensor
+(course_lib.comm.p2p.PIECE_BYTES, 2 MiB). Tensors large enough to need several pieces would make
+these tests slow, so the rank code lowers PIECE_BYTES for one call: the same code path, on tensors
+of a few hundred bytes. Every tensor is made on the rank's device (checked under COURSE_NCCL_RULES=1).
 """
 
 import contextlib
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import CommTracer, comm, run_on_ranks
-from course_lib.comm import collectives, ringviz
+from course_lib.comm import p2p, ringviz
 from course_lib.runtime.device import rank_device
 
 PIECE = 16  # bytes: 2 float64 / int64 or 4 float32 elements per piece, at most
@@ -19,12 +19,12 @@ PIECE = 16  # bytes: 2 float64 / int64 or 4 float32 elements per piece, at most
 
 @contextlib.contextmanager
 def _pieces_of(nbytes):
-    saved = collectives.PIECE_BYTES
-    collectives.PIECE_BYTES = nbytes
+    saved = p2p.PIECE_BYTES  # read by p2p.piece_count, which the ring and the tree call
+    p2p.PIECE_BYTES = nbytes
     try:
         yield
     finally:
-        collectives.PIECE_BYTES = saved
+        p2p.PIECE_BYTES = saved
 
 
 def _cases(n):
@@ -129,3 +129,45 @@ def test_pieced_ring_goes_through_the_simulated_states(world_size):
     sim = ringviz.simulate_ring(n)
     assert [[per_rank[r][step] for r in range(n)] for step in range(len(sim))] == sim
 
+
+
+def _tree_pieced_against_whole():
+    """Rank code: recursive doubling in pieces of PIECE bytes against one message per round (the
+    default at these sizes) and against dist.all_reduce, with the messages it sent (bytes, peer)."""
+    rows = []
+    for dtype, numel in _cases(dist.get_world_size()):
+        x = _random(numel, dtype)
+        whole, pieced, ref = x.clone(), x.clone(), x.clone()
+        comm.tree_all_reduce(whole)
+        with _pieces_of(PIECE), CommTracer() as tracer:
+            comm.tree_all_reduce(pieced)
+        dist.all_reduce(ref)
+        sent = [(r.bytes_sent, r.peer) for r in tracer.records if r.op == "isend"]
+        # int64 sums are exact, so equal to gloo's; floats: the same additions as the whole tree
+        rows.append((str(dtype), numel, torch.equal(pieced, whole), dtype != torch.int64 or torch.equal(pieced, ref),
+                     sent))
+    return rows
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 6])
+def test_pieced_tree_is_bitwise_the_whole_tree_with_the_same_bytes(world_size):
+    n = world_size
+    p = 1 << (n.bit_length() - 1)
+    per_rank = run_on_ranks(_tree_pieced_against_whole, world_size=n, timeout_s=60, check_collectives=False)
+    for rank, rows in enumerate(per_rank):
+        for (dtype, numel, same, exact, sent), (dt, _) in zip(rows, _cases(n)):
+            where = f"rank {rank} {dtype} numel={numel}"
+            nbytes = numel * dt.itemsize
+            pieces = -(-nbytes // PIECE)
+            assert same and exact, where
+            assert sum(b for b, _ in sent) == comm.theory_bytes_sent("tree", nbytes, n, rank), where
+            if rank >= p:  # folded in: its tensor to rank - p, in pieces
+                assert [peer for _, peer in sent] == [rank - p] * pieces and all(b <= PIECE for b, _ in sent), where
+                continue
+            butterfly = [(b, peer) for b, peer in sent if peer < p]
+            # log2 p rounds, each the whole tensor in pieces to the partner rank XOR 2^j
+            assert [peer for _, peer in butterfly] == [rank ^ (1 << j) for j in range(p.bit_length() - 1)
+                                                      for _ in range(pieces)], where
+            assert all(0 < b <= PIECE for b, _ in butterfly), where
+            # and the answer, whole, to the folded-in partner
+            assert [(b, peer) for b, peer in sent if peer >= p] == ([(nbytes, rank + p)] if rank < n - p else []), where

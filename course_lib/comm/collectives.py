@@ -24,7 +24,7 @@ Chunks: a tensor of numel elements is cut into N contiguous chunks exactly like
 `torch.tensor_split(flat, N)` (`p2p.chunk_bounds`). Rank r owns chunk r after a
 reduce-scatter, as with the built-in. Empty chunks send no message. The ring sends a large
 chunk as several messages of at most PIECE_BYTES (2 MiB) each: the same bytes, the same
-additions in the same order, fewer stalls (see the comment above `_ring_steps`).
+additions in the same order, fewer stalls (see the comment above PIECE_BYTES in p2p.py).
 
 The ring schedule lives in ONE function, `ring_send_chunk`, used by the ring code below
 and by the pure-Python simulation in `course_lib.comm.ringviz`, so the picture cannot drift
@@ -38,7 +38,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from course_lib.comm.p2p import chunk_bounds, exchange, flat_view, global_rank, rank_and_size
+from course_lib.comm.p2p import PIECE_BYTES, chunk_bounds, exchange, flat_view, global_rank, piece_count, rank_and_size  # noqa: F401  (PIECE_BYTES: the ring's piece, imported from here)
 from course_lib.comm.trees import rabenseifner_all_reduce, tree_all_reduce
 
 __all__ = ["chunk_bounds", "ring_send_chunk", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
@@ -65,15 +65,6 @@ def ring_send_chunk(rank: int, step: int, world_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- the ring
-# A step's chunk travels in pieces of at most PIECE_BYTES, one exchange after another, each piece
-# added in place as soon as it has arrived. Measured on 4 emulated ranks sharing 2 CPU cores
-# (benchmarks/bench_collectives.py): whole 16 MiB chunks in one message ran at half of gloo's
-# speed or less on a busy machine (a message far larger than the kernel's socket buffers crosses
-# in many refills, each waiting for a rank to be scheduled); 2 MiB pieces came within about 10%
-# of gloo's C++ ring (which sends 1 MiB segments); 4 and 8 MiB pieces were slower again, and two
-# 1 MiB pieces in flight (to overlap the add with the next transfer) cost more CPU time than
-# they saved.
-PIECE_BYTES = 2 << 20
 
 
 def _ring_steps(flat: torch.Tensor, steps: range, group, on_step) -> None:
@@ -83,7 +74,7 @@ def _ring_steps(flat: torch.Tensor, steps: range, group, on_step) -> None:
     right, left = (rank + 1) % n, (rank - 1) % n
     # Every chunk is cut into the same number of pieces (tensor_split, like the chunks), so the
     # sender's piece j is exactly the receiver's piece j. chunks[0] is the longest.
-    n_pieces = max(1, math.ceil(chunks[0].numel() * flat.element_size() / PIECE_BYTES))
+    n_pieces = piece_count(chunks[0])
     # One scratch piece for the whole call (no per-step allocation): in the reduce-scatter
     # phase the incoming piece must be added, so it cannot land directly in place.
     longest = torch.tensor_split(chunks[0], n_pieces)[0].numel()

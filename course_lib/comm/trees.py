@@ -28,20 +28,31 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.comm.p2p import chunk_bounds, exchange, flat_view, rank_and_size
+from course_lib.comm.p2p import chunk_bounds, exchange, flat_view, piece_count, rank_and_size
+
+
+def _add_from(flat, partner, group, swap: bool) -> None:
+    """flat += partner's tensor, received piece by piece (p2p.piece_count) into one scratch piece;
+    with swap, ours goes to partner at the same time, piece for piece (recursive doubling). The
+    add waits for the exchange to end: the piece it adds into is the piece being sent."""
+    pieces = torch.tensor_split(flat, piece_count(flat))
+    scratch = torch.empty_like(pieces[0])
+    for piece in pieces:
+        incoming = scratch[: piece.numel()]
+        done = exchange(piece if swap else None, partner, incoming, partner, group)  # noqa: F841  (held: see exchange)
+        piece.add_(incoming)
 
 
 def _fold_in(flat, rank, n, p, group) -> bool:
     """Ranks >= p hand their tensor to rank - p and wait; returns True for those ranks (done
     once they have the answer). Ranks < n - p add their partner's tensor first."""
     if rank >= p:
-        exchange(flat, rank - p, None, None, group)
+        for piece in torch.tensor_split(flat, piece_count(flat)):
+            done = exchange(piece, rank - p, None, None, group)  # noqa: F841  (held: see exchange)
         exchange(None, None, flat, rank - p, group)
         return True
     if rank < n - p:
-        incoming = torch.empty_like(flat)
-        exchange(None, None, incoming, rank + p, group)
-        flat.add_(incoming)
+        _add_from(flat, rank + p, group, swap=False)
     return False
 
 
@@ -50,20 +61,18 @@ def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     At round j rank r swaps its whole partial sum with rank r XOR 2**j and adds: after
     log2(p) rounds every rank holds the total. Few messages (good for small, latency-bound
-    tensors) but each carries the full S bytes (bad for large ones). Partners add the same
-    two values (a+b == b+a exactly), so all ranks end bit-identical. Returns `tensor`.
+    tensors) but each carries the full S bytes (bad for large ones), in pieces of at most
+    PIECE_BYTES like the ring's chunks. Partners add the same two values (a+b == b+a exactly),
+    so all ranks end bit-identical. Returns `tensor`.
     """
     flat = flat_view(tensor)
     rank, n = rank_and_size(group)
     p = 1 << (n.bit_length() - 1)
     if _fold_in(flat, rank, n, p, group):
         return tensor
-    scratch = torch.empty_like(flat)
     mask = 1
     while mask < p:
-        partner = rank ^ mask
-        exchange(flat, partner, scratch, partner, group)
-        flat.add_(scratch)
+        _add_from(flat, rank ^ mask, group, swap=True)
         mask <<= 1
     if rank < n - p:
         exchange(flat, rank + p, None, None, group)

@@ -20,8 +20,9 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
             with m and with N. Hence a measured table of lines, not one line.
     messages  the busiest rank's sequential messages (messages()): the ring 2(N-1) steps of one
             chunk S/N, cut into pieces of at most piece_bytes (the course's ring sends 2 MiB
-            pieces); recursive doubling log2 p messages of S; Rabenseifner S/2, S/4, ... S/p and
-            back; an all-to-all N-1 messages of S/N; N != p adds the fold-in's 2 messages of S.
+            pieces); recursive doubling log2 p messages of S (in pieces too: p2p.PIECE_BYTES);
+            Rabenseifner S/2, S/4, ... S/p and back; an all-to-all N-1 messages of S/N; N != p
+            adds the fold-in's 2 messages of S (the first in pieces).
             With one alpha-beta line and whole chunks the sum is costmodel's a alpha + b S / beta.
             Where beta falls with m, one more piece can make a larger tensor faster: why the
             ring cuts its chunks.
@@ -91,15 +92,16 @@ def messages(algorithm: str, nbytes: float, world_size: int, piece_bytes: float 
     if n == 1:
         return []
     p = 1 << (n.bit_length() - 1)
-    fold = [(2, s)] if n != p else []
     chunk = s / n
     pieces = 1 if not piece_bytes else max(1, math.ceil(chunk / piece_bytes))
+    whole = 1 if not piece_bytes else max(1, math.ceil(s / piece_bytes))  # the tree's S, in pieces
+    fold = [] if n == p else [(2, s)] if whole == 1 else [(whole, s / whole), (1, s)]  # fold-in (pieces), answer
     table = {
         "ring": [(2 * (n - 1) * pieces, chunk / pieces)],
         "reduce_scatter": [((n - 1) * pieces, chunk / pieces)],
         "all_gather": [((n - 1) * pieces, chunk / pieces)],
         "all_to_all": [(n - 1, chunk)],
-        "tree": [(int(math.log2(p)), s)] + fold,
+        "tree": [(int(math.log2(p)) * whole, s / whole)] + fold,
         "rabenseifner": [(2, s / 2**k) for k in range(1, int(math.log2(p)) + 1)] + fold,
         "ps": [(2 * (n - 1), s)],
         "sharded_ps": [(2 * (n - 1), chunk)],

@@ -20,7 +20,8 @@ The micro-benchmarks:
     gamma   x.add_(y) on rank 0 alone at three sizes beyond the caches; gamma = the slope
     sigma   calibrate.copy_bandwidth on the first `cores` ranks at once, then on every rank at once:
             the mean rate per rank of each
-    t0      interleaved() only: one 4-byte ring step timed exactly as the collectives are
+    t0      interleaved() only: one 4-byte ring step timed exactly as the collectives are, as
+            many times per round as a 1 MiB collective (repeats())
 
 Every time is a median over calls, not a minimum: the collectives it predicts are reported as
 medians (benchmarks/bench_collectives.py), and on a shared machine the fastest call of a
@@ -44,6 +45,7 @@ from course_lib.measure.calibrate import copy_bandwidth, sustained_seconds
 EXCHANGE_SIZES = (1 << 16, 1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 24, 1 << 25, 1 << 26)
 ADD_SIZES = (1 << 22, 1 << 24, 1 << 26)  # 4, 16, 64 MiB: beyond the caches, as the collectives' adds
 COPY_BYTES = 1 << 24
+SAMPLE_MB = 8  # see repeats()
 
 
 def _pass(buffers, right, left) -> list:
@@ -131,6 +133,14 @@ def fit_constants(raw: list, cores: int, sizes=EXCHANGE_SIZES, add_sizes=ADD_SIZ
                              start=raw[0].get("start", 0.0))
 
 
+def repeats(size_mb: float) -> int:
+    """Calls per round of a collective of `size_mb` MiB in interleaved(): SAMPLE_MB / size_mb, from 1
+    to 8. A 1 MiB call lasts one to a few wake-ups and swings most from call to call (its median of
+    9 calls moved by up to 50% between runs here), a 16 MiB call lasts a hundred; every call is
+    timed on its own, from a barrier."""
+    return max(1, min(8, int(SAMPLE_MB / size_mb)))
+
+
 def _collective(name: str, x: torch.Tensor):
     """A call of the course's `name` collective on x: an all-reduce of comm.ALL_REDUCE_ALGORITHMS,
     or "all_to_all" (pairwise_all_to_all of x's N equal parts)."""
@@ -147,8 +157,8 @@ def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"),
     """Rank code, on every rank: probe()'s dict plus "start" (the model's t0: median seconds of one
     step of a 4-byte ring from a barrier to the slowest rank's end) and "measured" ({algorithm:
     {size_mb: median seconds}}, each call timed as its slowest rank, from a barrier). The exchanges and the collectives alternate
-    round by round (one exchange pass, then every collective once at every size), so the model's
-    inputs and what it predicts see the same load from elsewhere on the machine."""
+    round by round (one exchange pass, then every collective at every size, repeats(size) times),
+    so the model's inputs and what it predicts see the same load from elsewhere on the machine."""
     rank, n = dist.get_rank(), dist.get_world_size()
     if n < 2:
         raise ValueError("interleaved needs at least 2 ranks (the exchange is between ranks r and r ^ 1)")
@@ -158,27 +168,32 @@ def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"),
     passes, times, starts = [], {key: [] for key in calls}, []
     elapsed = torch.zeros(1, dtype=torch.float64)
     tiny_out, tiny_in = torch.zeros(1), torch.zeros(1)
+
+    def timed(fn) -> float:  # from a barrier to the slowest rank's end
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        elapsed[0] = time.perf_counter() - t0
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return elapsed.item()
+
     for round_ in range(rounds + 1):  # round 0 is a warm-up
         dist.barrier()
         one = _pass(buffers, right, left)
-        dist.barrier()  # t0: one step of a 4-byte ring, timed as the collectives below are
-        t0 = time.perf_counter()
-        exchange(tiny_out, right, tiny_in, left)
-        elapsed[0] = time.perf_counter() - t0
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        starts.append(elapsed.item())
-        for key, fn in calls.items():
-            dist.barrier()  # (the sums grow N-fold a call: N**(2 (rounds+1)) stays far inside float32)
-            t0 = time.perf_counter()
-            fn()
-            elapsed[0] = time.perf_counter() - t0
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if round_ > 0:
-                times[key].append(elapsed.item())
+        # t0: one step of a 4-byte ring, timed as the collectives below are (as often as a 1 MiB call)
+        start = [timed(lambda: exchange(tiny_out, right, tiny_in, left)) for _ in range(repeats(1))]
+        for (name, mb), fn in calls.items():
+            for _ in range(repeats(mb)):
+                t = timed(fn)
+                if name != "all_to_all":
+                    tensors[mb].div_(n)  # an all-reduce multiplies the sums by about N: keep them in range
+                if round_ > 0:
+                    times[name, mb].append(t)
         if round_ > 0:
             passes.append(one)
+            starts += start
     out = probe_rates(cores, seconds=seconds)
     out["exchange"] = [statistics.median(p[i] for p in passes) for i in range(len(sizes))] if rank == 0 else None
-    out["start"] = statistics.median(starts[1:])
+    out["start"] = statistics.median(starts)
     out["measured"] = {name: {mb: statistics.median(times[(name, mb)]) for mb in sizes_mb} for name in algorithms}
     return out
