@@ -60,7 +60,7 @@ from course_lib.data import CharDataset  # noqa: E402
 from course_lib.measure.calibrate import cluster_to_dict  # noqa: E402
 from course_lib.dims import ParallelDims  # noqa: E402
 from course_lib.measure.validation import (  # noqa: E402
-    DEFAULT_PATH, bootstrap_rounds, compare, interval, measured_seconds, round_seconds, wait_until_idle)
+    DEFAULT_PATH, bootstrap_rounds, compare, interval, measured_seconds, round_seconds, step_periods, wait_until_idle)
 from course_lib.platform import usable_cores  # noqa: E402
 from course_lib.model import GPTConfig  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
@@ -135,7 +135,8 @@ def _time_layouts(config, train_cfg, runs, rounds, probe_sizes=None):
         seconds = [None] * len(runs)
         for i in round_order(len(runs), k, rounds):
             dims, kind = runs[i]
-            seconds[i] = scoped(train_as, kind, dims, config, train_cfg).step_seconds
+            result = scoped(train_as, kind, dims, config, train_cfg)
+            seconds[i] = (result.step_seconds, result.step_ends)
         times.append(seconds)
     return probes, times, loads
 
@@ -143,7 +144,9 @@ def _time_layouts(config, train_cfg, runs, rounds, probe_sizes=None):
 def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float | None = None, layouts=LAYOUTS,
             probe_sizes=None):
     """(Cluster, raw calibration, runs, detail): runs = [{"label", "layout", "step_seconds" (per
-    round, the slowest rank per step), "measured"}] for `layouts` (default LAYOUTS). Calibration
+    round, each step's period over all ranks: validation.step_periods), "measured",
+    "slowest_rank_seconds" (per round, the slowest rank's duration of each step, for comparison)}]
+    for `layouts` (default LAYOUTS). Calibration
     (its collective table at probe_sizes, default calibrate.TABLE_SIZES) and layouts alternate over
     `rounds`, and each quantity keeps its median round: the calibration's (median_of_rounds),
     each layout's fastest step after the first in a round (validation.measured_seconds).
@@ -162,9 +165,11 @@ def measure(config, steps: int = 4, rounds: int = 2, timeout_s: float | None = N
     cluster, raw = cluster_from_probes([median_of_rounds(probes) for probes, _, _ in per_rank], config, 2, SEQ)
     runs = []
     for i, (label, lay, _) in enumerate(layouts):
-        slowest = [[max(times[k][i][s] for _, times, _ in per_rank) for s in range(steps)] for k in range(rounds)]
-        runs.append({"label": label, "layout": dataclasses.asdict(lay), "step_seconds": slowest,
-                     "measured": measured_seconds(slowest)})
+        periods = [step_periods([times[k][i][0] for _, times, _ in per_rank], [times[k][i][1] for _, times, _ in per_rank])
+                   for k in range(rounds)]
+        slowest = [[max(times[k][i][0][s] for _, times, _ in per_rank) for s in range(steps)] for k in range(rounds)]
+        runs.append({"label": label, "layout": dataclasses.asdict(lay), "step_seconds": periods,
+                     "measured": measured_seconds(periods), "slowest_rank_seconds": slowest})
     return cluster, raw, runs, {"probes": [probes for probes, _, _ in per_rank], "loads": per_rank[0][2]}
 
 

@@ -57,6 +57,9 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     seconds: float = 0.0  # wall time of the whole loop
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step
+    # time.perf_counter() at each step's end: CLOCK_MONOTONIC, one clock for every process of a
+    # machine, so the ranks' ends can be compared (validation.step_periods)
+    step_ends: list[float] = field(default_factory=list)
     model: nn.Module | None = None  # the trained model (in-process runs; ranks send back tensors)
     final_params: torch.Tensor | None = None  # flat copy of the parameters after the last step
     final_grads: torch.Tensor | None = None  # flat copy of the last step's gradients
@@ -209,7 +212,7 @@ def train_loop(model: nn.Module, optimizer, dataset, train_cfg, hooks: StepHooks
                before_step: Callable | None = None, report_loss: Callable | None = None,
                on_step: Callable | None = None) -> TrainResult:
     """Steps first..last (default 1..train_cfg.steps) of train_step on `model`; returns `result`
-    (a fresh TrainResult by default) with train_losses, step_seconds and seconds appended/set.
+    (a fresh TrainResult by default) with train_losses, step_seconds, step_ends and seconds appended/set.
 
     Each step draws the global batch of train_cfg.batch_size rows with `generator` (default a
     fresh one seeded with train_cfg.seed: the reference's draws) and keeps `rows` (a slice,
@@ -251,7 +254,9 @@ def train_loop(model: nn.Module, optimizer, dataset, train_cfg, hooks: StepHooks
             with step_context(step) if step_context is not None else contextlib.nullcontext():
                 start = time.perf_counter()
                 loss = train_step(model, optimizer, x, y, train_cfg.grad_clip, hooks=step_hooks)
-                result.step_seconds.append(time.perf_counter() - start)
+                end = time.perf_counter()
+                result.step_seconds.append(end - start)
+                result.step_ends.append(end)
             loss = report_loss(loss) if report_loss is not None else loss
             result.train_losses.append(loss)
             if on_step is not None:

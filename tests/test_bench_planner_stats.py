@@ -12,7 +12,7 @@ import pytest
 
 from course_lib.measure.validation import (
     bootstrap_rounds, compare, idle_enough, interval, load_validation, measured_seconds, round_order, round_seconds,
-    summarize, wait_until_idle)
+    step_periods, summarize, wait_until_idle)
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -44,6 +44,19 @@ def test_round_seconds_skip_the_first_step_and_take_the_median_round():
     assert measured_seconds(steps) == 4.0
     with pytest.raises(ValueError, match="2 steps"):
         round_seconds([[1.0]])
+
+
+def test_step_periods_are_the_last_ends_apart_not_the_slowest_duration():
+    # two ranks; rank 1 starts step 2 late (at 10) and ends it at 14, rank 0 started it at 6 and waited:
+    # its duration 8 is the slowest, but the run took 14 - 10 = 4 for that step (exact binary values)
+    durations = [[5.0, 8.0, 3.0], [4.0, 4.0, 4.0]]
+    ends = [[5.0, 14.0, 17.0], [10.0, 14.0, 18.0]]
+    assert step_periods(durations, ends) == [5.0, 4.0, 4.0]  # first: the slowest first step; then last-end gaps
+    assert max(d[1] for d in durations) == 8.0  # what the slowest rank's duration would have said
+    with pytest.raises(ValueError, match="one step_seconds and one step_ends list per rank"):
+        step_periods(durations, ends[:1])
+    with pytest.raises(ValueError, match="all of one length"):
+        step_periods([[1.0, 2.0], [1.0]], [[1.0, 2.0], [1.0]])
 
 
 def test_round_order_is_a_permutation_that_moves_every_layout():

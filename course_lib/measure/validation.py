@@ -4,6 +4,7 @@
     compare(config, cluster, runs)   per run: predicted terms beside the measured time; summary
     load_validation(path)            the stored measurement (benchmarks/bench_planner.py wrote it)
     summarize(predicted, measured)   rank correlation, median |error|, signed median, share over/under
+    step_periods(durations, ends)    one round of a layout: its steps' times over all ranks
     round_seconds(step_seconds)      a layout's time per round (its fastest step after the first);
     measured_seconds(step_seconds)   and over the rounds (their median)
     round_order(n, k, rounds)        the order of n layouts in round k (moved and turned round by round)
@@ -97,9 +98,29 @@ def summarize(predicted, measured) -> dict:
             "under_share": sum(e < 0 for e in signed) / len(signed)}
 
 
+def step_periods(durations, ends) -> list[float]:
+    """One round of a layout, from every rank's TrainResult.step_seconds (`durations[r]`) and
+    step_ends (`ends[r]`): [the slowest rank's first step, then for each later step s its period,
+    the last rank's end of step s minus the last rank's end of step s-1].
+
+    A period is the time step s added to the run, what tokens per second divides by, and what
+    the step-time model predicts. The slowest rank's duration of a step overstates it: ranks
+    sharing cores end a step at different times (the optimizer takes 6-34 ms on different ranks
+    of one DDP step here), so they start the next one at different times too, and a rank that
+    starts early waits inside its step for the late ones. Measured on 8 ranks, DDP dp8: periods
+    90-122 ms, the slowest rank's durations of the same steps 108-166 ms. The first step has no
+    period (nothing ended before it); it is not timed anyway (round_seconds)."""
+    if not durations or len(durations) != len(ends) or any(len(e) != len(durations[0]) or len(d) != len(e)
+                                                          for d, e in zip(durations, ends)):
+        raise ValueError("need one step_seconds and one step_ends list per rank, all of one length; got "
+                         f"{[len(d) for d in durations]} and {[len(e) for e in ends]}")
+    last = [max(e[s] for e in ends) for s in range(len(ends[0]))]
+    return [max(d[0] for d in durations)] + [b - a for a, b in zip(last, last[1:])]
+
+
 def round_seconds(step_seconds) -> list[float]:
-    """A layout's time in each round: step_seconds[round][step] (the slowest rank's time of each
-    step), the fastest step after the first (the first builds caches and groups)."""
+    """A layout's time in each round: step_seconds[round][step] (step_periods: a step's period over
+    all ranks), the fastest step after the first (the first builds caches and groups)."""
     if any(len(steps) < 2 for steps in step_seconds):
         raise ValueError("every round needs >= 2 steps: the first is not timed")
     return [min(steps[1:]) for steps in step_seconds]
