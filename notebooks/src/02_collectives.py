@@ -278,7 +278,9 @@ print("reduce-scatter + all-gather = all-reduce, byte for byte")
 # latency. **Recursive doubling** needs only $\log_2 N$: in round j, rank r swaps its whole
 # partial sum with rank $r \oplus 2^j$ (XOR) and adds. After round 0 pairs hold pair sums,
 # after round 1 groups of four, ..., after $\log_2 N$ rounds everyone has everything. The
-# price: every message carries the *whole* tensor, S bytes, not S/N.
+# price: every round carries the *whole* tensor, S bytes, not S/N. (The course's code sends a
+# large tensor in pieces of 2 MiB, as the ring does its chunks: the same bytes, a bounded scratch
+# buffer.)
 #
 # When N is not a power of two, let p be the largest power of two below N. The N-p extra
 # ranks first hand their tensor to a partner among the first p (which adds it), wait out the
@@ -622,7 +624,7 @@ from course_lib.measure import emulated_fit
 from course_lib.platform import usable_cores
 
 CORES, MODEL_MB, MODEL_ALGOS = usable_cores(), [1, 16], ("ring", "tree", "all_to_all")
-# x(m) up to the largest message sent (the tree's whole tensor), not to 64 MiB: less memory per rank
+# x(m) only up to the largest tensor here, not to 64 MiB: less memory per rank
 X_SIZES = tuple(m for m in emulated_fit.EXCHANGE_SIZES if m <= max(MODEL_MB) * 2**20)
 # the micro-benchmarks and the collectives alternate, round by round: both see the same machine
 raw = run_on_ranks(emulated_fit.interleaved, CORES, MODEL_MB, MODEL_ALGOS, 3, sizes=X_SIZES, world_size=4,
@@ -635,7 +637,7 @@ errors = {}
 for name in MODEL_ALGOS:
     for mb in MODEL_MB:
         t, nbytes = raw[0]["measured"][name][mb], mb * 2**20
-        parts = emulated.terms(name, nbytes, 4, fit, PIECE_BYTES if name == "ring" else None)
+        parts = emulated.terms(name, nbytes, 4, fit, PIECE_BYTES if name in ("ring", "tree") else None)
         abg, ab = sum(parts.values()), costmodel.predict_time(name, nbytes, 4, link)
         errors[name, mb] = ((abg - t) / t, (ab - t) / t)
         print(f"{name:>10} {mb:>2} MiB{t * 1e3:>8.1f} ms{abg * 1e3:>9.1f} ms ({errors[name, mb][0]:+4.0%})"
@@ -649,8 +651,9 @@ print(f"(error = (model - measured) / measured) alpha-beta-gamma is the closer m
 # so their errors compare fairly; the last line counts the cases each wins in this run. Your
 # numbers move with the machine and its load, and a model of emulated ranks is never exact:
 # a load burst during a collective is in its measurement and not in the model's inputs, and
-# some costs are in neither term (the tree allocates a fresh buffer the size of the tensor at
-# every call, and first-touching fresh memory is not a step of a ring). What the columns show
+# some costs are in neither term (the all-to-all copies its own part in place of a message; a
+# tree adds each piece only once its send has left, where a ring step adds while the send goes
+# on). What the columns show
 # on any machine with fewer cores than ranks: the exchanges are the bulk of the time, and they
 # cost more per byte than the ping-pong's β says, which is why the cluster model falls short.
 #
