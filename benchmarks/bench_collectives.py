@@ -42,6 +42,7 @@ from course_lib.comm import costmodel  # noqa: E402
 from course_lib.comm.collectives import PIECE_BYTES  # noqa: E402
 from course_lib.estimate import emulated  # noqa: E402
 from course_lib.measure import emulated_fit  # noqa: E402
+from course_lib.measure.validation import wait_until_idle  # noqa: E402
 from course_lib.platform import usable_cores  # noqa: E402
 from course_lib.units import fmt_bytes  # noqa: E402
 
@@ -128,16 +129,25 @@ def main(argv=None):
                         help="rank counts on which the emulated alpha-beta-gamma model is checked (none: skip)")
     parser.add_argument("--model-rounds", type=int, default=9,
                         help="interleaved rounds of the model check (5 left one load burst in the medians at load ~10)")
+    parser.add_argument("--idle-wait", type=float, default=60,
+                        help="seconds to wait at most for the 1-minute load average to fall below the cores")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
-    add_quick(parser, argv, world_size=2, sizes_mb=[1], iters=1, model_world_sizes=[2], model_rounds=1)
+    add_quick(parser, argv, world_size=2, sizes_mb=[1], iters=1, model_world_sizes=[2], model_rounds=1, idle_wait=0)
     args = parser.parse_args(argv)
     if (args.world_size < 2 or args.iters < 1 or any(s <= 0 for s in args.sizes_mb)
-            or any(m < 2 for m in args.model_world_sizes) or args.model_rounds < 1):
+            or any(m < 2 for m in args.model_world_sizes) or args.model_rounds < 1 or args.idle_wait < 0):
         parser.error(f"need --world-size >= 2 (got {args.world_size}), --iters >= 1 (got {args.iters}), "
                      f"every --sizes-mb > 0 (got {args.sizes_mb}), every --model-world-sizes >= 2 "
-                     f"(got {args.model_world_sizes}) and --model-rounds >= 1 (got {args.model_rounds})")
+                     f"(got {args.model_world_sizes}), --model-rounds >= 1 (got {args.model_rounds}) and "
+                     f"--idle-wait >= 0 (got {args.idle_wait})")
     n = args.world_size
     quick = quick_mode(args)
+    # as bench_planner does: right after other work the 1-minute load average still counts it (a
+    # run after bench_planner started at load 6.7 and its 64 MiB ratio fell to 0.86); wait or warn
+    idle = wait_until_idle(usable_cores(), args.idle_wait)
+    print(f"machine idle: load average {idle['load']:.1f} < {usable_cores()} cores (waited {idle['waited_s']:.0f} s)"
+          if idle["idle"] else f"WARNING: load average {idle['load']:.1f} >= {usable_cores()} cores after waiting "
+          f"{idle['waited_s']:.0f} s: other work shares the cores, and the figures below move with it")
 
     # --quick: up to 4 MiB, 2 passes of 1 round trip (still enough sizes for a positive slope)
     sizes_pp = PING_PONG_SIZES[:-1] if quick else PING_PONG_SIZES
