@@ -23,8 +23,11 @@ how stable it is:
 * calibration and layouts alternate over --rounds (default 9); in each round the layouts run in
   another order (validation.round_order), so a load spike or a drift within a round falls on
   different layouts each time;
-* a layout's time in a round is the slowest rank's time of a step, the fastest of the steps
-  after the first, and its measured time the median of its rounds; the calibration keeps each
+* a layout's time in a round is a step's period over all ranks (validation.step_periods: the
+  last rank's end of the step minus its end of the step before; the slowest rank's duration of
+  a step overstates it, by 20-30% for DDP on 8 ranks here, as ranks that share cores start a
+  step at different times and the early ones wait inside it), the fastest of the steps after
+  the first, and its measured time the median of its rounds; the calibration keeps each
   probed quantity at its median round (calibrate.median_of_rounds). Medians on both sides: the
   speed drifts from minute to minute, and the fastest of each part on its own adds up to a step
   faster than any that ran;

@@ -250,7 +250,12 @@ print(f"8 ranks: 1 MiB takes {growth:.1f} x the time of 4 KiB (256 x the bytes);
 # strategies: DDP, ZeRO 1-3, tensor parallelism, GPipe and 1F1B, notebook 10's hybrid
 # meshes (dp x tp, dp x pp, tp x pp, dp x tp x pp) and their full composition (ZeRO-2 and 3
 # with both reshard policies, sequence parallelism across stages), calibration and layouts in
-# alternating rounds. Each measured quantity is its median round, on both sides: this machine's
+# alternating rounds. A layout's step time is its period, the time a step adds to the run:
+# from the moment the last rank ended one step to the moment the last rank ended the next
+# (what tokens per second divides by). Not a rank's own duration of a step: ranks sharing
+# cores start a step at different times, and one that starts early waits inside the step for
+# the others, which made DDP's slowest rank look 20-30% slower than the run went. Each
+# measured quantity is its median round, on both sides: this machine's
 # speed drifts from minute to minute, and the fastest of every probe taken separately adds up
 # to a step faster than any that ran (every layout then looked slower than predicted). Each
 # layout's process groups are destroyed
@@ -280,7 +285,7 @@ low = [r["error"] for r in result["rows"] if r["error"] < 0]
 high = [r["error"] for r in result["rows"] if r["error"] >= 0]
 print(f"predicted low on {len(low)} of {len(result['rows'])} layouts ({max(low):+.1%} to {min(low):+.1%}), "
       f"high on {len(high)}" + (f" (by at most {max(high):+.1%})" if high else ""))
-assert len(low) > 4 * len(high) and all(e < 0.01 for e in high)  # the stored file: the prose below says so
+assert len(low) > 4 * len(high) and all(e < 0.05 for e in high)  # the stored file: the prose below says so
 fig, ax = plt.subplots(figsize=(10, 5))
 fig.subplots_adjust(left=0.08, right=0.62)  # the labels stand in a column right of the axes
 plot_predicted_vs_measured(ax, result)
@@ -288,7 +293,7 @@ plt.show()
 
 # %% [markdown]
 # The errors lean one way: the line under the table counts the layouts predicted low and high,
-# and the few predicted high are so by a fraction of a percent. That is no accident of one
+# and the few predicted high are so by a few percent at most. That is no accident of one
 # measurement. The model adds up parts that the calibration measured one at a time: forward and
 # backward with no communication, each collective back to back with nothing else running. On
 # two shared cores the parts cost more together than apart. Measured while calibrating this
@@ -298,7 +303,7 @@ plt.show()
 # that overlaps compute competes with it for the same cores, and each of the two waits for
 # the other to be scheduled. So the sum of the parts predicts low here, most of all for the
 # layouts that run several kinds of work at once (the largest misses in the table are
-# hybrids and micro-batched ZeRO).
+# hybrids, which interleave tensor-parallel calls, pipeline sends and compute).
 #
 # What does each ingredient of the calibrated model buy? The same comparison, with one
 # ingredient taken out at a time (and all of them):
