@@ -157,6 +157,8 @@ def test_small_collectives_are_sampled_more_often():
     assert [emulated_fit.repeats(mb) for mb in (0.25, 1, 2, 4, 8, 16, 64)] == [8, 8, 4, 2, 1, 1, 1]
 
 
+@pytest.mark.gloo_only("the alpha-beta-gamma micro-benchmarks model emulated CPU ranks: their buffers live in host "
+                       "memory on purpose, which NCCL's rules refuse")
 def test_interleaved_returns_every_measurement():
     """interleaved() on 2 ranks at small sizes: one median per algorithm and size, the exchange
     table on rank 0 only, and t0 (every value checked for being there and positive, not for its
