@@ -35,14 +35,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from rounds import quartiles  # noqa: E402  (benchmarks/ is not a package)
-from summary import add_quick, quick_mode, record  # noqa: E402
+from summary import add_quick, quick_mode, record, wait_for_idle  # noqa: E402
 
 from course_lib import comm, run_on_ranks  # noqa: E402
 from course_lib.comm import costmodel  # noqa: E402
 from course_lib.comm.collectives import PIECE_BYTES  # noqa: E402
 from course_lib.estimate import emulated  # noqa: E402
 from course_lib.measure import emulated_fit  # noqa: E402
-from course_lib.measure.validation import wait_until_idle  # noqa: E402
 from course_lib.platform import usable_cores  # noqa: E402
 from course_lib.units import fmt_bytes  # noqa: E402
 
@@ -144,10 +143,7 @@ def main(argv=None):
     quick = quick_mode(args)
     # as bench_planner does: right after other work the 1-minute load average still counts it (a
     # run after bench_planner started at load 6.7 and its 64 MiB ratio fell to 0.86); wait or warn
-    idle = wait_until_idle(usable_cores(), args.idle_wait)
-    print(f"machine idle: load average {idle['load']:.1f} < {usable_cores()} cores (waited {idle['waited_s']:.0f} s)"
-          if idle["idle"] else f"WARNING: load average {idle['load']:.1f} >= {usable_cores()} cores after waiting "
-          f"{idle['waited_s']:.0f} s: other work shares the cores, and the figures below move with it")
+    wait_for_idle(args.idle_wait)
 
     # --quick: up to 4 MiB, 2 passes of 1 round trip (still enough sizes for a positive slope)
     sizes_pp = PING_PONG_SIZES[:-1] if quick else PING_PONG_SIZES

@@ -57,13 +57,13 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from summary import QUICK_ROUNDS, add_quick, quick_mode, record, shown_verdict  # noqa: E402
+from summary import QUICK_ROUNDS, add_quick, quick_mode, record, shown_verdict, wait_for_idle  # noqa: E402
 
 from course_lib.data import CharDataset  # noqa: E402
 from course_lib.measure.calibrate import cluster_to_dict  # noqa: E402
 from course_lib.dims import ParallelDims  # noqa: E402
 from course_lib.measure.validation import (  # noqa: E402
-    DEFAULT_PATH, bootstrap_rounds, compare, interval, measured_seconds, round_seconds, step_periods, wait_until_idle)
+    DEFAULT_PATH, bootstrap_rounds, compare, interval, measured_seconds, round_seconds, step_periods)
 from course_lib.platform import usable_cores  # noqa: E402
 from course_lib.model import GPTConfig  # noqa: E402
 from course_lib.train import TrainConfig  # noqa: E402
@@ -252,13 +252,7 @@ def main(argv=None):
     quick_mode(args)
     config = model_config()
     layouts = [lay for lay in LAYOUTS if lay[0] in QUICK_LAYOUTS] if args.quick else LAYOUTS[:args.layouts]
-    idle = wait_until_idle(usable_cores(), args.idle_wait)
-    if idle["idle"]:
-        print(f"machine idle: load average {idle['load']:.1f} < {usable_cores()} cores "
-              f"(waited {idle['waited_s']:.0f} s)")
-    else:
-        print(f"WARNING: load average {idle['load']:.1f} >= {usable_cores()} cores after waiting "
-              f"{idle['waited_s']:.0f} s: other work shares the cores, and the figures below move with it")
+    idle = wait_for_idle(args.idle_wait)
     cluster, raw, runs, detail = measure(config, args.steps, args.rounds, layouts=layouts,
                                          probe_sizes=QUICK_PROBE_SIZES if args.quick else None)
     load_end = os.getloadavg()[0]

@@ -87,6 +87,23 @@ def add_quick(parser, argv=None, **quick_defaults) -> None:
         parser.set_defaults(**quick_defaults)
 
 
+def wait_for_idle(max_wait_s: float) -> dict:
+    """Before measuring: wait at most max_wait_s for the 1-minute load average to fall below the
+    cores (course_lib.measure.validation.wait_until_idle), then say so, or warn that other work
+    shares the cores. Returns wait_until_idle's {"idle", "load", "waited_s"}."""
+    from course_lib.measure.validation import wait_until_idle
+    from course_lib.platform import usable_cores
+
+    cores = usable_cores()
+    idle = wait_until_idle(cores, max_wait_s)
+    if idle["idle"]:
+        print(f"machine idle: load average {idle['load']:.1f} < {cores} cores (waited {idle['waited_s']:.0f} s)")
+    else:
+        print(f"WARNING: load average {idle['load']:.1f} >= {cores} cores after waiting {idle['waited_s']:.0f} s: "
+              "other work shares the cores, and the figures below move with it")
+    return idle
+
+
 def quick_mode(args) -> bool:
     """After parsing: in a --quick run, switch record() to dry_run and say so. Returns args.quick."""
     if args.quick:

@@ -38,7 +38,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from course_lib.comm.p2p import PIECE_BYTES, chunk_bounds, exchange, flat_view, global_rank, piece_count, rank_and_size  # noqa: F401  (PIECE_BYTES: the ring's piece, imported from here)
+from course_lib.comm.p2p import PIECE_BYTES  # noqa: F401  (the ring's piece size, still importable from here)
+from course_lib.comm.p2p import chunk_bounds, exchange, flat_view, global_rank, piece_count, rank_and_size
 from course_lib.comm.trees import rabenseifner_all_reduce, tree_all_reduce
 
 __all__ = ["chunk_bounds", "ring_send_chunk", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",

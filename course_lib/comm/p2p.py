@@ -20,15 +20,16 @@ import torch.distributed as dist
 
 
 # A large message travels in pieces of at most PIECE_BYTES, one exchange after another, each piece
-# added in place once it has arrived (the ring's chunks, recursive doubling's whole tensor), so the
-# scratch a receive needs is one piece, allocated once per call. Measured on 4 emulated ranks
-# sharing 2 CPU cores (benchmarks/bench_collectives.py): whole 16 MiB chunks in one message ran at half of gloo's
-# speed or less on a busy machine (a message far larger than the kernel's socket buffers crosses
-# in many refills, each waiting for a rank to be scheduled); 2 MiB pieces came within about 10%
-# of gloo's C++ ring (which sends 1 MiB segments); 4 and 8 MiB pieces were slower again, and two
-# 1 MiB pieces in flight (to overlap the add with the next transfer) cost more CPU time than
-# they saved. A scratch the size of a 64 MiB tensor, by contrast, comes back from the allocator
-# as fresh pages at every call: filling it took 26 ms against 8 ms for a reused one here.
+# added in place once it has arrived (the ring's chunks, recursive doubling's whole tensor), so
+# the scratch a receive needs is one piece, allocated once per call. Measured on 4 emulated ranks
+# sharing 2 CPU cores (benchmarks/bench_collectives.py): whole 16 MiB chunks in one message ran at
+# half of gloo's speed or less on a busy machine (a message far larger than the kernel's socket
+# buffers crosses in many refills, each waiting for a rank to be scheduled); 2 MiB pieces came
+# within about 10% of gloo's C++ ring (which sends 1 MiB segments); 4 and 8 MiB pieces were slower
+# again, and two 1 MiB pieces in flight (to overlap the add with the next transfer) cost more CPU
+# time than they saved. A scratch the size of a 64 MiB tensor, by contrast, comes back from the
+# allocator as fresh pages at every call: filling it took 26 ms against 8 ms for a reused one
+# here.
 PIECE_BYTES = 2 << 20
 
 

@@ -95,7 +95,9 @@ def messages(algorithm: str, nbytes: float, world_size: int, piece_bytes: float 
     chunk = s / n
     pieces = 1 if not piece_bytes else max(1, math.ceil(chunk / piece_bytes))
     whole = 1 if not piece_bytes else max(1, math.ceil(s / piece_bytes))  # the tree's S, in pieces
-    fold = [] if n == p else [(2, s)] if whole == 1 else [(whole, s / whole), (1, s)]  # fold-in (pieces), answer
+    fold = []
+    if n != p:  # the folded-in tensor (in pieces, when cut) and the answer sent back (whole)
+        fold = [(2, s)] if whole == 1 else [(whole, s / whole), (1, s)]
     table = {
         "ring": [(2 * (n - 1) * pieces, chunk / pieces)],
         "reduce_scatter": [((n - 1) * pieces, chunk / pieces)],
