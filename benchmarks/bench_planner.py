@@ -3,7 +3,8 @@
 Calibrates the model here (course_lib.measure.calibrate.probe on every rank at once: the
 model's forward+backward at a few micro-batch sizes -> fixed cost per layer and FLOP/s; the
 optimizer per tensor and flat -> cost per tensor and bandwidth; a table of collective times
-per op, group size and bytes), then times each layout with the course's own strategy (DDP, ZeRO 1-3, tensor
+per op, group size and bytes, each call after a stretch of compute as in a step:
+calibrate.spacing), then times each layout with the course's own strategy (DDP, ZeRO 1-3, tensor
 parallelism, GPipe and 1F1B pipelines, notebook 10's hybrid meshes and their full composition with
 ZeRO-2/3 and sequence parallelism), predicts each with
 course_lib.estimate.step_time and prints both side by side: the rank correlation, the median error, and the planner's pick against the fastest measured.

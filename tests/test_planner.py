@@ -219,7 +219,8 @@ def test_median_of_rounds_keeps_each_quantity_at_its_median_round():
         return {"matmul": matmul, "bandwidth": matmul, "model": model,
                 "recipes": {"bf16_autocast": [2 * t for t in model]},
                 "optimizer": {"tensors": 2 * flat, "flat": flat, "n_tensors": 5, "numel": 9},
-                "table": {"all_reduce": {"2": [[4, 8], table]}}}
+                "table": {"all_reduce": {"2": [[4, 8], table]}},
+                "table_back_to_back": {"send": {"2": [[4, 8], [t / 2 for t in table[::-1]]]}}}
 
     rounds = [probe(1.0, [5.0, 1.0], 3.0, [1.0, 4.0]), probe(2.0, [4.0, 2.0], 2.0, [2.0, 3.0]),
               probe(3.0, [6.0, 3.0], 1.0, [3.0, 5.0])]
@@ -264,6 +265,11 @@ def test_calibration_on_two_ranks_feeds_the_model(tiny_config):
     table = cluster.intra.entries
     assert set(table) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
     assert all(measured(t) for t in table["all_reduce"]["2"][1])
+    # the same calls back to back, kept beside the table the model reads (calibrate.spacing)
+    back_to_back = raw["table_back_to_back"]
+    assert {op: {g: sizes for g, (sizes, _) in by.items()} for op, by in back_to_back.items()} == \
+        {op: {g: sizes for g, (sizes, _) in by.items()} for op, by in table.items()}
+    assert all(measured(t) for by in back_to_back.values() for _, times in by.values() for t in times)
     assert cluster_from_dict(cluster_to_dict(cluster)) == cluster
     t = step_time(tiny_config, ParallelDims(dp=2), cluster, 4, recipe="fp32")
     # every term of the model is >= 0 by construction, so the total is at least the compute term;

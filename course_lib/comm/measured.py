@@ -130,14 +130,32 @@ def _call(op, group, peer, shard, recv, full):
             dist.send(full, peer)
 
 
+def _alone(between, iters: int) -> float:
+    """Seconds per call of between() on this rank, every rank timing its own at once (as the
+    calls in measure_table are timed)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        between()
+    return (time.perf_counter() - t0) / iters
+
+
 def measure_table(sizes, group_sizes, ops=OPS, iters: int = 6, rounds: int = 2, name: str = "measured",
-                  device=None) -> dict:
+                  device=None, between=None) -> dict:
     """Rank code on every rank of the world: for each op, group size g (dividing the world; the
     world is cut into consecutive groups of g, all calling at once, as a layout's groups do) and
-    size, the mean seconds of `iters` back-to-back calls (sustained, as in a training step), the
-    smallest mean over `rounds` passes, the slowest rank's. Returns the `entries` of a
-    CollectiveTable (the same on every rank). device: where the buffers live (as in
-    costmodel.ping_pong: the rank's device on GPU ranks, None for the CPU)."""
+    size, the mean seconds of `iters` calls in a row, the smallest mean over `rounds` passes, the
+    slowest rank's. Returns the `entries` of a CollectiveTable (the same on every rank). device:
+    where the buffers live (as in costmodel.ping_pong: the rank's device on GPU ranks, None for
+    the CPU).
+
+    between: None, the calls back to back; or a function every rank runs before each call (a
+    stretch of compute, as a training step runs between two collectives), whose own seconds,
+    timed alone on the rank just before, are taken off: a call's seconds when it follows compute.
+    On emulated ranks sharing cores that costs more than back to back, where the ranks of a
+    group run in step (calibrate.spacing says how much)."""
     import torch
     import torch.distributed as dist
 
@@ -159,13 +177,16 @@ def measure_table(sizes, group_sizes, ops=OPS, iters: int = 6, rounds: int = 2, 
                     recv = shard if op == "reduce_scatter" else torch.zeros(numel, device=device)
                     peer, group = rank ^ 1, groups[g]
                     _call(op, group, peer, shard, recv, full)  # warm-up: connections, buffers
+                    alone = 0.0 if between is None else _alone(between, iters)
                     dist.barrier()
                     synchronize(device)
                     t0 = time.perf_counter()
                     for _ in range(iters):
+                        if between is not None:
+                            between()
                         _call(op, group, peer, shard, recv, full)
                     synchronize(device)
-                    per_call = (time.perf_counter() - t0) / iters
+                    per_call = max((time.perf_counter() - t0) / iters - alone, 0.0)
                     if op == "send":
                         per_call /= 2  # a round trip is two messages
                     elapsed = torch.tensor([per_call], dtype=torch.float64, device=device)

@@ -21,13 +21,25 @@ Each cost is fitted as a fixed part plus a rate, the alpha-beta form of notebook
                       and, on a CPU without bf16 matmul units, its slower matmuls
     optimizer         t = n_tensors o + bytes / bandwidth     -> tensor_overhead o, memory_bandwidth
     collectives       a table of seconds per (op, group size, bytes) (course_lib.comm.measured),
-                      with one alpha-beta line through the world's all-reduces beside it
+                      with one alpha-beta line through the world's all-reduces beside it; each
+                      call timed after a stretch of compute (spacing), as in a step, and a
+                      second table of the same calls back to back, for comparison
 
 A tiny model's layers run far below a large matmul's rate, and their fixed costs weigh more
 than their FLOPs; the bare matmul rate at the MLP's shape is measured beside them, to show the
 gap. On CPU ranks communication and compute share the same cores, so nothing hides behind
 backward: the calibrated cluster has overlap=0 and shared_cores = the cores the ranks run on
 (a GPU's copy engines give overlap=1, and each rank its own device).
+
+Why collectives after compute: the calls of a step come between stretches of compute, and on
+ranks sharing cores a call that follows compute costs more than one that follows another call.
+Back to back, the ranks of a group run in step, each call's partner already waiting; after
+compute, each rank enters the call when it has finished its own work and been scheduled, and
+waits for the others to do so. Measured here in one run of benchmarks/bench_planner.py (8 ranks
+on 2 cores, both tables in the same rounds): a 2-rank all-reduce of 64 KiB took 1.3 ms a call
+back to back and 2.5 ms after compute (about 1 ms of it); read with the back-to-back table the
+step-time model predicted all 19 layouts low (median error 19%, the tensor-parallel hybrids by
+29-35%), with the table after compute 10 high and 9 low (median 4%).
 """
 
 from __future__ import annotations
@@ -163,12 +175,30 @@ def group_sizes(world_size: int) -> list[int]:
     return [g for g in range(2, world_size + 1) if world_size % g == 0]
 
 
+def spacing(config, rows: int, forward_backward: float, matmul: float):
+    """Rank code: the compute measure_table runs before each timed call of the table (its
+    `between`; see the module docstring): the MLP's (rows x d_model) @ (d_model x ff_dim)
+    matmul, repeated to last about forward_backward / (4 (n_layer + 1)) seconds at this rank's
+    measured `matmul` FLOP/s. forward_backward: the model's seconds on one sequence, so the
+    stretch is a step's compute between two of tensor parallelism's calls (4 a layer: 2
+    forward, 2 backward), at a micro-batch of one sequence."""
+    x, w = torch.randn(rows, config.d_model), torch.randn(config.d_model, config.ff_dim)
+    seconds = forward_backward / (4 * (config.n_layer + 1))
+    repeats = max(1, round(seconds * matmul / (2 * rows * config.d_model * config.ff_dim)))
+
+    def between():
+        for _ in range(repeats):
+            x @ w
+    return between
+
+
 def probe(config, micro_batch: int, seq: int, sizes=None, ops=None) -> dict:
     """Rank code, on every rank at once: {"matmul" (FLOP/s at the MLP's shape), "bandwidth"
     (copy bytes/s), "model" (forward+backward seconds per MICRO_BATCHES size), "recipes"
     ({recipe: seconds per RECIPE_MICRO_BATCHES size} for PROBED_RECIPES), "optimizer"
     (optimizer_seconds), "table" (CollectiveTable entries over every group size dividing the
-    world)}."""
+    world, each call after compute: spacing), "table_back_to_back" (the same calls back to
+    back)}."""
     dist.barrier()
     matmul = matmul_flops(micro_batch * seq, config.d_model, config.ff_dim)
     dist.barrier()
@@ -181,10 +211,13 @@ def probe(config, micro_batch: int, seq: int, sizes=None, ops=None) -> dict:
     optimizer = optimizer_seconds(config)
     dist.barrier()
     bandwidth = copy_bandwidth()
-    table = measure_table(TABLE_SIZES if sizes is None else sizes, group_sizes(dist.get_world_size()),
-                          TABLE_OPS if ops is None else ops, rounds=1, device=rank_device())
+    sizes, ops, groups = TABLE_SIZES if sizes is None else sizes, TABLE_OPS if ops is None else ops, \
+        group_sizes(dist.get_world_size())
+    between = spacing(config, micro_batch * seq, model[0], matmul)
+    table = measure_table(sizes, groups, ops, rounds=1, device=rank_device(), between=between)
+    back_to_back = measure_table(sizes, groups, ops, rounds=1, device=rank_device())
     return {"matmul": matmul, "model": model, "recipes": recipes, "optimizer": optimizer, "bandwidth": bandwidth,
-            "table": table}
+            "table": table, "table_back_to_back": back_to_back}
 
 
 def calibrate(world_size: int, config, micro_batch: int = 1, seq: int | None = None, timeout_s: float = 120,
@@ -216,8 +249,10 @@ def median_of_rounds(rounds: list[dict]) -> dict:
                       for recipe, times in out["recipes"].items()}
     out["optimizer"] = dict(out["optimizer"]) | {key: med(r["optimizer"][key] for r in rounds)
                                                  for key in ("tensors", "flat")}
-    out["table"] = {op: {g: [list(sizes), [med(r["table"][op][g][1][i] for r in rounds) for i in range(len(times))]]
-                         for g, (sizes, times) in by.items()} for op, by in out["table"].items()}
+    for key in ("table", "table_back_to_back"):
+        if key in out:
+            out[key] = {op: {g: [list(sizes), [med(r[key][op][g][1][i] for r in rounds) for i in range(len(times))]]
+                             for g, (sizes, times) in by.items()} for op, by in out[key].items()}
     return out
 
 
@@ -267,7 +302,8 @@ def cluster_from_probes(out: list[dict], config, micro_batch: int, seq: int,
            "copy_bandwidth_per_rank": [r["bandwidth"] for r in out],
            "micro_batches": list(MICRO_BATCHES), "model_seconds": model, "model_flops": flops,
            "model_fixed_seconds": fixed, "optimizer_seconds": opt, "optimizer_tensors": n_tensors,
-           "optimizer_numel": numel, "recipes": recipe_raw}
+           "optimizer_numel": numel, "recipes": recipe_raw,
+           "table_back_to_back": out[0].get("table_back_to_back")}
     return cluster, raw
 
 

@@ -196,7 +196,9 @@ assert counted[1] - counted[0] == sum(model_calls.values()) == 14
 # * the optimizer update (AdamW and clipping) over the model's own tensors and over one flat
 #   tensor as large: the difference is the cost per tensor, the flat one gives the bandwidth;
 # * each collective (all-reduce, all-gather, reduce-scatter, all-to-all, a message) at growing
-#   sizes on groups of every size: a table.
+#   sizes on groups of every size: a table. Each call is timed after a stretch of compute, as
+#   a step makes it (about the compute between two of tensor parallelism's calls), that
+#   compute's own time taken off; the same calls back to back are kept beside it, for section 4.
 
 # %% tags=["nbval-ignore-output"]
 cluster2, raw2 = calibrate(2, SMALL, micro_batch=2, timeout_s=120, sizes=(4, 1 << 14, 1 << 18))
@@ -285,32 +287,55 @@ low = [r["error"] for r in result["rows"] if r["error"] < 0]
 high = [r["error"] for r in result["rows"] if r["error"] >= 0]
 print(f"predicted low on {len(low)} of {len(result['rows'])} layouts ({max(low):+.1%} to {min(low):+.1%}), "
       f"high on {len(high)}" + (f" (by at most {max(high):+.1%})" if high else ""))
-assert len(low) > 4 * len(high) and all(e < 0.05 for e in high)  # the stored file: the prose below says so
+assert len(low) >= 3 and len(high) >= 3  # errors of both signs in the stored file: the prose below says so
 fig, ax = plt.subplots(figsize=(10, 5))
 fig.subplots_adjust(left=0.08, right=0.62)  # the labels stand in a column right of the axes
 plot_predicted_vs_measured(ax, result)
 plt.show()
 
 # %% [markdown]
-# The errors lean one way: the line under the table counts the layouts predicted low and high,
-# and the few predicted high are so by a few percent at most. That is no accident of one
-# measurement. The model adds up parts that the calibration measured one at a time: forward and
-# backward with no communication, each collective back to back with nothing else running. On
-# two shared cores the parts cost more together than apart. Measured while calibrating this
-# model: DDP's forward and backward with its all-reduces took 92-97 ms, where forward and
-# backward alone took 45 ms and the all-reduces alone 38 ms; tensor parallelism's 131 KB
-# all-reduces at tp = 8 took 24 ms each inside a step, against 15 ms back to back. A collective
-# that overlaps compute competes with it for the same cores, and each of the two waits for
-# the other to be scheduled. So the sum of the parts predicts low here, most of all for the
-# layouts that run several kinds of work at once (the largest misses in the table are
-# hybrids, which interleave tensor-parallel calls, pipeline sends and compute).
+# The errors fall on both sides: the line under the table counts the layouts predicted low and
+# high. That took one decision the textbook model does not make: *when* to time a collective.
+# The model adds up parts that the calibration measured one at a time, and on two shared cores
+# a part can cost more inside a step than alone. A collective in a step comes after compute:
+# each rank enters it when its own work is done and it is scheduled again, and waits there for
+# the others to do the same. Called back to back, the ranks of a group run in step, each
+# partner already waiting, and the call looks cheaper than a step ever gets it. The calibration
+# timed every call both ways, in the same rounds. Compare the two tables, and the model read
+# with each:
+
+# %%
+from dataclasses import replace
+
+from course_lib.comm.measured import CollectiveTable
+
+back_to_back = CollectiveTable("the same calls back to back", data["calibration"]["table_back_to_back"])
+spaced_table = data["cluster"].intra
+print(f"{'all-reduce, 64 KiB':<22}{'after compute':>15}{'back to back':>14}")
+for g in ("2", "4", "8"):
+    print(f"{g + ' ranks':<22}{spaced_table.seconds('all_reduce', 1 << 16, int(g)) * 1e3:12.2f} ms"
+          f"{back_to_back.seconds('all_reduce', 1 << 16, int(g)) * 1e3:11.2f} ms")
+plain = compare(data["config"], replace(data["cluster"], intra=back_to_back, inter=back_to_back), data["runs"],
+                data["batch"], data["seq"], "fp32")
+for name, r in (("after compute", result), ("back to back", plain)):
+    high = sum(row["error"] >= 0 for row in r["rows"])
+    print(f"table {name:<14}: rank correlation {r['spearman']:.2f}, median |error| {r['median_error']:.0%}, "
+          f"{len(r['rows']) - high} layouts predicted low, {high} high")
+worst = max(result["rows"], key=lambda row: abs(row["error"]))
+print(f"largest miss after compute: {worst['label']} ({worst['error']:+.0%})")
+
+# %% [markdown]
+# Read with the back-to-back table, the model predicts low, most of all for the layouts that
+# make many mid-sized calls between short stretches of compute (tensor parallelism and the
+# hybrids built on it). The table after compute prices each call as a step pays for it. What
+# remains are the misses of single layouts (the last line names the largest): one stretch of
+# compute is not every layout's, and sequence parallelism, for one, makes several times as many
+# calls as plain tensor parallelism, some of them back to back (a norm's weight and bias).
 #
 # What does each ingredient of the calibrated model buy? The same comparison, with one
 # ingredient taken out at a time (and all of them):
 
 # %%
-from dataclasses import replace
-
 calibrated = data["cluster"]
 line = dict(intra=calibrated.intra.fit, inter=calibrated.intra.fit)
 without = {"fixed costs (per layer, per tensor)": dict(layer_overhead=0.0, tensor_overhead=0.0),
@@ -342,7 +367,8 @@ for name, change in without.items():
 # * **calls, not only bytes**: tensor parallelism makes dozens of mid-sized all-reduces per
 #   step, sequence parallelism more (it re-gathers saved shards in backward and all-reduces
 #   the small gradients of the replicated norms), and ZeRO-3 gathers block by block; each
-#   call costs what the table measured, however few its bytes;
+#   call costs what the table measured, however few its bytes, and the table measured it as a
+#   step pays for it, after compute (the comparison above);
 # * **the optimizer's loop over tensors**: DDP's AdamW visits every parameter tensor, ZeRO's
 #   visits a few flat shards;
 # * **shared cores**: while a pipeline stage waits, its core runs the others, so the bubble of
