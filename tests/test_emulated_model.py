@@ -4,6 +4,8 @@ known constants from synthetic timings. No measured time is asserted."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from course_lib.comm import costmodel
@@ -35,8 +37,9 @@ def convex(cores=2):
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_reduces_to_alpha_beta(algorithm, n):
-    """gamma = 0, ranks <= cores, whole messages, a table that is one line: costmodel's alpha-beta."""
-    c, link = line(cores=8), costmodel.LinkModel(ALPHA, BETA)
+    """gamma = 0, ranks <= cores, whole messages, a table that is one line, a free local copy (the
+    all-to-all's own part: alpha-beta has no term for it): costmodel's alpha-beta."""
+    c, link = line(cores=8, copy_cores=math.inf, copy_all=math.inf), costmodel.LinkModel(ALPHA, BETA)
     for s in (1 * MiB, 16 * MiB, 64 * MiB):
         assert emulated.predict(algorithm, s, n, c) == pytest.approx(costmodel.predict_time(algorithm, s, n, link), rel=REL)
 
@@ -140,7 +143,8 @@ def test_fit_recovers_known_constants():
     assert emulated.sharing(4, c) == 2.5
     # the fitted constants give back the alpha-beta line they were made from
     link = costmodel.LinkModel(ALPHA, BETA)
-    got = emulated.predict("all_to_all", 16 * MiB, 2, c) - c.start
+    parts = emulated.terms("all_to_all", 16 * MiB, 2, c)
+    got = sum(parts.values()) - c.start - parts["copy"]  # alpha-beta has neither the start nor the own part's copy
     assert got == pytest.approx(costmodel.predict_time("all_to_all", 16 * MiB, 2, link), rel=REL)
 
 
@@ -176,3 +180,47 @@ def test_interleaved_returns_every_measurement():
         assert all(0 < t < float("inf") for by in r["measured"].values() for t in by.values())
     c = emulated_fit.fit_constants(raw, 2, sizes=sizes, add_sizes=emulated_fit.ADD_SIZES)
     assert c.start == raw[0]["start"]
+
+
+def test_exchanges_follow_adds_only_when_ranks_outnumber_cores():
+    """A rank with a core of its own is never descheduled while it adds; with more ranks than
+    cores it is (emulated_fit.after_compute)."""
+    assert emulated_fit.after_compute(4, 2) and emulated_fit.after_compute(3, 2)
+    assert not emulated_fit.after_compute(2, 2) and not emulated_fit.after_compute(2, 4)
+
+
+def _accumulated(after_add: bool) -> list:
+    import torch
+    import torch.distributed as dist
+
+    buffers = emulated_fit._buffers([1 << 16, 1 << 22])  # 16 exchanges, then 4 (see _pass)
+    for out, _, _ in buffers:
+        out.fill_(1)  # each received message is bytes 0x01, read as float32
+    rank = dist.get_rank()
+    seconds = emulated_fit._pass(buffers, 1 - rank, 1 - rank, after_add)
+    one = torch.ones(1, dtype=torch.uint8).repeat(4).view(torch.float32).item()
+    return [all(s >= 0 for s in seconds)] + [bool(torch.all(acc == steps * one)) for (_, _, acc), steps in
+                                             zip(buffers, (16, 4))]
+
+
+@pytest.mark.gloo_only("the alpha-beta-gamma micro-benchmarks model emulated CPU ranks: their buffers live in host "
+                       "memory on purpose, which NCCL's rules refuse")
+def test_after_add_every_received_message_is_added_once():
+    """_pass(after_add=True) adds each message it received into the accumulator (the adds timed
+    alone first add the still-empty receive buffer: zeros); back to back adds nothing. The sums
+    are exact: a few small multiples of one float32 value."""
+    from course_lib.runtime import run_on_ranks
+
+    assert run_on_ranks(_accumulated, True, world_size=2, timeout_s=60) == [[True, True, True]] * 2
+    assert run_on_ranks(_accumulated, False, world_size=2, timeout_s=60) == [[True, False, False]] * 2
+
+
+def test_the_all_to_all_copies_its_own_part_at_the_shared_copy_rate():
+    """k = 2 S/N / copy_all for the all-to-all (its own part read and written), 0 for collectives
+    that work in place; powers of two, so exact."""
+    c = line(copy_cores=2.0**33, copy_all=2.0**31)
+    for n in (2, 4, 8):
+        assert emulated.terms("all_to_all", 64 * MiB, n, c)["copy"] == 2 * 64 * MiB / n / 2.0**31
+        for algorithm in ("ring", "tree", "reduce_scatter", "all_gather"):
+            assert emulated.terms(algorithm, 64 * MiB, n, c)["copy"] == 0.0
+    assert emulated.predict("all_to_all", 64 * MiB, 1, c) == 0.0  # one rank: no collective

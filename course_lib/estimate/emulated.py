@@ -3,7 +3,7 @@
 Formulas only: the constants come from micro-benchmarks (course_lib.measure.emulated_fit) and
 the result is seconds. A collective of S bytes per rank on N ranks running on C cores takes
 
-    T = t0  +  sum over the busiest rank's messages m of x(m)  +  r S gamma sigma
+    T = t0  +  sum over the busiest rank's messages m of x(m)  +  r S gamma sigma  +  k
 
     t0      a call's start: one step of a 4-byte ring timed as a collective is (from a barrier to
             the slowest rank's end): ranks leave a barrier one by one as each gets a core, a
@@ -11,7 +11,10 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
 
     x(m)    seconds of one exchange of m bytes (a rank sends m and receives m at once, as every
             step of the course's collectives does), measured with every pair of ranks exchanging
-            at the same time, as in a collective: between two measured sizes it is the alpha-beta
+            at the same time, as in a collective, and when ranks outnumber cores each exchange
+            after the add of what the one before brought (a rank that computed waits to be
+            scheduled again, and its partners with it; course_lib.measure.emulated_fit.
+            after_compute): between two measured sizes it is the alpha-beta
             line through them, x(m) = alpha_i + m / beta_i, beyond either end the end line. On a
             network one line would do (Hockney 1994); between processes a message is memory
             copies through the kernel's socket buffers, a message far larger than those buffers
@@ -32,13 +35,18 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
             gamma per reduced byte of Thakur, Rabenseifner & Gropp 2005 and Chan et al. 2007). On a
             GPU the add hides under the transfer and the cluster model leaves it out; on a CPU
             the cores that copy the bytes also add them, one after the other.
+    k       the all-to-all's local copy: a rank's own part S/N goes from its input to its output
+            by a memory copy, not a message: 2 S/N bytes read and written at one rank's copy
+            rate while every rank copies (copy_all), as all ranks copy their parts at once. The
+            ring and the tree work in place: 0.
     sigma   the cores' shared memory bandwidth (sharing()): 1 when N <= C; else copy_cores /
             copy_all, one rank's copy rate when C ranks copy at once over its rate when all N do:
             with more ranks than cores the adds of all ranks take turns on the same cores and
             memory channels (the exchanges' turns are in x(m) already, measured all at once).
 
 On a real network x(m) is one line with the link's alpha and beta, gamma is the accelerator's
-(small beside the transfer, and overlapped with it) and sigma is 1: every rank has its own device.
+(small beside the transfer, and overlapped with it), k is a device copy at hundreds of GB/s and
+sigma is 1: every rank has its own device.
 """
 
 from __future__ import annotations
@@ -138,11 +146,12 @@ def sharing(world_size: int, c: EmulatedConstants) -> float:
 def terms(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,
           piece_bytes: float | None = None) -> dict:
     """The model's parts in seconds: {"start": t0, "messages": sum of x(m), "gamma": r S gamma,
-    "sharing": what sigma adds to the adds}; predict() is their sum."""
+    "sharing": what sigma adds to the adds, "copy": k}; predict() is their sum."""
     sent = sum(k * exchange_time(m, c) for k, m in messages(algorithm, nbytes, world_size, piece_bytes))
     added = reduction_terms(algorithm, world_size) * nbytes * c.gamma
+    own = nbytes / world_size if algorithm == "all_to_all" and world_size > 1 else 0.0
     return {"start": c.start if world_size > 1 else 0.0, "messages": sent, "gamma": added,
-            "sharing": added * (sharing(world_size, c) - 1.0)}
+            "sharing": added * (sharing(world_size, c) - 1.0), "copy": 2 * own / c.copy_all}
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,

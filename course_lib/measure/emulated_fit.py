@@ -11,7 +11,9 @@ The micro-benchmarks:
 
     x(m)    every rank sends m bytes to its right neighbour while receiving m from its left
             (comm.p2p.exchange, the call every step of the course's collectives makes), several
-            such steps back to back, every rank at once: a ping-pong in both directions around a
+            such steps in a row, every rank at once (when ranks outnumber cores, each step after
+            an add of what the last one brought, as in a collective, its time taken off:
+            after_compute): a ping-pong in both directions around a
             ring, at sizes from 64 KiB to 64 MiB (a 1-64 MiB collective's messages: 2 MiB ring
             pieces, whole tensors for recursive doubling). Not costmodel.ping_pong: one pair, one
             direction at a time, the fastest round trip kept, is the link of a cluster, not a step
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from course_lib.comm.collectives import ALL_REDUCE_ALGORITHMS, pairwise_all_to_all
 from course_lib.comm.costmodel import fit_alpha_beta
-from course_lib.comm.p2p import exchange
+from course_lib.comm.p2p import PIECE_BYTES, exchange
 from course_lib.estimate.emulated import EmulatedConstants
 from course_lib.measure.calibrate import copy_bandwidth, sustained_seconds
 
@@ -48,39 +50,55 @@ COPY_BYTES = 1 << 24
 SAMPLE_MB = 8  # see repeats()
 
 
-def _pass(buffers, right, left) -> list:
-    """For each buffer pair: seconds per exchange over several exchanges back to back (16 up to
-    1 MiB, where one is a wake-up or two and varies most, else 4), each sending to `right` and
+def _pass(buffers, right, left, after_add: bool = False) -> list:
+    """For each buffer triple: seconds per exchange over several exchanges in a row (16 up to
+    2 MiB, where one is a wake-up or two and varies most, and every piece of a large ring or tree
+    is 2 MiB; else 4), each sending to `right` and
     receiving from `left` (one step of a ring), after a one-byte exchange that starts the ranks
-    together."""
+    together. after_add: each received message is added into the third buffer before the next
+    exchange, as the ring's reduce-scatter and the tree add each piece they receive, and those
+    adds, timed alone just before, are taken off (gamma prices them): an exchange that follows
+    compute, as a collective's do. Else back to back (after_compute says which one the model
+    reads)."""
     sync_out, sync_in = torch.zeros(1), torch.zeros(1)
     out = []
-    for buf_out, buf_in in buffers:
+    for buf_out, buf_in, acc in buffers:
+        steps = 16 if buf_out.numel() <= PIECE_BYTES else 4
+        received, adds = buf_in.view(torch.float32), 0.0
+        if after_add:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                acc.add_(received)
+            adds = time.perf_counter() - t0
+        add = (lambda: acc.add_(received)) if after_add else None
         done = exchange(sync_out, right, sync_in, left)
-        steps = 16 if buf_out.numel() <= 1 << 20 else 4
         t0 = time.perf_counter()
         for _ in range(steps):  # each exchange's works held until the next, as the ring does (see exchange)
-            done = exchange(buf_out, right, buf_in, left)
-        out.append((time.perf_counter() - t0) / steps)
+            done = exchange(buf_out, right, buf_in, left, on_arrival=add)
+        out.append(max(time.perf_counter() - t0 - adds, 0.0) / steps)
     del done
     return out
 
 
 def _buffers(sizes) -> list:
-    return [(torch.zeros(int(s), dtype=torch.uint8), torch.zeros(int(s), dtype=torch.uint8)) for s in sizes]
+    """(send, receive, accumulate) buffers of each size in bytes (a multiple of 4)."""
+    return [(torch.zeros(int(s), dtype=torch.uint8), torch.zeros(int(s), dtype=torch.uint8),
+             torch.zeros(int(s) // 4)) for s in sizes]
 
 
-def exchange_seconds(sizes=EXCHANGE_SIZES, rounds: int = 7, all_pairs: bool = True) -> list | None:
+def exchange_seconds(sizes=EXCHANGE_SIZES, rounds: int = 7, all_pairs: bool = True,
+                     after_add: bool = False) -> list | None:
     """Rank code: median seconds of one exchange of each size between ranks r and r ^ 1 (rank 0's
     clock; None on the other ranks). all_pairs: every pair (0,1), (2,3), ... at once, as every
     rank of a collective sends and receives at once; else only ranks 0 and 1 (the others wait).
+    after_add: each exchange after an add (_pass).
     The sizes are measured in `rounds` interleaved passes after one warm-up pass (as
     costmodel.ping_pong does), so a burst of load from elsewhere slows one pass of every size."""
     rank, n = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
     active = peer < n and (all_pairs or rank <= 1)
     buffers = _buffers(sizes)
-    passes = [_pass(buffers, peer, peer) for _ in range(rounds + 1 if active else 0)][1:]
+    passes = [_pass(buffers, peer, peer, after_add) for _ in range(rounds + 1 if active else 0)][1:]
     dist.barrier()
     return [statistics.median(p[i] for p in passes) for i in range(len(sizes))] if rank == 0 else None
 
@@ -99,7 +117,7 @@ def probe(cores: int, sizes=EXCHANGE_SIZES, add_sizes=ADD_SIZES, copy_bytes: int
     if dist.get_world_size() < 2:
         raise ValueError("probe needs at least 2 ranks (the exchange is between ranks r and r ^ 1)")
     dist.barrier()
-    x = exchange_seconds(sizes)  # every pair at once
+    x = exchange_seconds(sizes, after_add=after_compute(dist.get_world_size(), cores))  # every pair at once
     return probe_rates(cores, add_sizes, copy_bytes, seconds) | {"exchange": x}
 
 
@@ -131,6 +149,19 @@ def fit_constants(raw: list, cores: int, sizes=EXCHANGE_SIZES, add_sizes=ADD_SIZ
                              gamma=fit_gamma(add_sizes, raw[0]["add"]), cores=cores,
                              copy_cores=statistics.fmean(copy_cores), copy_all=statistics.fmean(copy_all),
                              start=raw[0].get("start", 0.0))
+
+
+def after_compute(world_size: int, cores: int) -> bool:
+    """Whether x(m) is measured after an add (_pass's after_add): when ranks outnumber cores. A
+    rank that computes between two exchanges, as a collective's ranks add what they received,
+    gives up its core's turn and must be scheduled again before its next message moves, and its
+    partners wait for that; back to back, the ranks run in step and skip it. Measured here with
+    both passes in one run of the benchmark's model check (benchmarks/bench_collectives.py): on
+    4 ranks and 2 cores, 0.73 ms back to back against 0.94 ms after adds at 256 KiB, and the
+    back-to-back x predicted all nine collectives low (by 1-25%), the x after adds within -15%
+    to +5%. On 2 ranks, each with its core, no rank waits to be scheduled: in two runs x after
+    adds priced the 1 MiB collectives 20-47% high, where back to back they were within 25%."""
+    return world_size > cores
 
 
 def repeats(size_mb: float) -> int:
@@ -179,7 +210,7 @@ def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"),
 
     for round_ in range(rounds + 1):  # round 0 is a warm-up
         dist.barrier()
-        one = _pass(buffers, right, left)
+        one = _pass(buffers, right, left, after_compute(n, cores))
         # t0: one step of a 4-byte ring, timed as the collectives below are (as often as a 1 MiB call)
         start = [timed(lambda: exchange(tiny_out, right, tiny_in, left)) for _ in range(repeats(1))]
         for (name, mb), fn in calls.items():

@@ -589,11 +589,15 @@ assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 # (`course_lib.estimate.emulated`; the γ term is the one of Thakur, Rabenseifner & Gropp 2005 and
 # Chan et al. 2007):
 #
-# $$T = t_0 + \sum_{m\ \in\ \text{busiest rank's messages}} x(m) + r\,S\,\gamma\,\sigma$$
+# $$T = t_0 + \sum_{m\ \in\ \text{busiest rank's messages}} x(m) + r\,S\,\gamma\,\sigma + k$$
 #
 # * **x(m)**, one step as a collective takes it: every rank sends $m$ bytes to its right
 #   neighbour while receiving $m$ from its left, all ranks at once, measured at sizes from
-#   64 KiB to 64 MiB and interpolated between them. Not a ping-pong of one awake pair, and not
+#   64 KiB to 64 MiB and interpolated between them. With more ranks than cores, each step
+#   follows an add of what the step before brought, as in a collective, and the add's own time
+#   is taken off: a rank that computed must get a core again before its next message moves,
+#   and its partners wait for it (back to back, the ranks run in step and skip that wait).
+#   Not a ping-pong of one awake pair, and not
 #   one line: a message far larger than the kernel's socket buffers crosses in many refills,
 #   each waiting for a process to get a core, so the cost per byte changes with $m$ and with
 #   the number of ranks. (This is why the course's ring sends its chunks in pieces of 2 MiB.)
@@ -603,6 +607,9 @@ assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 # * **σ**, the cores' shared memory: with more ranks than cores the additions of all ranks take
 #   turns on the same cores and memory channels. σ = one rank's copy rate with as many ranks
 #   copying as there are cores, over its rate with all $N$ copying (1 when $N \le$ cores).
+# * **k**, the all-to-all's own part: $S/N$ bytes copied from a rank's input to its output,
+#   not sent, at one rank's copy rate while every rank copies (0 for the ring and the tree,
+#   which work in place).
 # * **t₀**, a call's start: one step of a 4-byte ring, timed as the collectives are (from a
 #   barrier to the slowest rank's end: ranks leave a barrier one by one as each gets a core).
 #
@@ -632,7 +639,7 @@ raw = run_on_ranks(emulated_fit.interleaved, CORES, MODEL_MB, MODEL_ALGOS, 3, si
 fit = emulated_fit.fit_constants(raw, CORES, sizes=X_SIZES)
 print(f"4 ranks on {CORES} cores: t0 = {fit.start * 1e3:.2f} ms, gamma = 1 / ({1 / fit.gamma / 1e9:.1f} GB/s), "
       f"sigma = {emulated.sharing(4, fit):.2f}")
-print(f"{'':>17}{'measured':>10}{'alpha-beta-gamma':>18}{'= t0 + x(m) sum + adds':>27}{'cluster alpha-beta':>20}")
+print(f"{'':>17}{'measured':>10}{'alpha-beta-gamma':>18}{'= t0 + x(m) sum + adds, copy':>30}{'cluster alpha-beta':>20}")
 errors = {}
 for name in MODEL_ALGOS:
     for mb in MODEL_MB:
@@ -641,7 +648,7 @@ for name in MODEL_ALGOS:
         abg, ab = sum(parts.values()), costmodel.predict_time(name, nbytes, 4, link)
         errors[name, mb] = ((abg - t) / t, (ab - t) / t)
         print(f"{name:>10} {mb:>2} MiB{t * 1e3:>8.1f} ms{abg * 1e3:>9.1f} ms ({errors[name, mb][0]:+4.0%})"
-              f"{parts['start'] * 1e3:>8.2f} +{parts['messages'] * 1e3:>6.1f} +{(parts['gamma'] + parts['sharing']) * 1e3:>5.1f} ms"
+              f"{parts['start'] * 1e3:>8.2f} +{parts['messages'] * 1e3:>6.1f} +{(parts['gamma'] + parts['sharing'] + parts['copy']) * 1e3:>8.1f} ms"
               f"{ab * 1e3:>10.1f} ms ({errors[name, mb][1]:+4.0%})")
 better = sum(abs(e[0]) < abs(e[1]) for e in errors.values())
 print(f"(error = (model - measured) / measured) alpha-beta-gamma is the closer model in {better} of {len(errors)} cases")
@@ -651,9 +658,8 @@ print(f"(error = (model - measured) / measured) alpha-beta-gamma is the closer m
 # so their errors compare fairly; the last line counts the cases each wins in this run. Your
 # numbers move with the machine and its load, and a model of emulated ranks is never exact:
 # a load burst during a collective is in its measurement and not in the model's inputs, and
-# some costs are in neither term (the all-to-all copies its own part in place of a message; a
-# tree adds each piece only once its send has left, where a ring step adds while the send goes
-# on). What the columns show
+# some costs are in no term (a tree adds each piece only once its send has left, where a ring
+# step adds while the send goes on). What the columns show
 # on any machine with fewer cores than ranks: the exchanges are the bulk of the time, and they
 # cost more per byte than the ping-pong's β says, which is why the cluster model falls short.
 #
