@@ -98,10 +98,10 @@ def _emulated(world_size, sizes_mb, rounds):
 def _print_emulated(fitted) -> float:
     """Print the emulated model against the measured collectives; return the largest |error|."""
     print(f"\nemulated alpha-beta-gamma model (course_lib.estimate.emulated) on {usable_cores()} cores: "
-          "T = t0 + sum of x(m) over the busiest rank's messages + r S gamma sigma + k (the all-to-all's own part "
+          "T = s t0 (a start per partner) + sum of x(m) over the busiest rank's messages + r S gamma sigma + k (the all-to-all's own part "
           "copied); constants fitted in the same run")
     print(f"{'ranks':>5} {'algorithm':>11} {'size':>8} {'measured':>11} {'model':>11} {'error':>6}   "
-          f"{'t0':>8} {'x(m) sum':>9} {'adds':>8} {'sharing':>8} {'copy k':>8}")
+          f"{'s t0':>8} {'x(m) sum':>9} {'adds':>8} {'sharing':>8} {'copy k':>8}")
     worst = 0.0
     for n, (c, measured) in fitted.items():
         for name, by_size in measured.items():

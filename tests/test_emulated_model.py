@@ -85,13 +85,13 @@ def test_sharing_only_when_ranks_outnumber_cores():
     assert emulated.sharing(4, EmulatedConstants(c.sizes, c.seconds, c.gamma, 2, copy_cores=1.0, copy_all=3.0)) == 1.0
 
 
-def test_start_is_paid_once_per_call():
+def test_start_is_paid_once_per_partner():
     c = convex()
-    started = EmulatedConstants(c.sizes, c.seconds, c.gamma, c.cores, c.copy_cores, c.copy_all, start=1e-3)
+    started = EmulatedConstants(c.sizes, c.seconds, c.gamma, c.cores, c.copy_cores, c.copy_all, start=2.0**-10)
     for algorithm in ALGORITHMS:
         for n in (2, 4):
             parts, plain = emulated.terms(algorithm, 16 * MiB, n, started), emulated.terms(algorithm, 16 * MiB, n, c)
-            assert parts["start"] == 1e-3 and plain["start"] == 0.0
+            assert parts["start"] == emulated.starts(algorithm, n) * 2.0**-10 and plain["start"] == 0.0  # exact
             assert {k: v for k, v in parts.items() if k != "start"} == {k: v for k, v in plain.items() if k != "start"}
     assert emulated.predict("ring", 16 * MiB, 1, started) == 0.0  # one rank: no collective, no start
 
@@ -180,6 +180,18 @@ def test_interleaved_returns_every_measurement():
         assert all(0 < t < float("inf") for by in r["measured"].values() for t in by.values())
     c = emulated_fit.fit_constants(raw, 2, sizes=sizes, add_sizes=emulated_fit.ADD_SIZES)
     assert c.start == raw[0]["start"]
+
+
+def test_starts_count_the_partners_met_one_after_another():
+    for n in (2, 3, 4, 8):
+        assert emulated.starts("ring", n) == emulated.starts("reduce_scatter", n) == 1  # the same two neighbours
+        assert emulated.starts("all_to_all", n) == n - 1  # a new partner every step
+        assert emulated.starts("sharded_ps", n) == 2 * (n - 1) and emulated.starts("ps", n) == n
+    assert [emulated.starts("tree", n) for n in (2, 3, 4, 6, 8)] == [1, 3, 2, 4, 3]  # log2 p, + 2 for a fold-in
+    assert [emulated.starts("rabenseifner", n) for n in (2, 4, 8)] == [1, 3, 5]  # the gather meets the last again
+    assert emulated.starts("ring", 1) == 0
+    with pytest.raises(ValueError, match="unknown"):
+        emulated.starts("butterfly", 4)
 
 
 def test_exchanges_follow_adds_only_when_ranks_outnumber_cores():

@@ -3,11 +3,22 @@
 Formulas only: the constants come from micro-benchmarks (course_lib.measure.emulated_fit) and
 the result is seconds. A collective of S bytes per rank on N ranks running on C cores takes
 
-    T = t0  +  sum over the busiest rank's messages m of x(m)  +  r S gamma sigma  +  k
+    T = s t0  +  sum over the busiest rank's messages m of x(m)  +  r S gamma sigma  +  k
 
     t0      a call's start: one step of a 4-byte ring timed as a collective is (from a barrier to
             the slowest rank's end): ranks leave a barrier one by one as each gets a core, a
             wake-up or two that a cluster's GPUs, always running, do not pay. 0 in costmodel.
+    s       starts(): the partners the busiest rank meets one after another, each waited for
+            as a call's start is (it reaches that step on its own time, from wherever its own
+            previous step left it): 1 for the ring, whose two neighbours stay the same all
+            through; N-1 for the all-to-all, a new partner each step; log2 p for recursive
+            doubling and 2 log2 p - 1 for Rabenseifner (its gather meets the scatter's last
+            partner again first), +2 when N != p (the folded-in rank, before and after); the
+            parameter server's N-1 workers one by one, then its sends at once: N; the sharded
+            server 2(N-1) rounds, each with a new partner. Measured here (benchmarks/
+            bench_collectives.py, 4 ranks on 2 cores): the 1 MiB all-to-all took 3.4-5.2 ms in
+            five runs where one start and its three exchanges came to 2.6-3.6 ms (8-46% low);
+            with a start per partner it was within -23% to +7% in the next three.
 
     x(m)    seconds of one exchange of m bytes (a rank sends m and receives m at once, as every
             step of the course's collectives does), measured with every pair of ranks exchanging
@@ -121,6 +132,20 @@ def messages(algorithm: str, nbytes: float, world_size: int, piece_bytes: float 
     return table[algorithm]
 
 
+def starts(algorithm: str, world_size: int) -> int:
+    """s: the partners the busiest rank waits for one after another (see the module docstring)."""
+    n = check_int("world_size", world_size)
+    if n == 1:
+        return 0
+    p = 1 << (n.bit_length() - 1)
+    rounds, fold = int(math.log2(p)), 2 if n != p else 0
+    table = {"ring": 1, "reduce_scatter": 1, "all_gather": 1, "all_to_all": n - 1, "tree": rounds + fold,
+             "rabenseifner": 2 * rounds - 1 + fold, "ps": n, "sharded_ps": 2 * (n - 1)}
+    if algorithm not in table:
+        raise ValueError(f"algorithm={algorithm!r} is unknown: use one of {', '.join(table)}")
+    return table[algorithm]
+
+
 def reduction_terms(algorithm: str, world_size: int) -> float:
     """r: bytes the busiest rank adds per byte of S (see the module docstring)."""
     n = check_int("world_size", world_size)
@@ -145,12 +170,12 @@ def sharing(world_size: int, c: EmulatedConstants) -> float:
 
 def terms(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,
           piece_bytes: float | None = None) -> dict:
-    """The model's parts in seconds: {"start": t0, "messages": sum of x(m), "gamma": r S gamma,
+    """The model's parts in seconds: {"start": s t0, "messages": sum of x(m), "gamma": r S gamma,
     "sharing": what sigma adds to the adds, "copy": k}; predict() is their sum."""
     sent = sum(k * exchange_time(m, c) for k, m in messages(algorithm, nbytes, world_size, piece_bytes))
     added = reduction_terms(algorithm, world_size) * nbytes * c.gamma
     own = nbytes / world_size if algorithm == "all_to_all" and world_size > 1 else 0.0
-    return {"start": c.start if world_size > 1 else 0.0, "messages": sent, "gamma": added,
+    return {"start": starts(algorithm, world_size) * c.start, "messages": sent, "gamma": added,
             "sharing": added * (sharing(world_size, c) - 1.0), "copy": 2 * own / c.copy_all}
 
 

@@ -589,7 +589,7 @@ assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 # (`course_lib.estimate.emulated`; the γ term is the one of Thakur, Rabenseifner & Gropp 2005 and
 # Chan et al. 2007):
 #
-# $$T = t_0 + \sum_{m\ \in\ \text{busiest rank's messages}} x(m) + r\,S\,\gamma\,\sigma + k$$
+# $$T = s\,t_0 + \sum_{m\ \in\ \text{busiest rank's messages}} x(m) + r\,S\,\gamma\,\sigma + k$$
 #
 # * **x(m)**, one step as a collective takes it: every rank sends $m$ bytes to its right
 #   neighbour while receiving $m$ from its left, all ranks at once, measured at sizes from
@@ -612,6 +612,10 @@ assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 #   which work in place).
 # * **t₀**, a call's start: one step of a 4-byte ring, timed as the collectives are (from a
 #   barrier to the slowest rank's end: ranks leave a barrier one by one as each gets a core).
+#   And **s**, how many partners the busiest rank meets one after another: each new partner
+#   reaches that step on its own time, so the rank waits for it as for a call's start. The
+#   ring keeps its two neighbours throughout (s = 1); the all-to-all meets a new partner every
+#   step (s = N-1); recursive doubling one per round (s = log₂ N).
 #
 # *Predict first:* at 16 MiB on 4 ranks, which term of the ring's time is largest: the
 # exchanges, the additions or the start? And for the all-to-all?
@@ -621,7 +625,8 @@ assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 # The exchanges, for both: the ring's busiest rank sends $2(N-1)/N \cdot S$ = 24 MiB in
 # 2 MiB pieces, each piece a step that every rank must be scheduled for, and adds only
 # $(N-1)/N \cdot S$ = 12 MiB (γ is a memory-speed add). The all-to-all adds nothing at all, so
-# its time is its $N-1$ exchanges plus the start. The table below shows the split measured here.
+# its time is its $N-1$ exchanges, each with a new partner and so each with a start. The table
+# below shows the split measured here.
 # </details>
 
 # %% tags=["nbval-ignore-output"]
@@ -639,7 +644,7 @@ raw = run_on_ranks(emulated_fit.interleaved, CORES, MODEL_MB, MODEL_ALGOS, 3, si
 fit = emulated_fit.fit_constants(raw, CORES, sizes=X_SIZES)
 print(f"4 ranks on {CORES} cores: t0 = {fit.start * 1e3:.2f} ms, gamma = 1 / ({1 / fit.gamma / 1e9:.1f} GB/s), "
       f"sigma = {emulated.sharing(4, fit):.2f}")
-print(f"{'':>17}{'measured':>10}{'alpha-beta-gamma':>18}{'= t0 + x(m) sum + adds, copy':>30}{'cluster alpha-beta':>20}")
+print(f"{'':>17}{'measured':>10}{'alpha-beta-gamma':>18}{'= starts + x(m) sum + adds, copy':>34}{'cluster alpha-beta':>20}")
 errors = {}
 for name in MODEL_ALGOS:
     for mb in MODEL_MB:
@@ -789,7 +794,8 @@ plt.show()
 #   bytes per link win: ring).
 # * Ranks sharing a machine's cores are not a cluster: each step costs a measured exchange
 #   $x(m)$, every byte added costs γ, more ranks than cores share the memory (σ), and every call
-#   pays a start $t_0$. The α-β-γ model adds these up; on a real network it falls back to α-β.
+#   pays a start $t_0$, again for each new partner. The α-β-γ model adds these up; on a real
+#   network it falls back to α-β.
 #
 # ## Self-check
 #
