@@ -17,7 +17,7 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
             parameter server's N-1 workers one by one, then its sends at once: N; the sharded
             server 2(N-1) rounds, each with a new partner. Measured here (benchmarks/
             bench_collectives.py, 4 ranks on 2 cores): the 1 MiB all-to-all took 3.4-5.2 ms in
-            five runs where one start and its three exchanges came to 2.6-3.6 ms (8-46% low);
+            five runs where one start and its three exchanges came to 2.8-3.6 ms (8-46% low);
             with a start per partner it was within -23% to +7% in the next three.
 
     x(m)    seconds of one exchange of m bytes (a rank sends m and receives m at once, as every
