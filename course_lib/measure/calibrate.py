@@ -7,7 +7,12 @@
     optimizer_seconds(config)          rank code: AdamW + clipping, per tensor and on one flat tensor
     calibrate(world_size, ...)         parent: every rank probes at once; returns a Cluster
                                        and the raw measurements
+    spacing(config, ...)               rank code: the compute run before each timed collective
     cluster_to_dict / cluster_from_dict   to store a calibration as JSON
+
+One module, over 300 lines, on purpose: probe() writes one dict per rank and round, and
+median_of_rounds and cluster_from_probes read the same keys; split, each key would be spelled
+in several files.
 
 Every rank probes at the same time, because that is how a training step loads the machine:
 emulated ranks share the CPU's cores, so one rank's speed alone is not what it gets when all
