@@ -7,10 +7,13 @@ course time: > 1 means the course ring is faster), then the alpha-beta model's p
 the ring (alpha, beta fitted from a ping-pong measured in the same run) and its error.
 The two implementations alternate call by call, so both see the same machine load; each
 call is timed as its slowest rank, and the median over calls is reported. The speed ratio per
-size (paired call by call, median and interquartile spread, also printed) is recorded with
-benchmarks/summary.py, with the target >= 0.9 from 16 MiB up (issue #47: within 10% of gloo's C++
-ring where bytes dominate; 1 MiB is latency-bound, shown as info), and the model's prediction
-over the measured ring time at the largest size as info.
+size (paired call by call: their median) is recorded with benchmarks/summary.py, with the target
+>= 0.9 from 16 MiB up (issue #47: within 10% of gloo's C++ ring where bytes dominate; 1 MiB is
+latency-bound, shown as info), and the model's prediction over the measured ring time at the
+largest size as info. The spread recorded beside the ratio is the 90% bootstrap interval of that
+median (rounds.median_interval): a target inside it is "inconclusive". The calls' own quartiles
+are printed too; they say how much one call varies (a 16 MiB call's ratio ranged 0.73-1.14
+between quartiles here), not how well 40 calls pin their median, so they are not the spread.
 
 Then the emulated-rank alpha-beta-gamma model (course_lib.estimate.emulated) on 2 and 4 ranks
 (--model-world-sizes): its constants fitted by micro-benchmarks (course_lib.measure.emulated_fit:
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from rounds import quartiles  # noqa: E402  (benchmarks/ is not a package)
+from rounds import median_interval, quartiles  # noqa: E402  (benchmarks/ is not a package)
 from summary import add_quick, quick_mode, record, wait_for_idle  # noqa: E402
 
 from course_lib import comm, run_on_ranks  # noqa: E402
@@ -47,6 +50,7 @@ from course_lib.units import fmt_bytes  # noqa: E402
 
 TARGET = 0.9  # gloo time / course time from 16 MiB up (see the docstring)
 MODEL_TARGET = 0.25  # |emulated model - measured| / measured, every size, rank count and algorithm (issue #47)
+MIN_CALLS = 40  # calls per size at least (see _bench)
 MODEL_ALGORITHMS = ("ring", "tree", "all_to_all")
 PING_PONG_SIZES = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
 
@@ -73,7 +77,9 @@ def _bench(sizes_mb, iters):
     for mb in sizes_mb:
         x = torch.randn(int(mb * 2**20) // 4)
         times = {name: [] for name in implementations}
-        n_iters = max(5, int(iters * 16 / max(mb, 16)))  # fewer repeats for the largest sizes
+        # fewer repeats for the largest sizes, at least MIN_CALLS: the median's interval narrows
+        # as 1/sqrt(calls): 15 calls at 64 MiB left it 0.86-1.06 wide here, 40 calls about 0.87-0.98
+        n_iters = max(MIN_CALLS, int(iters * 16 / max(mb, 16)))
         for i in range(n_iters + 1):
             for name, fn in implementations.items():  # alternate: both see the same load
                 dist.barrier()
@@ -98,7 +104,7 @@ def _emulated(world_size, sizes_mb, rounds):
 def _print_emulated(fitted) -> float:
     """Print the emulated model against the measured collectives; return the largest |error|."""
     print(f"\nemulated alpha-beta-gamma model (course_lib.estimate.emulated) on {usable_cores()} cores: "
-          "T = s t0 (a start per partner) + sum of x(m) over the busiest rank's messages + r S gamma sigma + k (the all-to-all's own part "
+          "T = s t0 (a wait per partner met where ranks share cores, per exchange after an add where each has one) + sum of x(m) over the busiest rank's messages + r S gamma sigma + k (the all-to-all's own part "
           "copied); constants fitted in the same run")
     print(f"{'ranks':>5} {'algorithm':>11} {'size':>8} {'measured':>11} {'model':>11} {'error':>6}   "
           f"{'s t0':>8} {'x(m) sum':>9} {'adds':>8} {'sharing':>8} {'copy k':>8}")
@@ -124,11 +130,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=100, help="calls per size up to 16 MiB (fewer above, >= MIN_CALLS)")
     parser.add_argument("--model-world-sizes", type=int, nargs="*", default=[2, 4],
                         help="rank counts on which the emulated alpha-beta-gamma model is checked (none: skip)")
-    parser.add_argument("--model-rounds", type=int, default=9,
-                        help="interleaved rounds of the model check (5 left one load burst in the medians at load ~10)")
+    parser.add_argument("--model-rounds", type=int, default=21,
+                        help="interleaved rounds of the model check (5 left one load burst in the medians at load "
+                             "~10; with 9 the 2-rank 2 MiB exchange moved by 1.06-1.50 ms between runs)")
     parser.add_argument("--idle-wait", type=float, default=60,
                         help="seconds to wait at most for the 1-minute load average to fall below the cores")
     parser.add_argument("--no-record", action="store_true", help="do not add the ratios to benchmarks/results")
@@ -163,7 +170,7 @@ def main(argv=None):
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"ring all-reduce on {n} ranks (gloo, CPU, {os.cpu_count()} cores, load average {load:.1f}), float32; "
           f"median of {min(len(v['course']) for v in results.values())}+ calls, each timed as its slowest rank")
-    print(f"{'size':>8} {'course ring':>12} {'gloo built-in':>14} {'speed ratio (IQR)':>19}   "
+    print(f"{'size':>8} {'course ring':>12} {'gloo built-in':>14} {'speed ratio [90% of median] (calls IQR)':>40}   "
           f"{'model (ring)':>12} {'model error':>12}   {'emulated model':>14} {'error':>6}")
     rows = []
     for mb, times in results.items():
@@ -171,20 +178,22 @@ def main(argv=None):
         model = "" if link is None else (
             f"{costmodel.predict_time('ring', mb * 2**20, n, link) * 1e3:>9.2f} ms "
             f"{(costmodel.predict_time('ring', mb * 2**20, n, link) - course) / course * 100:>+11.0f}%")
-        lo, mid, hi = quartiles([g / c for g, c in zip(times["gloo"], times["course"])])  # paired call by call
+        paired = [g / c for g, c in zip(times["gloo"], times["course"])]  # paired call by call
+        q1, mid, q3 = quartiles(paired)
+        lo, hi = median_interval(paired)
         own = ""
         if n in fitted:
             pred = emulated.predict("ring", mb * 2**20, n, fitted[n][0], PIECE_BYTES)
             own = f"   {pred * 1e3:>11.2f} ms {(pred - course) / course * 100:>+5.0f}%"
-        print(f"{mb:>4g} MiB {course * 1e3:>9.2f} ms {gloo * 1e3:>11.2f} ms {mid:>6.2f}x ({lo:.2f}-{hi:.2f})   {model}{own}")
+        print(f"{mb:>4g} MiB {course * 1e3:>9.2f} ms {gloo * 1e3:>11.2f} ms {mid:>6.2f}x [{lo:.2f}-{hi:.2f}] ({q1:.2f}-{q3:.2f})      {model}{own}")
         rows.append((f"gloo all_reduce / course ring, {mb:g} MiB, {n} ranks", mid, (lo, hi), TARGET if mb >= 16 else None))
     largest = max(results)
     course = statistics.median(results[largest]["course"])
     if link is not None:
         rows.append((f"alpha-beta model / measured ring, {largest:g} MiB, {n} ranks",
                      costmodel.predict_time("ring", largest * 2**20, n, link) / course, None, None))
-    print("speed ratio = gloo time / course time, paired call by call: median (interquartile range); "
-          ">= 1: the course ring is at least as fast")
+    print("speed ratio = gloo time / course time, paired call by call: median [90% bootstrap interval of the "
+          "median] (the calls' interquartile range); >= 1: the course ring is at least as fast")
     if link is not None:
         print(f"model: alpha = {link.alpha * 1e6:.0f} us, beta = {link.beta / 1e9:.2f} GB/s, fitted to a "
               f"ping-pong of every rank pair at once in this run; "

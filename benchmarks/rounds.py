@@ -12,6 +12,7 @@ import statistics
 import time
 
 from course_lib import run_on_ranks
+from course_lib.measure.validation import bootstrap_rounds, interval
 from summary import QUICK_ROUNDS, add_quick, quick_mode, record, shown_verdict
 
 WARMUP = 2  # steps of every run left out of the timing
@@ -20,6 +21,17 @@ WARMUP = 2  # steps of every run left out of the timing
 def quartiles(values) -> tuple[float, float, float]:
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
     return q[0], q[1], q[2]
+
+
+def median_interval(values, level: float = 0.9, samples: int = 400) -> tuple[float, float]:
+    """(low, high): the central `level` share of the medians of `samples` bootstrap draws of
+    `values` (validation.bootstrap_rounds, seeded): how far the median of as many calls would
+    land in another run (Efron and Tibshirani, 1993). Unlike the quartiles of the calls
+    themselves, it narrows as the calls grow in number (as 1 / sqrt(calls)). One value: a point."""
+    if len(values) < 2:
+        return values[0], values[0]
+    return interval(bootstrap_rounds(len(values), lambda idx: statistics.median(values[i] for i in idx), samples),
+                    level)
 
 
 def step_time(per_rank_step_seconds: list[list[float]], warmup: int = WARMUP) -> float:

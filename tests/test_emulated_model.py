@@ -85,13 +85,14 @@ def test_sharing_only_when_ranks_outnumber_cores():
     assert emulated.sharing(4, EmulatedConstants(c.sizes, c.seconds, c.gamma, 2, copy_cores=1.0, copy_all=3.0)) == 1.0
 
 
-def test_start_is_paid_once_per_partner():
+def test_start_is_paid_once_per_wait():
     c = convex()
     started = EmulatedConstants(c.sizes, c.seconds, c.gamma, c.cores, c.copy_cores, c.copy_all, start=2.0**-10)
     for algorithm in ALGORITHMS:
         for n in (2, 4):
             parts, plain = emulated.terms(algorithm, 16 * MiB, n, started), emulated.terms(algorithm, 16 * MiB, n, c)
-            assert parts["start"] == emulated.starts(algorithm, n) * 2.0**-10 and plain["start"] == 0.0  # exact
+            s = emulated.starts(algorithm, n, 16 * MiB, None, c.cores)  # n = 2: a core each; n = 4: shared
+            assert parts["start"] == s * 2.0**-10 and plain["start"] == 0.0  # exact: an integer times a power of two
             assert {k: v for k, v in parts.items() if k != "start"} == {k: v for k, v in plain.items() if k != "start"}
     assert emulated.predict("ring", 16 * MiB, 1, started) == 0.0  # one rank: no collective, no start
 
@@ -144,7 +145,8 @@ def test_fit_recovers_known_constants():
     # the fitted constants give back the alpha-beta line they were made from
     link = costmodel.LinkModel(ALPHA, BETA)
     parts = emulated.terms("all_to_all", 16 * MiB, 2, c)
-    got = sum(parts.values()) - c.start - parts["copy"]  # alpha-beta has neither the start nor the own part's copy
+    assert parts["start"] == 0.0  # 2 ranks on 2 cores, one exchange and no add: no wait
+    got = sum(parts.values()) - parts["copy"]  # alpha-beta has no copy of the own part
     assert got == pytest.approx(costmodel.predict_time("all_to_all", 16 * MiB, 2, link), rel=REL)
 
 
@@ -192,6 +194,30 @@ def test_starts_count_the_partners_met_one_after_another():
     assert emulated.starts("ring", 1) == 0
     with pytest.raises(ValueError, match="unknown"):
         emulated.starts("butterfly", 4)
+
+
+def test_with_a_core_per_rank_the_waits_are_the_adds_an_exchange_follows():
+    # ranks <= cores: no partner is descheduled, so a new partner costs nothing; an exchange that
+    # follows an add waits for the partner's add (the course's collectives, in 2 MiB pieces)
+    piece = 2 * MiB
+    assert emulated.starts("all_to_all", 2, 64 * MiB, None, cores=2) == 0  # one exchange, no add
+    assert emulated.starts("all_to_all", 4, 64 * MiB, None, cores=2) == 3  # shared cores: a wait per partner
+    assert [emulated.starts("ring", 2, mb * MiB, piece, cores=2) for mb in (1, 16, 64)] == [1, 4, 16]
+    assert [emulated.starts("tree", 2, mb * MiB, piece, cores=2) for mb in (1, 16, 64)] == [0, 7, 31]
+    assert emulated.starts("ring", 4, 16 * MiB, piece, cores=4) == 3 * 2  # 3 reduce-scatter steps of 2 pieces
+    assert emulated.starts("reduce_scatter", 4, 16 * MiB, piece, cores=4) == 5  # ends on its last add
+    assert emulated.starts("all_gather", 4, 16 * MiB, piece, cores=8) == 0
+    # recursive doubling on 3 ranks: rank 0 adds rank 2's 8 pieces, then 8 pieces of 1 round, then
+    # sends the answer back: every one of its 16 adds is followed by an exchange
+    assert emulated.starts("tree", 3, 16 * MiB, piece, cores=4) == 16
+    assert emulated.starts("rabenseifner", 4, 16 * MiB, None, cores=4) == 2  # halving adds; the gather adds none
+    assert emulated.starts("rabenseifner", 3, 16 * MiB, piece, cores=4) == 1 + 8  # + the folded-in pieces
+    assert emulated.starts("ps", 4, MiB, None, cores=4) == 3 and emulated.starts("sharded_ps", 4, MiB, None, cores=4) == 1
+    assert emulated.starts("ring", 1, MiB, piece, cores=2) == 0
+    # where ranks outnumber cores, or cores are not given, the partner count (test above) holds
+    assert emulated.starts("tree", 4, 16 * MiB, piece, cores=2) == emulated.starts("tree", 4) == 2
+    with pytest.raises(ValueError, match="unknown"):
+        emulated.adds_before_exchanges("butterfly", MiB, 4)
 
 
 def test_exchanges_follow_adds_only_when_ranks_outnumber_cores():

@@ -5,20 +5,31 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
 
     T = s t0  +  sum over the busiest rank's messages m of x(m)  +  r S gamma sigma  +  k
 
-    t0      a call's start: one step of a 4-byte ring timed as a collective is (from a barrier to
-            the slowest rank's end): ranks leave a barrier one by one as each gets a core, a
-            wake-up or two that a cluster's GPUs, always running, do not pay. 0 in costmodel.
-    s       starts(): the partners the busiest rank meets one after another, each waited for
-            as a call's start is (it reaches that step on its own time, from wherever its own
-            previous step left it): 1 for the ring, whose two neighbours stay the same all
-            through; N-1 for the all-to-all, a new partner each step; log2 p for recursive
-            doubling and 2 log2 p - 1 for Rabenseifner (its gather meets the scatter's last
-            partner again first), +2 when N != p (the folded-in rank, before and after); the
-            parameter server's N-1 workers one by one, then its sends at once: N; the sharded
-            server 2(N-1) rounds, each with a new partner. Measured here (benchmarks/
-            bench_collectives.py, 4 ranks on 2 cores): the 1 MiB all-to-all took 3.4-5.2 ms in
-            five runs where one start and its three exchanges came to 2.8-3.6 ms (8-46% low);
-            with a start per partner it was within -23% to +7% in the next three.
+    t0      a start: one step of a 4-byte ring timed as a collective is (from a barrier to the
+            slowest rank's end), what a rank pays when its partner reaches a step on its own
+            time, not in step with it. 0 in costmodel.
+    s       starts(): how many such waits the busiest rank meets one after another. It depends on
+            whether the ranks share cores:
+            * more ranks than cores (x(m) is then measured after adds, and that wait is in it):
+              the partners met one after another, each reaching its step on its own time, from
+              wherever its previous step left it, and descheduled meanwhile: 1 for the ring,
+              whose two neighbours stay the same all through; N-1 for the all-to-all, a new
+              partner each step; log2 p for recursive doubling and 2 log2 p - 1 for Rabenseifner
+              (its gather meets the scatter's last partner again first), +2 when N != p (the
+              folded-in rank, before and after); the parameter server's N-1 workers one by one,
+              then its sends at once: N; the sharded server 2(N-1) rounds, each with a new
+              partner. Measured here (benchmarks/bench_collectives.py, 4 ranks on 2 cores): the
+              1 MiB all-to-all took 3.4-5.2 ms in five runs where one start and its three
+              exchanges came to 2.8-3.6 ms (8-46% low); with a start per partner it was within
+              -23% to +7% in the next three.
+            * a core per rank (x(m) measured back to back): the exchanges that follow an add of
+              the rank's own (adds_before_exchanges()): the partner adds too and arrives when
+              its add is done. A first exchange from a barrier costs what one in a row does
+              (both ranks are running), and a new partner is running too. Measured here on 2
+              ranks with a core each: a start per partner priced the 1 MiB all-to-all (one
+              exchange, no add) 21-52% high in six runs, and the 16 MiB tree (8 pieces, 7 of
+              them after an add) 0-28% low; with a start per exchange after an add, every
+              2-rank case of those six runs was within -31% to +12%.
 
     x(m)    seconds of one exchange of m bytes (a rank sends m and receives m at once, as every
             step of the course's collectives does), measured with every pair of ranks exchanging
@@ -132,15 +143,46 @@ def messages(algorithm: str, nbytes: float, world_size: int, piece_bytes: float 
     return table[algorithm]
 
 
-def starts(algorithm: str, world_size: int) -> int:
-    """s: the partners the busiest rank waits for one after another (see the module docstring)."""
+def starts(algorithm: str, world_size: int, nbytes: float = 0.0, piece_bytes: float | None = None,
+           cores: int | None = None) -> int:
+    """s: the waits for a partner that reaches its step on its own time (see the module
+    docstring). cores None or fewer than world_size (ranks share cores): the partners the busiest
+    rank meets one after another. Else (a core per rank): adds_before_exchanges()."""
     n = check_int("world_size", world_size)
     if n == 1:
         return 0
+    if cores is not None and n <= check_int("cores", cores):
+        return adds_before_exchanges(algorithm, nbytes, n, piece_bytes)
     p = 1 << (n.bit_length() - 1)
     rounds, fold = int(math.log2(p)), 2 if n != p else 0
     table = {"ring": 1, "reduce_scatter": 1, "all_gather": 1, "all_to_all": n - 1, "tree": rounds + fold,
              "rabenseifner": 2 * rounds - 1 + fold, "ps": n, "sharded_ps": 2 * (n - 1)}
+    if algorithm not in table:
+        raise ValueError(f"algorithm={algorithm!r} is unknown: use one of {', '.join(table)}")
+    return table[algorithm]
+
+
+def adds_before_exchanges(algorithm: str, nbytes: float, world_size: int, piece_bytes: float | None = None) -> int:
+    """The busiest rank's adds that an exchange follows (the course's collectives, cut into pieces
+    as messages() cuts them): the ring adds each of its (N-1) reduce-scatter pieces, and every one
+    is followed by the next step's exchange (the last by the all-gather's first); a
+    reduce-scatter alone ends on its last add. Recursive doubling adds every piece of log2 p
+    rounds and ends on an add, unless a folded-in rank waits for the answer (+1) whose tensor it
+    added first (+ its pieces). Rabenseifner: log2 p halving adds, the last followed by the
+    gather, + the fold-in's pieces. The parameter server adds N-1 tensors, each followed by a
+    receive or its sends; the sharded server adds once, before the pull. All-gather and
+    all-to-all add nothing."""
+    n, s = check_int("world_size", world_size), float(nbytes)
+    if n == 1:
+        return 0
+    p = 1 << (n.bit_length() - 1)
+    rounds = int(math.log2(p))
+    pieces = 1 if not piece_bytes else max(1, math.ceil(s / n / piece_bytes))
+    whole = 1 if not piece_bytes else max(1, math.ceil(s / piece_bytes))
+    fold = whole if n != p else 0  # the folded-in tensor's pieces, each added, then an exchange
+    table = {"ring": (n - 1) * pieces, "reduce_scatter": (n - 1) * pieces - 1, "all_gather": 0, "all_to_all": 0,
+             "tree": rounds * whole + fold - (1 if n == p else 0), "rabenseifner": rounds + fold,
+             "ps": n - 1, "sharded_ps": 1}
     if algorithm not in table:
         raise ValueError(f"algorithm={algorithm!r} is unknown: use one of {', '.join(table)}")
     return table[algorithm]
@@ -175,7 +217,7 @@ def terms(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,
     sent = sum(k * exchange_time(m, c) for k, m in messages(algorithm, nbytes, world_size, piece_bytes))
     added = reduction_terms(algorithm, world_size) * nbytes * c.gamma
     own = nbytes / world_size if algorithm == "all_to_all" and world_size > 1 else 0.0
-    return {"start": starts(algorithm, world_size) * c.start, "messages": sent, "gamma": added,
+    return {"start": starts(algorithm, world_size, nbytes, piece_bytes, c.cores) * c.start, "messages": sent, "gamma": added,
             "sharing": added * (sharing(world_size, c) - 1.0), "copy": 2 * own / c.copy_all}
 
 

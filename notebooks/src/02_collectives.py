@@ -610,23 +610,27 @@ assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 # * **k**, the all-to-all's own part: $S/N$ bytes copied from a rank's input to its output,
 #   not sent, at one rank's copy rate while every rank copies (0 for the ring and the tree,
 #   which work in place).
-# * **t₀**, a call's start: one step of a 4-byte ring, timed as the collectives are (from a
-#   barrier to the slowest rank's end: ranks leave a barrier one by one as each gets a core).
-#   And **s**, how many partners the busiest rank meets one after another: each new partner
-#   reaches that step on its own time, so the rank waits for it as for a call's start. The
-#   ring keeps its two neighbours throughout (s = 1); the all-to-all meets a new partner every
-#   step (s = N-1); recursive doubling one per round (s = log₂ N).
+# * **t₀**, a wait for a partner that reaches a step on its own time: one step of a 4-byte
+#   ring, timed as the collectives are (from a barrier to the slowest rank's end). And **s**,
+#   how many such waits the busiest rank meets one after another. With more ranks than cores,
+#   every new partner is one: it arrives from wherever its own previous step left it, and may
+#   be waiting for a core. The ring keeps its two neighbours throughout (s = 1); the
+#   all-to-all meets a new partner every step (s = N-1); recursive doubling one per round
+#   (s = log₂ N). With a core per rank, nobody waits for a core, and a new partner is already
+#   running: the waits are the exchanges that follow an add, since the partner is adding too
+#   and arrives when its add is done (the ring's reduce-scatter pieces, every piece of
+#   recursive doubling but the last, none for the all-to-all).
 #
 # *Predict first:* at 16 MiB on 4 ranks, which term of the ring's time is largest: the
-# exchanges, the additions or the start? And for the all-to-all?
+# exchanges, the additions or the waits? And for the all-to-all?
 #
 # <details><summary>Answer</summary>
 #
 # The exchanges, for both: the ring's busiest rank sends $2(N-1)/N \cdot S$ = 24 MiB in
 # 2 MiB pieces, each piece a step that every rank must be scheduled for, and adds only
 # $(N-1)/N \cdot S$ = 12 MiB (γ is a memory-speed add). The all-to-all adds nothing at all, so
-# its time is its $N-1$ exchanges, each with a new partner and so each with a start. The table
-# below shows the split measured here.
+# its time is its $N-1$ exchanges, each with a new partner and so, with more ranks than
+# cores, each with a wait $t_0$. The table below shows the split measured here.
 # </details>
 
 # %% tags=["nbval-ignore-output"]
@@ -644,7 +648,7 @@ raw = run_on_ranks(emulated_fit.interleaved, CORES, MODEL_MB, MODEL_ALGOS, 3, si
 fit = emulated_fit.fit_constants(raw, CORES, sizes=X_SIZES)
 print(f"4 ranks on {CORES} cores: t0 = {fit.start * 1e3:.2f} ms, gamma = 1 / ({1 / fit.gamma / 1e9:.1f} GB/s), "
       f"sigma = {emulated.sharing(4, fit):.2f}")
-print(f"{'':>17}{'measured':>10}{'alpha-beta-gamma':>18}{'= starts + x(m) sum + adds, copy':>34}{'cluster alpha-beta':>20}")
+print(f"{'':>17}{'measured':>10}{'alpha-beta-gamma':>18}{'= waits + x(m) sum + adds, copy':>34}{'cluster alpha-beta':>20}")
 errors = {}
 for name in MODEL_ALGOS:
     for mb in MODEL_MB:
@@ -793,9 +797,10 @@ plt.show()
 #   tensors are latency-bound (fewer steps win: tree), large ones bandwidth-bound (fewer
 #   bytes per link win: ring).
 # * Ranks sharing a machine's cores are not a cluster: each step costs a measured exchange
-#   $x(m)$, every byte added costs γ, more ranks than cores share the memory (σ), and every call
-#   pays a start $t_0$, again for each new partner. The α-β-γ model adds these up; on a real
-#   network it falls back to α-β.
+#   $x(m)$, every byte added costs γ, more ranks than cores share the memory (σ), and a rank
+#   waits $t_0$ for a partner that arrives on its own time: each new partner when ranks share
+#   cores, each exchange after an add when they do not. The α-β-γ model adds these up; on a
+#   real network it falls back to α-β.
 #
 # ## Self-check
 #
@@ -824,9 +829,11 @@ plt.show()
 # 5. The model gives every pair of ranks its own full-speed link; halving-doubling sends to
 #    distant ranks whose messages share links on a real network, while a ring uses only
 #    neighbour links.
-# 6. σ becomes 1 (no rank waits for another's copies on a shared core); the exchanges $x(m)$,
-#    γ and $t_0$ stay, though smaller: the bytes still cross the kernel's socket buffers, are
-#    still added by the CPU, and a call still starts with processes leaving a barrier.
+# 6. σ becomes 1 (no rank waits for another's copies on a shared core), and a new partner no
+#    longer costs a wait (it is running, not waiting for a core). The exchanges $x(m)$, γ and
+#    the waits $t_0$ after adds stay, though smaller: the bytes still cross the kernel's socket
+#    buffers and are still added by the CPU, and a partner that is adding still arrives when
+#    its add is done.
 # </details>
 
 # %% [markdown]
