@@ -269,6 +269,16 @@ def main(argv=None):
               f"{min(per_round) * 1e3:13.1f}-{max(per_round) * 1e3:.1f}")
     print(f"rank correlation {result['spearman']:.2f}, median |error| {result['median_error']:.0%}, "
           f"planner's pick {result['pick']!r}: {result['pick_over_best']:.2f} x the fastest measured")
+    if raw.get("table_back_to_back"):  # the table the model does not read, for comparison (notebook 11)
+        from course_lib.comm.measured import CollectiveTable
+
+        b2b = CollectiveTable("the same calls back to back", raw["table_back_to_back"])
+        plain = compare(config, dataclasses.replace(cluster, intra=b2b, inter=b2b), runs, BATCH, SEQ, "fp32")
+        for name, r in (("after compute (the model's)", result), ("back to back (info)", plain)):
+            high = sum(row["error"] > 0 for row in r["rows"])
+            print(f"  read with the table {name:<28}: rank correlation {r['spearman']:.2f}, median |error| "
+                  f"{r['median_error']:.0%}, signed median {statistics.median(row['error'] for row in r['rows']):+.0%}, "
+                  f"{high} of {len(r['rows'])} layouts high")
     spread_ = spread(config, detail, runs, args.bootstrap) | {"loads": detail["loads"]}
     print(f"load average {idle['load']:.1f} before, {load_end:.1f} after, on {usable_cores()} cores")
     for what, ratio, target, better, low_high, note in report(result, spread_, idle, load_end):
