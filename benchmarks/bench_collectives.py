@@ -13,7 +13,7 @@ latency-bound, shown as info), and the model's prediction over the measured ring
 largest size as info. The spread recorded beside the ratio is the 90% bootstrap interval of that
 median (rounds.median_interval): a target inside it is "inconclusive". The calls' own quartiles
 are printed too; they say how much one call varies (a 16 MiB call's ratio ranged 0.73-1.14
-between quartiles here), not how well 40 calls pin their median, so they are not the spread.
+between quartiles here), not how well 200 calls pin their median, so they are not the spread.
 
 Then the emulated-rank alpha-beta-gamma model (course_lib.estimate.emulated) on 2 and 4 ranks
 (--model-world-sizes): its constants fitted by micro-benchmarks (course_lib.measure.emulated_fit:
@@ -50,7 +50,7 @@ from course_lib.units import fmt_bytes  # noqa: E402
 
 TARGET = 0.9  # gloo time / course time from 16 MiB up (see the docstring)
 MODEL_TARGET = 0.25  # |emulated model - measured| / measured, every size, rank count and algorithm (issue #47)
-MIN_CALLS = 40  # calls per size at least (see _bench)
+MIN_CALLS = 60  # calls per size at least (see _bench)
 MODEL_ALGORITHMS = ("ring", "tree", "all_to_all")
 PING_PONG_SIZES = [8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
 
@@ -78,7 +78,8 @@ def _bench(sizes_mb, iters):
         x = torch.randn(int(mb * 2**20) // 4)
         times = {name: [] for name in implementations}
         # fewer repeats for the largest sizes, at least MIN_CALLS: the median's interval narrows
-        # as 1/sqrt(calls): 15 calls at 64 MiB left it 0.86-1.06 wide here, 40 calls about 0.87-0.98
+        # as 1/sqrt(calls): 15 calls at 64 MiB left it 0.86-1.06 wide here, 40 about 0.87-0.98, and
+        # 100 calls at 16 MiB left it 0.03-0.08 wide in six runs, its low end below 0.9 in one
         n_iters = max(MIN_CALLS, int(iters * 16 / max(mb, 16)))
         for i in range(n_iters + 1):
             for name, fn in implementations.items():  # alternate: both see the same load
@@ -130,7 +131,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--iters", type=int, default=100, help="calls per size up to 16 MiB (fewer above, >= MIN_CALLS)")
+    parser.add_argument("--iters", type=int, default=200, help="calls per size up to 16 MiB (fewer above, >= MIN_CALLS)")
     parser.add_argument("--model-world-sizes", type=int, nargs="*", default=[2, 4],
                         help="rank counts on which the emulated alpha-beta-gamma model is checked (none: skip)")
     parser.add_argument("--model-rounds", type=int, default=21,

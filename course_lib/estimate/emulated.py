@@ -29,7 +29,8 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
               ranks with a core each: a start per partner priced the 1 MiB all-to-all (one
               exchange, no add) 21-52% high in six runs, and the 16 MiB tree (8 pieces, 7 of
               them after an add) 0-28% low; with a start per exchange after an add, every
-              2-rank case of those six runs was within -31% to +12%.
+              2-rank case of those six runs was within -31% to +12%, and of the next five
+              within -28% to +16%.
 
     x(m)    seconds of one exchange of m bytes (a rank sends m and receives m at once, as every
             step of the course's collectives does), measured with every pair of ranks exchanging
