@@ -117,6 +117,14 @@ def exchange_time(m: float, c: EmulatedConstants) -> float:
     return max(t[i] + (m - s[i]) * slope, 0.0)
 
 
+def _pieces(nbytes: float, world_size: int, piece_bytes: float | None) -> tuple[int, int]:
+    """(pieces of a chunk S/N, pieces of the whole S): how the course cuts messages larger than
+    piece_bytes (1 each when not cut)."""
+    if not piece_bytes:
+        return 1, 1
+    return max(1, math.ceil(nbytes / world_size / piece_bytes)), max(1, math.ceil(nbytes / piece_bytes))
+
+
 def messages(algorithm: str, nbytes: float, world_size: int, piece_bytes: float | None = None) -> list:
     """[(count, bytes)]: the busiest rank's sequential messages (see the module docstring)."""
     n, s = check_int("world_size", world_size), float(nbytes)
@@ -124,8 +132,7 @@ def messages(algorithm: str, nbytes: float, world_size: int, piece_bytes: float 
         return []
     p = 1 << (n.bit_length() - 1)
     chunk = s / n
-    pieces = 1 if not piece_bytes else max(1, math.ceil(chunk / piece_bytes))
-    whole = 1 if not piece_bytes else max(1, math.ceil(s / piece_bytes))  # the tree's S, in pieces
+    pieces, whole = _pieces(s, n, piece_bytes)
     fold = []
     if n != p:  # the folded-in tensor (in pieces, when cut) and the answer sent back (whole)
         fold = [(2, s)] if whole == 1 else [(whole, s / whole), (1, s)]
@@ -173,13 +180,12 @@ def adds_before_exchanges(algorithm: str, nbytes: float, world_size: int, piece_
     gather, + the fold-in's pieces. The parameter server adds N-1 tensors, each followed by a
     receive or its sends; the sharded server adds once, before the pull. All-gather and
     all-to-all add nothing."""
-    n, s = check_int("world_size", world_size), float(nbytes)
+    n = check_int("world_size", world_size)
     if n == 1:
         return 0
     p = 1 << (n.bit_length() - 1)
     rounds = int(math.log2(p))
-    pieces = 1 if not piece_bytes else max(1, math.ceil(s / n / piece_bytes))
-    whole = 1 if not piece_bytes else max(1, math.ceil(s / piece_bytes))
+    pieces, whole = _pieces(float(nbytes), n, piece_bytes)
     fold = whole if n != p else 0  # the folded-in tensor's pieces, each added, then an exchange
     table = {"ring": (n - 1) * pieces, "reduce_scatter": (n - 1) * pieces - 1, "all_gather": 0, "all_to_all": 0,
              "tree": rounds * whole + fold - (1 if n == p else 0), "rabenseifner": rounds + fold,

@@ -48,22 +48,20 @@ def leave_region(y: torch.Tensor, group, sequence_parallel: bool) -> torch.Tenso
 
 
 def _gather_sequence(x: torch.Tensor, group, async_op: bool = False):
-    """The all-gather along the sequence; with async_op, (work, result): read result after
-    work.wait()."""
+    """(work, result) of the all-gather along the sequence; with async_op, read result only
+    after work.wait() (else work is None and result is ready)."""
     n = dist.get_world_size(group)
     moved = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = moved.new_empty((n * moved.shape[0],) + tuple(moved.shape[1:]))
-    work = all_gather_single(out, moved, group=group, async_op=async_op)
-    return (work, out.movedim(0, SEQUENCE_DIM)) if async_op else out.movedim(0, SEQUENCE_DIM)
+    return all_gather_single(out, moved, group=group, async_op=async_op), out.movedim(0, SEQUENCE_DIM)
 
 
 def _scatter_sequence(x: torch.Tensor, group, async_op: bool = False):
-    """The reduce-scatter along the sequence; with async_op, (work, result) as above."""
+    """(work, result) of the reduce-scatter along the sequence, as above."""
     n = dist.get_world_size(group)
     moved = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // n,) + tuple(moved.shape[1:]))
-    work = reduce_scatter_single(out, moved, group=group, async_op=async_op)
-    return (work, out.movedim(0, SEQUENCE_DIM)) if async_op else out.movedim(0, SEQUENCE_DIM)
+    return reduce_scatter_single(out, moved, group=group, async_op=async_op), out.movedim(0, SEQUENCE_DIM)
 
 
 class _GatheredLinear(torch.autograd.Function):
@@ -73,7 +71,8 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx, x_shard, weight, bias, group):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x_shard, weight)
-        return F.linear(_gather_sequence(x_shard, group), weight, bias)
+        _, x_full = _gather_sequence(x_shard, group)
+        return F.linear(x_full, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
