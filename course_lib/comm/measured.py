@@ -153,9 +153,17 @@ def measure_table(sizes, group_sizes, ops=OPS, iters: int = 6, rounds: int = 2, 
 
     between: None, the calls back to back; or a function every rank runs before each call (a
     stretch of compute, as a training step runs between two collectives), whose own seconds,
-    timed alone on the rank just before, are taken off: a call's seconds when it follows compute.
-    On emulated ranks sharing cores that costs more than back to back, where the ranks of a
-    group run in step (calibrate.spacing says how much)."""
+    timed alone on every rank at once just before, are taken off: a call's seconds when it
+    follows compute. On emulated ranks sharing cores that costs more than back to back, where
+    the ranks of a group run in step (calibrate.spacing says how much). What is taken off is
+    the SLOWEST rank's stretch, from the slowest rank's loop: the step-time model prices compute
+    at the slowest rank's pace (calibrate.paced_seconds), so the wait for the slowest rank is
+    already in it. Taking each rank's own stretch off its own loop and keeping the largest
+    difference counted that wait twice: it took off the FASTEST rank's stretch, since every
+    rank's loop ends with the same last call. Measured on 8 ranks and 2 cores: 0.2-0.4 ms
+    stretches, a 2-rank call 0.3-0.8 ms (12-28%) dearer that way; read with those prices the
+    planner's model put 16 of 19 layouts high (signed median +10%), with these 13 (+4%), in
+    the same run of benchmarks/bench_planner.py."""
     import torch
     import torch.distributed as dist
 
@@ -186,13 +194,15 @@ def measure_table(sizes, group_sizes, ops=OPS, iters: int = 6, rounds: int = 2, 
                             between()
                         _call(op, group, peer, shard, recv, full)
                     synchronize(device)
-                    per_call = max((time.perf_counter() - t0) / iters - alone, 0.0)
+                    # the slowest rank's loop less the slowest rank's stretch (see the docstring)
+                    elapsed = torch.tensor([(time.perf_counter() - t0) / iters, alone], dtype=torch.float64,
+                                           device=device)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    per_call = max(float(elapsed[0]) - float(elapsed[1]), 0.0)
                     if op == "send":
                         per_call /= 2  # a round trip is two messages
-                    elapsed = torch.tensor([per_call], dtype=torch.float64, device=device)
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     cell = entries[op][str(g)][1]
-                    cell[i] = min(cell[i], float(elapsed))
+                    cell[i] = min(cell[i], per_call)
     if "send" in entries:  # point to point is measured on pairs only
         entries["send"] = {"2": entries["send"]["2"]} if "2" in entries["send"] else {}
     return entries
