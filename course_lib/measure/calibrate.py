@@ -44,7 +44,10 @@ waits for the others to do so. Measured here in one run of benchmarks/bench_plan
 on 2 cores, both tables in the same rounds): a 2-rank all-reduce of 64 KiB took 1.3 ms a call
 back to back and 2.5 ms after compute (about 1 ms of it); read with the back-to-back table the
 step-time model predicted all 19 layouts low (median error 19%, the tensor-parallel hybrids by
-29-35%), with the table after compute 10 high and 9 low (median 4%).
+29-35%), with the table after compute 10 high and 9 low (median 4%). The stored run
+(course_lib/assets/planner_validation.json, after measure_table took the slowest rank's
+stretch off, not each rank's own): back to back 16 low and 3 high (median 7%, the hybrids
+14-24% low), after compute 11 low and 8 high (median 6%).
 """
 
 from __future__ import annotations
