@@ -100,3 +100,47 @@ def test_indivisible_scatter_is_a_clear_error():
 
     with pytest.raises(RankError, match="size 3 of dim 0 must be divisible by the group size 2"):
         run_on_ranks(_bad_split, world_size=2, timeout_s=60)
+
+
+def _deferred(micro_batches: int):
+    """Two parameters through copy_parameter_to_group and, as the reference, the same two through
+    copy_to_group, over `micro_batches` backward passes accumulating into .grad; rank r weights its
+    loss by r + 1. Integer-valued floats: every sum is exact in any order, so equal means equal."""
+    from course_lib.observe import CommTracer
+
+    r = dist.get_rank()
+    dev = rank_device()
+    made = {}
+    for how in ("deferred", "per call"):
+        a = torch.nn.Parameter(torch.arange(1.0, 5.0, device=dev))
+        b = torch.nn.Parameter(torch.arange(1.0, 3.0, device=dev))
+        calls = []
+        for _ in range(micro_batches):
+            enter = ca.copy_parameter_to_group if how == "deferred" else ca.copy_to_group
+            loss = ((enter(a) * (r + 1)).sum() + (enter(b) * enter(b)).sum() * (r + 1))
+            with CommTracer() as t:
+                loss.backward()
+            calls.append(t.summary().get("all_reduce", {}).get("calls", 0))
+        made[how] = (a.grad.clone(), b.grad.clone(), calls)
+    return made
+
+
+def test_deferred_parameter_gradients_are_summed_once_per_backward():
+    """copy_parameter_to_group is f with its all-reduce made at the end of the backward pass, for
+    every such parameter at once: the gradients equal copy_to_group's (summed over ranks, and
+    accumulated over micro-batches), in one call per pass, not one per use."""
+    for n in (2, 3):
+        for out in run_on_ranks(_deferred, 2, world_size=n, timeout_s=60):
+            deferred, per_call = out["deferred"], out["per call"]
+            assert torch.equal(deferred[0], per_call[0]) and torch.equal(deferred[1], per_call[1])
+            ranks = sum(r + 1 for r in range(n))
+            assert torch.equal(deferred[0].cpu(), 2 * ranks * torch.ones(4))  # 2 micro-batches
+            assert deferred[2] == [1, 1] and per_call[2] == [3, 3]  # b is used twice: two f's
+
+
+def test_deferred_copy_needs_a_parameter():
+    import pytest
+
+    x = torch.ones(3, requires_grad=True) * 2  # not a leaf
+    with pytest.raises(ValueError, match="leaf tensor"):
+        ca.copy_parameter_to_group(x)

@@ -20,7 +20,7 @@ it, so each micro-batch holds micro_batch = B / (dp * ep * m) sequences. One opt
     tp          every layer, every micro-batch: 2 all-reduces forward, 2 backward (Megatron f, g;
                 with sequence parallelism all-gather + reduce-scatter pairs, the same bytes,
                 plus, on a measured table, the re-gathers in backward and the replicated
-                parameters' small all-reduces: course_lib.estimate.traffic's measured_only),
+                parameters' flat all-reduce: course_lib.estimate.traffic's measured_only),
                 plus the vocabulary-parallel embedding, head and loss; on the critical path,
                 never hidden (the next matmul needs the result)
     pp          each micro-batch crosses each stage boundary as an activation and a gradient
@@ -252,8 +252,9 @@ def _step_time(config, dims: ParallelDims, cluster: Cluster, batch_size: int, se
     # layer (the course's torch checkpoint repeats 1: an upper bound there); sequence
     # parallelism prices all-gathers and reduce-scatters in place of the all-reduces and, on a
     # measured table, every call the course's runtime makes: the re-gathers of saved shards in
-    # backward, the small all-reduces of the replicated parameters' gradients (each costs a
-    # call's fixed time, which rules a CPU link; Megatron overlaps or batches them).
+    # backward, the flat all-reduce of the replicated parameters' gradients (one call per
+    # micro-batch's backward, as Megatron batches them; one per parameter cost a call's fixed
+    # time each, which rules a CPU link).
     # pp: an activation forward and a gradient backward per micro-batch and chunk boundary, the
     # tied embedding's gradient between the end stages. ep: 2 all-to-alls forward and 2 backward
     # of top_k copies of each token per MoE layer. dp: the gradients of the parameters this rank

@@ -46,8 +46,9 @@ back to back and 2.5 ms after compute (about 1 ms of it); read with the back-to-
 step-time model predicted all 19 layouts low (median error 19%, the tensor-parallel hybrids by
 29-35%), with the table after compute 10 high and 9 low (median 4%). The stored run
 (course_lib/assets/planner_validation.json, after measure_table took the slowest rank's
-stretch off, not each rank's own): back to back 16 low and 3 high (median 7%, the hybrids
-14-24% low), after compute 11 low and 8 high (median 6%).
+stretch off, not each rank's own, and sequence parallelism summed its replicated gradients in
+one call): back to back 15 low and 4 high (median 11%, the hybrids 16-27% low), after compute
+9 low and 10 high (median 5%).
 """
 
 from __future__ import annotations

@@ -477,8 +477,11 @@ assert totals[True, "backward"][1] > totals[False, "backward"][1]  # the re-gath
 # forward pass grows with sequence parallelism, by the all-gathers' shards, but the bytes on the
 # wire are exactly those of plain TP. The backward does send more on the wire with SP: one more
 # all-gather per column-parallel layer (the re-gather of the saved sequence shard, section 7,
-# which Megatron-LM launches asynchronously and overlaps with the input-gradient matmul) and small all-reduces for the
-# LayerNorm weights, which each rank now applies to only its part of the sequence.
+# which Megatron-LM launches asynchronously and overlaps with the input-gradient matmul) and one
+# small all-reduce for the gradients of the LayerNorm weights and the other whole parameters,
+# which each rank now applies to only its part of the sequence. One for all of them, flat, at
+# the end of backward: every call costs a fixed start-up time, and there are dozens of such
+# parameters.
 #
 # The same comparison at GPT-3's size, from the formulas, on the wire:
 

@@ -38,10 +38,10 @@ and one tp rank (the course's runtime, counted by course_lib.observe.CommTracer)
     norm one all-reduce of the squared global norm (8 bytes) over the world
 
 `calls` is what the tracer counts on rank 0 in one step (the first stage). Sequence parallelism's
-re-gathers in backward and its small all-reduces of the replicated parameters' gradients are
-`measured_only`: Megatron overlaps the re-gathers with the weight-gradient matmul and reduces
-those gradients once per step, so a published cluster leaves them out; a measured table (the
-course's runtime, which makes each call) prices them. `priced` departs from
+re-gathers in backward and its flat all-reduce of the replicated parameters' gradients (one per
+micro-batch's backward) are `measured_only`: Megatron overlaps the re-gathers with the
+weight-gradient matmul and reduces those gradients once per step, so a published cluster leaves
+them out; a measured table (the course's runtime, which makes each call) prices them. `priced` departs from
 `calls` only where the step-time model says so, each with its reason in the record (`why`):
 it prices the busiest rank, l0 blocks and both ends (embedding, head and loss) on one rank
 (tp_traffic's rank=r counts pipeline rank r's calls as the runtime makes them instead: what

@@ -62,13 +62,14 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
             rec("f before qkv, fc and the head; g after the embedding", "all_reduce", M,
                 lambda l, a, z: 2 * l + a + z),
             loss]
-    # backward all-reduces of replicated gradients that saw one shard: per block 2 norms (+ their
+    # the gradients of replicated parameters that saw one shard, summed in one flat all-reduce
+    # per backward pass (comm.autograd.copy_parameter_to_group): per block 2 norms (+ their
     # biases and the 2 row-parallel biases), the final norm, the position table (a GPT's)
     d_e = base.d_model * act_bytes
     pos = param_breakdown(base)["position"] * act_bytes
-    small0 = l0 * (2 + 4 * b) + (1 + b) * (dims.pp == 1) + (pos > 0)
+    flat0 = (l0 * (2 + 4 * b) + (1 + b) * (dims.pp == 1)) * d_e + pos
     if rank is not None:  # the final norm on the last stage, the position table on the first
-        small0 = own[0] * (2 + 4 * b) + (1 + b) * own[2] + (pos > 0) * own[1]
+        flat0 = (own[0] * (2 + 4 * b) + (1 + b) * own[2]) * d_e + pos * own[1]
     small_bytes = (L * (2 + 4 * b) + 1 + b) * d_e + pos
     return copies + [
         rec("all-gathers into qkv, fc and the head, and of the embedding's output gradient", "all_gather", M,
@@ -82,6 +83,6 @@ def tp_traffic(config, dims, batch_size: int, seq: int | None = None, act_bytes:
         rec("reduce-scatter out of the embedding", "reduce_scatter", M, lambda l, a, z: a),
         rec("reduce-scatters of the input gradients of qkv, fc and the head", "reduce_scatter", Mb,
             lambda l, a, z: 2 * l + z),
-        Collective("tp", "gradients of the replicated norms, row-parallel biases and the position table",
-                   "all_reduce", d_e, n, m * small0, R * n * m * small_bytes, measured_only=True),
+        Collective("tp", "gradients of the replicated norms, row-parallel biases and the position table, in one "
+                   "flat call", "all_reduce", flat0, n, m * (flat0 > 0), R * n * m * small_bytes, measured_only=True),
         loss]

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.comm.autograd import copy_to_group
+from course_lib.comm.autograd import copy_parameter_to_group
 from course_lib.parallel.tp.functions import SEQUENCE_DIM
 from course_lib.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -213,7 +213,7 @@ class AsyncRowParallelLinear(RowParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = matmul_reduce_scatter(x, self.weight, self.group)
-        return y if self.bias is None else y + copy_to_group(self.bias, self.group)
+        return y if self.bias is None else y + copy_parameter_to_group(self.bias, self.group)
 
 
 ASYNC = {ColumnParallelLinear: AsyncColumnParallelLinear, RowParallelLinear: AsyncRowParallelLinear}

@@ -8,8 +8,9 @@ activation of the residual stream, all tokens). Per transformer layer:
     with SP      forward: 2 all-gathers (M/N in, M out) + 2 reduce-scatters (M in, M/N out)
                  backward: 2 reduce-scatters (input gradients of qkv and fc), 2 all-gathers
                  (gradients of the reduce-scatters) + 2 all-gathers that re-gather the saved
-                 sequence shards (Megatron's memory trick), and one small all-reduce per
-                 replicated parameter that saw only a shard (LayerNorms, row-parallel biases)
+                 sequence shards (Megatron's memory trick); the gradients of the replicated
+                 parameters that saw only a shard (LayerNorms, row-parallel biases, the position
+                 table) are summed once per backward pass, all in one flat all-reduce
 
 A ring all-reduce puts 2(N-1)/N * M on each rank's link, a ring all-gather or reduce-scatter
 (N-1)/N * M: sequence parallelism's pair costs exactly one all-reduce.
@@ -66,8 +67,8 @@ def step_communication(config, batch: int, seq: int, tp: int, sequence_parallel:
     _add(bwd, AG, 2 * L + 1, m // tp, m)  # gradient of every forward reduce-scatter
     _add(bwd, RS, 2 * L + 1, m, m // tp)  # input gradient of qkv, fc, head
     d, b = config.d_model * dtype_bytes, int(config.bias)
-    _add(bwd, "all_reduce", L * (2 + 2 * b) + 1 + b, d, d)  # LayerNorm gains/biases: ln1, ln2, ln_f
-    if b:
-        _add(bwd, "all_reduce", 2 * L, d, d)  # row-parallel biases (attn.proj, mlp.proj)
-    _add(bwd, "all_reduce", 1, config.block_size * d, config.block_size * d)  # position table
+    # one flat all-reduce (copy_parameter_to_group): the LayerNorm gains/biases of ln1, ln2 and
+    # ln_f, the row-parallel biases of attn.proj and mlp.proj, the position table
+    replicated = (L * (2 + 2 * b) + 1 + b + 2 * L * b) * d + config.block_size * d
+    _add(bwd, "all_reduce", 1, replicated, replicated)
     return {"forward": fwd, "backward": bwd}

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.comm.autograd import copy_to_group, reduce_from_group
+from course_lib.comm.autograd import copy_parameter_to_group, copy_to_group, reduce_from_group
 from course_lib.dims import check_sequence_parallel
 from course_lib.parallel.placement import Placement
 from course_lib.parallel.tp.functions import SEQUENCE_DIM, enter_region, gathered_linear, leave_region
@@ -180,7 +180,7 @@ class RowParallelLinear(nn.Module):
         y = leave_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
         if self.bias is None:
             return y
-        return y + (copy_to_group(self.bias, self.group) if self.sequence_parallel else self.bias)
+        return y + (copy_parameter_to_group(self.bias, self.group) if self.sequence_parallel else self.bias)
 
     def placements(self) -> dict[str, Placement]:
         """The weight's input columns (dim 1) over tp; the bias whole on every tp rank."""
@@ -234,7 +234,8 @@ class VocabParallelEmbedding(nn.Module):
 class SequenceParallelLayerNorm(nn.LayerNorm):
     """LayerNorm on this rank's sequence shard. Its weight and bias are whole on every rank but
     each rank's copy only sees 1/tp of the tokens, so they go through f: the gradient is the
-    sum over ranks, the single-process gradient."""
+    sum over ranks, the single-process gradient (copy_parameter_to_group: summed at the end of
+    backward, in one all-reduce with every other such parameter's)."""
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm, group=None):
@@ -244,8 +245,9 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = copy_to_group(self.bias, self.group) if self.bias is not None else None
-        return F.layer_norm(x, self.normalized_shape, copy_to_group(self.weight, self.group), bias, self.eps)
+        bias = copy_parameter_to_group(self.bias, self.group) if self.bias is not None else None
+        weight = copy_parameter_to_group(self.weight, self.group)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 class SequenceParallelPositions(nn.Embedding):
@@ -262,4 +264,4 @@ class SequenceParallelPositions(nn.Embedding):
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         mine = pos.chunk(self.tp)[self.rank]  # integer ids: a local slice, nothing to send
-        return F.embedding(mine, copy_to_group(self.weight, self.group))
+        return F.embedding(mine, copy_parameter_to_group(self.weight, self.group))
