@@ -105,7 +105,7 @@ def _emulated(world_size, sizes_mb, rounds):
 def _print_emulated(fitted) -> float:
     """Print the emulated model against the measured collectives; return the largest |error|."""
     print(f"\nemulated alpha-beta-gamma model (course_lib.estimate.emulated) on {usable_cores()} cores: "
-          "T = s t0 (a wait per partner met where ranks share cores, per exchange after an add where each has one) + sum of x(m) over the busiest rank's messages + r S gamma sigma + k (the all-to-all's own part "
+          "T = s t0 (a wait per partner met where ranks share cores, per exchange after an add where each has one) + sum of x(m) over the busiest rank's messages (x+(m) after an add where ranks share cores) + r S gamma sigma + k (the all-to-all's own part "
           "copied); constants fitted in the same run")
     print(f"{'ranks':>5} {'algorithm':>11} {'size':>8} {'measured':>11} {'model':>11} {'error':>6}   "
           f"{'s t0':>8} {'x(m) sum':>9} {'adds':>8} {'sharing':>8} {'copy k':>8}")
@@ -120,6 +120,8 @@ def _print_emulated(fitted) -> float:
                 print(f"{n:>5} {name:>11} {mb:>4g} MiB {t * 1e3:>8.2f} ms {pred * 1e3:>8.2f} ms "
                       f"{(pred - t) / t * 100:>+5.0f}%   " + " ".join(f"{v * 1e3:>5.2f} ms" for v in parts.values()))
         line = ", ".join(f"{fmt_bytes(s)} {t * 1e3:.2f} ms" for s, t in zip(c.sizes, c.seconds))
+        if c.after_add:
+            line += "; after an add x+(m): " + ", ".join(f"{t * 1e3:.2f} ms" for t in c.after_add)
         print(f"  {n} ranks: t0 = {c.start * 1e3:.2f} ms; exchange x(m): {line}; gamma = 1/{1 / c.gamma / 1e9:.2f} GB/s; "
               f"copy per rank {c.copy_cores / 1e9:.2f} GB/s ({c.cores} copying) vs {c.copy_all / 1e9:.2f} GB/s "
               f"(all {n}): sigma = {emulated.sharing(n, c):.2f}")

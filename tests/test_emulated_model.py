@@ -175,6 +175,7 @@ def test_interleaved_returns_every_measurement():
     raw = run_on_ranks(emulated_fit.interleaved, 2, [0.0625, 1], ("ring", "tree", "all_to_all"), 2, sizes, 0.01,
                        world_size=2, timeout_s=120, check_collectives=False)
     assert len(raw[0]["exchange"]) == len(sizes) and raw[1]["exchange"] is None
+    assert raw[0]["exchange_after_add"] is None  # 2 ranks on 2 cores: no one is descheduled by an add
     for r in raw:
         assert r["start"] > 0
         assert {name: sorted(by) for name, by in r["measured"].items()} == {
@@ -262,3 +263,34 @@ def test_the_all_to_all_copies_its_own_part_at_the_shared_copy_rate():
         for algorithm in ("ring", "tree", "reduce_scatter", "all_gather"):
             assert emulated.terms(algorithm, 64 * MiB, n, c)["copy"] == 0.0
     assert emulated.predict("all_to_all", 64 * MiB, 1, c) == 0.0  # one rank: no collective
+
+
+def test_exchanges_after_an_add_are_priced_by_their_own_table_where_ranks_share_cores():
+    """x+(m): where ranks outnumber cores, the busiest rank's exchanges that follow an add
+    (adds_before_exchanges) are priced by the after-add table, the rest back to back. The ring
+    on 4 ranks: 3 of its 6 exchanges follow an add; the all-to-all's none. With a core per rank
+    the table is not read (the start t0 prices that wait instead). Tables of powers of two: the
+    mixes below are exact."""
+    c = convex(cores=2)
+    slower = EmulatedConstants(c.sizes, c.seconds, c.gamma, c.cores, c.copy_cores, c.copy_all,
+                               after_add=tuple(2 * t for t in c.seconds))
+    x = emulated.exchange_time(MiB / 4, c)
+    assert emulated.exchange_time(MiB / 4, slower, after_add=True) == 2 * x
+    assert emulated.terms("ring", MiB, 4, slower)["messages"] == 3 * x + 3 * 2 * x
+    assert emulated.terms("all_to_all", MiB, 4, slower)["messages"] == emulated.terms("all_to_all", MiB, 4, c)["messages"]
+    assert emulated.terms("tree", 8 * MiB, 4, slower)["messages"] == pytest.approx(  # 1 of 2 rounds after an add
+        emulated.exchange_time(8 * MiB, c) * 3, rel=1e-12)  # (1/2 x + 1/2 x+) per message, 2 messages; rounding
+    own_core = EmulatedConstants(c.sizes, c.seconds, c.gamma, 8, c.copy_cores, c.copy_all, after_add=slower.after_add)
+    assert emulated.terms("ring", MiB, 4, own_core)["messages"] == 6 * x
+    with pytest.raises(ValueError, match="after_add"):
+        EmulatedConstants(c.sizes, c.seconds, c.gamma, 2, after_add=(1.0,))
+
+
+def test_fit_reads_the_after_add_table_when_measured():
+    table = [ALPHA + s / BETA for s in emulated_fit.EXCHANGE_SIZES]
+    adds = [1e-6 + s * 1e-10 for s in emulated_fit.ADD_SIZES]
+    rank0 = {"exchange": table, "exchange_after_add": [2 * t for t in table], "add": adds, "copy_cores": 1e9,
+             "copy_all": 1e9}
+    others = {"exchange": None, "exchange_after_add": None, "add": None, "copy_cores": None, "copy_all": 1e9}
+    assert emulated_fit.fit_constants([rank0, others, others], cores=2).after_add == tuple(2 * t for t in table)
+    assert emulated_fit.fit_constants([rank0 | {"exchange_after_add": None}, others], cores=2).after_add == ()

@@ -3,15 +3,14 @@
 Formulas only: the constants come from micro-benchmarks (course_lib.measure.emulated_fit) and
 the result is seconds. A collective of S bytes per rank on N ranks running on C cores takes
 
-    T = s t0  +  sum over the busiest rank's messages m of x(m)  +  r S gamma sigma  +  k
+    T = s t0  +  sum over the busiest rank's messages m of x(m) or x+(m)  +  r S gamma sigma  +  k
 
     t0      a start: one step of a 4-byte ring timed as a collective is (from a barrier to the
             slowest rank's end), what a rank pays when its partner reaches a step on its own
             time, not in step with it. 0 in costmodel.
     s       starts(): how many such waits the busiest rank meets one after another. It depends on
             whether the ranks share cores:
-            * more ranks than cores (x(m) is then measured after adds, and that wait is in it):
-              the partners met one after another, each reaching its step on its own time, from
+            * more ranks than cores (the wait after an add is in x+(m)): the partners met one after another, each reaching its step on its own time, from
               wherever its previous step left it, and descheduled meanwhile: 1 for the ring,
               whose two neighbours stay the same all through; N-1 for the all-to-all, a new
               partner each step; log2 p for recursive doubling and 2 log2 p - 1 for Rabenseifner
@@ -34,16 +33,27 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
 
     x(m)    seconds of one exchange of m bytes (a rank sends m and receives m at once, as every
             step of the course's collectives does), measured with every pair of ranks exchanging
-            at the same time, as in a collective, and when ranks outnumber cores each exchange
-            after the add of what the one before brought (a rank that computed waits to be
-            scheduled again, and its partners with it; course_lib.measure.emulated_fit.
-            after_compute): between two measured sizes it is the alpha-beta
-            line through them, x(m) = alpha_i + m / beta_i, beyond either end the end line. On a
-            network one line would do (Hockney 1994); between processes a message is memory
-            copies through the kernel's socket buffers, a message far larger than those buffers
-            crosses in many refills, each waiting for a process to be scheduled, and with more
-            ranks than cores the copies of all ranks take turns on the same cores: beta changes
-            with m and with N. Hence a measured table of lines, not one line.
+            at the same time, as in a collective, back to back: between two measured sizes it is
+            the alpha-beta line through them, x(m) = alpha_i + m / beta_i, beyond either end the
+            end line. On a network one line would do (Hockney 1994); between processes a message
+            is memory copies through the kernel's socket buffers, a message far larger than
+            those buffers crosses in many refills, each waiting for a process to be scheduled,
+            and with more ranks than cores the copies of all ranks take turns on the same cores:
+            beta changes with m and with N. Hence a measured table of lines, not one line.
+    x+(m)   when ranks outnumber cores, an exchange that follows an add (adds_before_exchanges()
+            of them on the busiest rank) is priced by its own table, measured with each exchange
+            after the add of what the one before brought (course_lib.measure.emulated_fit): a
+            rank that computed gives up its core and must be scheduled again before its next
+            message moves, and its partners wait for that. The other exchanges (the
+            all-gather's, the all-to-all's, the first) run back to back: x(m). The after-add
+            exchanges are spread over the busiest rank's messages in proportion to their counts
+            (exact where its messages are of one size: the ring, recursive doubling on a power
+            of two). Measured here (benchmarks/bench_collectives.py, 4 ranks on 2 cores, six
+            runs): at 256 KiB x+ was 0.67-0.89 ms against x 0.52-0.64 ms; pricing every exchange
+            by x+ put the 4-rank all-to-all 8-39% high (largest errors 20-39%), the split above
+            within -23% to +24% (largest errors 19-24%; 25-26% in the next three runs, the 1 MiB
+            trees 16-26% low). With a core per rank nobody is descheduled:
+            the exchanges after an add pay a start t0 instead (s above).
     messages  the busiest rank's sequential messages (messages()): the ring 2(N-1) steps of one
             chunk S/N, cut into pieces of at most piece_bytes (the course's ring sends 2 MiB
             pieces); recursive doubling log2 p messages of S (in pieces too: p2p.PIECE_BYTES);
@@ -82,9 +92,11 @@ from course_lib._validate import check_int
 
 @dataclass(frozen=True)
 class EmulatedConstants:
-    """sizes/seconds: measured exchanges (bytes ascending, seconds per exchange); gamma: seconds
-    per byte added; cores: the cores the ranks share; copy_cores / copy_all: one rank's copy
-    bytes/s with `cores` ranks copying at once / with every rank copying at once; start: t0."""
+    """sizes/seconds: measured exchanges back to back (bytes ascending, seconds per exchange);
+    after_add: seconds per exchange after an add at the same sizes, x+(m) (empty: not measured,
+    as where ranks have a core each; the model then reads `seconds`); gamma: seconds per byte
+    added; cores: the cores the ranks share; copy_cores / copy_all: one rank's copy bytes/s with
+    `cores` ranks copying at once / with every rank copying at once; start: t0."""
 
     sizes: tuple
     seconds: tuple
@@ -93,6 +105,7 @@ class EmulatedConstants:
     copy_cores: float = 1.0
     copy_all: float = 1.0
     start: float = 0.0
+    after_add: tuple = ()
 
     def __post_init__(self):
         if len(self.sizes) < 2 or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
@@ -101,15 +114,18 @@ class EmulatedConstants:
         if (any(t <= 0 for t in self.seconds) or self.gamma < 0 or self.start < 0 or self.copy_cores <= 0
                 or self.copy_all <= 0):
             raise ValueError(f"need seconds, copy rates > 0 and gamma, start >= 0, got {self}")
+        if self.after_add and (len(self.after_add) != len(self.sizes) or any(t <= 0 for t in self.after_add)):
+            raise ValueError(f"after_add needs one time > 0 per size ({len(self.sizes)}) or none; got {self.after_add}")
         check_int("cores", self.cores)
 
 
-def exchange_time(m: float, c: EmulatedConstants) -> float:
-    """x(m): seconds of one exchange of m bytes (the alpha-beta line through the two measured
-    sizes around m; beyond either end, the end line). 0 for an empty message."""
+def exchange_time(m: float, c: EmulatedConstants, after_add: bool = False) -> float:
+    """x(m), or x+(m) with after_add where it was measured: seconds of one exchange of m bytes
+    (the alpha-beta line through the two measured sizes around m; beyond either end, the end
+    line). 0 for an empty message."""
     if m <= 0:
         return 0.0
-    s, t = c.sizes, c.seconds
+    s, t = c.sizes, (c.after_add if after_add and c.after_add else c.seconds)
     i = 0
     while i < len(s) - 2 and m > s[i + 1]:
         i += 1
@@ -219,9 +235,14 @@ def sharing(world_size: int, c: EmulatedConstants) -> float:
 
 def terms(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,
           piece_bytes: float | None = None) -> dict:
-    """The model's parts in seconds: {"start": s t0, "messages": sum of x(m), "gamma": r S gamma,
-    "sharing": what sigma adds to the adds, "copy": k}; predict() is their sum."""
-    sent = sum(k * exchange_time(m, c) for k, m in messages(algorithm, nbytes, world_size, piece_bytes))
+    """The model's parts in seconds: {"start": s t0, "messages": sum of x(m) and x+(m), "gamma":
+    r S gamma, "sharing": what sigma adds to the adds, "copy": k}; predict() is their sum."""
+    sequence = messages(algorithm, nbytes, world_size, piece_bytes)
+    after = 0.0  # the share of the messages that follow an add, priced by x+ where ranks share cores
+    if sequence and world_size > c.cores and c.after_add:
+        after = min(1.0, adds_before_exchanges(algorithm, nbytes, world_size, piece_bytes) / sum(k for k, _ in sequence))
+    sent = sum(k * ((1 - after) * exchange_time(m, c) + after * exchange_time(m, c, after_add=True))
+               for k, m in sequence)
     added = reduction_terms(algorithm, world_size) * nbytes * c.gamma
     own = nbytes / world_size if algorithm == "all_to_all" and world_size > 1 else 0.0
     return {"start": starts(algorithm, world_size, nbytes, piece_bytes, c.cores) * c.start, "messages": sent, "gamma": added,

@@ -11,11 +11,11 @@ The micro-benchmarks:
 
     x(m)    every rank sends m bytes to its right neighbour while receiving m from its left
             (comm.p2p.exchange, the call every step of the course's collectives makes), several
-            such steps in a row, every rank at once (when ranks outnumber cores, each step after
-            an add of what the last one brought, as in a collective, its time taken off:
-            after_compute): a ping-pong in both directions around a
+            such steps in a row, every rank at once, back to back, and when ranks outnumber cores
+            also x+(m), each step after an add of what the last one brought, as in a collective,
+            its time taken off (after_compute): a ping-pong in both directions around a
             ring, at sizes from 64 KiB to 64 MiB (a 1-64 MiB collective's messages: 2 MiB ring
-            pieces, whole tensors for recursive doubling). Not costmodel.ping_pong: one pair, one
+            pieces, whole tensors for recursive doubling, the all-to-all's S/N). Not costmodel.ping_pong: one pair, one
             direction at a time, the fastest round trip kept, is the link of a cluster, not a step
             of a collective among processes that wait on each other (that alpha-beta fit predicted
             10-24% of the ring's time here). exchange_seconds is the pairwise variant (r, r ^ 1).
@@ -58,8 +58,8 @@ def _pass(buffers, right, left, after_add: bool = False) -> list:
     together. after_add: each received message is added into the third buffer before the next
     exchange, as the ring's reduce-scatter and the tree add each piece they receive, and those
     adds, timed alone just before, are taken off (gamma prices them): an exchange that follows
-    compute, as a collective's do. Else back to back (after_compute says which one the model
-    reads)."""
+    compute, as a collective's do. Else back to back (after_compute says when both are
+    measured)."""
     sync_out, sync_in = torch.zeros(1), torch.zeros(1)
     out = []
     for buf_out, buf_in, acc in buffers:
@@ -111,14 +111,16 @@ def add_seconds(nbytes: int, seconds: float = 0.2) -> float:
 
 def probe(cores: int, sizes=EXCHANGE_SIZES, add_sizes=ADD_SIZES, copy_bytes: int = COPY_BYTES,
           seconds: float = 0.2) -> dict:
-    """Rank code, on every rank of a world of >= 2: {"exchange" (seconds per size, rank 0), "add"
+    """Rank code, on every rank of a world of >= 2: {"exchange" (seconds per size back to back,
+    rank 0), "exchange_after_add" (after an add, where ranks outnumber cores; else None), "add"
     (seconds per add size, rank 0 alone), "copy_cores" (this rank's copy bytes/s while the first
     `cores` ranks copy at once; None on the others), "copy_all" (while every rank copies)}."""
     if dist.get_world_size() < 2:
         raise ValueError("probe needs at least 2 ranks (the exchange is between ranks r and r ^ 1)")
     dist.barrier()
-    x = exchange_seconds(sizes, after_add=after_compute(dist.get_world_size(), cores))  # every pair at once
-    return probe_rates(cores, add_sizes, copy_bytes, seconds) | {"exchange": x}
+    x = exchange_seconds(sizes)  # every pair at once
+    after = exchange_seconds(sizes, after_add=True) if after_compute(dist.get_world_size(), cores) else None
+    return probe_rates(cores, add_sizes, copy_bytes, seconds) | {"exchange": x, "exchange_after_add": after}
 
 
 def probe_rates(cores: int, add_sizes=ADD_SIZES, copy_bytes: int = COPY_BYTES, seconds: float = 0.2) -> dict:
@@ -142,25 +144,26 @@ def fit_gamma(sizes_bytes, seconds) -> float:
 
 def fit_constants(raw: list, cores: int, sizes=EXCHANGE_SIZES, add_sizes=ADD_SIZES) -> EmulatedConstants:
     """EmulatedConstants from every rank's probe() (raw[r] is rank r's dict): the exchanges as
-    measured, gamma fitted, and the mean copy rate per rank of the `cores` ranks and of all."""
+    measured (back to back, and after an add where measured), gamma fitted, and the mean copy
+    rate per rank of the `cores` ranks and of all."""
     copy_cores = [r["copy_cores"] for r in raw if r["copy_cores"] is not None]
     copy_all = [r["copy_all"] for r in raw]
     return EmulatedConstants(sizes=tuple(sizes), seconds=tuple(raw[0]["exchange"]),
                              gamma=fit_gamma(add_sizes, raw[0]["add"]), cores=cores,
                              copy_cores=statistics.fmean(copy_cores), copy_all=statistics.fmean(copy_all),
-                             start=raw[0].get("start", 0.0))
+                             start=raw[0].get("start", 0.0), after_add=tuple(raw[0].get("exchange_after_add") or ()))
 
 
 def after_compute(world_size: int, cores: int) -> bool:
-    """Whether x(m) is measured after an add (_pass's after_add): when ranks outnumber cores. A
-    rank that computes between two exchanges, as a collective's ranks add what they received,
-    gives up its core's turn and must be scheduled again before its next message moves, and its
-    partners wait for that; back to back, the ranks run in step and skip it. Measured here with
-    both passes in one run of the benchmark's model check (benchmarks/bench_collectives.py): on
-    4 ranks and 2 cores, 0.73 ms back to back against 0.94 ms after adds at 256 KiB, and the
-    back-to-back x predicted all nine collectives low (by 1-25%), the x after adds within -15%
-    to +5%. On 2 ranks, each with its core, no rank waits to be scheduled: in two runs x after
-    adds priced the 1 MiB collectives 20-47% high, where back to back they were within 25%."""
+    """Whether x+(m), the exchange after an add (_pass's after_add), is measured too: when ranks
+    outnumber cores. A rank that computes between two exchanges, as a collective's ranks add
+    what they received, gives up its core's turn and must be scheduled again before its next
+    message moves, and its partners wait for that; back to back, the ranks run in step and skip
+    it. Measured here (benchmarks/bench_collectives.py): on 4 ranks and 2 cores, 0.73 ms back
+    to back against 0.94 ms after adds at 256 KiB; the back-to-back x alone predicted all nine
+    collectives low (by 1-25%). On 2 ranks, each with its core, no rank waits to be scheduled:
+    in two runs x after adds priced the 1 MiB collectives 20-47% high, where back to back they
+    were within 25%."""
     return world_size > cores
 
 
@@ -196,7 +199,8 @@ def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"),
     buffers, right, left = _buffers(sizes), (rank + 1) % n, (rank - 1) % n
     tensors = {mb: torch.randn(int(mb * 2**20) // 4) for mb in sizes_mb}
     calls = {(name, mb): _collective(name, x) for mb, x in tensors.items() for name in algorithms}
-    passes, times, starts = [], {key: [] for key in calls}, []
+    passes, after_passes, times, starts = [], [], {key: [] for key in calls}, []
+    measure_after = after_compute(n, cores)
     elapsed = torch.zeros(1, dtype=torch.float64)
     tiny_out, tiny_in = torch.zeros(1), torch.zeros(1)
 
@@ -210,7 +214,8 @@ def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"),
 
     for round_ in range(rounds + 1):  # round 0 is a warm-up
         dist.barrier()
-        one = _pass(buffers, right, left, after_compute(n, cores))
+        one = _pass(buffers, right, left)
+        after = _pass(buffers, right, left, after_add=True) if measure_after else None
         # t0: one step of a 4-byte ring, timed as the collectives below are (as often as a 1 MiB call)
         start = [timed(lambda: exchange(tiny_out, right, tiny_in, left)) for _ in range(repeats(1))]
         for (name, mb), fn in calls.items():
@@ -222,9 +227,12 @@ def interleaved(cores: int, sizes_mb, algorithms=("ring", "tree", "all_to_all"),
                     times[name, mb].append(t)
         if round_ > 0:
             passes.append(one)
+            after_passes.append(after)
             starts += start
     out = probe_rates(cores, seconds=seconds)
     out["exchange"] = [statistics.median(p[i] for p in passes) for i in range(len(sizes))] if rank == 0 else None
+    out["exchange_after_add"] = ([statistics.median(p[i] for p in after_passes) for i in range(len(sizes))]
+                                 if rank == 0 and measure_after else None)
     out["start"] = statistics.median(starts)
     out["measured"] = {name: {mb: statistics.median(times[(name, mb)]) for mb in sizes_mb} for name in algorithms}
     return out

@@ -589,14 +589,16 @@ assert total["ring"] == total["ps"] == 2 * (4 - 1) and total["tree"] == 4 * 2
 # (`course_lib.estimate.emulated`; the γ term is the one of Thakur, Rabenseifner & Gropp 2005 and
 # Chan et al. 2007):
 #
-# $$T = s\,t_0 + \sum_{m\ \in\ \text{busiest rank's messages}} x(m) + r\,S\,\gamma\,\sigma + k$$
+# $$T = s\,t_0 + \sum_{m\ \in\ \text{busiest rank's messages}} x(m)\ \text{or}\ x^+(m) + r\,S\,\gamma\,\sigma + k$$
 #
 # * **x(m)**, one step as a collective takes it: every rank sends $m$ bytes to its right
 #   neighbour while receiving $m$ from its left, all ranks at once, measured at sizes from
-#   64 KiB to 64 MiB and interpolated between them. With more ranks than cores, each step
-#   follows an add of what the step before brought, as in a collective, and the add's own time
-#   is taken off: a rank that computed must get a core again before its next message moves,
-#   and its partners wait for it (back to back, the ranks run in step and skip that wait).
+#   64 KiB to 64 MiB and interpolated between them, back to back. With more ranks than cores
+#   a second table, **x⁺(m)**, prices the steps that follow an add (the ring's reduce-scatter
+#   steps, recursive doubling's rounds; not the all-gather's or the all-to-all's): each step
+#   measured after an add of what the step before brought, the add's own time taken off. A
+#   rank that computed must get a core again before its next message moves, and its partners
+#   wait for it; back to back, the ranks run in step and skip that wait.
 #   Not a ping-pong of one awake pair, and not
 #   one line: a message far larger than the kernel's socket buffers crosses in many refills,
 #   each waiting for a process to get a core, so the cost per byte changes with $m$ and with
@@ -674,8 +676,8 @@ print(f"(error = (model - measured) / measured) alpha-beta-gamma is the closer m
 #
 # **What changes on a real network.** Each GPU has its own links, so $x(m)$ is one line, the
 # link's $\alpha + m/\beta$; the addition runs on the GPU, overlapped with the next transfer, so
-# γ all but disappears; nothing is shared, so σ = 1; and a call starts with a kernel launch, not
-# a process wake-up. The α-β-γ model collapses into the α-β model of the table above, which is
+# γ all but disappears; nothing is shared, so σ = 1 and $x^+ = x$ (no rank waits for a core);
+# and a call starts with a kernel launch, not a process wake-up. The α-β-γ model collapses into the α-β model of the table above, which is
 # why the next section predicts a cluster with α-β alone.
 #
 # **Which model serves what in this course.** The α-β model predicts a cluster from its links'
@@ -797,9 +799,10 @@ plt.show()
 #   tensors are latency-bound (fewer steps win: tree), large ones bandwidth-bound (fewer
 #   bytes per link win: ring).
 # * Ranks sharing a machine's cores are not a cluster: each step costs a measured exchange
-#   $x(m)$, every byte added costs γ, more ranks than cores share the memory (σ), and a rank
-#   waits $t_0$ for a partner that arrives on its own time: each new partner when ranks share
-#   cores, each exchange after an add when they do not. The α-β-γ model adds these up; on a
+#   $x(m)$ (dearer after an add, $x^+(m)$, when ranks share cores), every byte added costs γ,
+#   more ranks than cores share the memory (σ), and a rank waits $t_0$ for a partner that
+#   arrives on its own time: each new partner when ranks share cores, each exchange after an
+#   add when they do not. The α-β-γ model adds these up; on a
 #   real network it falls back to α-β.
 #
 # ## Self-check
