@@ -10,8 +10,9 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
             time, not in step with it. 0 in costmodel.
     s       starts(): how many such waits the busiest rank meets one after another. It depends on
             whether the ranks share cores:
-            * more ranks than cores (the wait after an add is in x+(m)): the partners met one after another, each reaching its step on its own time, from
-              wherever its previous step left it, and descheduled meanwhile: 1 for the ring,
+            * more ranks than cores (the wait after an add is in x+(m)): the partners met one
+              after another, each reaching its step on its own time, from wherever its previous
+              step left it, and descheduled meanwhile: 1 for the ring,
               whose two neighbours stay the same all through; N-1 for the all-to-all, a new
               partner each step; log2 p for recursive doubling and 2 log2 p - 1 for Rabenseifner
               (its gather meets the scatter's last partner again first), +2 when N != p (the
@@ -52,8 +53,8 @@ the result is seconds. A collective of S bytes per rank on N ranks running on C 
             runs): at 256 KiB x+ was 0.67-0.89 ms against x 0.52-0.64 ms; pricing every exchange
             by x+ put the 4-rank all-to-all 8-39% high (largest errors 20-39%), the split above
             within -23% to +24% (largest errors 19-24%; 25-26% in the next three runs, the 1 MiB
-            trees 16-26% low). With a core per rank nobody is descheduled:
-            the exchanges after an add pay a start t0 instead (s above).
+            trees 16-26% low). With a core per rank nobody is descheduled: the exchanges after
+            an add pay a start t0 instead (s above).
     messages  the busiest rank's sequential messages (messages()): the ring 2(N-1) steps of one
             chunk S/N, cut into pieces of at most piece_bytes (the course's ring sends 2 MiB
             pieces); recursive doubling log2 p messages of S (in pieces too: p2p.PIECE_BYTES);
@@ -240,7 +241,8 @@ def terms(algorithm: str, nbytes: float, world_size: int, c: EmulatedConstants,
     sequence = messages(algorithm, nbytes, world_size, piece_bytes)
     after = 0.0  # the share of the messages that follow an add, priced by x+ where ranks share cores
     if sequence and world_size > c.cores and c.after_add:
-        after = min(1.0, adds_before_exchanges(algorithm, nbytes, world_size, piece_bytes) / sum(k for k, _ in sequence))
+        follows = adds_before_exchanges(algorithm, nbytes, world_size, piece_bytes)
+        after = min(1.0, follows / sum(k for k, _ in sequence))
     sent = sum(k * ((1 - after) * exchange_time(m, c) + after * exchange_time(m, c, after_add=True))
                for k, m in sequence)
     added = reduction_terms(algorithm, world_size) * nbytes * c.gamma

@@ -15,8 +15,8 @@ The micro-benchmarks:
             also x+(m), each step after an add of what the last one brought, as in a collective,
             its time taken off (after_compute): a ping-pong in both directions around a
             ring, at sizes from 64 KiB to 64 MiB (a 1-64 MiB collective's messages: 2 MiB ring
-            pieces, whole tensors for recursive doubling, the all-to-all's S/N). Not costmodel.ping_pong: one pair, one
-            direction at a time, the fastest round trip kept, is the link of a cluster, not a step
+            pieces, whole tensors for recursive doubling, the all-to-all's S/N). Not
+            costmodel.ping_pong: one pair, one direction at a time, the fastest round trip kept, is the link of a cluster, not a step
             of a collective among processes that wait on each other (that alpha-beta fit predicted
             10-24% of the ring's time here). exchange_seconds is the pairwise variant (r, r ^ 1).
     gamma   x.add_(y) on rank 0 alone at three sizes beyond the caches; gamma = the slope
@@ -151,7 +151,8 @@ def fit_constants(raw: list, cores: int, sizes=EXCHANGE_SIZES, add_sizes=ADD_SIZ
     return EmulatedConstants(sizes=tuple(sizes), seconds=tuple(raw[0]["exchange"]),
                              gamma=fit_gamma(add_sizes, raw[0]["add"]), cores=cores,
                              copy_cores=statistics.fmean(copy_cores), copy_all=statistics.fmean(copy_all),
-                             start=raw[0].get("start", 0.0), after_add=tuple(raw[0].get("exchange_after_add") or ()))
+                             start=raw[0].get("start", 0.0),
+                             after_add=tuple(raw[0].get("exchange_after_add") or ()))
 
 
 def after_compute(world_size: int, cores: int) -> bool:

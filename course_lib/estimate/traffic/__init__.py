@@ -41,8 +41,8 @@ and one tp rank (the course's runtime, counted by course_lib.observe.CommTracer)
 re-gathers in backward and its flat all-reduce of the replicated parameters' gradients (one per
 micro-batch's backward) are `measured_only`: Megatron overlaps the re-gathers with the
 weight-gradient matmul and reduces those gradients once per step, so a published cluster leaves
-them out; a measured table (the course's runtime, which makes each call) prices them. `priced` departs from
-`calls` only where the step-time model says so, each with its reason in the record (`why`):
+them out; a measured table (the course's runtime, which makes each call) prices them. `priced`
+departs from `calls` only where the step-time model says so, each with its reason in the record (`why`):
 it prices the busiest rank, l0 blocks and both ends (embedding, head and loss) on one rank
 (tp_traffic's rank=r counts pipeline rank r's calls as the runtime makes them instead: what
 the step-time model prices on a measured table); `report` marks the trainer's loss log, which the tracer sees and the step
